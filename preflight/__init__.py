@@ -1,0 +1,25 @@
+"""preflight: predict the peak memory of PyTorch training before step one."""
+
+from preflight._errors import PreflightError
+from preflight._estimate import estimate
+from preflight._measure import measure
+from preflight._result import Category, Coverage, Estimate, Event, Measurement, TimelinePoint
+from preflight._steps import PRECISIONS
+from preflight._units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRECISIONS",
+    "Category",
+    "Coverage",
+    "Estimate",
+    "Event",
+    "Measurement",
+    "PreflightError",
+    "TimelinePoint",
+    "estimate",
+    "format_bytes",
+    "measure",
+    "parse_bytes",
+]

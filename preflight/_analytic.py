@@ -1,0 +1,124 @@
+"""Closed-form model-state bytes: what a trace cannot fail to know.
+
+Used as the labelled lower bound when a trace fails, and as a cross-check. Formulas follow each optimizer's
+``step`` in torch.optim (state tensors per parameter) and bitsandbytes' ``Optimizer2State.init_state``
+(uint8 states, one fp32 absmax per 256-element block, fp32 states below ``min_8bit_size`` = 4096 elements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModelState", "model_state", "optimizer_state_bytes"]
+
+# torch.optim classes -> number of full-size state tensors per parameter (before hyperparameter options).
+_FULL_STATES = {
+    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Adagrad": 1, "RMSprop": 1,
+    "Rprop": 2, "ASGD": 1, "SGD": 0, "LBFGS": 0, "SparseAdam": 2,
+}
+_BNB_BLOCK = 256  # bitsandbytes.optim.optimizer.Optimizer2State.init_state: blocksize = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Bytes that exist regardless of activations. ``optimizer_state`` is None when the optimizer is unknown."""
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int | None
+    inputs: int
+    managed: int = 0  # paged optimizer state in CUDA managed memory, outside the allocator
+
+
+def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device,
+                param_dtype: torch.dtype | None = None) -> ModelState:
+    """Parameters, buffers, gradients of trainable parameters, optimizer state and batch bytes."""
+    params = list(model.parameters())
+    by_dtype = param_dtype is not None
+
+    def nbytes(t: torch.Tensor) -> int:
+        size = param_dtype.itemsize if by_dtype and t.is_floating_point() else t.element_size()
+        return t.numel() * size
+
+    seen: set[int] = set()
+    param_bytes = grad_bytes = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        param_bytes += nbytes(p)
+        if p.requires_grad:
+            grad_bytes += nbytes(p)
+    buffer_bytes = sum(nbytes(b) for b in {id(b): b for b in model.buffers()}.values())
+    state = optimizer_state_bytes(optimizer, param_dtype=param_dtype)
+    inputs = _batch_bytes(batch)
+    managed = 0
+    if state is not None and getattr(optimizer, "is_paged", False) and device.type == "cuda":
+        managed, state = state, 0
+    return ModelState(param_bytes, buffer_bytes, grad_bytes, state, inputs, managed)
+
+
+def _batch_bytes(batch: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    return sum(t.numel() * t.element_size() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None) -> int | None:
+    """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know."""
+    name = type(optimizer).__name__
+    module = type(optimizer).__module__
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            item = param_dtype.itemsize if param_dtype is not None and p.is_floating_point() else p.element_size()
+            if module.startswith("bitsandbytes"):
+                per = _bnb_bytes(optimizer, group, p)
+                if per is None:
+                    return None
+                total += per
+                continue
+            full = _FULL_STATES.get(name)
+            if full is None and name == "Adafactor":
+                total += _adafactor_bytes(p, item)
+                continue
+            if full is None:
+                return None
+            if name == "SGD" and group.get("momentum", 0):
+                full = 1
+            if name in ("Adam", "AdamW") and group.get("amsgrad", False):
+                full += 1
+            if name == "RMSprop":
+                full += bool(group.get("momentum", 0)) + bool(group.get("centered", False))
+            total += full * p.numel() * item
+            if name not in ("SGD", "LBFGS"):
+                total += 4  # the fp32 scalar ``step`` tensor
+    return total
+
+
+def _adafactor_bytes(p: torch.Tensor, item: int) -> int:
+    # torch.optim.Adafactor: row and column variance for >= 2-D parameters, full variance for vectors.
+    if p.dim() >= 2:
+        rows = p.numel() // p.shape[-1]
+        cols = p.numel() // p.shape[-2]
+        return (rows + cols) * item + 4
+    return p.numel() * item + 4
+
+
+def _bnb_bytes(optimizer: Any, group: dict, p: torch.Tensor) -> int | None:
+    bits = group.get("optim_bits", getattr(optimizer.args, "optim_bits", 32) if hasattr(optimizer, "args") else 32)
+    min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
+    states = 2 if type(optimizer).__mro__[1].__name__ == "Optimizer2State" or "Adam" in type(optimizer).__name__ else 1
+    n = p.numel()
+    if bits == 8 and n >= min_8bit:
+        blocks = -(-n // _BNB_BLOCK)
+        return states * (n + 4 * blocks)
+    return states * 4 * n
+

@@ -1,0 +1,200 @@
+"""`estimate`: predict the peak memory of training steps from a fake trace, with an analytic fallback."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._analytic import model_state
+from preflight._device import resolve_device, trace_device_for
+from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
+from preflight._scratch import calibrate, is_scratch_op
+from preflight._steps import StepFn, check_precision
+from preflight._trace import trace_steps
+from preflight._twin import float_dtype_for
+
+__all__ = ["estimate", "summarize_events"]
+
+_TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
+
+
+def estimate(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    step: StepFn | None = None,
+    precision: str | None = None,
+    device: str | torch.device | None = None,
+    steps: int = 2,
+) -> Estimate:
+    """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
+
+    The user's model runs for ``steps`` training steps (forward, backward, ``optimizer.step()``,
+    ``zero_grad(set_to_none=True)``) on fake tensors: shapes and dtypes only, no memory. Every allocation and
+    free of a tensor storage is recorded; the peak of live bytes, including the parameters, buffers, batch and
+    existing optimizer state alive before the step, is the prediction. Nothing of the user's changes: weights,
+    gradients, optimizer state, module attributes, hooks and RNG streams are as before.
+
+    Args:
+        model: the model as built: real weights on CPU or GPU, or on the meta device; PEFT-wrapped, frozen
+            parts, tied weights and half-precision parameters are fine.
+        optimizer: the optimizer instance, not yet stepped (torch.optim, bitsandbytes 8-bit and paged
+            variants, or anything implementing the torch Optimizer interface).
+        batch: one batch as the dataloader yields it (a tensor or nested dict/list/tuple of tensors). Shapes and
+            dtypes set the prediction; the values of small integer tensors (token ids, masks) are used only to
+            take the same code path as the real run.
+        step: ``step(model, batch) -> loss``. Default: ``model(**batch)`` for a mapping, ``model(batch)``
+            otherwise, taking ``.loss``, ``["loss"]``, a scalar output, or the first element of a tuple.
+        precision: ``None`` (as the tensors are), ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``,
+            ``"bf16-true"`` or ``"16-true"`` (Lightning's names; mixed runs the forward under autocast).
+        device: the device planned for; default the model's (CPU for a meta model).
+        steps: simulated steps; 2 by default because step 1 creates the optimizer state and step 2 is the
+            steady state.
+
+    Returns:
+        An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
+        ``coverage.lower_bound`` is True, ``coverage.failed_op`` names the operator, ``peak_bytes`` is the
+        analytic lower bound parameters + buffers + gradients + optimizer state + batch, and one warning is
+        emitted.
+
+    Raises:
+        ValueError: a wrong argument (unknown precision, steps < 1, no loss found in the model's output).
+
+    Example:
+        >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
+        >>> print(est)  # doctest: +SKIP
+
+    Known limitations (blind spots):
+        - Memory outside tensor storages: the CUDA context, cuBLAS/cuDNN handles and NCCL buffers are not in
+          ``peak_bytes`` (see ``device_total_bytes`` when a GPU target is simulated).
+        - Kernel-internal scratch is measured only for convolutions (``coverage.calibrated``); other custom
+          kernels that allocate internally are unseen.
+        - Custom CUDA kernels without fake (meta) implementations stop the trace: the result is then a lower bound.
+        - Data-dependent control flow on values computed from parameters (mixture-of-experts routing) stops the
+          trace.
+        - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
+          lists can differ from CUDA's.
+        - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
+    """
+    precision = check_precision(precision)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "
+            "Pass the optimizer you will train with, built over the model's parameters."
+        )
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
+    if step is not None and not callable(step):
+        raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
+    target = resolve_device(device, model)
+    trace_device = trace_device_for(target)
+    result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
+                         target_device=target, steps=steps, record_op=is_scratch_op)
+    notes = list(result.notes)
+    if target != trace_device:
+        notes.append(f"traced on {trace_device.type} for a {target.type} target")
+    # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
+    paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
+
+    if result.error is not None:
+        return _fallback(model, optimizer, batch, target, precision, steps, result, notes)
+
+    scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
+    if scratch.skipped:
+        notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} convolution configuration(s)")
+    categories = result.categories
+    events = scratch.events
+    managed = 0
+    if paged:  # paged state lives in CUDA managed memory, outside the caching allocator
+        managed_uids = {uid for uid, cat in categories.items() if cat is Category.OPTIMIZER_STATE}
+        managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
+        events = [e for e in events if e.uid not in managed_uids]
+        notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+    peak, breakdown, phase, timeline = summarize_events(events, categories)
+    return Estimate(
+        peak_bytes=peak,
+        breakdown=breakdown,
+        peak_phase=phase,
+        device=str(target),
+        coverage=Coverage(traced=True, calibrated=tuple(scratch.calibrated), notes=tuple(notes)),
+        timeline=timeline,
+        steps=steps,
+        trace_seconds=result.seconds,
+        num_ops=result.num_ops,
+        managed_bytes=managed,
+        events=tuple(events),
+    )
+
+
+def summarize_events(
+    events: Sequence[Event], categories: dict[int, Category]
+) -> tuple[int, dict[str, int], str, tuple[TimelinePoint, ...]]:
+    """Replay ``events``: the peak of live bytes, the breakdown by category at the peak, its phase, a timeline."""
+    live = peak = 0
+    peak_index = -1
+    for i, e in enumerate(events):
+        live += e.nbytes
+        if live > peak:
+            peak, peak_index = live, i
+    breakdown = {c.value: 0 for c in Category}
+    sizes: dict[int, int] = {}
+    for e in events[: peak_index + 1]:
+        sizes[e.uid] = sizes.get(e.uid, 0) + e.nbytes
+    for uid, nbytes in sizes.items():
+        if nbytes:
+            breakdown[categories.get(uid, Category.TEMPORARIES).value] += nbytes
+    phase = events[peak_index].phase if peak_index >= 0 else "setup"
+    return peak, breakdown, phase, _timeline(events)
+
+
+def _timeline(events: Iterable[Event]) -> tuple[TimelinePoint, ...]:
+    """Live bytes at the end of each operator, thinned to about `_TIMELINE_POINTS` points keeping local maxima."""
+    points: list[TimelinePoint] = []
+    live = 0
+    for e in events:
+        live += e.nbytes
+        if points and points[-1].op == e.op:
+            if live >= points[-1].live_bytes:
+                points[-1] = TimelinePoint(e.op, live, e.phase)
+        else:
+            points.append(TimelinePoint(e.op, live, e.phase))
+    if len(points) <= _TIMELINE_POINTS:
+        return tuple(points)
+    stride = -(-len(points) // _TIMELINE_POINTS)
+    return tuple(max(points[i:i + stride], key=lambda p: p.live_bytes) for i in range(0, len(points), stride))
+
+
+def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, target: torch.device,
+              precision: str | None, steps: int, result: Any, notes: list[str]) -> Estimate:
+    state = model_state(model, optimizer, batch, target, param_dtype=float_dtype_for(precision))
+    breakdown = {c.value: 0 for c in Category}
+    breakdown.update(parameters=state.parameters, buffers=state.buffers, gradients=state.gradients,
+                     optimizer_state=state.optimizer_state or 0, inputs=state.inputs)
+    if state.optimizer_state is None:
+        notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
+    reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
+    warnings.warn(
+        f"preflight could not trace the training step (operator {result.failed_op}: {reason}). The estimate is a "
+        "lower bound: parameters + gradients + optimizer state + batch, without activations.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return Estimate(
+        peak_bytes=sum(breakdown.values()),
+        breakdown=breakdown,
+        peak_phase="unknown",
+        device=str(target),
+        coverage=Coverage(traced=False, lower_bound=True, failed_op=result.failed_op, reason=reason,
+                          notes=tuple(notes)),
+        steps=steps,
+        trace_seconds=result.seconds,
+        num_ops=result.num_ops,
+        managed_bytes=state.managed,
+    )

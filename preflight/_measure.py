@@ -1,0 +1,120 @@
+"""Measure the real peak of the same training steps that `preflight.estimate` predicts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._device import cuda_available, live_storage_bytes, model_device
+from preflight._result import Measurement
+from preflight._steps import StepFn, check_precision, run_steps
+from preflight._twin import float_dtype_for
+
+__all__ = ["measure", "cpu_profiled_peak"]
+
+
+def measure(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    step: StepFn | None = None,
+    precision: str | None = None,
+    steps: int = 2,
+) -> Measurement:
+    """Run ``steps`` real training steps and measure their peak memory.
+
+    **This trains the model**: weights, optimizer state and RNG streams change, as in any training step. With a
+    ``*-true`` precision the model and the batch's floating tensors are first cast in place to that dtype.
+
+    The peak counts every live tensor storage on the model's device, including those alive before the steps
+    (parameters, buffers, the batch, existing optimizer state), as `preflight.estimate` does:
+
+    - CUDA: ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the steps.
+    - CPU: the profiler's allocator events (``profile_memory=True``), summed in time order, on top of the bytes
+      alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch).
+
+    Args:
+        model, optimizer, batch, step, precision, steps: as for `preflight.estimate`.
+
+    Returns:
+        A `Measurement`.
+
+    Example:
+        >>> m = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
+        >>> m.peak_bytes  # doctest: +SKIP
+    """
+    precision = check_precision(precision)
+    if steps < 1:
+        raise ValueError(f"`steps` should be at least 1, got {steps}.")
+    device = model_device(model)
+    if device.type == "meta":
+        raise ValueError("Cannot measure a model on the meta device: it has no memory. Use `preflight.estimate`.")
+    dtype = float_dtype_for(precision)
+    if dtype is not None:
+        model.to(dtype)
+        batch = _cast_floating(batch, dtype)
+    model.train()
+
+    def run() -> None:
+        run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device.type, steps=steps)
+
+    if device.type == "cuda" and cuda_available():  # pragma: no cover - needs a GPU
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        return Measurement(
+            peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+            peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
+            device=str(device),
+            method="cuda-allocator",
+            steps=steps,
+            step_seconds=seconds / steps,
+        )
+    if device.type != "cpu":
+        raise ValueError(f"Measuring on {device.type!r} is not supported; measure runs on CUDA or CPU.")
+    before = _live_before(model, optimizer, batch, device)
+    peak, seconds = cpu_profiled_peak(run)
+    return Measurement(
+        peak_bytes=before + peak, device="cpu", method="cpu-profiler", steps=steps, step_seconds=seconds / steps
+    )
+
+
+def cpu_profiled_peak(fn: Any) -> tuple[int, float]:
+    """Run ``fn()`` under the CPU profiler; return the peak of allocated-minus-freed bytes and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    memory = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    memory.sort(key=lambda pair: pair[0])
+    live = peak = 0
+    for _, nbytes in memory:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, seconds
+
+
+def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> int:
+    tensors = [list(model.parameters()), list(model.buffers()), batch]
+    tensors.append([p.grad for p in model.parameters() if p.grad is not None])
+    tensors.append([list(s.values()) for s in optimizer.state.values()])
+    return live_storage_bytes(tensors, device)
+
+
+def _cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)

@@ -1,0 +1,154 @@
+"""The data preflight computes: an `Estimate` (predicted) and a `Measurement` (measured). Renderers live elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+__all__ = ["Category", "Coverage", "Estimate", "Measurement", "Event", "TimelinePoint"]
+
+
+class Category(str, enum.Enum):
+    """What a live byte belongs to. Every byte at the peak is in exactly one category."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"  # made in the forward pass (saved for backward, or alive at the peak)
+    TEMPORARIES = "temporaries"  # made in backward or the optimizer step, neither a gradient nor state
+    INPUTS = "inputs"  # the batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One allocation (``nbytes > 0``) or free (``nbytes < 0``) of a tensor storage, in trace order.
+
+    ``uid`` identifies the storage across its allocation and its free. ``op`` is the index of the operator
+    that made it (-1 for storages alive before the trace: parameters, buffers, the batch).
+    """
+
+    uid: int
+    nbytes: int
+    op: int
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelinePoint:
+    """Live bytes after operator ``op`` during ``phase`` (e.g. ``"step1/forward"``)."""
+
+    op: int
+    live_bytes: int
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """What a prediction covered.
+
+    Attributes:
+        traced: the steps ran to the end on fake tensors; the peak is a traced figure, not analytic.
+        lower_bound: ``peak_bytes`` is a lower bound (the trace failed, or part of the run is unseen).
+        failed_op: the operator that stopped the trace, when it failed.
+        reason: why the trace failed, in words.
+        calibrated: kernel configurations whose hidden scratch memory was measured for real (e.g. convolutions).
+        notes: anything else the prediction assumed or left out.
+    """
+
+    traced: bool
+    lower_bound: bool = False
+    failed_op: str | None = None
+    reason: str | None = None
+    calibrated: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A predicted training peak.
+
+    Attributes:
+        peak_bytes: the maximum, over the simulated steps, of the bytes of all live tensor storages on the
+            device, including those alive before the step (parameters, buffers, the batch). On CUDA this is
+            what ``torch.cuda.max_memory_allocated()`` reports over the same steps.
+        breakdown: bytes at the peak per `Category` value; sums to ``peak_bytes``.
+        peak_phase: where the peak happens, e.g. ``"step2/backward"``.
+        device: the device planned for.
+        coverage: what was traced, calibrated, or estimated analytically.
+        timeline: live bytes by operator index, compacted for plotting.
+        steps: simulated training steps.
+        trace_seconds: wall time of the trace.
+        num_ops: operators traced.
+        managed_bytes: optimizer state in CUDA managed memory (bitsandbytes paged optimizers), outside
+            ``peak_bytes``.
+        peak_reserved_bytes: the CUDA caching allocator's predicted reserved peak, when simulated.
+        device_total_bytes: reserved plus CUDA context and library workspaces (what ``nvidia-smi`` shows),
+            when known.
+        events: every allocation and free in order (for the allocator simulator); not shown in repr.
+    """
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    device: str
+    coverage: Coverage
+    timeline: tuple[TimelinePoint, ...] = ()
+    steps: int = 2
+    trace_seconds: float = 0.0
+    num_ops: int = 0
+    managed_bytes: int = 0
+    peak_reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+    events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (without the event list)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "peak_phase": self.peak_phase,
+            "device": self.device,
+            "coverage": self.coverage.to_dict(),
+            "steps": self.steps,
+            "trace_seconds": round(self.trace_seconds, 3),
+            "num_ops": self.num_ops,
+            "managed_bytes": self.managed_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+        }
+
+    def __str__(self) -> str:
+        from preflight._report import format_estimate
+
+        return format_estimate(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """A measured training peak over real steps.
+
+    Attributes:
+        peak_bytes: peak bytes of live tensor storages on the device, including those alive before the steps.
+        device: where the steps ran.
+        method: ``"cuda-allocator"`` or ``"cpu-profiler"``.
+        managed_bytes: optimizer state in CUDA managed memory (bitsandbytes paged optimizers), outside
+            ``peak_bytes``.
+        peak_reserved_bytes: the CUDA caching allocator's reserved peak (CUDA only).
+        steps: real training steps run.
+        step_seconds: mean wall time of one step.
+    """
+
+    peak_bytes: int
+    device: str
+    method: str
+    peak_reserved_bytes: int | None = None
+    steps: int = 2
+    step_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

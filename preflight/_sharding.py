@@ -1,0 +1,421 @@
+"""Per-rank memory under data-parallel sharding (DDP, DeepSpeed ZeRO 1/2/3, FSDP), as arithmetic on byte counts.
+
+Nothing here traces a model: `model_state_bytes` applies the ZeRO paper's formulas to a parameter count,
+`shard_breakdown` turns a single-GPU breakdown (a traced peak's bytes per category) into one rank's, and
+`read_deepspeed_config` reads the options of a DeepSpeed config that change memory.
+
+Sources:
+    * ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+      arXiv:1910.02054. Sec 3.1: mixed-precision Adam keeps 2 bytes of fp16 parameters and 2 of fp16
+      gradients per parameter, plus K = 12 bytes of optimizer state (fp32 parameters, momentum, variance).
+      Sec 5.1-5.3 and Figure 1, per rank with N_d ranks: baseline (2 + 2 + K)Ψ; P_os 4Ψ + KΨ/N_d;
+      P_os+g 2Ψ + (2 + K)Ψ/N_d; P_os+g+p (2 + 2 + K)Ψ/N_d.
+    * FSDP: ``torch.distributed.fsdp.ShardingStrategy`` (FULL_SHARD: parameters, gradients and optimizer
+      state sharded, parameters gathered per wrapped unit for forward and backward; SHARD_GRAD_OP:
+      gradients and optimizer state sharded, parameters sharded only outside forward/backward) and
+      ``CPUOffload`` ("If True, then this offloads gradients to CPU as well, meaning that the optimizer step
+      runs on CPU").
+    * DDP: ``torch.nn.parallel.DistributedDataParallel``, ``gradient_as_bucket_view``: "the saved memory
+      size will be equal to the total gradients size"; the reducer allocates one flat ``gradients`` tensor
+      per bucket (``Reducer::initialize_buckets``, torch/csrc/distributed/c10d/reducer.cpp).
+    * DeepSpeed: ``DeepSpeedZeroConfig`` and the offload configs (deepspeed/runtime/zero/config.py,
+      offload_config.py): ``offload_param`` "Valid only with stage 3", ``offload_optimizer`` "Valid for
+      ZeRO stage 1, 2, 3".
+
+Known limitations (all functions):
+    * Sharded bytes are rounded up to a whole share per rank (FSDP pads flat parameters to a multiple of the
+      world size); per-tensor padding and alignment are not modelled.
+    * Communication buffers are not counted: NCCL's own buffers, DeepSpeed's reduce and all-gather buckets
+      (``reduce_bucket_size`` / ``allgather_bucket_size`` elements, twice with ``overlap_comm``; get them
+      from `read_deepspeed_config`), FSDP's unsharded gradient of the unit being reduce-scattered.
+    * DeepSpeed ZeRO-Offload also moves the gradient partitions to CPU; here they stay on the GPU, which
+      over-estimates by the sharded gradient bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+__all__ = ["SHARDING_CHOICES", "ShardedState", "model_state_bytes", "shard_breakdown", "read_deepspeed_config"]
+
+SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op")
+
+# Which model states each choice partitions across ranks (ZeRO paper Sec 5; FSDP ShardingStrategy).
+_SHARDED: dict[str, frozenset[str]] = {
+    "ddp": frozenset(),
+    "zero1": frozenset({"optimizer_state"}),
+    "zero2": frozenset({"optimizer_state", "gradients"}),
+    "zero3": frozenset({"optimizer_state", "gradients", "parameters"}),
+    "fsdp-full": frozenset({"optimizer_state", "gradients", "parameters"}),  # FULL_SHARD
+    "fsdp-grad-op": frozenset({"optimizer_state", "gradients"}),  # SHARD_GRAD_OP: parameters whole in fwd/bwd
+}
+_FSDP = frozenset({"fsdp-full", "fsdp-grad-op"})
+_BREAKDOWN_KEYS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+    """Model-state bytes held on the GPU by one rank.
+
+    Attributes:
+        parameters: parameter bytes on the GPU between steps (0 when offloaded).
+        gradients: gradient bytes on the GPU after backward.
+        optimizer_state: optimizer-state bytes on the GPU (0 when offloaded).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        """``parameters + gradients + optimizer_state``."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def to_dict(self) -> dict[str, int]:
+        """A JSON-ready dict with ``total``."""
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` should be an integer >= {minimum}, got {value!r}.")
+
+
+def _check_options(world_size: int, sharding: str, offload_optimizer: bool, offload_params: bool) -> None:
+    _check_int("world_size", world_size, 1)
+    if sharding not in SHARDING_CHOICES:
+        raise ValueError(f"`sharding` should be one of {', '.join(SHARDING_CHOICES)}; got {sharding!r}.")
+    for name, flag in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"`{name}` should be True or False, got {flag!r}.")
+    if offload_params and sharding not in ("zero3", "fsdp-full"):
+        raise ValueError(
+            f"offload_params=True needs full parameter sharding, got sharding={sharding!r}. DeepSpeed offloads "
+            "parameters only with ZeRO stage 3 (`offload_param`), and preflight models FSDP parameter offload "
+            "only with FULL_SHARD. Use sharding='zero3' or 'fsdp-full', or set offload_params=False."
+        )
+    if offload_optimizer and sharding == "ddp":
+        raise ValueError(
+            "offload_optimizer=True is not available with sharding='ddp': DDP keeps the optimizer on the GPU. "
+            "Use a DeepSpeed stage ('zero1', 'zero2', 'zero3'; `offload_optimizer` in its config) "
+            "or set offload_optimizer=False."
+        )
+    if offload_optimizer and sharding in _FSDP and not offload_params:
+        raise ValueError(
+            f"FSDP offloads the optimizer state only together with the parameters (CPUOffload(offload_params=True)), "
+            f"got sharding={sharding!r} with offload_optimizer=True and offload_params=False. "
+            "Set offload_params=True (with sharding='fsdp-full'), or use a DeepSpeed stage ('zero1', 'zero2', 'zero3')."
+        )
+
+
+def model_state_bytes(
+    num_params: int,
+    *,
+    world_size: int,
+    sharding: str,
+    param_bytes: int = 2,  # fp16/bf16 parameters, the ZeRO paper's mixed-precision setting (Sec 3.1)
+    grad_bytes: int = 2,  # gradients in the parameters' dtype
+    optimizer_state_bytes_per_param: int = 12,  # ZeRO's K for mixed-precision Adam: fp32 copy, momentum, variance
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> ShardedState:
+    """Per-rank model-state bytes (parameters, gradients, optimizer state) under data-parallel sharding.
+
+    Each sharded state holds ``ceil(num_params / world_size)`` parameters' worth of bytes per rank; the
+    others are replicated. zero1 shards the optimizer state, zero2 and fsdp-grad-op also the gradients,
+    zero3 and fsdp-full also the parameters (ZeRO paper, Sec 5.1-5.3). With ``offload_optimizer`` the
+    optimizer state lives on the CPU (DeepSpeed ``offload_optimizer``; for FSDP only together with
+    ``offload_params``). With ``offload_params`` the parameter shards live on the CPU (DeepSpeed stage 3
+    ``offload_param``); under FSDP that also moves gradients and optimizer state to the CPU (``CPUOffload``).
+
+    Args:
+        num_params: number of trainable parameters. Frozen ones have no gradient or optimizer state: count
+            them in a second call with ``grad_bytes=0, optimizer_state_bytes_per_param=0`` and add the two.
+        world_size: data-parallel ranks sharing the states.
+        sharding: one of `SHARDING_CHOICES`.
+        param_bytes: bytes per parameter as stored on the GPU.
+        grad_bytes: bytes per gradient element.
+        optimizer_state_bytes_per_param: optimizer-state bytes per parameter, including any fp32 master copy.
+        offload_optimizer: the optimizer state is on the CPU.
+        offload_params: the parameter shards are on the CPU.
+
+    Returns:
+        A `ShardedState`; its ``total`` is one rank's model-state bytes.
+
+    Raises:
+        ValueError: an unknown ``sharding``, a non-positive ``world_size``, negative sizes, or an offload
+            combination the frameworks do not offer.
+
+    Example:
+        ZeRO paper Figure 1, 7.5B parameters on 64 GPUs with P_os+g:
+
+        >>> model_state_bytes(7_500_000_000, world_size=64, sharding="zero2").total / 1e9
+        16.640625
+
+    Known limitations: the states between steps only; gathered parameters, activations and communication
+    buffers are not model states (see `shard_breakdown` and the module docstring).
+    """
+    _check_options(world_size, sharding, offload_optimizer, offload_params)
+    _check_int("num_params", num_params, 0)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_state_bytes_per_param", optimizer_state_bytes_per_param)):
+        _check_int(name, value, 0)
+    sharded = _SHARDED[sharding]
+    share = _ceil_div(num_params, world_size)
+
+    def held(state: str, per_param: int) -> int:
+        return (share if state in sharded else num_params) * per_param
+
+    parameters = held("parameters", param_bytes)
+    gradients = held("gradients", grad_bytes)
+    optimizer_state = held("optimizer_state", optimizer_state_bytes_per_param)
+    if offload_optimizer:
+        optimizer_state = 0
+    if offload_params:
+        parameters = 0
+        if sharding in _FSDP:  # CPUOffload(offload_params=True): gradients and the optimizer step go to CPU too
+            gradients = optimizer_state = 0
+    return ShardedState(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state)
+
+
+def shard_breakdown(
+    breakdown: dict[str, int],
+    *,
+    world_size: int,
+    sharding: str,
+    largest_unit_param_bytes: int = 0,  # 0: unknown, so the whole model is taken as one unit (an upper bound)
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    ddp_bucket_bytes: int = 25 * 2**20,  # DDP's default bucket_cap_mb=25
+    gradient_as_bucket_view: bool = False,  # DDP's default
+) -> dict[str, int]:
+    """Turn a single-GPU breakdown into one rank's under data-parallel sharding.
+
+    Starting from the bytes per category at the single-GPU peak (keys ``parameters``, ``buffers``,
+    ``gradients``, ``optimizer_state``, ``activations``, ``temporaries``, ``inputs``, traced with the per-rank
+    micro-batch):
+
+    * ``zero1`` divides ``optimizer_state`` by ``world_size``; ``zero2`` and ``fsdp-grad-op`` also
+      ``gradients``; ``zero3`` and ``fsdp-full`` also ``parameters`` (ZeRO paper Sec 5; FSDP
+      ``ShardingStrategy``). Shares round up.
+    * ``zero3`` / ``fsdp-full`` gather each wrapped unit's parameters for its forward and backward and
+      prefetch the next unit's, so ``temporaries`` gains ``2 * largest_unit_param_bytes``, capped at the
+      unsharded ``parameters``. With ``largest_unit_param_bytes=0`` the whole model is taken as one unit
+      (FSDP without an auto-wrap policy), which bounds DeepSpeed ZeRO-3's gathers from above too.
+    * ``ddp`` without ``gradient_as_bucket_view`` keeps a flat copy of every gradient in its buckets, so
+      ``gradients`` doubles (DDP docs: the view "saved memory size will be equal to the total gradients
+      size"). The buckets together hold each gradient once whatever their cap, so ``ddp_bucket_bytes``
+      does not change the total; it is checked and kept for callers that pass DDP's settings through.
+    * ``offload_optimizer`` zeroes ``optimizer_state``; ``offload_params`` zeroes ``parameters`` (the gathered
+      units stay in ``temporaries``) and, under FSDP, ``gradients`` and ``optimizer_state`` too.
+    * ``buffers``, ``activations`` and ``inputs`` are replicated and unchanged.
+
+    Args:
+        breakdown: single-GPU bytes per category, all seven keys.
+        world_size: data-parallel ranks.
+        sharding: one of `SHARDING_CHOICES`.
+        largest_unit_param_bytes: unsharded parameter bytes of the largest FSDP-wrapped unit (or ZeRO-3
+            fetch group), in the dtype they are gathered in.
+        offload_optimizer: the optimizer state is on the CPU.
+        offload_params: the parameter shards are on the CPU.
+        ddp_bucket_bytes: DDP's bucket cap in bytes (``bucket_cap_mb * 2**20``).
+        gradient_as_bucket_view: DDP's option of the same name.
+
+    Returns:
+        One rank's bytes per category, same keys.
+
+    Raises:
+        ValueError: missing or unknown keys, negative byte counts, or invalid options (see `model_state_bytes`).
+
+    Example:
+        >>> b = dict(parameters=400, buffers=0, gradients=400, optimizer_state=800, activations=100,
+        ...          temporaries=0, inputs=4)
+        >>> shard_breakdown(b, world_size=4, sharding="zero2")["gradients"]
+        100
+
+    Known limitations:
+        * It rescales the categories at the single-GPU peak; the sharded run's peak can fall at another
+          moment (sharding the optimizer state can move the peak from the optimizer step into backward).
+        * With ``gradient_as_bucket_view=True`` gradients become bucket views only after the first
+          iteration, so a peak in step 1 still holds both.
+        * A peak in the middle of backward holds only the gradients produced so far; DDP's buckets are
+          allocated whole at construction, so the doubling under-counts there.
+        * Communication buffers and FSDP's unsharded gradient of the unit being reduce-scattered are not
+          counted (module docstring).
+    """
+    _check_options(world_size, sharding, offload_optimizer, offload_params)
+    _check_int("largest_unit_param_bytes", largest_unit_param_bytes, 0)
+    _check_int("ddp_bucket_bytes", ddp_bucket_bytes, 1)
+    if not isinstance(gradient_as_bucket_view, bool):
+        raise ValueError(f"`gradient_as_bucket_view` should be True or False, got {gradient_as_bucket_view!r}.")
+    missing = [k for k in _BREAKDOWN_KEYS if k not in breakdown]
+    unknown = [k for k in breakdown if k not in _BREAKDOWN_KEYS]
+    if missing or unknown:
+        raise ValueError(
+            f"`breakdown` should have exactly the keys {', '.join(_BREAKDOWN_KEYS)}; "
+            f"missing {missing or 'none'}, unknown {unknown or 'none'}. Pass an Estimate's `breakdown`."
+        )
+    for key in _BREAKDOWN_KEYS:
+        _check_int(f"breakdown[{key!r}]", breakdown[key], 0)
+
+    sharded = _SHARDED[sharding]
+    out = {key: breakdown[key] for key in _BREAKDOWN_KEYS}
+    for state in sharded:
+        out[state] = _ceil_div(breakdown[state], world_size)
+    if "parameters" in sharded:
+        unit = largest_unit_param_bytes or breakdown["parameters"]
+        out["temporaries"] += min(2 * unit, breakdown["parameters"])
+    if sharding == "ddp" and not gradient_as_bucket_view:
+        out["gradients"] += breakdown["gradients"]
+    if offload_optimizer:
+        out["optimizer_state"] = 0
+    if offload_params:
+        out["parameters"] = 0
+        if sharding in _FSDP:
+            out["gradients"] = out["optimizer_state"] = 0
+    return out
+
+
+# DeepSpeed's defaults (DeepSpeedZeroConfig, deepspeed/runtime/zero/config.py). Bucket and threshold sizes
+# count elements, not bytes.
+_DS_DEFAULTS: dict[str, Any] = {
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+_DS_ELEMENT_COUNTS = (
+    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "sub_group_size",
+)
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _load_config(obj: dict | str | os.PathLike) -> dict:
+    if isinstance(obj, dict):
+        return obj
+    if isinstance(obj, str) and obj.lstrip().startswith("{"):
+        return json.loads(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        with open(obj, encoding="utf-8") as f:
+            return json.load(f)
+    raise ValueError(
+        f"A DeepSpeed config should be a dict, a JSON string or a path to a JSON file, got {type(obj).__name__}."
+    )
+
+
+def _offload_device(section: Any, key: str) -> str:
+    if section is None:
+        return "none"
+    device = section.get("device", "none") if isinstance(section, dict) else None
+    if device is None:
+        device = "none"
+    if device not in _OFFLOAD_DEVICES:
+        raise ValueError(
+            f"DeepSpeed `zero_optimization.{key}.device` should be one of {', '.join(_OFFLOAD_DEVICES)}, "
+            f"got {device!r}."
+        )
+    return device
+
+
+def _enabled(config: dict, *keys: str) -> bool | None:
+    for key in keys:
+        if key in config:
+            value = (config[key] or {}).get("enabled", False)
+            return None if value == "auto" else bool(value)
+    return False
+
+
+def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | None = None) -> dict[str, Any]:
+    """Read the memory-relevant ZeRO options of a DeepSpeed config, with DeepSpeed's defaults filled in.
+
+    Args:
+        obj: the config as a dict, a JSON string, or a path to a JSON file.
+        hidden_size: the model's hidden size, to resolve ``"auto"`` the way the Hugging Face Trainer does
+            (transformers ``HfTrainerDeepSpeedConfig.trainer_config_finalize``: ``reduce_bucket_size =
+            hidden_size**2``, ``stage3_prefetch_bucket_size = int(0.9 * hidden_size**2)``,
+            ``stage3_param_persistence_threshold = 10 * hidden_size``). Without it those come back as None.
+
+    Returns:
+        A dict with ``stage`` (0-3), ``sharding`` (the matching `SHARDING_CHOICES` value; DeepSpeed's stage 0
+        replicates like ``"ddp"``), ``offload_optimizer`` and ``offload_params`` (bools, usable as the options of
+        `shard_breakdown`), ``offload_optimizer_device`` and ``offload_param_device`` (``"none"``, ``"cpu"`` or
+        ``"nvme"``), ``overlap_comm`` (DeepSpeed: True for stage 3, else False), ``contiguous_gradients``,
+        ``reduce_scatter``, the element counts ``reduce_bucket_size``, ``allgather_bucket_size``,
+        ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``,
+        ``stage3_max_reuse_distance``, ``sub_group_size``, and ``bf16`` / ``fp16`` (None when ``"auto"``).
+
+    Raises:
+        ValueError: the stage is not 0-3, an offload device is unknown, or ``obj`` is not a config.
+        FileNotFoundError: ``obj`` is a path that does not exist.
+
+    Example:
+        >>> read_deepspeed_config({"zero_optimization": {"stage": 3}})["stage3_prefetch_bucket_size"]
+        50000000
+
+    Known limitations: only the ZeRO section and the precision flags are read. ``offload_param`` is reported
+    only for stage 3, where DeepSpeed uses it. Deprecated spellings read: ``"zero_optimization": true`` (stage
+    1), ``cpu_offload`` and ``cpu_offload_param``.
+    """
+    config = _load_config(obj)
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, (dict, bool)):
+        raise ValueError(f"DeepSpeed `zero_optimization` should be a dict, got {zero!r}.")
+    if isinstance(zero, bool):  # the deprecated format: ZeRO on means stage 1 (read_zero_config_deprecated)
+        zero = {"stage": 1 if zero else 0, "allgather_bucket_size": config.get("allgather_size", 5e8)}
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed `zero_optimization.stage` should be 0, 1, 2 or 3, got {stage!r}.")
+
+    optimizer_device = _offload_device(zero.get("offload_optimizer"), "offload_optimizer")
+    if optimizer_device == "none" and zero.get("cpu_offload"):
+        optimizer_device = "cpu"
+    param_device = _offload_device(zero.get("offload_param"), "offload_param")
+    if param_device == "none" and zero.get("cpu_offload_param"):
+        param_device = "cpu"
+    if stage != 3:  # DeepSpeed reads offload_param only in stage 3
+        param_device = "none"
+
+    auto_values = {}
+    if hidden_size is not None:
+        _check_int("hidden_size", hidden_size, 1)
+        auto_values = {
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+        }
+    out: dict[str, Any] = {
+        "stage": stage,
+        "sharding": ("ddp", "zero1", "zero2", "zero3")[stage],
+        "offload_optimizer": optimizer_device != "none",
+        "offload_optimizer_device": optimizer_device,
+        "offload_params": param_device != "none",
+        "offload_param_device": param_device,
+        "overlap_comm": bool(zero["overlap_comm"]) if zero.get("overlap_comm") is not None else stage == 3,
+    }
+    for key, default in _DS_DEFAULTS.items():
+        value = zero.get(key, default)
+        if value == "auto":
+            value = auto_values.get(key)
+        elif key in _DS_ELEMENT_COUNTS:
+            value = int(value)  # JSON configs often write 5e8
+        else:
+            value = bool(value)
+        out[key] = value
+    out["bf16"] = _enabled(config, "bf16", "bfloat16")
+    out["fp16"] = _enabled(config, "fp16")
+    return out

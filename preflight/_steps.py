@@ -1,0 +1,116 @@
+"""One definition of "a training step", shared by the fake trace and the real measurement.
+
+A step is: forward (under autocast for the ``*-mixed`` precisions) to a scalar loss, ``loss.backward()``,
+``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Running the same code for prediction and for
+measurement is what makes their peaks comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PRECISIONS", "StepFn", "check_precision", "autocast_for", "compute_loss", "run_steps"]
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+
+# Lightning's vocabulary (lightning.fabric.connector._PRECISION_INPUT); None keeps the tensors' own dtypes.
+PRECISIONS = (None, "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed"}
+
+
+class LossNotFoundError(ValueError):
+    """The default step could not find a loss in the model's output."""
+
+
+def check_precision(precision: Any) -> str | None:
+    """Normalise ``precision`` to one of `PRECISIONS`, or raise a ValueError listing them."""
+    precision = _ALIASES.get(precision, precision)
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` should be one of {PRECISIONS}, got {precision!r}.")
+    return precision
+
+
+def autocast_for(precision: str | None, device_type: str) -> contextlib.AbstractContextManager:
+    """The autocast context a ``*-mixed`` precision runs the forward under (a null context otherwise)."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def compute_loss(model: nn.Module, batch: Any, step: StepFn | None) -> torch.Tensor:
+    """Run the forward and return the scalar loss.
+
+    Without ``step``: ``model(**batch)`` for a mapping, ``model(batch)`` otherwise, then ``.loss``,
+    ``["loss"]``, a scalar tensor output, or the first element of a tuple output.
+    """
+    if step is not None:
+        out = step(model, batch)
+        loss = _find_loss(out)
+        if loss is None:
+            raise LossNotFoundError(
+                f"`step` returned {_describe(out)}; it should return a scalar loss tensor (or an output with .loss)."
+            )
+        return loss
+    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = _find_loss(out)
+    if loss is None:
+        raise LossNotFoundError(
+            f"Could not find a loss in the model's output ({_describe(out)}). Pass `step=lambda model, batch: ...` "
+            "returning a scalar loss, or include labels in the batch so the model computes its loss."
+        )
+    return loss
+
+
+def _find_loss(out: Any) -> torch.Tensor | None:
+    candidate = None
+    if isinstance(out, torch.Tensor):
+        candidate = out
+    elif getattr(out, "loss", None) is not None:
+        candidate = out.loss
+    elif isinstance(out, Mapping) and out.get("loss") is not None:
+        candidate = out["loss"]
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        candidate = out[0]
+    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and candidate.requires_grad:
+        return candidate.reshape(())
+    return None
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        note = "" if out.requires_grad else ", not requiring grad"
+        return f"a tensor of shape {tuple(out.shape)}{note}"
+    return f"a {type(out).__name__}"
+
+
+def run_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    step: StepFn | None,
+    precision: str | None,
+    device_type: str,
+    steps: int,
+    on_phase: Callable[[int, str], None] = lambda i, phase: None,
+) -> None:
+    """Run ``steps`` training steps, calling ``on_phase(step_index, phase)`` as each phase starts."""
+    for i in range(1, steps + 1):
+        on_phase(i, "forward")
+        with autocast_for(precision, device_type):
+            loss = compute_loss(model, batch, step)
+        on_phase(i, "backward")
+        loss.backward()
+        del loss
+        on_phase(i, "optimizer")
+        optimizer.step()
+        on_phase(i, "zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+    on_phase(steps, "end")

@@ -1,0 +1,281 @@
+"""Track live tensor storages while operators run, and know the values of small input-derived tensors.
+
+`StorageTracker` is a `TorchDispatchMode` entered inside a `FakeTensorMode`. It sees every operator before the
+fake mode does and records, for each new storage an operator returns, one allocation event; a
+``weakref.finalize`` on the storage records the matching free. Replaying the events gives the live-bytes curve
+and its peak, which on CPU matched the profiler's allocator events to within a few hundred bytes
+(``shared/notes/feasibility.md``).
+
+It also carries *value shadows*: real copies of small integer tensors from the batch (token ids, attention
+masks) and of whatever is computed from them alone. When the model asks for a value that a fake tensor cannot
+give (``mask.all().item()``, ``nonzero``), the shadow answers, so the trace takes the same branch the real run
+takes instead of failing or taking a "tracing" path. Shadows never hold more than `SHADOW_MAX_NUMEL` elements
+per tensor.
+
+Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
+`preflight._scratch` calibrates them. Values computed from parameters are unknown, so data-dependent control
+flow on them (mixture-of-experts routing) stops the trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
+
+from preflight._result import Category, Event
+
+__all__ = ["StorageTracker", "SHADOW_MAX_NUMEL"]
+
+# Large enough for a 4-D attention mask of a few thousand tokens, small enough to cost little real memory.
+SHADOW_MAX_NUMEL = 1 << 24
+
+# Operators whose output shape or Python result depends on tensor values: they need a shadow to run.
+_DATA_DEPENDENT = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.allclose.default,
+}
+
+
+_SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _placeholder(func: Any, args: Any) -> Any:
+    if func is torch.ops.aten.is_nonzero.default:
+        return True
+    dtype = args[0].dtype
+    return True if dtype is torch.bool else (1.0 if dtype.is_floating_point or dtype.is_complex else 1)
+
+
+class StorageTracker(TorchDispatchMode):
+    """Record allocation and free events of tensor storages, and shadow small input-derived values.
+
+    Args:
+        fake_mode: the `FakeTensorMode` the trace runs under (used to make fake outputs of shadowed
+            data-dependent operators).
+        on_op: optional callback ``on_op(index, func, args, kwargs, out)`` after each operator, for
+            kernel-scratch bookkeeping.
+
+    Attributes:
+        events: allocation (``nbytes > 0``) and free (``nbytes < 0``) events in order.
+        categories: category of each storage ``uid`` (updated by `label`).
+        phase: the current phase name, stamped on events.
+        num_ops: operators seen so far.
+    """
+
+    def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.on_op = on_op
+        self.events: list[Event] = []
+        self.categories: dict[int, Category] = {}
+        self.phase = "setup"
+        self.phase_category = Category.TEMPORARIES
+        self.num_ops = 0
+        self.last_op: str | None = None
+        self.failed_op: str | None = None  # the innermost operator that raised
+        self.placeholders_allowed = False
+        self.placeholders_used = 0
+        self._uids: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> uid
+        self._sizes: dict[int, int] = {}  # uid -> bytes currently counted
+        self._counter = itertools.count()
+        self._finalizers: list[weakref.finalize] = []
+        self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> real tensor
+
+    # ---- storages -------------------------------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, category: Category) -> int | None:
+        """Count a tensor that exists before the trace (a parameter, buffer, batch tensor or optimizer state)."""
+        return self._track(tensor, category, op=-1)
+
+    def uid_of(self, tensor: torch.Tensor) -> int | None:
+        """The uid of ``tensor``'s storage, if tracked."""
+        try:
+            return self._uids.get(tensor.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            return None
+
+    def label(self, tensor: torch.Tensor, category: Category) -> None:
+        """Put ``tensor``'s storage in ``category`` (e.g. a gradient once it lands in ``param.grad``)."""
+        uid = self.uid_of(tensor)
+        if uid is not None:
+            self.categories[uid] = category
+
+    def _track(self, tensor: torch.Tensor, category: Category, op: int) -> int | None:
+        if tensor.device.type == "meta" and not _is_fake(tensor):
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
+            return None
+        nbytes = storage.nbytes()
+        uid = self._uids.get(storage)
+        if uid is not None:
+            grown = nbytes - self._sizes[uid]
+            if grown:  # resized in place (resize_, set_, out= ops)
+                self._sizes[uid] = nbytes
+                self.events.append(Event(uid, grown, op, self.phase))
+            return uid
+        uid = next(self._counter)
+        self._uids[storage] = uid
+        self._sizes[uid] = nbytes
+        self.categories[uid] = category
+        self.events.append(Event(uid, nbytes, op, self.phase))
+        self._finalizers.append(weakref.finalize(storage, self._free, uid))
+        return uid
+
+    def _free(self, uid: int) -> None:
+        nbytes = self._sizes.pop(uid, 0)
+        if nbytes:
+            self.events.append(Event(uid, -nbytes, self.num_ops, self.phase))
+
+    def detach(self) -> None:
+        """Stop listening for frees (after the trace; the remaining storages die with the fake mode)."""
+        for fin in self._finalizers:
+            fin.detach()
+        self._finalizers.clear()
+
+    # ---- value shadows --------------------------------------------------------------------------------------
+
+    def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Remember that ``fake`` holds the values of ``real`` (a small CPU tensor)."""
+        if real.numel() <= SHADOW_MAX_NUMEL:
+            self._shadows[fake] = real
+
+    def _real_args(self, args: Any, kwargs: dict) -> tuple[bool, Any, Any]:
+        known = True
+
+        def to_real(x: Any) -> Any:
+            nonlocal known
+            if isinstance(x, torch.Tensor):
+                if not _is_fake(x):
+                    if x.device.type == "meta":
+                        known = False
+                    return x  # a real tensor (a constant the model made) is its own value
+                real = self._shadows.get(x)
+                if real is None:
+                    known = False
+                return real
+            if isinstance(x, torch.device) and x.type != "cpu":
+                return torch.device("cpu")
+            return x
+
+        real_args = tree_map(to_real, args)
+        real_kwargs = tree_map(to_real, kwargs)
+        return known, real_args, real_kwargs
+
+    def _run_real(self, func: Any, args: Any, kwargs: dict) -> tuple[bool, Any]:
+        """Run ``func`` on the shadows of its tensor arguments, if every one has a shadow."""
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return False, None
+        if func._schema.is_mutable and any(
+            isinstance(a, torch.Tensor) and not _is_fake(a) for a in tree_flatten((args, kwargs))[0]
+        ):
+            return False, None  # never write to a real tensor of the user's
+        known, real_args, real_kwargs = self._real_args(args, kwargs)
+        if not known:
+            return False, None
+        with _disable_current_modes():
+            try:
+                return True, func(*real_args, **real_kwargs)
+            except Exception:  # a shadow is an optimisation: when it cannot run, the value is just unknown
+                return False, None
+
+    # ---- dispatch -------------------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        index = self.num_ops
+        self.num_ops += 1
+        self.last_op = str(func)
+        try:
+            out = self._dispatch(func, args, kwargs)
+        except Exception:
+            self.failed_op = self.failed_op or str(func)
+            raise
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t, self.phase_category, index)
+        if self.on_op is not None:
+            self.on_op(index, func, args, kwargs, out)
+        return out
+
+    def _dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
+        if func in _DATA_DEPENDENT:
+            ok, real_out = self._run_real(func, args, kwargs)
+            if ok:
+                out = self._fake_like(real_out)
+            elif self.placeholders_allowed and func in _SCALAR_READS:
+                # The optimizer reading a value computed from parameters (Adafactor's relative step size):
+                # it changes arithmetic, not which tensors exist, so a placeholder keeps the trace going.
+                self.placeholders_used += 1
+                out = _placeholder(func, args)
+            else:
+                out = func(*args, **kwargs)  # raises the fake mode's data-dependent error
+        else:
+            out = func(*args, **kwargs)
+            self._propagate_shadow(func, args, kwargs, out)
+        return out
+
+    def _fake_like(self, real_out: Any) -> Any:
+        def convert(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                fake = self.fake_mode.from_tensor(x)
+                self.shadow(fake, x)
+                return fake
+            return x
+
+        return tree_map(convert, real_out)
+
+    def _propagate_shadow(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs or any(t.numel() > SHADOW_MAX_NUMEL for t in outs):
+            self._forget_mutated(func, args)
+            return
+        has_tensor_arg = any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
+        if not has_tensor_arg and not _is_factory(func):
+            return
+        ok, real_out = self._run_real(func, args, kwargs)
+        if not ok:
+            self._forget_mutated(func, args)
+            return
+        reals = [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
+        if len(reals) != len(outs):
+            return
+        for fake, real in zip(outs, reals):
+            if tuple(fake.shape) == tuple(real.shape):
+                self.shadow(fake, real)
+
+    def _forget_mutated(self, func: Any, args: Any) -> None:
+        # An in-place op whose result we could not compute leaves a stale shadow: drop it.
+        if func._schema.is_mutable:
+            for a in tree_flatten(args)[0]:
+                if isinstance(a, torch.Tensor):
+                    self._shadows.pop(a, None)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _is_factory(func: Any) -> bool:
+    # arange, full, zeros, ...: no tensor inputs, deterministic, small outputs can be shadowed.
+    return func.overloadpacket.__name__ in _FACTORIES
+
+
+_FACTORIES = {"arange", "full", "zeros", "ones", "scalar_tensor", "eye", "linspace", "tril_indices", "triu_indices"}

@@ -1,0 +1,123 @@
+"""Fake twins of the user's objects: parameters, buffers, batch and optimizer, with no memory behind them.
+
+A twin has the shape, dtype, stride and ``requires_grad`` of the original and lives on the trace device inside a
+`FakeTensorMode`. Twins are memoised by identity so tied weights stay tied. The user's objects are only read.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TwinMaker", "clone_optimizer", "float_dtype_for"]
+
+
+def float_dtype_for(precision: str | None) -> torch.dtype | None:
+    """The dtype floating parameters are cast to under ``precision``, or None to keep theirs."""
+    return {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision or "")
+
+
+class TwinMaker:
+    """Make fake twins on ``device`` under ``fake_mode``, casting floating tensors to ``cast_dtype`` if given."""
+
+    def __init__(self, fake_mode: Any, device: torch.device, cast_dtype: torch.dtype | None = None) -> None:
+        self.fake_mode = fake_mode
+        self.device = device
+        self.cast_dtype = cast_dtype
+        self._memo: dict[int, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []  # keep originals alive so ids stay unique while memoised
+
+    def tensor(self, t: torch.Tensor, *, cast: bool = True, requires_grad: bool | None = None) -> torch.Tensor:
+        """A fake twin of ``t`` (the same twin for the same ``t``)."""
+        key = id(t)
+        if key in self._memo:
+            return self._memo[key]
+        dtype = t.dtype
+        if cast and self.cast_dtype is not None and t.is_floating_point():
+            dtype = self.cast_dtype
+        with self.fake_mode:
+            twin = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=self.device)
+        wants_grad = t.requires_grad if requires_grad is None else requires_grad
+        if wants_grad and (twin.is_floating_point() or twin.is_complex()):
+            twin.requires_grad_(True)
+        self._memo[key] = twin
+        self._keep.append(t)
+        return twin
+
+    def module_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Twins of every parameter and buffer of ``model``, keyed by their qualified names (tied names included)."""
+        state: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            state[name] = self.tensor(p)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            state[name] = self.tensor(b, requires_grad=False)
+        return state
+
+    def batch(self, batch: Any, *, cast: bool) -> Any:
+        """Twin a nested batch; floating tensors are cast only when ``cast`` (the ``*-true`` precisions)."""
+        if isinstance(batch, torch.Tensor):
+            return self.tensor(batch, cast=cast, requires_grad=batch.requires_grad)
+        if isinstance(batch, Mapping):
+            twinned = {k: self.batch(v, cast=cast) for k, v in batch.items()}
+            if type(batch) is dict:
+                return twinned
+            try:  # keep the user's mapping type (e.g. transformers' BatchEncoding): models may rely on it
+                return type(batch)(twinned)
+            except TypeError:
+                return twinned
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*(self.batch(v, cast=cast) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.batch(v, cast=cast) for v in batch)
+        return batch
+
+    def original_of(self, twin: torch.Tensor) -> torch.Tensor | None:
+        for t in self._keep:
+            if self._memo[id(t)] is twin:
+                return t
+        return None
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *, foreach: bool | None) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and hyperparameters over the twins of ``optimizer``'s parameters.
+
+    Existing state (an optimizer that has stepped, e.g. resumed from a checkpoint) is twinned too.
+
+    Args:
+        foreach: when not None, set ``foreach`` on every group that left it to the default (``None``), so the
+            trace uses the implementation the target device would (for-loop on CPU, foreach on CUDA).
+
+    Raises:
+        TypeError: the class cannot be rebuilt from its ``param_groups`` and ``defaults``.
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        new_group = {k: v for k, v in group.items() if k != "params"}
+        new_group["params"] = [twins.tensor(p) for p in group["params"]]
+        if foreach is not None and "foreach" in new_group and new_group["foreach"] is None:
+            new_group["foreach"] = foreach
+        groups.append(new_group)
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    for name in ("params", "self"):
+        kwargs.pop(name, None)
+    # Constructed outside fake mode: bitsandbytes builds its quantisation maps with data-dependent calls.
+    clone = cls(groups, **kwargs)
+    for p, state in optimizer.state.items():
+        clone.state[twins.tensor(p)] = {k: _twin_state(twins, v) for k, v in state.items()}
+    return clone
+
+
+def _twin_state(twins: TwinMaker, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() <= 1 and value.device.type != "meta":
+        # Step counters are read with .item(): keep a real copy; the tracer fakes it and shadows its value.
+        return value.detach().clone()
+    return twins.tensor(value, cast=False, requires_grad=False)

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny models built from configs (random weights, nothing downloaded) and their batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+VOCAB = 1000
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    try:
+        import transformers
+    except ImportError:
+        yield
+        return
+    transformers.logging.set_verbosity_error()
+    yield
+
+
+def make_gpt2(n_layer: int = 2, n_embd: int = 128, **kwargs):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=256,
+                     bos_token_id=0, eos_token_id=0, **kwargs)
+    return GPT2LMHeadModel(cfg)
+
+
+def make_llama(attn: str = "sdpa", **kwargs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, **kwargs)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg)
+
+
+def lm_batch(batch_size: int = 4, seq: int = 128, pad: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[0, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+class DepthwiseBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.BatchNorm2d(c)
+        self.pw = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw(torch.relu(self.norm(self.dw(x))))
+
+
+def make_depthwise_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 64, 4, stride=4), DepthwiseBlock(64), DepthwiseBlock(64),
+                         nn.Conv2d(64, 128, 2, stride=2), DepthwiseBlock(128), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(128, 10))
+
+
+def make_resnet_like() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+
+def image_batch(batch_size: int = 8, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(batch_size, 3, size, size, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen)
+
+
+def classify_step(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)

@@ -2,6 +2,7 @@
 
 from preflight._errors import PreflightError
 from preflight._estimate import estimate
+from preflight._gpus import GPU, get_gpu, known_gpus
 from preflight._measure import measure
 from preflight._result import Category, Coverage, Estimate, Event, Measurement, TimelinePoint
 from preflight._steps import PRECISIONS
@@ -15,11 +16,14 @@ __all__ = [
     "Coverage",
     "Estimate",
     "Event",
+    "GPU",
     "Measurement",
     "PreflightError",
     "TimelinePoint",
     "estimate",
     "format_bytes",
+    "get_gpu",
+    "known_gpus",
     "measure",
     "parse_bytes",
 ]

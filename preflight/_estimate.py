@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,8 +15,10 @@ from preflight._device import resolve_device, trace_device_for
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._steps import StepFn, check_precision
+from preflight._target import check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events
 from preflight._trace import trace_steps
 from preflight._twin import float_dtype_for
+from preflight.allocator import AllocatorConfig
 
 __all__ = ["estimate", "summarize_events"]
 
@@ -31,6 +34,10 @@ def estimate(
     precision: str | None = None,
     device: str | torch.device | None = None,
     steps: int = 2,
+    gpu: str | None = None,
+    world_size: int = 1,
+    sharding: str | None = None,
+    allocator: AllocatorConfig | str | None = None,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -55,6 +62,14 @@ def estimate(
         device: the device planned for; default the model's (CPU for a meta model).
         steps: simulated steps; 2 by default because step 1 creates the optimizer state and step 2 is the
             steady state.
+        gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
+            for; implies ``device="cuda"`` and fills ``device_total_bytes``.
+        world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
+        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"``,
+            ``"fsdp-full"`` or ``"fsdp-grad-op"``.
+        allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
+            ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True"``. Default: the
+            environment's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, else PyTorch's defaults.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -93,7 +108,16 @@ def estimate(
         raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
     if step is not None and not callable(step):
         raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
+    sharding = check_sharding(world_size, sharding)
+    gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
+    if gpu_info is not None and device is None:
+        device = "cuda"
+    allocator = _allocator_config(allocator)
     target = resolve_device(device, model)
+    if gpu_info is not None and target.type != "cuda":
+        raise ValueError(f"`gpu={gpu!r}` plans for a CUDA device, but `device` is {device!r}. Drop one of them.")
+    if gpu_info is None:
+        gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)
     result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
                          target_device=target, steps=steps, record_op=is_scratch_op)
@@ -117,7 +141,24 @@ def estimate(
         managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
         events = [e for e in events if e.uid not in managed_uids]
         notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+    reserved = total = None
+    if target.type == "cuda":
+        events = round_events(events)
+        terms = cuda_terms(events, gpu_info, allocator)
+        reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
+        notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
+    unsharded = None
+    if world_size > 1:
+        unsharded = peak
+        breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
+                                             dtype=float_dtype_for(precision))
+        notes.append(note)
+        peak = sum(breakdown.values())
+        if reserved is not None:  # keep the simulated allocator overhead, rescaled to the rank's tensors
+            overhead = reserved - unsharded
+            reserved = peak + overhead
+            total = None if total is None else reserved + gpu_info.context_bytes + gpu_info.cublas_workspace_bytes
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
@@ -129,8 +170,26 @@ def estimate(
         trace_seconds=result.seconds,
         num_ops=result.num_ops,
         managed_bytes=managed,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=total,
+        gpu=None if gpu_info is None else gpu_info.name,
+        world_size=world_size,
+        sharding=sharding,
+        unsharded_peak_bytes=unsharded,
         events=tuple(events),
     )
+
+
+def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfig | None:
+    if isinstance(allocator, AllocatorConfig):
+        return allocator
+    if allocator is None:
+        allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        if not allocator:
+            return None
+    if isinstance(allocator, str):
+        return AllocatorConfig.from_env(allocator)
+    raise TypeError(f"`allocator` should be an AllocatorConfig or a PYTORCH_CUDA_ALLOC_CONF string, got {allocator!r}.")
 
 
 def summarize_events(

@@ -89,6 +89,10 @@ class Estimate:
         peak_reserved_bytes: the CUDA caching allocator's predicted reserved peak, when simulated.
         device_total_bytes: reserved plus CUDA context and library workspaces (what ``nvidia-smi`` shows),
             when known.
+        gpu: the catalog GPU planned for, if any.
+        world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
+        sharding: the sharding scheme the per-rank figures assume (``"ddp"``, ``"zero1"`` ... ``"fsdp-full"``).
+        unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
     """
 
@@ -104,7 +108,16 @@ class Estimate:
     managed_bytes: int = 0
     peak_reserved_bytes: int | None = None
     device_total_bytes: int | None = None
+    gpu: str | None = None
+    world_size: int = 1
+    sharding: str | None = None
+    unsharded_peak_bytes: int | None = None
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def required_bytes(self) -> int:
+        """What a verdict compares with the budget: the device total when simulated, else ``peak_bytes``."""
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (without the event list)."""
@@ -120,6 +133,11 @@ class Estimate:
             "managed_bytes": self.managed_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "required_bytes": self.required_bytes,
+            "gpu": self.gpu,
+            "world_size": self.world_size,
+            "sharding": self.sharding,
+            "unsharded_peak_bytes": self.unsharded_peak_bytes,
         }
 
     def __str__(self) -> str:

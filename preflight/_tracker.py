@@ -242,7 +242,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _propagate_shadow(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not outs or any(t.numel() > SHADOW_MAX_NUMEL for t in outs):
+        if any(t.numel() > SHADOW_MAX_NUMEL for t in outs):
             self._forget_mutated(func, args)
             return
         has_tensor_arg = any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])

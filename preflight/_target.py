@@ -1,0 +1,114 @@
+"""Turn a traced single-device peak into what a CUDA target and a sharded rank would see.
+
+CUDA target (``device="cuda"`` or ``gpu=...``), applied to the traced event list:
+    - every storage rounds up to 512 bytes (the caching allocator's ``kMinBlockSize``), so ``peak_bytes`` is
+      what ``torch.cuda.max_memory_allocated()`` reports;
+    - `preflight.allocator.simulate` replays the events for ``peak_reserved_bytes`` (segments held from the
+      driver, ``torch.cuda.max_memory_reserved()``);
+    - ``device_total_bytes`` adds the CUDA context and the cuBLAS workspace of the GPU generation
+      (`preflight._gpus`), which is roughly what ``nvidia-smi`` shows for the process.
+    Optimizers are traced with the foreach implementation torch picks for CUDA tensors (see `_trace`).
+
+Not modelled when tracing a CUDA target on a CPU-only host: CUDA's autocast op lists (CPU's are used), the
+CUDA attention kernel's saved tensors (CPU flash attention saves the output and log-sum-exp like CUDA's flash
+and memory-efficient kernels, so the difference is small; the math fallback saves far more), cuDNN
+convolution workspaces (listed as not calibrated), and Adam's ``step`` counters, which live on the CPU for a
+CUDA target but are counted here (4 bytes per parameter tensor).
+
+Sharding (``world_size > 1``): the categories at the single-device peak are rescaled per rank by
+`preflight._sharding.shard_breakdown` (ZeRO paper Sec 5, FSDP's strategies); see its docstring for each term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from preflight._device import cuda_available
+from preflight._gpus import GPU, get_gpu
+from preflight._result import Event
+from preflight._sharding import SHARDING_CHOICES, shard_breakdown
+from preflight.allocator import AllocatorConfig, simulate
+
+__all__ = ["CudaTerms", "cuda_terms", "round_events", "per_rank_breakdown", "resolve_gpu", "check_sharding"]
+
+_BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
+
+
+def resolve_gpu(gpu: str | None, device: torch.device) -> GPU | None:
+    """The catalog entry for ``gpu``, or for the local CUDA device's name when it is in the catalog."""
+    if gpu is not None:
+        return get_gpu(gpu)
+    if device.type == "cuda" and cuda_available():  # pragma: no cover - needs a GPU
+        try:
+            return get_gpu(torch.cuda.get_device_name(device))
+        except ValueError:
+            return None
+    return None
+
+
+def round_events(events: Sequence[Event]) -> list[Event]:
+    """Events with every size rounded up to the allocator's 512-byte blocks."""
+    return [dataclasses.replace(e, nbytes=_round(e.nbytes)) for e in events]
+
+
+def _round(nbytes: int) -> int:
+    sign = -1 if nbytes < 0 else 1
+    return sign * (-(-abs(nbytes) // _BLOCK) * _BLOCK)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaTerms:
+    peak_reserved_bytes: int
+    device_total_bytes: int | None
+    fragmentation: float
+    notes: tuple[str, ...]
+
+
+def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorConfig | None) -> CudaTerms:
+    """Reserved memory from the allocator simulation, and the device total when the GPU is known."""
+    # Negative uids are calibrated kernel scratch; storages alive before the trace are allocations too.
+    sim = simulate(events, config=allocator)
+    notes = [f"reserved memory simulated with the CUDA caching allocator's rules "
+             f"({sim.num_segments} segments, {sim.fragmentation:.1%} fragmentation at the peak)"]
+    total = None
+    if gpu is not None:
+        total = sim.peak_reserved_bytes + gpu.context_bytes + gpu.cublas_workspace_bytes
+        notes.append(f"device total adds the CUDA context (~{gpu.context_bytes >> 20} MiB, approximate) and "
+                     f"the cuBLAS workspace ({gpu.cublas_workspace_bytes >> 20} MiB) of a {gpu.name}")
+    return CudaTerms(sim.peak_reserved_bytes, total, sim.fragmentation, tuple(notes))
+
+
+def check_sharding(world_size: int, sharding: str | None) -> str | None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"`world_size` should be a positive integer, got {world_size!r}.")
+    if sharding is None:
+        return "ddp" if world_size > 1 else None
+    if sharding not in SHARDING_CHOICES:
+        raise ValueError(f"`sharding` should be one of {SHARDING_CHOICES}, got {sharding!r}.")
+    return sharding
+
+
+def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """Parameter bytes of the largest repeated block (the unit FSDP or ZeRO-3 gathers at once)."""
+    best = 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                size = sum(p.numel() * (dtype.itemsize if dtype and p.is_floating_point() else p.element_size())
+                           for p in child.parameters())
+                best = max(best, size)
+    return best
+
+
+def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
+                       dtype: torch.dtype | None) -> tuple[dict[str, int], str]:
+    """One rank's breakdown and a note saying how it was derived."""
+    unit = largest_unit_bytes(model, dtype)
+    out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit)
+    note = (f"per-rank figures for {sharding} over {world_size} ranks, derived from the single-device trace's "
+            f"breakdown at its peak (largest gathered unit: {unit} bytes)")
+    return out, note

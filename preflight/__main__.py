@@ -1,0 +1,5 @@
+import sys
+
+from preflight._cli import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""The `preflight` command: exit codes 0 (fits), 3 (does not fit), 2 (bad input); JSON; dry-run of a script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from preflight._cli import main
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+              "max_position_embeddings": 256}
+
+
+@pytest.fixture()
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def run_cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "preflight", *args], capture_output=True, text=True, **kwargs)
+
+
+def test_estimate_exit_codes_fit_and_overflow(config, tmp_path):
+    out = tmp_path / "est.json"
+    fits = run_cli("estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--budget", "1GiB",
+                   "--json", str(out))
+    assert fits.returncode == 0, fits.stderr
+    assert "FITS" in fits.stdout and "parameters" in fits.stdout
+    assert "tracing 2 training steps" in fits.stderr  # progress is reported while it works
+    report = json.loads(out.read_text())
+    assert report["fits"] is True and report["budget_bytes"] == 2**30
+    assert report["peak_bytes"] == sum(report["breakdown"].values())
+
+    too_small = run_cli("estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--budget", "1MiB")
+    assert too_small.returncode == 3
+    assert "DOES NOT FIT" in too_small.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "H1000"], "Known GPUs|known"),
+        (["--budget", "12 GB?"], "Cannot read"),
+        (["--hf-config", "/no/such/config.json"], "config not found"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(config, capsys, args, message):
+    base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "64"]
+    if args[0] == "--hf-config":
+        base[2] = args[1]
+        args = []
+    assert main(base + args) == 2
+    err = capsys.readouterr().err
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_unknown_option_exits_2():
+    result = run_cli("estimate", "--hf-config", "x.json", "--batch", "2", "--frobnicate")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --frobnicate" in result.stderr
+
+
+def test_gpu_target_with_sharding_in_json(config, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    code = main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--gpu", "A100-80GB",
+                 "--world-size", "8", "--sharding", "zero3", "--precision", "bf16-mixed", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["gpu"] == "A100-80GB" and report["world_size"] == 8 and report["sharding"] == "zero3"
+    assert report["device_total_bytes"] > report["peak_reserved_bytes"] >= report["peak_bytes"]
+    assert report["usable_bytes"] == int(report["budget_bytes"] * 0.9)
+
+
+def test_check_without_a_command_is_a_usage_error(capsys):
+    assert main(["check", "--gpu", "H100-80GB"]) == 2
+    assert "after --" in capsys.readouterr().err
+
+
+def test_check_reports_a_script_that_never_reaches_preflight(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('training without preflight')\n")
+    assert main(["check", "--", sys.executable, str(script)]) == 2
+    assert "without reaching a preflight check" in capsys.readouterr().err
+
+
+def test_check_propagates_the_dry_run_verdict(tmp_path):
+    # A script that finishes its dry run the way the callbacks do: report, then exit 0 or 3.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from preflight._dryrun import finish, settings_from_env
+        s = settings_from_env()
+        assert s.dry_run and s.gpu == "A100-80GB" and s.world_size == 4
+        need = int(os.environ["NEED"])
+        finish({"fits": need < 100, "predicted_peak_bytes": need, "budget_bytes": 100}, need < 100)
+        raise SystemExit("training ran in a dry run")
+    """))
+    for need, code in ((10, 0), (1000, 3)):
+        result = run_cli("check", "--gpu", "A100-80GB", "--world-size", "4", "--", sys.executable, str(script),
+                         env={**__import__("os").environ, "NEED": str(need)})
+        assert result.returncode == code, result.stderr
+        assert ("DOES NOT FIT" in result.stdout) == (code == 3)

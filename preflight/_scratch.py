@@ -120,11 +120,21 @@ def _measure_scratch(func: Any, args: Any, kwargs: Any, device: torch.device) ->
 
 
 def _materialise(x: Any, device: torch.device) -> Any:
+    """A zero tensor of the spec's shape and dtype, laid out in memory as the traced one was.
+
+    The layout matters: oneDNN picks another algorithm, with other scratch, for a channels-last or permuted
+    gradient than for a contiguous one (measured: 19 MB against almost none for one depthwise backward).
+    """
     from preflight._trace import TensorSpec
 
     if not isinstance(x, TensorSpec):
         return x
-    return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    dims = len(x.shape)
+    # Physical order: dimensions by decreasing stride (ties keep their logical order).
+    order = sorted(range(dims), key=lambda d: (-x.stride[d], d)) if len(x.stride) == dims else list(range(dims))
+    physical = torch.zeros([x.shape[d] for d in order], dtype=x.dtype, device=device)
+    inverse = [order.index(d) for d in range(dims)]
+    return physical.permute(inverse)
 
 
 def _scratch_at(func: Any, args: Any, kwargs: Any, device: torch.device, batch: int | None) -> int:

@@ -115,7 +115,9 @@ def _adafactor_bytes(p: torch.Tensor, item: int) -> int:
 def _bnb_bytes(optimizer: Any, group: dict, p: torch.Tensor) -> int | None:
     bits = group.get("optim_bits", getattr(optimizer.args, "optim_bits", 32) if hasattr(optimizer, "args") else 32)
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
-    states = 2 if type(optimizer).__mro__[1].__name__ == "Optimizer2State" or "Adam" in type(optimizer).__name__ else 1
+    from bitsandbytes.optim.optimizer import Optimizer2State  # the module is loaded: optimizer is one of its
+
+    states = 2 if isinstance(optimizer, Optimizer2State) else 1
     n = p.numel()
     if bits == 8 and n >= min_8bit:
         blocks = -(-n // _BNB_BLOCK)

@@ -75,11 +75,6 @@ class TwinMaker:
             return type(batch)(self.batch(v, cast=cast) for v in batch)
         return batch
 
-    def original_of(self, twin: torch.Tensor) -> torch.Tensor | None:
-        for t in self._keep:
-            if self._memo[id(t)] is twin:
-                return t
-        return None
 
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *, foreach: bool | None) -> torch.optim.Optimizer:

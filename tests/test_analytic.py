@@ -1,0 +1,75 @@
+"""The analytic model-state formulas (used for the labelled lower bound) against real optimizer state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import preflight
+from preflight._analytic import model_state, optimizer_state_bytes
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+
+
+def _bnb(name):
+    bnb = pytest.importorskip("bitsandbytes")
+    return lambda ps: getattr(bnb.optim, name)(ps, lr=1e-3, min_8bit_size=1024)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, amsgrad=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),
+    "rmsprop-centered-momentum": lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps),
+    "adamw8bit": "AdamW8bit",
+    "lion8bit": "Lion8bit",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_state_formula_matches_real_state(name):
+    make = OPTIMIZERS[name]
+    make = _bnb(make) if isinstance(make, str) else make
+    model = _model()
+    opt = make(model.parameters())
+    x = torch.randn(4, 64)
+    preflight.measure(model, opt, x, step=lambda m, b: m(b).sum(), steps=1)
+    real = 0
+    seen = set()
+    for state in opt.state.values():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and not key.startswith("qmap") and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                real += v.untyped_storage().nbytes()
+    assert optimizer_state_bytes(opt) == real
+
+
+def test_unknown_optimizer_is_reported_as_unknown():
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            return None
+
+    model = _model()
+    assert optimizer_state_bytes(Custom(model.parameters())) is None
+    assert model_state(model, Custom(model.parameters()), torch.zeros(4, 64), torch.device("cpu")).optimizer_state is None
+
+
+def test_model_state_counts_trainable_gradients_and_casts():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    state = model_state(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.zeros(4, 64),
+                        torch.device("cpu"), param_dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    assert state.parameters == 2 * n
+    assert state.gradients == 2 * (n - model[0].weight.numel())
+    assert state.inputs == 4 * 64 * 4

@@ -105,3 +105,15 @@ def test_prediction_matches_the_cuda_allocator():  # pragma: no cover - needs a 
     measured = preflight.measure(model, opt, batch)
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.01
     assert abs(est.peak_reserved_bytes - measured.peak_reserved_bytes) / measured.peak_reserved_bytes < 0.05
+
+
+def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = make_gpt2()
+    paged = preflight.estimate(model, bnb.optim.PagedAdamW8bit(model.parameters()), lm_batch(), gpu="A100-80GB")
+    plain = preflight.estimate(model, bnb.optim.AdamW8bit(model.parameters()), lm_batch(), gpu="A100-80GB")
+    assert paged.breakdown["optimizer_state"] == 0  # CUDA managed memory, outside the caching allocator
+    assert plain.breakdown["optimizer_state"] > 0
+    # the same uint8 states and fp32 absmax, rounded to 512-byte blocks on the plain optimizer
+    assert 0 < paged.managed_bytes <= plain.breakdown["optimizer_state"]
+    assert paged.peak_bytes < plain.peak_bytes

@@ -1,5 +1,7 @@
 """preflight: predict the peak memory of PyTorch training before step one."""
 
+from preflight._advise import Suggestion, advise, resize_batch
+from preflight._autotune import BatchSizeResult, GlobalBatchPlan, max_batch_size, split_global_batch
 from preflight._errors import PreflightError
 from preflight._estimate import estimate
 from preflight._gpus import GPU, get_gpu, known_gpus
@@ -12,6 +14,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRECISIONS",
+    "BatchSizeResult",
+    "GlobalBatchPlan",
+    "Suggestion",
+    "advise",
+    "max_batch_size",
+    "resize_batch",
+    "split_global_batch",
     "Category",
     "Coverage",
     "Estimate",

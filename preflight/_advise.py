@@ -1,0 +1,625 @@
+"""`advise`: what to change when a run does not fit, each option with a peak traced from the changed set-up.
+
+Every option is applied to a trace, never to the user's objects for good: a smaller micro-batch is traced with
+gradient accumulation, activation checkpointing is switched on for the trace and switched back (every module's
+attributes and hook tables restored, then checked), an 8-bit optimizer is built over the same parameters, LoRA
+is traced on a copy of the architecture built on the meta device (no weights copied), and precisions are the
+trace's own option. Sharding is the exception: it is derived from the traced breakdown with
+`preflight._sharding.shard_breakdown`, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._autotune import accumulating_step, max_batch_size, split_global_batch
+from preflight._budget import check_headroom, resolve_budget, usable_bytes
+from preflight._device import resolve_device
+from preflight._estimate import estimate
+from preflight._result import Estimate
+from preflight._sharding import shard_breakdown
+from preflight._steps import StepFn, check_precision
+from preflight._units import format_bytes
+
+__all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
+
+# Ranking among options that fit: cheapest first. What each costs is in its `cost` text.
+_COST_ORDER = (
+    "allocator",  # an environment variable
+    "micro_batch",  # same updates, lower throughput
+    "bf16-mixed",  # usually no quality change, needs bf16 hardware
+    "zero1", "zero2",  # DDP's communication volume, needs the GPUs
+    "checkpointing",  # about one extra forward per step
+    "zero3",  # 1.5x DDP's communication
+    "adamw8bit",  # another optimizer
+    "bf16-true",  # precision risk for the updates
+    "lora",  # changes what is trained
+)
+_LITTLE_SAVING = 0.05  # checkpointing that saves less than this fraction of the peak is flagged as saving little
+_LORA_RANK = 16
+_RESERVED_GAP = 0.10  # reserved this far above allocated: fragmentation worth an allocator setting
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """One change to the training set-up, with its predicted peak.
+
+    Attributes:
+        change: what to change, machine-readable: ``{"micro_batch_size": 4, "accumulate_grad_batches": 2}``,
+            ``{"gradient_checkpointing": True}``, ``{"optimizer": "bitsandbytes.optim.AdamW8bit"}``,
+            ``{"peft": "lora", "r": 16, "target_modules": "all-linear"}``, ``{"precision": "bf16-mixed"}``,
+            ``{"sharding": "zero2", "world_size": 8}``, ``{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}``.
+        description: the change and its predicted effect, in words.
+        predicted_peak_bytes: the peak of the changed set-up, traced (sharding: derived from the traced
+            breakdown; allocator: the simulated reserved peak).
+        fits: ``predicted_peak_bytes`` is within the budget less headroom.
+        cost: what the change costs (compute, communication, optimizer or model quality).
+    """
+
+    change: dict[str, Any]
+    description: str
+    predicted_peak_bytes: int
+    fits: bool
+    cost: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Any
+    step: StepFn | None
+    precision: str | None
+    device: torch.device
+    budget_bytes: int
+    limit: int
+    headroom: float
+    world_size: int
+    make_batch: Callable[[int], Any] | None
+    baseline: Estimate
+
+    def trace(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+              batch: Any = None, step: StepFn | None = None, precision: Any = ...) -> Estimate:
+        """Trace the set-up with some parts replaced; a trace that fails is an error, not a lower bound."""
+        est = estimate(model if model is not None else self.model,
+                       optimizer if optimizer is not None else self.optimizer,
+                       batch if batch is not None else self.batch,
+                       step=step if step is not None else self.step,
+                       precision=self.precision if precision is ... else precision,
+                       device=self.device)
+        if est.coverage.lower_bound:
+            raise RuntimeError(f"the trace failed at operator {est.coverage.failed_op}: {est.coverage.reason}")
+        return est
+
+    def versus(self, peak: int) -> str:
+        """``peak`` against the current peak and the budget, in words."""
+        base = self.baseline.peak_bytes
+        delta = peak - base
+        change = f"{'-' if delta < 0 else '+'}{format_bytes(abs(delta))} ({delta / base:+.1%})" if base else ""
+        verdict = "fits" if peak <= self.limit else f"still {format_bytes(peak - self.limit)} over"
+        return f"predicted peak {format_bytes(peak)}, {change} vs {format_bytes(base)} now; {verdict}"
+
+
+def advise(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    budget: int | float | str | None,
+    step: StepFn | None = None,
+    precision: str | None = None,
+    device: str | torch.device | None = None,
+    world_size: int = 1,
+    make_batch: Callable[[int], Any] | None = None,
+    headroom: float = 0.0,  # 0: the budget as given; DEFAULT_HEADROOM (0.10) keeps room for the allocator
+) -> list[Suggestion]:
+    """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
+
+    The current set-up is traced once; then each applicable option is traced with the change applied (see the
+    module docstring). Options that do not lower the peak are left out, except checkpointing, whose description
+    then says it saves little or nothing, and where the peak is:
+
+    - ``micro_batch`` (only when the current batch does not fit): the largest micro-batch below the current
+      batch that fits, found with `max_batch_size` (traced as a gradient-accumulation micro-step, because the
+      accumulated gradients are alive during the next micro-batch), split with `split_global_batch` so the
+      global batch is kept.
+    - ``checkpointing``: activation checkpointing. Hugging Face models: ``activation_checkpointing_enable``
+      (``gradient_checkpointing_enable`` before transformers 5) with ``use_reentrant=False``; other models: each
+      child of the largest ``nn.ModuleList`` (the repeated blocks) runs under ``torch.utils.checkpoint``.
+    - ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (``Adam8bit`` for ``torch.optim.Adam``) over the same parameter
+      groups and hyperparameters, when the optimizer is torch's AdamW or Adam and bitsandbytes is installed.
+    - ``lora``: LoRA (peft, r=16, all linear layers) for a transformers ``PreTrainedModel`` that is not already
+      a PEFT model, with AdamW over the adapters.
+    - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
+    - ``zero1``/``zero2``/``zero3`` when ``world_size > 1``: the traced breakdown at the peak, sharded.
+    - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
+      reserved peak is more than 10% above the allocated peak.
+
+    Args:
+        model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
+        budget: bytes the run may use per device (int or e.g. ``"24GiB"``); None uses the CUDA device's capacity.
+        world_size: data-parallel GPUs available; above 1, sharding options are added.
+        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples; default: `resize_batch` of ``batch``.
+        headroom: the fraction of ``budget`` kept free, in [0, 1).
+
+    Returns:
+        Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
+        micro-batch, bf16-mixed, ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, pure bf16, LoRA), then by peak.
+        An option whose trace fails is left out with a ``RuntimeWarning`` saying why.
+
+    Raises:
+        ValueError: a bad option, or no budget on a machine without CUDA.
+        RuntimeError: the current set-up cannot be traced (there is nothing to compare the options with), or an
+            option changed the user's model and it could not be restored (never expected; a bug to report).
+
+    Example:
+        >>> for s in preflight.advise(model, opt, batch, budget="24GiB"):  # doctest: +SKIP
+        ...     print(s.fits, format_bytes(s.predicted_peak_bytes), s.description)
+
+    Known limitations:
+        - Options are traced one at a time, not combined.
+        - Sharding numbers rescale the single-GPU peak's categories; the sharded run's peak may fall at another
+          moment, and communication buffers are not counted (see `preflight._sharding`).
+        - Generic checkpointing wraps only the children of the largest ``nn.ModuleList``; models whose blocks
+          live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
+        - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
+        - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
+    """
+    precision = check_precision(precision)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` should be a positive integer, got {world_size!r}.")
+    if make_batch is not None and not callable(make_batch):
+        raise TypeError(f"`make_batch` should be None or a callable make_batch(batch_size) -> batch, got "
+                        f"{type(make_batch).__name__}.")
+    check_headroom(headroom)
+    target = resolve_device(device, model)
+    budget_bytes = resolve_budget(budget, device=target)
+    if budget_bytes is None:
+        raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
+                         "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
+    baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target)
+    if baseline.coverage.lower_bound:
+        raise RuntimeError(
+            f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
+            f"{baseline.coverage.reason}), so no option can be compared with it. Pass `step=` with a step that "
+            "traces."
+        )
+    setup = _Setup(model, optimizer, batch, step, precision, target, budget_bytes,
+                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline)
+    options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
+        ("micro-batch", _micro_batch),
+        ("activation checkpointing", _checkpointing),
+        ("8-bit AdamW", _adamw8bit),
+        ("LoRA", _lora),
+        ("bf16 precision", _bf16),
+        ("sharding", _sharding),
+        ("allocator setting", _allocator),
+    )
+    ranked: list[tuple[str, Suggestion]] = []
+    for name, option in options:
+        try:
+            ranked.extend(option(setup))
+        except _NotRestored:
+            raise
+        except Exception as err:  # noqa: BLE001 - one option failing must not hide the others (reported below)
+            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            warnings.warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning, stacklevel=2)
+    ranked.sort(key=lambda ks: (not ks[1].fits, _COST_ORDER.index(ks[0]), ks[1].predicted_peak_bytes))
+    return [s for _, s in ranked]
+
+
+# ---- options ------------------------------------------------------------------------------------------------
+
+
+def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    if setup.baseline.peak_bytes <= setup.limit:
+        return []  # the current batch fits: no need for a smaller one
+    current = batch_size_of(setup.batch)
+    if current is None:
+        raise ValueError("no tensor with a batch dimension in the batch; pass make_batch=")
+    if current < 2:
+        return []
+    make = setup.make_batch or (lambda b: resize_batch(setup.batch, b))
+    result = max_batch_size(setup.model, setup.optimizer, make, budget=setup.budget_bytes, step=setup.step,
+                            precision=setup.precision, device=setup.device, max_batch=current - 1,
+                            headroom=setup.headroom, gradient_accumulation=True)
+    cost_micro = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, "
+                  "lower throughput when the full batch kept the GPU busy")
+    if result.batch_size == 0:
+        change = {"micro_batch_size": 1, "accumulate_grad_batches": current}
+        text = (f"micro-batch 1 with {current} gradient-accumulation steps does not fit either: "
+                f"{setup.versus(result.predicted_peak_bytes)}; combine it with another option")
+        return [("micro_batch", Suggestion(change, text, result.predicted_peak_bytes, False,
+                                           cost_micro.format(k=current, rounding="")))]
+    plan = split_global_batch(current, result.batch_size)
+    if plan.micro_batch_size == result.batch_size:
+        peak = result.predicted_peak_bytes
+    else:  # a divisor below the largest that fits: traced too (kernel scratch need not be affine in the batch)
+        peak = setup.trace(batch=make(plan.micro_batch_size), step=accumulating_step(setup.step)).peak_bytes
+    change = {"micro_batch_size": plan.micro_batch_size, "accumulate_grad_batches": plan.accumulation_steps}
+    text = (f"{plan.note} (gradient accumulation; the largest micro-batch that fits is {result.batch_size}, found "
+            f"with {result.traces} traces): {setup.versus(peak)}")
+    rounding = "" if plan.exact else f" with a global batch of {plan.global_batch_size} instead of {current}"
+    return [("micro_batch", Suggestion(change, text, peak, peak <= setup.limit,
+                                       cost_micro.format(k=plan.accumulation_steps, rounding=rounding)))]
+
+
+def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    model = setup.model
+    if _hf_checkpointing(model):
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            return []  # already on
+        how = "transformers' activation_checkpointing_enable, use_reentrant=False"
+        with _restored(model):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # gradient_* names are deprecated in transformers 5
+                enable = getattr(model, "activation_checkpointing_enable", None)
+                if enable is not None:
+                    enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            est = setup.trace()
+    else:
+        blocks = repeated_blocks(model)
+        if not blocks:
+            return []
+        how = f"torch.utils.checkpoint on each of the {len(blocks)} {type(blocks[0]).__name__} blocks"
+        with _restored(model):
+            for block in blocks:
+                block.forward = _checkpointed(block.forward)  # an instance attribute; _restored deletes it
+            est = setup.trace()
+    base = setup.baseline
+    saving = base.peak_bytes - est.peak_bytes
+    text = f"activation checkpointing ({how}): {setup.versus(est.peak_bytes)}"
+    if saving < _LITTLE_SAVING * base.peak_bytes:  # kept, unlike other options, to say it does not help here
+        amount = f"saves little ({saving / base.peak_bytes:.1%})" if saving > 0 else "does not lower the peak"
+        text += (f". It {amount}: the peak is in {base.peak_phase}, where activations hold "
+                 f"{format_bytes(base.breakdown.get('activations', 0))} of it")
+    cost = ("recomputes each checkpointed block's forward during backward: about one extra forward pass per step "
+            "(a forward is roughly a third of a training step's compute)")
+    return [("checkpointing", Suggestion({"gradient_checkpointing": True}, text, est.peak_bytes,
+                                         est.peak_bytes <= setup.limit, cost))]
+
+
+def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    optimizer = setup.optimizer
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return []
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        return []  # bitsandbytes' 8-bit Adam has no AMSGrad
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return []
+    decoupled = type(optimizer) is torch.optim.AdamW
+    cls = bnb.optim.AdamW8bit if decoupled else bnb.optim.Adam8bit  # Adam's L2 weight decay is not AdamW's
+    keys = ("lr", "betas", "eps", "weight_decay")
+    groups = [{"params": list(g["params"]), **{k: _plain(g[k]) for k in keys}} for g in optimizer.param_groups]
+    # Built over the user's parameters outside any trace; it only reads them (its state is made at the first step).
+    new = cls(groups, **{k: _plain(optimizer.defaults[k]) for k in keys})
+    est = setup.trace(optimizer=new)
+    base = setup.baseline
+    if est.peak_bytes >= base.peak_bytes:
+        return []
+    name = f"bitsandbytes.optim.{cls.__name__}"
+    state_before, state_after = base.breakdown.get("optimizer_state", 0), est.breakdown.get("optimizer_state", 0)
+    text = (f"{name} instead of torch.optim.{type(optimizer).__name__} (8-bit state for tensors of 4096 or more "
+            f"elements; optimizer state at the peak {format_bytes(state_before)} -> {format_bytes(state_after)}): "
+            f"{setup.versus(est.peak_bytes)}")
+    cost = ("a different optimizer: block-wise 8-bit Adam states (Dettmers et al. 2022, arXiv:2110.02861) matched "
+            "32-bit Adam in the paper's benchmarks, but check the loss curve; needs bitsandbytes where you train")
+    return [("adamw8bit", Suggestion({"optimizer": name}, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost))]
+
+
+def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    try:
+        import peft
+        import transformers
+    except ImportError:
+        return []
+    model = setup.model
+    if not isinstance(model, transformers.PreTrainedModel) or isinstance(model, peft.PeftModel):
+        return []
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    config = copy.deepcopy(model.config)  # _from_config and peft write to the config they are given
+    kwargs: dict[str, Any] = {}
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn  # the same attention kernel as the user's model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's notes on Conv1D fan-in and deprecated names
+        with torch.device("meta"):  # the architecture only: no weights are copied or allocated
+            try:
+                base = type(model)._from_config(config, dtype=dtype, **kwargs)
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                base = type(model)._from_config(config, torch_dtype=dtype, **kwargs)
+            lora = peft.get_peft_model(base, peft.LoraConfig(r=_LORA_RANK, target_modules="all-linear"))
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    hyper = {k: _plain(v) for k, v in setup.optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    est = setup.trace(model=lora, optimizer=torch.optim.AdamW(trainable, **hyper))
+    if est.peak_bytes >= setup.baseline.peak_bytes:
+        return []
+    n_train = sum(p.numel() for p in trainable)
+    n_all = sum(p.numel() for p in lora.parameters())
+    change = {"peft": "lora", "r": _LORA_RANK, "target_modules": "all-linear"}
+    text = (f"LoRA (peft, r={_LORA_RANK}, all linear layers but the output head) with AdamW over the adapters: "
+            f"trains {n_train:,} of {n_all:,} parameters ({n_train / n_all:.2%}); {setup.versus(est.peak_bytes)}")
+    cost = ("changes what is trained: only low-rank adapters learn, which can fall short of full fine-tuning on "
+            "tasks far from the pre-training data; the base weights stay frozen")
+    return [("lora", Suggestion(change, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost))]
+
+
+def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    floating = [p.dtype for p in setup.model.parameters() if p.is_floating_point()]
+    if not floating or any(d != torch.float32 for d in floating):
+        return []
+    candidates = []
+    if setup.precision in (None, "32-true"):
+        candidates.append(("bf16-mixed", "autocast runs matmuls and convolutions in bf16 while weights, gradients "
+                           "and optimizer state stay fp32: usually no quality change; needs bf16 hardware "
+                           "(NVIDIA Ampere or newer) for speed"))
+    if setup.precision not in ("bf16-true", "16-true"):
+        candidates.append(("bf16-true", "weights, gradients and optimizer state in bf16: updates smaller than "
+                           "bf16's 8-bit mantissa resolves are lost, which can slow or stall convergence without "
+                           "stochastic rounding or Kahan summation"))
+    out = []
+    for precision, cost in candidates:
+        est = setup.trace(precision=precision)
+        if est.peak_bytes >= setup.baseline.peak_bytes:
+            continue
+        text = f"precision {precision!r} instead of {setup.precision or 'fp32'}: {setup.versus(est.peak_bytes)}"
+        out.append((precision, Suggestion({"precision": precision}, text, est.peak_bytes,
+                                          est.peak_bytes <= setup.limit, cost)))
+    return out
+
+
+def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    n = setup.world_size
+    if n < 2:
+        return []
+    base = setup.baseline
+    blocks = repeated_blocks(setup.model)
+    total = sum(p.numel() for p in setup.model.parameters())
+    unit = 0  # 0: the whole model is gathered at once (shard_breakdown's upper bound)
+    if blocks and total:
+        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        unit = base.breakdown["parameters"] * largest // total
+    param_bytes = base.breakdown["parameters"]
+    comm = {"zero1": 2, "zero2": 2, "zero3": 3}  # ZeRO paper Sec 7: P_os, P_os+g move 2Ψ like DDP; P_os+g+p 3Ψ
+    shards = {"zero1": "optimizer state", "zero2": "optimizer state and gradients",
+              "zero3": "optimizer state, gradients and parameters"}
+    names = {"zero1": "ZeRO stage 1", "zero2": "ZeRO stage 2 (FSDP SHARD_GRAD_OP)",
+             "zero3": "ZeRO stage 3 (FSDP FULL_SHARD)"}
+    out = []
+    for stage in ("zero1", "zero2", "zero3"):
+        per_rank = shard_breakdown(dict(base.breakdown), world_size=n, sharding=stage, largest_unit_param_bytes=unit)
+        peak = sum(per_rank.values())
+        if peak >= base.peak_bytes:
+            continue
+        gather = ""
+        if stage == "zero3":
+            gather = (f"; gathers one {type(blocks[0]).__name__}'s parameters at a time, plus one prefetched" if unit
+                      else "; gathers the whole model's parameters at once (no repeated blocks to wrap)")
+        text = (f"{names[stage]} over {n} GPUs, sharding the {shards[stage]}{gather}: "
+                f"{setup.versus(peak)} per GPU. Derived from the traced single-GPU breakdown at its peak, not a "
+                "trace of the sharded run; communication buffers are not counted")
+        cost = (f"needs {n} GPUs; communicates about {comm[stage]}x the parameter bytes "
+                f"({format_bytes(comm[stage] * param_bytes)}) per GPU per step"
+                f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")
+        out.append((stage, Suggestion({"sharding": stage, "world_size": n}, text, peak, peak <= setup.limit, cost)))
+    return out
+
+
+def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    base = setup.baseline
+    reserved = getattr(base, "peak_reserved_bytes", None)
+    if reserved is None or reserved <= (1 + _RESERVED_GAP) * base.peak_bytes:
+        return []
+    from preflight.allocator import AllocatorConfig, simulate
+
+    expandable = simulate(base.events, AllocatorConfig(expandable_segments=True)).peak_reserved_bytes
+    if expandable >= reserved:
+        return []
+    text = (f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the simulated reserved peak goes from "
+            f"{format_bytes(reserved)} to {format_bytes(expandable)} (allocated peak {format_bytes(base.peak_bytes)}, "
+            f"unchanged); {'fits' if expandable <= setup.limit else 'still over'} the budget")
+    cost = "an environment variable set before CUDA starts; no change to training"
+    return [("allocator", Suggestion({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, text, expandable,
+                                     expandable <= setup.limit, cost))]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The size of dim 0 of the first tensor with at least one dimension in ``batch`` (None if there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        size = batch_size_of(v)
+        if size is not None:
+            return size
+    return None
+
+
+def resize_batch(batch: Any, batch_size: int) -> Any:
+    """``batch`` with ``batch_size`` samples: every tensor whose dim 0 is the batch size is truncated or repeated.
+
+    The batch size is dim 0 of the first tensor found (`batch_size_of`, mappings in insertion order). Tensors
+    whose dim 0 differs (e.g. position ids of shape ``(1, seq)``) and non-tensors are kept as they are. Truncation
+    keeps the first samples; growing repeats the batch (sample ``i`` is sample ``i % n``). Results are new,
+    contiguous tensors (a slice would keep the whole original storage alive), with the same device, dtype and
+    ``requires_grad``; the mapping, list, tuple and namedtuple types are kept.
+
+    Args:
+        batch: a tensor or a nested dict/list/tuple of tensors, as a dataloader yields.
+        batch_size: the number of samples wanted, >= 1.
+
+    Returns:
+        The resized batch.
+
+    Raises:
+        ValueError: ``batch_size`` < 1, or no tensor in ``batch`` has a dimension.
+
+    Example:
+        >>> resize_batch({"x": torch.arange(4).reshape(2, 2)}, 3)["x"].tolist()
+        [[0, 1], [2, 3], [0, 1]]
+
+    Known limitations: samples are copies, so values repeat; this is for tracing and measuring memory, where
+    only shapes (and masks' structure) matter, not for training.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` should be a positive integer, got {batch_size!r}.")
+    current = batch_size_of(batch)
+    if current is None:
+        raise ValueError("`batch` has no tensor with a batch dimension to resize; pass a make_batch(b) function.")
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != current:
+            return t
+        source = t.detach()
+        if batch_size > current:
+            source = source.repeat(-(-batch_size // current), *([1] * (t.dim() - 1)))
+        out = source[:batch_size].clone(memory_format=torch.contiguous_format)
+        return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+
+    return _map_tensors(batch, resize)
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        mapped = {k: _map_tensors(v, fn) for k, v in batch.items()}
+        if type(batch) is dict:
+            return mapped
+        try:  # keep the user's mapping type (e.g. transformers' BatchEncoding)
+            return type(batch)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the model's largest ``nn.ModuleList`` (by parameters) with at least two children."""
+    best: list[nn.Module] = []
+    best_params = -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2:
+            params = sum(p.numel() for p in module.parameters())
+            if params > best_params:
+                best, best_params = list(module), params
+    return best
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and (
+        callable(getattr(model, "activation_checkpointing_enable", None))
+        or callable(getattr(model, "gradient_checkpointing_enable", None))
+    )
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+def _plain(value: Any) -> Any:
+    """A tensor hyperparameter (torch allows a tensor lr) as a Python number; bitsandbytes wants floats."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+class _NotRestored(RuntimeError):
+    """The user's model could not be put back as it was: never swallowed."""
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Put back, on exit, every attribute of every module and of its config, the contents of dict attributes
+    (parameter, buffer, submodule and hook tables) and ``requires_grad`` flags; then check nothing differs."""
+    saved = _snapshot(model)
+    try:
+        yield
+    finally:
+        for obj, attrs, tables in saved.objects:
+            current = obj.__dict__
+            for key in [k for k in current if k not in attrs]:
+                del current[key]
+            for key, value in attrs.items():
+                if current.get(key, _MISSING) is not value:
+                    current[key] = value
+            for key, items in tables.items():
+                table = attrs[key]
+                if not _same_items(table, items):
+                    table.clear()
+                    table.update(items)
+        for p, flag in saved.requires_grad:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
+        if not _snapshot(model).same_as(saved):
+            raise _NotRestored(f"preflight.advise could not restore {type(model).__name__} after tracing an "
+                               "option; please report this with the model's class.")
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    objects: list[tuple[Any, dict[str, Any], dict[str, list[tuple[Any, Any]]]]]
+    requires_grad: list[tuple[torch.Tensor, bool]]
+
+    def same_as(self, other: _Snapshot) -> bool:
+        if len(self.objects) != len(other.objects) or len(self.requires_grad) != len(other.requires_grad):
+            return False
+        for (o1, a1, t1), (o2, a2, t2) in zip(self.objects, other.objects):
+            if o1 is not o2 or a1.keys() != a2.keys() or any(a1[k] is not a2[k] for k in a1):
+                return False
+            if t1.keys() != t2.keys() or any(not _same_items(dict(t1[k]), t2[k]) for k in t1):
+                return False
+        return all(p1 is p2 and f1 == f2 for (p1, f1), (p2, f2) in zip(self.requires_grad, other.requires_grad))
+
+
+def _snapshot(model: nn.Module) -> _Snapshot:
+    objects: list[Any] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for obj in (module, module.__dict__.get("config")):
+            if obj is not None and hasattr(obj, "__dict__") and id(obj) not in seen:
+                seen.add(id(obj))
+                objects.append(obj)
+    entries = []
+    for obj in objects:
+        attrs = dict(obj.__dict__)
+        tables = {k: list(v.items()) for k, v in attrs.items() if isinstance(v, dict)}
+        entries.append((obj, attrs, tables))
+    return _Snapshot(entries, [(p, p.requires_grad) for p in model.parameters()])
+
+
+def _same_items(table: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> bool:
+    return len(table) == len(items) and all(
+        k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(table.items(), items)
+    )

@@ -1,0 +1,254 @@
+"""`advise`: each suggestion's predicted peak against a real measurement of the changed set-up, its ranking, and
+the user's model left exactly as it was."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import preflight
+import preflight._advise as advise_module
+from preflight._advise import Suggestion, advise, batch_size_of, resize_batch
+from preflight._autotune import accumulating_step
+from preflight._sharding import shard_breakdown
+
+VOCAB = 1000
+BATCH = 8
+
+
+def make_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def lm_batch(b: int, seq: int = 32) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (b, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class BlockMLP(nn.Module):
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return BlockMLP()
+
+
+def mlp_step(model: nn.Module, batch) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+MLP_BATCH = (torch.randn(512, 32, generator=torch.Generator().manual_seed(0)), torch.randint(0, 10, (512,)))
+
+
+def measure_fresh(make_model, batch, *, step=None, prepare=lambda model: None) -> int:
+    model = make_model()
+    prepare(model)
+    return preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=step).peak_bytes
+
+
+def state_of(model: nn.Module) -> dict:
+    """Everything advise must leave alone: weights (bitwise), module attributes, hooks, flags."""
+    return {
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "attrs": [(m, dict(vars(m))) for m in model.modules()],
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "training": [m.training for m in model.modules()],
+        "checkpointing": [getattr(m, "gradient_checkpointing", None) for m in model.modules()],
+        "config": dict(vars(model.config)) if hasattr(model, "config") else None,
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = state_of(model)
+    assert before["weights"].keys() == after["weights"].keys()
+    assert all(torch.equal(before["weights"][k], after["weights"][k]) for k in before["weights"])
+    for (m1, a1), (m2, a2) in zip(before["attrs"], after["attrs"]):
+        assert m1 is m2 and a1.keys() == a2.keys(), type(m1).__name__
+        assert all(a1[k] is a2[k] for k in a1), [k for k in a1 if a1[k] is not a2[k]]
+    for key in ("hooks", "requires_grad", "training", "checkpointing"):
+        assert before[key] == after[key], key
+    if before["config"] is not None:
+        assert before["config"].keys() == after["config"].keys()
+        assert all(before["config"][k] is after["config"][k] for k in before["config"])
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_budget() -> int:
+    """Between the measured peaks of micro-batch 4 and 5 as accumulation micro-steps: micro-batch 4 fits."""
+    four = measure_fresh(make_gpt2, lm_batch(4), step=accumulating_step())
+    five = measure_fresh(make_gpt2, lm_batch(5), step=accumulating_step())
+    return (four + five) // 2
+
+
+@pytest.fixture(scope="module")
+def gpt2_advice():
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = lm_batch(BATCH)
+    before = state_of(model)
+    suggestions = advise(model, opt, batch, budget=gpt2_budget(), world_size=2)
+    return model, opt, batch, before, suggestions
+
+
+def by_change(suggestions: list[Suggestion], key: str) -> Suggestion:
+    matches = [s for s in suggestions if key in s.change]
+    assert len(matches) == 1, [s.change for s in suggestions]
+    return matches[0]
+
+
+def test_micro_batch_suggestion_matches_measurement(gpt2_advice):
+    *_, suggestions = gpt2_advice
+    s = by_change(suggestions, "micro_batch_size")
+    assert s.change == {"micro_batch_size": 4, "accumulate_grad_batches": 2}  # global batch 8 kept
+    assert s.fits and s.predicted_peak_bytes <= gpt2_budget()
+    real = measure_fresh(make_gpt2, resize_batch(lm_batch(BATCH), 4), step=accumulating_step())
+    assert s.predicted_peak_bytes == pytest.approx(real, rel=0.01)
+
+
+def test_hf_checkpointing_suggestion_matches_measurement(gpt2_advice):
+    *_, suggestions = gpt2_advice
+    s = by_change(suggestions, "gradient_checkpointing")
+
+    def enable(model):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+    real = measure_fresh(make_gpt2, lm_batch(BATCH), prepare=enable)
+    assert s.predicted_peak_bytes == pytest.approx(real, rel=0.01)
+    assert "recomputes" in s.cost
+
+
+def test_user_model_is_unchanged(gpt2_advice):
+    model, opt, _, before, _ = gpt2_advice
+    assert_unchanged(model, before)
+    assert not model.is_activation_checkpointing
+    assert not opt.state  # the optimizer never stepped
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_ranking_and_other_options(gpt2_advice):
+    model, opt, batch, _, suggestions = gpt2_advice
+    fits = [s.fits for s in suggestions]
+    assert fits == sorted(fits, reverse=True)  # those that fit come first
+    order = advise_module._COST_ORDER
+    ranks = [order.index(_kind(s)) for s in suggestions if s.fits]
+    assert ranks == sorted(ranks)  # then the cheapest
+    baseline = preflight.estimate(model, opt, batch)
+    lowering = [s for s in suggestions if "gradient_checkpointing" not in s.change]  # checkpointing is always shown
+    assert all(s.predicted_peak_bytes < baseline.peak_bytes for s in lowering)
+    zero3 = [s for s in suggestions if s.change.get("sharding") == "zero3"][0]
+    assert "Derived from the traced single-GPU breakdown" in zero3.description
+    whole_model_gathered = shard_breakdown(baseline.breakdown, world_size=2, sharding="zero3")
+    assert zero3.predicted_peak_bytes <= sum(whole_model_gathered.values())
+    for key in ("peft", "optimizer", "precision"):
+        assert any(key in s.change for s in suggestions), key
+
+
+def _kind(s: Suggestion) -> str:
+    if "micro_batch_size" in s.change:
+        return "micro_batch"
+    if "gradient_checkpointing" in s.change:
+        return "checkpointing"
+    if "optimizer" in s.change:
+        return "adamw8bit"
+    if "peft" in s.change:
+        return "lora"
+    if "precision" in s.change:
+        return s.change["precision"]
+    if "sharding" in s.change:
+        return s.change["sharding"]
+    return "allocator"
+
+
+def test_generic_checkpointing_wraps_the_repeated_blocks():
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    before = state_of(model)
+    base = preflight.estimate(model, opt, MLP_BATCH, step=mlp_step).peak_bytes
+    suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, budget=base // 2)
+    assert_unchanged(model, before)
+    assert all("forward" not in vars(block) for block in model.blocks)
+    s = by_change(suggestions, "gradient_checkpointing")
+    assert "4 Block blocks" in s.description
+
+    def wrap(m):
+        for block in m.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+    real = measure_fresh(make_mlp, MLP_BATCH, step=mlp_step, prepare=wrap)
+    assert s.predicted_peak_bytes == pytest.approx(real, rel=0.01)
+    assert not any("sharding" in x.change for x in suggestions)  # world_size=1
+    assert not any("peft" in x.change for x in suggestions)  # not a transformers model
+
+
+def test_a_failing_option_is_left_out_with_a_warning(monkeypatch):
+    def broken(setup):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(advise_module, "_checkpointing", broken)
+    monkeypatch.setattr(advise_module, "_adamw8bit", lambda setup: [])  # keep the test quick
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.warns(RuntimeWarning, match="left out the activation checkpointing option: RuntimeError: boom"):
+        suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB")
+    assert suggestions and all(s.fits for s in suggestions)
+    assert not any("micro_batch_size" in s.change for s in suggestions)  # the current batch fits already
+
+
+def test_bad_options():
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="world_size.*0"):
+        advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB", world_size=0)
+    with pytest.raises(ValueError, match="headroom"):
+        advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB", headroom=-0.1)
+    with pytest.raises(ValueError, match="budget"):
+        advise(model, opt, MLP_BATCH, step=mlp_step, budget=None)
+
+
+def test_resize_batch():
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"ids": torch.arange(6).reshape(3, 2), "pos": torch.arange(2).reshape(1, 2), "n": 3,
+             "pair": Pair(torch.ones(3), [torch.zeros(3, 1)])}
+    grown = resize_batch(batch, 5)
+    assert grown["ids"].tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    assert grown["pos"] is batch["pos"] and grown["n"] == 3  # not a batch dimension / not a tensor
+    assert isinstance(grown["pair"], Pair) and grown["pair"].y[0].shape == (5, 1)
+    small = resize_batch(batch, 2)
+    assert small["ids"].tolist() == [[0, 1], [2, 3]]
+    assert small["ids"].untyped_storage().nbytes() == 2 * 2 * 8  # a copy, not a view of the whole batch
+    assert batch_size_of(small) == 2 and batch_size_of({"n": 3}) is None
+    with pytest.raises(ValueError, match="batch_size.*0"):
+        resize_batch(batch, 0)
+    with pytest.raises(ValueError, match="no tensor"):
+        resize_batch({"n": 3}, 2)

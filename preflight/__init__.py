@@ -2,7 +2,10 @@
 
 from preflight._advise import Suggestion, advise, resize_batch
 from preflight._autotune import BatchSizeResult, GlobalBatchPlan, max_batch_size, split_global_batch
+from preflight._batches import worst_case_batch
+from preflight._check import Report, check
 from preflight._errors import PreflightError
+from preflight._eval import estimate_eval
 from preflight._estimate import estimate
 from preflight._gpus import GPU, get_gpu, known_gpus
 from preflight._measure import measure
@@ -17,7 +20,11 @@ __all__ = [
     "BatchSizeResult",
     "GlobalBatchPlan",
     "Suggestion",
+    "Report",
     "advise",
+    "check",
+    "estimate_eval",
+    "worst_case_batch",
     "max_batch_size",
     "resize_batch",
     "split_global_batch",

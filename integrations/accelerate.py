@@ -1,0 +1,166 @@
+"""accelerate adapter for hand-written training loops: `preflight_check` before the loop, `StepVerifier` around
+its first optimizer steps.
+
+Works on the objects ``accelerator.prepare`` returns: the model is unwrapped (DDP) with its mixed-precision
+forward kept, the optimizer's torch optimizer is traced, and the dataloader's dataset and ``collate_fn`` give the
+worst-case batch. The loop is assumed to run forward, ``accelerator.backward``, ``optimizer.step()``,
+``optimizer.zero_grad()`` per optimizer step (``zero_grad="before_backward"`` if yours zeroes first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+try:
+    import accelerate
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError("preflight.integrations.accelerate needs accelerate: pip install 'preflight-memory[hf]'") from err
+
+import torch
+from torch import nn
+
+from preflight._batches import DEFAULT_TIME_LIMIT, scan
+from preflight._budget import DEFAULT_HEADROOM
+from preflight._check import Options, Report, VerifySession, decide, internal_failures, predict
+from preflight._eval import EvalStepFn
+from preflight._schedule import Schedule
+from preflight._steps import StepFn
+
+__all__ = ["StepVerifier", "preflight_check"]
+
+_PRECISIONS = {"no": None, "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def preflight_check(
+    accelerator: accelerate.Accelerator,
+    model: nn.Module,
+    optimizer: Any,
+    dataloader: Any,
+    *,
+    budget: int | float | str | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    on_overflow: str = "raise",
+    report_path: str | None = None,
+    plot_path: str | None = None,
+    check_eval: bool = True,
+    eval_dataloader: Any = None,
+    step: StepFn | None = None,
+    eval_step: EvalStepFn | None = None,
+    zero_grad: str = "after_step",
+    gpu: str | None = None,
+    suggest: bool = True,
+    scan_seconds: float = DEFAULT_TIME_LIMIT,
+) -> Report | None:
+    """Predict the peak of the loop's training (and eval) step on the worst-case batch; raise if it will not fit.
+
+    Call it on every process after ``accelerator.prepare`` and before the first step.
+
+    Args:
+        accelerator: the ``Accelerator`` (precision and gradient accumulation are read from it).
+        model, optimizer, dataloader: as returned by ``accelerator.prepare``.
+        budget, headroom, on_overflow, report_path, plot_path, check_eval, gpu, suggest: see
+            `preflight._check.Options`.
+        eval_dataloader: the evaluation dataloader, to predict the no-grad eval step.
+        step: ``step(model, batch) -> loss`` if the loop does more than ``model(**batch).loss``.
+        eval_step: ``eval_step(model, batch)``; default ``model(**batch)``.
+        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop calls ``optimizer.zero_grad()``.
+        scan_seconds: time limit for scanning the dataset for its largest samples.
+
+    Returns:
+        The `preflight._check.Report` (None when the prediction failed: a warning says why and the loop can run).
+
+    Raises:
+        preflight.PreflightError: the run does not fit and ``on_overflow="raise"`` (on every process alike).
+
+    Example:
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+        >>> report = preflight_check(accelerator, model, optimizer, loader, budget="24GiB")  # doctest: +SKIP
+        >>> verifier = StepVerifier(accelerator, model, optimizer, report)  # doctest: +SKIP
+        >>> for batch in loader:  # doctest: +SKIP
+        ...     with verifier.step(batch):
+        ...         accelerator.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
+    """
+    options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
+                      report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest)
+    schedule = Schedule(accumulate=accelerator.gradient_accumulation_steps, zero_grad=zero_grad)  # validates
+    report = None
+    with internal_failures("the prediction"):
+        report = _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, schedule, step,
+                          eval_step, scan_seconds)
+    return decide(report, options)
+
+
+class StepVerifier:
+    """Measure the first ``steps`` optimizer steps of a custom loop and fill in ``report``'s measured fields.
+
+    Wrap each loop iteration in ``with verifier.step(batch):``. A window opens at the first micro-batch and closes
+    when ``accelerator.sync_gradients`` is True on exit (the optimizer stepped), so ``accelerator.accumulate``
+    loops are measured per optimizer step. After ``steps`` steps (or `finish`) the report is updated, written,
+    printed, and warnings are emitted; then the context does nothing.
+    """
+
+    def __init__(self, accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any,
+                 report: Report | None, *, steps: int = 3, report_path: str | None = None,
+                 plot_path: str | None = None) -> None:
+        options = Options(verify_steps=steps, report_path=report_path, plot_path=plot_path)
+        self.accelerator = accelerator
+        self.model = accelerator.unwrap_model(model)
+        self.optimizer = _torch_optimizer(optimizer)
+        self.session = VerifySession(report, options, accelerator.device,
+                                     extra_resident_bytes=_ddp_bucket_bytes(model))
+        self._open = False
+
+    @contextlib.contextmanager
+    def step(self, batch: Any) -> Iterator[None]:
+        """Around one loop iteration (one micro-batch) on ``batch``."""
+        if not self.session.active:
+            yield
+            return
+        if not self._open:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            states = [list(s.values()) for s in self.optimizer.state.values()]
+            self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads, states,
+                                       batch])
+            self._open = True
+        yield
+        if self.accelerator.sync_gradients:
+            self._open = False
+            self.session.step_ended()
+
+    def finish(self) -> Report | None:
+        """End verification early (fewer steps than asked); returns the report."""
+        return self.session.finish()
+
+
+def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any, dataloader: Any,
+             eval_dataloader: Any, options: Options, schedule: Schedule, step: StepFn | None,
+             eval_step: EvalStepFn | None, scan_seconds: float) -> Report:
+    samples = scan(dataloader, time_limit=scan_seconds)
+    batch, info = samples.worst_case()
+    eval_batch = eval_info = None
+    if options.check_eval and eval_dataloader is not None:
+        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds).worst_case()
+    mixed = str(accelerator.mixed_precision)
+    if mixed not in _PRECISIONS:
+        raise ValueError(f"mixed_precision={mixed!r} is not modelled (only no, bf16 and fp16)")
+    # unwrap_model keeps accelerate's mixed-precision forward wrapper (autocast + fp32 outputs): traced as it runs.
+    report = predict(accelerator.unwrap_model(model), _torch_optimizer(optimizer), batch, options=options, step=step,
+                   precision=_PRECISIONS[mixed], device=accelerator.device, schedule=schedule,
+                   batch_info=info, eval_batch=eval_batch, eval_step=eval_step,
+                   eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_bucket_bytes(model) > 0,
+                   make_batch=samples.batch)
+    return report
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _ddp_bucket_bytes(model: nn.Module) -> int:
+    if not isinstance(model, nn.parallel.DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    params = {id(p): p for p in model.module.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)

@@ -1,0 +1,400 @@
+"""Hugging Face Trainer adapter: `PreflightCallback`, `attach` and `autotune`.
+
+Hooks (transformers 5, ``trainer.py``): ``_inner_training_loop`` creates the optimizer, prepares the model and
+the train dataloader (``callback_handler.train_dataloader = train_dataloader``), calls ``model.zero_grad()`` and
+then ``on_train_begin``, whose keyword arguments carry ``model``, ``optimizer``, ``train_dataloader`` and
+``eval_dataloader`` (``CallbackHandler.call_event``; the eval dataloader is only set once an evaluation ran).
+Activation checkpointing from ``TrainingArguments`` is applied in ``train()`` before that, so the model arrives
+as it will train. Each optimizer step fetches all its accumulated micro-batches, then runs ``on_step_begin``,
+forward and backward per micro-batch, gradient clipping, ``optimizer.step()``, ``model.zero_grad()`` and
+``on_step_end``: the verification window.
+
+A callback does not see the Trainer, so it cannot build the eval dataloader or log through ``Trainer.log``;
+`attach` (or `autotune`) gives it the Trainer for both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "preflight.integrations.hf needs transformers: pip install 'preflight-memory[hf]'"
+    ) from err
+
+import torch
+from torch import nn
+
+from preflight._batches import DEFAULT_TIME_LIMIT, isolated_rng, scan
+from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
+from preflight._check import (Options, Report, VerifySession, decide, eval_resident, internal_failures,
+                              is_rank_zero, predict)
+from preflight._schedule import Schedule, scheduled
+
+__all__ = ["PreflightCallback", "attach", "autotune"]
+
+
+class PreflightCallback(TrainerCallback):
+    """Predict the peak memory of ``Trainer.train`` before step one; raise if it will not fit; verify after a few
+    steps.
+
+    Args:
+        budget, headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, gpu, suggest: as for the
+            Lightning callback (`preflight._check.Options`).
+        scan_seconds: time limit for scanning the dataset for its largest samples.
+
+    Example:
+        >>> callback = PreflightCallback(budget="24GiB")
+        >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+        >>> # or, to also predict the eval step and log to the Trainer's loggers:
+        >>> attach(trainer, budget="24GiB"); trainer.train()  # doctest: +SKIP
+
+    Environment:
+        ``PREFLIGHT_DRY_RUN=1``: predict, write the report, and exit before step one with status 0 (fits) or 3
+        (does not fit).
+
+    Known limitations:
+        - Without `attach`, the eval step is predicted only if the Trainer already evaluated (it passes the eval
+          dataloader to callbacks then), and metrics go to ``state.log_history`` instead of the loggers.
+        - A Trainer subclass's ``compute_loss`` is traced only when the callback is attached; ``training_step``
+          overrides are not traced.
+        - Gradient clipping temporaries (a scalar per parameter) are not traced; DeepSpeed and FSDP runs are
+          predicted as one unsharded replica.
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str | None = None,
+        headroom: float = DEFAULT_HEADROOM,
+        on_overflow: str = "raise",
+        verify_steps: int = 3,
+        report_path: str | None = None,
+        plot_path: str | None = None,
+        check_eval: bool = True,
+        gpu: str | None = None,
+        suggest: bool = True,
+        scan_seconds: float = DEFAULT_TIME_LIMIT,
+    ) -> None:
+        self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
+                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
+                               suggest=suggest)
+        if not isinstance(scan_seconds, (int, float)) or isinstance(scan_seconds, bool) or scan_seconds <= 0:
+            raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {scan_seconds!r}.")
+        self.scan_seconds = scan_seconds
+        self.trainer: Trainer | None = None  # set by attach() / autotune()
+        self.report: Report | None = None
+        self.autotuned: dict[str, Any] | None = None
+        self._session: VerifySession | None = None
+        self._batch: Any = None
+        self._hook: Any = None
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       optimizer: torch.optim.Optimizer | None = None, train_dataloader: Any = None,
+                       eval_dataloader: Any = None, **kwargs: Any) -> None:
+        report = None
+        with internal_failures("the prediction"):
+            report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader)
+        if report is not None and self.autotuned is not None:
+            report.autotune = self.autotuned
+        self.report = report  # kept when decide raises
+        decide(report, self.options, emit=lambda r: self._log(state, r))
+        if self.options.verify_steps:
+            self._session = VerifySession(self.report, self.options, _device(model),
+                                          extra_resident_bytes=_ddp_bucket_bytes(self.trainer, model, args))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                      optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+        session = self._session
+        if session is None or not session.active:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        states = [list(s.values()) for s in optimizer.state.values()]
+        # The micro-batches were fetched before this hook, which does not receive them: the first forward's
+        # inputs are picked up by a pre-hook and counted as alive since the start (`StepPeakMeter.stop`).
+        self._batch = None
+        self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
+        session.step_started([list(model.parameters()), list(model.buffers()), grads, states])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        session = self._session
+        if session is None or not session.active:
+            return
+        self._remove_hook()
+        batch, self._batch = self._batch, None
+        if session.step_ended(also_resident=batch):
+            self._log(state, session.report, verified=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_hook()
+        if self._session is not None and self._session.active:  # fewer steps than verify_steps
+            self._session.finish()
+            self._log(state, self._session.report, verified=True)
+
+    # ---- translation ------------------------------------------------------------------------------------------
+
+    def _predict(self, args: Any, model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: Any,
+                 eval_dataloader: Any) -> Report:
+        samples = scan(train_dataloader, time_limit=self.scan_seconds)
+        batch, info = samples.worst_case()
+        eval_batch = eval_info = None
+        if self.options.check_eval:
+            loader = eval_dataloader if eval_dataloader is not None else _eval_loader(self.trainer, args)
+            if loader is not None:
+                eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds).worst_case()
+        return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=self.options,
+                     step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
+                     schedule=Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step"),
+                     batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
+                     ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
+                     make_batch=samples.batch)
+
+    def _remember_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._batch is None:
+            self._batch = (args, kwargs)
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _log(self, state: Any, report: Report | None, *, verified: bool = False) -> None:
+        if report is None or not is_rank_zero():
+            return
+        metrics = {"preflight/predicted_peak_bytes": float(report.predicted_peak_bytes)}
+        if verified and report.measured_peak_bytes is not None:
+            metrics["preflight/measured_peak_bytes"] = float(report.measured_peak_bytes)
+            if report.relative_error is not None:
+                metrics["preflight/relative_error"] = float(report.relative_error)
+        if self.trainer is not None:
+            self.trainer.log(metrics)
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+
+
+def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
+    """Add a `PreflightCallback` with ``options`` to ``trainer`` and give it the Trainer (eval dataloader, logging).
+
+    Returns the callback (its ``report`` holds the prediction after ``trainer.train()`` starts).
+    """
+    callback = PreflightCallback(**options)
+    callback.trainer = trainer
+    trainer.add_callback(callback)
+    return callback
+
+
+def autotune(
+    trainer: Trainer,
+    budget: int | float | str | None = None,
+    *,
+    headroom: float = DEFAULT_HEADROOM,
+    max_batch_size: int | None = None,
+    multiple_of: int = 1,
+    gpu: str | None = None,
+    scan_seconds: float = DEFAULT_TIME_LIMIT,
+) -> dict[str, Any] | None:
+    """Before ``trainer.train()``: set the largest micro-batch that fits, keeping the global batch.
+
+    Sets ``args.per_device_train_batch_size`` and ``args.gradient_accumulation_steps`` (global batch =
+    micro-batch x accumulation, kept as `preflight._autotune.split_global_batch` explains), and
+    ``args.per_device_eval_batch_size`` from the eval step's own prediction (no gradients, so usually larger).
+    Predictions use the dataset's worst-case samples and trace the training step as an accumulation micro-step.
+    A `PreflightCallback` already on the Trainer is given the Trainer and the chosen values for its report.
+
+    Args:
+        trainer: the Trainer, before ``train()``.
+        budget: bytes per device (int or ``"24GiB"``); default the CUDA device's capacity (required on CPU).
+        headroom: fraction of the budget kept free.
+        max_batch_size: largest micro-batch to consider (default: the global batch for training; for evaluation,
+            the eval dataset's size).
+        multiple_of: chosen batch sizes are multiples of this.
+        gpu: plan for this GPU model's memory.
+        scan_seconds: time limit for scanning each dataset.
+
+    Returns:
+        The chosen values and predicted peaks (also printed on rank zero), or None when tuning failed: then the
+        arguments are unchanged and a warning says why.
+
+    Known limitations: activation checkpointing requested in ``TrainingArguments`` is applied by ``train()``,
+    after this runs: enable it on the model first for it to count. The optimizer is built with
+    ``trainer.create_optimizer()`` when the Trainer has none yet, then dropped again.
+    """
+    options = Options(budget=budget, headroom=headroom, gpu=gpu)  # validates
+    args = trainer.args
+    saved = (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size,
+             trainer._train_batch_size)
+    chosen = None
+    with internal_failures("autotune"):
+        chosen = _tune(trainer, options, max_batch_size, multiple_of, scan_seconds)
+    if chosen is None:
+        (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size,
+         trainer._train_batch_size) = saved
+        return None
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, PreflightCallback):
+            callback.trainer = trainer
+            callback.autotuned = chosen
+    return chosen
+
+
+def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multiple_of: int,
+          scan_seconds: float) -> dict[str, Any]:
+    from preflight._autotune import max_batch_size as largest_batch, split_global_batch
+
+    args, model = trainer.args, trainer.model
+    device = _device(model)
+    budget = resolve_budget(options.budget, device=device, gpu=options.gpu)
+    if budget is None:
+        raise ValueError("autotune needs a budget: there is no CUDA device to read a capacity from. Pass "
+                         "budget='24GiB' (or the memory the run may use).")
+    if (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)) and \
+            not getattr(model, "is_gradient_checkpointing", False):
+        warnings.warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
+                      "applies later; the batch size is tuned without it (call model.gradient_checkpointing_enable() "
+                      "first to tune with it).", RuntimeWarning, stacklevel=3)
+    optimizer = trainer.optimizer
+    if optimizer is None:
+        optimizer = trainer.create_optimizer()
+        trainer.optimizer = None  # train() creates its own, after the model is prepared
+    with isolated_rng():
+        loader = trainer.get_train_dataloader()
+    samples = scan(loader, time_limit=scan_seconds)
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    precision = _precision(args)
+    traced_optimizer, step = scheduled(_unwrap_optimizer(optimizer), _loss_step(trainer),
+                                       Schedule(accumulate=2 if global_batch > 1 else 1))
+    result = largest_batch(model, traced_optimizer, samples.batch, budget=budget, step=step, precision=precision,
+                           device=device, max_batch=min(global_batch, max_batch_size or global_batch),
+                           multiple_of=multiple_of, headroom=options.headroom)
+    if result.batch_size == 0:
+        raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
+    plan = split_global_batch(global_batch, result.batch_size)
+    chosen: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.accumulation_steps,
+        "global_batch_size": plan.global_batch_size, "exact": plan.exact, "note": plan.note,
+        "predicted_peak_bytes": result.predicted_peak_bytes, "traces": result.traces,
+        "original": {"per_device_train_batch_size": args.per_device_train_batch_size,
+                     "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                     "per_device_eval_batch_size": args.per_device_eval_batch_size},
+    }
+    if trainer.eval_dataset is not None:
+        with isolated_rng():
+            eval_loader = trainer.get_eval_dataloader()
+        eval_samples = scan(eval_loader, time_limit=scan_seconds)
+        resident = eval_resident(model, optimizer, precision=precision, schedule=Schedule())
+        cap = max_batch_size or max(1, eval_samples.dataset_size or args.per_device_eval_batch_size)
+        size, peak = _largest_eval_batch(model, eval_samples, resident, usable_bytes(budget, options.headroom),
+                                         precision, device, cap, multiple_of)
+        if size:
+            chosen.update(per_device_eval_batch_size=size, eval_predicted_peak_bytes=peak)
+    args.per_device_train_batch_size = plan.micro_batch_size
+    args.gradient_accumulation_steps = plan.accumulation_steps
+    if "per_device_eval_batch_size" in chosen:
+        args.per_device_eval_batch_size = chosen["per_device_eval_batch_size"]
+    trainer._train_batch_size = args.train_batch_size  # Trainer.__init__ copied it; train() reads the copy
+    if is_rank_zero():
+        original = chosen["original"]
+        print(f"preflight autotune: per_device_train_batch_size {original['per_device_train_batch_size']} -> "
+              f"{plan.micro_batch_size}, gradient_accumulation_steps {original['gradient_accumulation_steps']} -> "
+              f"{plan.accumulation_steps} ({plan.note}); per_device_eval_batch_size "
+              f"{original['per_device_eval_batch_size']} -> {args.per_device_eval_batch_size}", flush=True)
+    return chosen
+
+
+def _largest_eval_batch(model: nn.Module, samples: Any, resident: dict[str, int], limit: int,
+                        precision: str | None, device: torch.device, cap: int, multiple_of: int) -> tuple[int, int]:
+    """The largest multiple of ``multiple_of`` up to ``cap`` whose eval peak fits ``limit``: doubling, then
+    bisection over eval traces (each a single no-grad forward)."""
+    from preflight._eval import estimate_eval
+
+    peaks: dict[int, int] = {}
+
+    def peak(k: int) -> int:
+        if k not in peaks:
+            peaks[k] = estimate_eval(model, samples.batch(k * multiple_of), precision=precision, device=device,
+                                     resident=resident).peak_bytes
+        return peaks[k]
+
+    k_max = max(1, cap // multiple_of)
+    if peak(1) > limit:
+        return 0, 0
+    good, bad = 1, None
+    while good < k_max:  # doubling up to the cap
+        k = min(2 * good, k_max)
+        if peak(k) > limit:
+            bad = k
+            break
+        good = k
+    while bad is not None and bad - good > 1:  # bisection between a fitting and a failing size
+        mid = (good + bad) // 2
+        if peak(mid) <= limit:
+            good = mid
+        else:
+            bad = mid
+    return good * multiple_of, peaks[good]
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+
+def _precision(args: Any) -> str | None:
+    if getattr(args, "bf16", False):
+        return "bf16-mixed"
+    if getattr(args, "fp16", False):
+        return "16-mixed"
+    return None
+
+
+def _loss_step(trainer: Trainer | None) -> Any:
+    """The Trainer's own ``compute_loss`` when a subclass overrides it; else the default step (``model(**batch)``)."""
+    if trainer is None or type(trainer).compute_loss is Trainer.compute_loss:
+        return None
+    return lambda model, batch: trainer.compute_loss(model, batch)
+
+
+def _eval_loader(trainer: Trainer | None, args: Any) -> Any:
+    strategy = getattr(args, "eval_strategy", "no")
+    if trainer is None or trainer.eval_dataset is None or getattr(strategy, "value", strategy) == "no":
+        return None
+    # The Trainer builds (and prepares) a new eval dataloader at every evaluation; one more leaves nothing behind.
+    with isolated_rng():
+        return trainer.get_eval_dataloader()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer``."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _ddp_bucket_bytes(trainer: Trainer | None, model: nn.Module, args: Any) -> int:
+    """DDP's gradient buckets (a flat copy of every gradient) when the model trains under DDP without bucket views."""
+    wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        if wrapped.gradient_as_bucket_view:
+            return 0
+    elif not (_world_size() > 1 and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)):
+        return 0
+    params = {id(p): p for p in _unwrap(model).parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,362 @@
+"""Lightning adapter: `PreflightCallback` predicts the training peak before step one, stops a run that will not
+fit, and checks the prediction against the first steps.
+
+Hooks (Lightning 2.x, ``lightning/pytorch/trainer/trainer.py`` ``_run`` and ``loops/fit_loop.py``):
+
+- ``on_fit_start``: after ``strategy.setup`` configured the optimizers and precision, before the dataloaders
+  exist. Used only by ``autotune``, like ``BatchSizeFinder.on_fit_start``.
+- ``on_train_start``: after the sanity check and ``fit_loop.setup_data()``, so ``trainer.train_dataloader`` and
+  ``trainer.val_dataloaders`` exist, and before the first batch is trained: the prediction and the verdict.
+- ``on_train_batch_start`` / ``on_train_batch_end`` around each optimizer step (all its accumulated
+  micro-batches; the optimizer steps inside the last one's closure): the verification window.
+
+Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward`` (``Closure``
+in ``loops/optimization/automatic.py``), so the previous step's gradients are alive through the next forward;
+the prediction traces that order (`preflight._schedule`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "preflight.integrations.lightning needs Lightning 2: pip install 'preflight-memory[lightning]'"
+    ) from err
+
+import torch
+from torch import nn
+
+from preflight._batches import DEFAULT_TIME_LIMIT, isolated_rng, scan
+from preflight._budget import DEFAULT_HEADROOM
+from preflight._check import Options, Report, VerifySession, decide, internal_failures, is_rank_zero, predict
+from preflight._schedule import Schedule, scheduled
+from preflight._steps import PRECISIONS
+
+__all__ = ["PreflightCallback"]
+
+
+class PreflightCallback(Callback):
+    """Predict the peak memory of ``trainer.fit`` before step one; raise if it will not fit; verify after a few steps.
+
+    Args:
+        budget: bytes per device the run may use (int, or ``"24GiB"``, ``"80GB"``); default the CUDA device's
+            capacity; on CPU no budget (no verdict) unless given.
+        headroom: fraction of the budget kept free for the allocator's cache and the CUDA context (0.10: see
+            `preflight._budget.DEFAULT_HEADROOM`).
+        on_overflow: ``"raise"`` (`preflight.PreflightError` before any optimizer step) or ``"warn"``.
+        verify_steps: optimizer steps measured at the start to check the prediction; 0 disables.
+        report_path: JSON report path (rank zero).
+        plot_path: PNG of the predicted timeline and breakdown (needs matplotlib).
+        check_eval: predict the validation step too (no grad, validation batch size), when there is one.
+        autotune: choose the largest micro-batch that fits, setting the ``batch_size`` attribute (of the module,
+            its hparams, or the datamodule: Lightning's ``lightning_setattr``, as ``BatchSizeFinder`` does) and
+            ``trainer.accumulate_grad_batches`` so the global batch is kept; the original set-up is restored if
+            anything fails.
+        max_batch_size: with ``autotune``, the largest micro-batch to consider (default: the global batch).
+        multiple_of: with ``autotune``, micro-batches are multiples of this.
+        gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
+        suggest: when the run does not fit, rank what to change (traces each option: ~10 more traces).
+        scan_seconds: time limit for scanning the dataset for its largest samples.
+
+    Example:
+        >>> trainer = L.Trainer(callbacks=[PreflightCallback(budget="24GiB")])  # doctest: +SKIP
+        >>> trainer.fit(module, datamodule)  # doctest: +SKIP
+
+    Environment:
+        ``PREFLIGHT_DRY_RUN=1``: predict, write the report, and exit before step one with status 0 (fits) or 3
+        (does not fit).
+
+    Known limitations:
+        - Manual optimization (``automatic_optimization = False``) and several train dataloaders are not
+          predicted (a warning says so).
+        - The trace runs ``training_step`` / ``validation_step`` with ``self.log`` switched off; code in other
+          hooks (``on_before_backward``, gradient clipping) is not traced.
+        - Iterable datasets use their first batch (reported as ``first-batch``), not the worst case.
+        - DeepSpeed and FSDP strategies are predicted as one unsharded replica.
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str | None = None,
+        headroom: float = DEFAULT_HEADROOM,
+        on_overflow: str = "raise",
+        verify_steps: int = 3,
+        report_path: str | None = None,
+        plot_path: str | None = None,
+        check_eval: bool = True,
+        autotune: bool = False,
+        max_batch_size: int | None = None,
+        multiple_of: int = 1,
+        gpu: str | None = None,
+        suggest: bool = True,
+        scan_seconds: float = DEFAULT_TIME_LIMIT,
+    ) -> None:
+        self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
+                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
+                               suggest=suggest)
+        if not isinstance(autotune, bool):
+            raise ValueError(f"`autotune` should be True or False, got {autotune!r}.")
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
+                                           or max_batch_size < 1):
+            raise ValueError(f"`max_batch_size` should be None or a positive integer, got {max_batch_size!r}.")
+        if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+            raise ValueError(f"`multiple_of` should be a positive integer, got {multiple_of!r}.")
+        if not isinstance(scan_seconds, (int, float)) or isinstance(scan_seconds, bool) or scan_seconds <= 0:
+            raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {scan_seconds!r}.")
+        self.autotune = autotune
+        self.max_batch_size = max_batch_size
+        self.multiple_of = multiple_of
+        self.scan_seconds = scan_seconds
+        self.report: Report | None = None
+        self._session: VerifySession | None = None
+        self._autotuned: dict[str, Any] | None = None
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.autotune and stage == "fit":
+            if trainer.world_size > 1:
+                raise ValueError("PreflightCallback(autotune=True) picks the batch size on one process; under a "
+                                 f"distributed strategy ({trainer.world_size} processes) set the batch size yourself "
+                                 "(preflight.max_batch_size on one process gives it) and keep autotune=False.")
+            if not trainer.fit_loop._data_source.is_module():
+                raise ValueError("PreflightCallback(autotune=True) cannot change dataloaders passed directly to "
+                                 "`.fit()`. Please disable autotune or build the dataloader in your LightningModule "
+                                 "or LightningDataModule from a `batch_size` attribute.")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.report, self._session, self._autotuned = None, None, None
+        if self.autotune:
+            self._autotune(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = None
+        supported = _unsupported_reason(trainer, pl_module)
+        if supported is not None:
+            if is_rank_zero():
+                warnings.warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning, stacklevel=2)
+            return
+        with internal_failures("the prediction"):
+            report = self._predict(trainer, pl_module)
+        if report is not None and self._autotuned is not None:
+            report.autotune = self._autotuned
+        self.report = report  # kept when decide raises
+        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False))
+        if self.options.verify_steps:
+            self._session = VerifySession(self.report, self.options, pl_module.device,
+                                          extra_resident_bytes=_ddp_bucket_bytes(trainer, pl_module))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        session = self._session
+        if session is None or not session.active or batch_idx % trainer.accumulate_grad_batches:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
+        session.step_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        session = self._session
+        if session is None or not session.active:
+            return
+        # The optimizer stepped in this batch's closure: the last micro-batch of the accumulation, or of the epoch.
+        last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or \
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if last and session.step_ended():
+            _log(trainer, session.report, verified=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None and self._session.active:  # fewer steps than verify_steps
+            self._session.finish()
+            _log(trainer, self._session.report, verified=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._session is not None and self._session.meter is not None:
+            self._session.meter.abort()
+
+    # ---- translation ------------------------------------------------------------------------------------------
+
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Report:
+        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
+        batch, info = samples.worst_case()
+        eval_batch = eval_info = None
+        val_loader = _val_loader(trainer, pl_module) if self.options.check_eval else None
+        if val_loader is not None:
+            eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds).worst_case()
+        precision, note = _precision(trainer)
+        with _quiet_logging(pl_module):
+            report = predict(
+                pl_module, trainer.optimizers[0], batch, options=self.options, step=_training_step,
+                precision=precision, device=pl_module.device,
+                schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
+                batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
+                eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_bucket_bytes(trainer, pl_module) > 0,
+                make_batch=samples.batch,
+            )
+        if note:
+            report.warnings.append(note)
+        return report
+
+    def _autotune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+
+        if not lightning_hasattr(pl_module, "batch_size"):
+            warnings.warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
+                          "the datamodule (as BatchSizeFinder does); the batch size was not tuned.",
+                          RuntimeWarning, stacklevel=2)
+            return
+        original = (lightning_getattr(pl_module, "batch_size"), trainer.accumulate_grad_batches)
+        done = False
+        with internal_failures("autotune"):
+            self._autotuned = self._tune(trainer, pl_module, original, lightning_setattr)
+            done = True
+        if not done:  # restore the original set-up
+            lightning_setattr(pl_module, "batch_size", original[0])
+            trainer.accumulate_grad_batches = original[1]
+        _reset_train_dataloader(trainer)
+
+    def _tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule, original: tuple[int, int],
+              setattr_: Any) -> dict[str, Any]:
+        from preflight._autotune import max_batch_size, split_global_batch
+        from preflight._budget import resolve_budget
+
+        budget = resolve_budget(self.options.budget, device=pl_module.device, gpu=self.options.gpu)
+        if budget is None:
+            raise ValueError("autotune needs a budget: there is no CUDA device to read a capacity from. Pass "
+                             "budget='24GiB' (or the memory the run may use).")
+        with isolated_rng():  # the loader built here is discarded; training builds its own from the same RNG state
+            trainer.fit_loop.setup_data()
+        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
+        global_batch = original[0] * original[1]
+        precision, _ = _precision(trainer)
+        # Traced as an accumulation micro-step: any micro-batch below the global batch will accumulate.
+        optimizer, step = scheduled(trainer.optimizers[0], _training_step,
+                                    Schedule(accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward"))
+        with _quiet_logging(pl_module):
+            result = max_batch_size(pl_module, optimizer, samples.batch, budget=budget, step=step,
+                                    precision=precision, device=pl_module.device,
+                                    max_batch=min(global_batch, self.max_batch_size or global_batch),
+                                    multiple_of=self.multiple_of, headroom=self.options.headroom)
+        if result.batch_size == 0:
+            raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
+        plan = split_global_batch(global_batch, result.batch_size)
+        setattr_(pl_module, "batch_size", plan.micro_batch_size)
+        trainer.accumulate_grad_batches = plan.accumulation_steps
+        chosen = {"batch_size": plan.micro_batch_size, "accumulate_grad_batches": plan.accumulation_steps,
+                  "global_batch_size": plan.global_batch_size, "original_batch_size": original[0],
+                  "original_accumulate_grad_batches": original[1], "exact": plan.exact, "note": plan.note,
+                  "predicted_peak_bytes": result.predicted_peak_bytes, "traces": result.traces}
+        if is_rank_zero():
+            print(f"preflight autotune: batch_size {original[0]} -> {plan.micro_batch_size}, accumulate_grad_batches "
+                  f"{original[1]} -> {plan.accumulation_steps} ({plan.note}); traced {result.traces} time(s)",
+                  flush=True)
+        return chosen
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+
+def _training_step(module: pl.LightningModule, batch: Any) -> Any:
+    return module.training_step(batch, 0)
+
+
+def _validation_step(module: pl.LightningModule, batch: Any) -> Any:
+    return module.validation_step(batch, 0)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_logging(module: pl.LightningModule) -> Iterator[None]:
+    """Switch ``self.log``/``self.log_dict`` off while the steps run on fake tensors (they would store them in the
+    trainer's results); the instance attributes are removed afterwards."""
+    module.log = _noop
+    module.log_dict = _noop
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _precision(trainer: pl.Trainer) -> tuple[str | None, str | None]:
+    precision = str(trainer.precision)
+    if precision in PRECISIONS:
+        return precision, None
+    if precision == "64-true":  # the module is already double: trace the tensors as they are
+        return None, None
+    return None, f"precision {precision!r} is traced with the tensors' own dtypes (not modelled)"
+
+
+def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    if not pl_module.automatic_optimization:
+        return "manual optimization is not supported (preflight traces Lightning's automatic optimization step)"
+    if len(trainer.optimizers) != 1:
+        return f"{len(trainer.optimizers)} optimizers are not supported"
+    if trainer.train_dataloader is None:
+        return "there is no train dataloader"
+    return None
+
+
+def _single_loader(loaders: Any, what: str) -> Any:
+    if isinstance(loaders, (list, tuple)) and len(loaders) == 1:
+        loaders = loaders[0]
+    if isinstance(loaders, torch.utils.data.DataLoader):
+        return loaders
+    raise ValueError(f"preflight reads one {what} DataLoader; got {type(loaders).__name__}")
+
+
+def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The validation DataLoader (the first, when there are several), or None without validation."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    loaders = trainer.val_dataloaders
+    if loaders is None or trainer.limit_val_batches == 0 or not is_overridden("validation_step", pl_module):
+        return None
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        if not loaders:
+            return None
+        loaders = loaders[0]
+    return _single_loader(loaders, "validation")
+
+
+def _ddp_bucket_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """Bytes of DDP's gradient buckets (one flat copy of every gradient), 0 without DDP or with bucket views."""
+    wrapped = getattr(trainer.strategy, "model", None)
+    if not isinstance(wrapped, nn.parallel.DistributedDataParallel) or wrapped.gradient_as_bucket_view:
+        return 0
+    params = {id(p): p for p in pl_module.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _reset_train_dataloader(trainer: pl.Trainer) -> None:
+    """Drop the loader built for autotune so ``fit_loop.run`` builds it again with the chosen batch size (what
+    ``lightning.pytorch.tuner.batch_size_scaling._reset_dataloaders`` does)."""
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
+
+
+def _log(trainer: pl.Trainer, report: Report | None, *, verified: bool) -> None:
+    if report is None or not trainer.is_global_zero:
+        return
+    metrics = {"preflight/predicted_peak_bytes": float(report.predicted_peak_bytes)}
+    if verified and report.measured_peak_bytes is not None:
+        metrics["preflight/measured_peak_bytes"] = float(report.measured_peak_bytes)
+        if report.relative_error is not None:
+            metrics["preflight/relative_error"] = float(report.relative_error)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

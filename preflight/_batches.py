@@ -1,0 +1,296 @@
+"""The worst-case batch of a DataLoader, built without iterating the loader.
+
+The first batch is not the peak: with token sequences of varying length, the largest batch is the one that
+holds the longest samples. `scan` measures the size of every sample of a map-style dataset (``dataset[i]``, in
+a random order, under a time limit), ranks them, and `SampleScan.batch` collates the largest ones with the
+loader's own ``collate_fn`` at its batch size, so padding, masks and labels come out as training will see them.
+
+Nothing the training sees changes: the loader is never iterated (its sampler, batch sampler, generator and
+workers are untouched), the scan order comes from a private ``random.Random(0)``, and every global RNG stream
+(torch, CUDA, Python, numpy) is restored after reading samples, so a dataset that augments at random in
+``__getitem__`` leaves no trace either.
+
+Known limitations:
+    - Iterable datasets cannot be read out of order: their first ``batch_size`` samples are read from a fresh
+      iterator over the dataset (not the loader) and collated; that is not the worst case, and the report says
+      ``method="first-batch"``. A dataset that is its own iterator (a one-shot stream) cannot be read without
+      consuming it and is refused.
+    - A sample's size is the total number of elements of its tensors and arrays, or the length of its lists
+      and strings (token ids before collation); a ``collate_fn`` whose output size is not monotone in that
+      (e.g. one that crops to a random length) is not modelled.
+    - Random augmentation that changes sizes in ``__getitem__`` is measured once per sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "isolated_rng", "loader_batch_size",
+           "sample_size", "scan", "worst_case_batch"]
+
+# Long enough to scan ~10^5-10^6 tokenised samples on one core, short next to any real training run.
+DEFAULT_TIME_LIMIT = 10.0
+# Up to this many samples the scan order is a full shuffle; beyond it, random draws without a full permutation.
+_FULL_SHUFFLE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInfo:
+    """How the worst-case batch was found (what the report shows).
+
+    Attributes:
+        method: ``"scanned"`` (every sample measured), ``"sampled"`` (a random subset, the time limit was
+            reached first) or ``"first-batch"`` (an iterable dataset: the first samples, not the worst case).
+        batch_size: samples collated into the batch.
+        shape: the collated batch's tensor shapes, in the batch's own structure (dict keys kept).
+        samples_scanned: samples whose size was measured.
+        dataset_size: samples in the dataset (None for an iterable dataset).
+        largest_sample_size: size of the largest sample seen (elements, or list length).
+        seconds: wall time of the scan and collation.
+    """
+
+    method: str
+    batch_size: int
+    shape: Any
+    samples_scanned: int
+    dataset_size: int | None
+    largest_sample_size: int
+    seconds: float
+
+    @property
+    def note(self) -> str:
+        if self.method == "scanned":
+            return f"largest {self.batch_size} of all {self.dataset_size} samples"
+        if self.method == "sampled":
+            return (f"largest {self.batch_size} of {self.samples_scanned} randomly sampled samples out of "
+                    f"{self.dataset_size} (time limit reached): the true worst case may be larger")
+        return "iterable dataset: the first batch, not necessarily the worst case"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3), "note": self.note}
+
+
+class SampleScan:
+    """Samples of a dataset ranked by size, and the loader's way of collating them.
+
+    Made by `scan`. ``batch(b)`` collates the ``b`` largest samples (cycling through them when the dataset has
+    fewer than ``b``), which is the worst case at batch size ``b`` for padding and for concatenating collators.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Any, ranked: list[tuple[int, Any]], method: str,
+                 scanned: int, dataset_size: int | None, auto_collation: bool, seconds: float, batch_size: int,
+                 first_samples: list[Any] | None = None) -> None:
+        self.batch_size = batch_size  # the loader's
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.ranked = ranked  # (size, index) by decreasing size; index is None for pre-read samples
+        self.method = method
+        self.scanned = scanned
+        self.dataset_size = dataset_size
+        self.auto_collation = auto_collation
+        self.seconds = seconds
+        self._first_samples = first_samples
+
+    @property
+    def largest_sample_size(self) -> int:
+        return self.ranked[0][0] if self.ranked else 0
+
+    def batch(self, batch_size: int) -> Any:
+        """Collate the ``batch_size`` largest samples with the loader's ``collate_fn``."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` should be a positive integer, got {batch_size!r}.")
+        if not self.ranked:
+            raise ValueError("The dataset is empty: there is no batch to predict with.")
+        with isolated_rng():
+            if not self.auto_collation:  # the dataset yields whole batches: its largest item is the batch
+                return self.collate_fn(self._sample(0))
+            picks = [self._sample(i % len(self.ranked)) for i in range(batch_size)]
+            return self.collate_fn(picks)
+
+    def worst_case(self) -> tuple[Any, BatchInfo]:
+        """The worst-case batch at the loader's batch size, and how it was found."""
+        start = time.perf_counter()
+        batch = self.batch(self.batch_size)
+        return batch, self.info(batch, self.batch_size, time.perf_counter() - start)
+
+    def info(self, batch: Any, batch_size: int, seconds: float = 0.0) -> BatchInfo:
+        return BatchInfo(method=self.method, batch_size=batch_size, shape=batch_shape(batch),
+                         samples_scanned=self.scanned, dataset_size=self.dataset_size,
+                         largest_sample_size=self.largest_sample_size, seconds=self.seconds + seconds)
+
+    def _sample(self, rank: int) -> Any:
+        index = self.ranked[rank][1]
+        if self._first_samples is not None:
+            return self._first_samples[rank]
+        return self.dataset[index]
+
+
+def worst_case_batch(dataloader: DataLoader, *, batch_size: int | None = None,
+                     time_limit: float = DEFAULT_TIME_LIMIT) -> tuple[Any, BatchInfo]:
+    """The largest batch ``dataloader`` can yield, collated by its own ``collate_fn``; the loader is not iterated.
+
+    Args:
+        dataloader: a ``torch.utils.data.DataLoader`` (or a subclass, e.g. accelerate's ``DataLoaderShard``).
+        batch_size: samples per batch; default the loader's (``batch_size``, or its batch sampler's).
+        time_limit: seconds to spend measuring sample sizes; past it, the samples measured so far (a random
+            subset) decide, and the info says ``method="sampled"``.
+
+    Returns:
+        ``(batch, info)``: the batch as training would receive it from the loader (before any device transfer),
+        and a `BatchInfo`.
+
+    Raises:
+        ValueError: an empty dataset, an unknown batch size, or a one-shot iterable dataset.
+
+    Example:
+        >>> batch, info = worst_case_batch(loader)  # doctest: +SKIP
+        >>> info.shape  # doctest: +SKIP
+        {'input_ids': [8, 512], 'attention_mask': [8, 512], 'labels': [8, 512]}
+    """
+    return scan(dataloader, time_limit=time_limit, batch_size=batch_size).worst_case()
+
+
+def loader_batch_size(dataloader: DataLoader) -> int:
+    """Samples per batch of ``dataloader`` (1 when the dataset yields whole batches)."""
+    if getattr(dataloader, "batch_size", None):
+        return int(dataloader.batch_size)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None)
+    if size:
+        return int(size)
+    if batch_sampler is None and hasattr(dataloader, "dataset"):
+        return 1  # auto-collation disabled (batch_size=None): each dataset item is a batch
+    raise ValueError(
+        f"Cannot tell the batch size of {type(dataloader).__name__}: neither it nor its batch sampler has a "
+        "`batch_size`. Pass the batch size explicitly."
+    )
+
+
+def scan(dataloader: DataLoader, *, time_limit: float = DEFAULT_TIME_LIMIT,
+         batch_size: int | None = None) -> SampleScan:
+    """Measure and rank the samples of ``dataloader``'s dataset (see the module docstring and `worst_case_batch`)."""
+    if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or time_limit <= 0:
+        raise ValueError(f"`time_limit` should be a positive number of seconds, got {time_limit!r}.")
+    dataset = getattr(dataloader, "dataset", None)
+    collate_fn = getattr(dataloader, "collate_fn", None)
+    if dataset is None or collate_fn is None:
+        raise ValueError(f"{type(dataloader).__name__} has no `dataset` and `collate_fn`: preflight reads "
+                         "batches from a torch.utils.data.DataLoader.")
+    auto_collation = getattr(dataloader, "batch_sampler", None) is not None
+    if batch_size is None:
+        batch_size = loader_batch_size(dataloader)
+    start = time.perf_counter()
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return _first_samples(dataset, collate_fn, batch_size, auto_collation, start)
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("The training dataset is empty: there is no batch to predict with.")
+    deadline = start + time_limit
+    rng = random.Random(0)  # private: the global `random` stream is the user's
+    sizes: list[tuple[int, int]] = []
+    with isolated_rng():
+        for index in _scan_order(n, rng):
+            sizes.append((sample_size(dataset[index]), index))
+            if time.perf_counter() > deadline:
+                break
+    sizes.sort(key=lambda pair: (-pair[0], pair[1]))
+    method = "scanned" if len(sizes) == n else "sampled"
+    return SampleScan(dataset, collate_fn, sizes, method, len(sizes), n, auto_collation,
+                      time.perf_counter() - start, batch_size)
+
+
+def _first_samples(dataset: Any, collate_fn: Any, batch_size: int, auto_collation: bool, start: float) -> SampleScan:
+    if iter(dataset) is dataset:
+        raise ValueError(
+            f"The training dataset ({type(dataset).__name__}) is its own iterator: reading a batch from it would "
+            "consume samples that training should see. Make `__iter__` return a fresh iterator, or call "
+            "preflight.estimate with a batch of the right shape yourself."
+        )
+    samples: list[Any] = []
+    with isolated_rng():
+        iterator = iter(dataset)
+        for _ in range(batch_size if auto_collation else 1):
+            try:
+                samples.append(next(iterator))
+            except StopIteration:
+                break
+        del iterator
+    if not samples:
+        raise ValueError("The training dataset yielded no samples: there is no batch to predict with.")
+    ranked = [(sample_size(s), None) for s in samples]
+    return SampleScan(dataset, collate_fn, ranked, "first-batch", len(samples), None, auto_collation,
+                      time.perf_counter() - start, batch_size, first_samples=samples)
+
+
+def _scan_order(n: int, rng: random.Random) -> Iterator[int]:
+    """Every index once, in a random order (so a scan cut short is a uniform random subset)."""
+    if n <= _FULL_SHUFFLE:
+        order = list(range(n))
+        rng.shuffle(order)
+        yield from order
+        return
+    seen: set[int] = set()
+    while len(seen) < n:
+        index = rng.randrange(n)
+        if index not in seen:
+            seen.add(index)
+            yield index
+
+
+def sample_size(sample: Any) -> int:
+    """Elements in a sample: tensor and array sizes, list and string lengths, summed over its structure."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if isinstance(sample, (str, bytes)):
+        return len(sample)
+    if isinstance(sample, Mapping):
+        return sum(sample_size(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        if sample and all(isinstance(v, (int, float, bool)) for v in sample[:8]):
+            return len(sample)
+        return sum(sample_size(v) for v in sample)
+    size = getattr(sample, "size", None)  # numpy arrays, PIL images (width, height)
+    if isinstance(size, int):
+        return size
+    if isinstance(size, tuple) and all(isinstance(v, int) for v in size):
+        total = 1
+        for v in size:
+            total *= v
+        return total
+    return 1 if isinstance(sample, (int, float, bool)) else 0
+
+
+def batch_shape(batch: Any) -> Any:
+    """The tensor shapes of ``batch`` as lists, in its structure (JSON-ready)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.shape)
+    if isinstance(batch, Mapping):
+        return {str(k): batch_shape(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [batch_shape(v) for v in batch]
+    return type(batch).__name__
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Restore the torch (CPU and CUDA), Python and numpy random streams on exit."""
+    python_state = random.getstate()
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        if np_state is not None:
+            np.random.set_state(np_state)

@@ -1,0 +1,669 @@
+"""The decision layer behind the trainer callbacks: predict, compare with the budget, report, stop or warn, verify.
+
+Trainer-agnostic: the adapters in ``preflight.integrations`` translate a trainer's objects (model, optimizer,
+precision, accumulation, dataloaders) into the arguments of `predict`, hand its `Report` to `decide`, and call
+`VerifySession` around the first optimizer steps; `check` does both for a loop without a trainer. Everything
+here runs on every rank; only rank zero prints and writes files.
+
+Policies:
+
+- **Verdict**: the larger of the training and evaluation peaks is compared with ``budget * (1 - headroom)``
+  (`preflight._budget.usable_bytes`). Under ``torch.distributed`` the maximum over ranks decides, on every rank
+  alike, so all ranks raise (or continue) together and none is left waiting in a collective.
+- **Overflow**: ``on_overflow="raise"`` raises `preflight.PreflightError` before any optimizer step, with the
+  numbers and what to change (top suggestions of `preflight._advise.advise` when it can run); ``"warn"`` warns.
+- **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
+  ``PREFLIGHT_DRY_RUN=1`` the process ends after the report with exit status 0 when the run fits (or there is no
+  budget to compare with), 3 (`EXIT_DOES_NOT_FIT`) when it does not, and 1 when the prediction itself failed, so
+  a job script can run the real training script once and stop before step one. ``PREFLIGHT_REPORT``,
+  ``PREFLIGHT_BUDGET``, ``PREFLIGHT_GPU``, ``PREFLIGHT_HEADROOM``, ``PREFLIGHT_WORLD_SIZE`` and
+  ``PREFLIGHT_SHARDING`` override the callback's options.
+- **Internal failures**: any exception inside preflight that is not a `PreflightError` (a model the trace
+  cannot run, a profiler already in use, a bug of ours) becomes a ``RuntimeWarning`` with the reason, and
+  training proceeds without the prediction or the verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._batches import BatchInfo
+from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._device import resolve_device
+from preflight._dryrun import EXIT_DOES_NOT_FIT, settings_from_env
+from preflight._errors import PreflightError
+from preflight._estimate import estimate
+from preflight._eval import EvalStepFn, estimate_eval
+from preflight._result import Estimate
+from preflight._schedule import Schedule, scheduled
+from preflight._steps import StepFn, check_precision
+from preflight._units import format_bytes, parse_bytes
+from preflight._verify import StepPeakMeter, compare
+
+__all__ = [
+    "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession",
+    "check", "decide", "eval_resident", "internal_failures", "is_rank_zero", "predict",
+]
+
+ON_OVERFLOW_CHOICES = ("raise", "warn")
+_EXIT_PREDICTION_FAILED = 1  # what a crashed script exits with: a failed prediction must not read as "fits"
+_TOP_SUGGESTIONS = 3  # shown in the table and the error; the JSON keeps all
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The callbacks' common options, checked at construction (see ``preflight.integrations``).
+
+    Attributes:
+        budget: bytes the run may use per device: an int, or a size such as ``"24GiB"`` or ``"80GB"``. None:
+            ``gpu``'s memory if given, else the CUDA device's capacity; on CPU there is no budget unless given.
+        headroom: fraction of the budget kept free (see `preflight._budget.DEFAULT_HEADROOM` for why 0.10).
+        on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget.
+        verify_steps: optimizer steps measured at the start of training to check the prediction; 0 disables.
+        report_path: where to write the JSON report (rank zero), or None.
+        plot_path: where to write a PNG of the predicted timeline and breakdown (needs matplotlib), or None.
+        check_eval: also predict the evaluation step when there is an eval dataloader.
+        gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
+        suggest: when the run does not fit, rank what to change with `preflight._advise.advise` (rank zero; it
+            traces each option, about ten more traces).
+    """
+
+    budget: int | float | str | None = None
+    headroom: float = DEFAULT_HEADROOM
+    on_overflow: str = "raise"
+    verify_steps: int = 3
+    report_path: str | os.PathLike | None = None
+    plot_path: str | os.PathLike | None = None
+    check_eval: bool = True
+    gpu: str | None = None
+    suggest: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            parse_bytes(self.budget)  # raises with the accepted forms
+        check_headroom(self.headroom)
+        if self.on_overflow not in ON_OVERFLOW_CHOICES:
+            raise ValueError(f"`on_overflow` should be either of {ON_OVERFLOW_CHOICES}, got {self.on_overflow!r}.")
+        if isinstance(self.verify_steps, bool) or not isinstance(self.verify_steps, int) or self.verify_steps < 0:
+            raise ValueError(f"`verify_steps` should be a non-negative integer (0 disables), "
+                             f"got {self.verify_steps!r}.")
+        for name in ("report_path", "plot_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"`{name}` should be a file path or None, got {value!r}.")
+        for name in ("check_eval", "suggest"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
+        if self.gpu is not None:
+            from preflight._gpus import get_gpu
+
+            get_gpu(self.gpu)  # raises listing the known names
+
+
+@dataclasses.dataclass
+class Report:
+    """What preflight predicted (and, after verification, measured) for a training run; ``to_dict()`` is the JSON.
+
+    Byte counts are per device (per rank under data parallelism). ``predicted_peak_bytes`` is the training
+    step's peak of tensor bytes (``torch.cuda.max_memory_allocated``; the maximum over ranks when distributed).
+    ``fits`` compares the larger of it and ``eval_predicted_peak_bytes`` (``predicted_required_bytes`` in the
+    JSON) with ``usable_bytes``; it is None when there is no budget, or when a lower bound is under the budget.
+    For a CUDA target, ``predicted_reserved_bytes`` and ``predicted_device_total_bytes`` add the caching
+    allocator's reserve and the CUDA context: what the headroom is there to cover.
+    """
+
+    version: str
+    device: str
+    budget_bytes: int | None
+    headroom: float
+    usable_bytes: int | None
+    predicted_peak_bytes: int
+    predicted_breakdown: dict[str, int]
+    peak_phase: str
+    eval_predicted_peak_bytes: int | None
+    eval_peak_phase: str | None
+    worst_case_batch_shape: Any
+    worst_case_batch: dict[str, Any] | None
+    eval_batch_shape: Any
+    fits: bool | None
+    coverage: dict[str, Any]
+    precision: str | None
+    schedule: dict[str, Any]
+    predicted_reserved_bytes: int | None = None
+    predicted_device_total_bytes: int | None = None
+    world_size: int = 1
+    rank_predicted_peak_bytes: list[int | None] | None = None
+    suggestions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    autotune: dict[str, Any] | None = None
+    measured_peak_bytes: int | None = None
+    measured_reserved_bytes: int | None = None
+    relative_error: float | None = None
+    steps_measured: int = 0
+    measured_step_peaks: list[int] = dataclasses.field(default_factory=list)
+    verify_method: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    estimate: Estimate | None = dataclasses.field(default=None, repr=False)
+    eval_estimate: Estimate | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def verdict_bytes(self) -> int:
+        """The peak the verdict uses: the larger of the training and evaluation peaks."""
+        return max(self.predicted_peak_bytes, self.eval_predicted_peak_bytes or 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report (without the timelines)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("estimate", "eval_estimate")}
+        out["relative_error"] = None if self.relative_error is None else round(self.relative_error, 6)
+        out["predicted_required_bytes"] = self.verdict_bytes  # what the verdict compared with usable_bytes
+        return out
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write ``to_dict()`` as JSON to ``path`` (parent directories are created)."""
+        path = os.fspath(path)
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, default=str)
+            f.write("\n")
+
+
+def check(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    budget: int | float | str | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    on_overflow: str = "raise",
+    report_path: str | os.PathLike | None = None,
+    plot_path: str | os.PathLike | None = None,
+    step: StepFn | None = None,
+    precision: str | None = None,
+    device: str | torch.device | None = None,
+    eval_batch: Any = None,
+    eval_step: EvalStepFn | None = None,
+    accumulate: int = 1,
+    zero_grad: str = "after_step",
+    gpu: str | None = None,
+    suggest: bool = True,
+) -> Report | None:
+    """Check before training that a run fits: predict, report, and raise (or warn, or end a dry run).
+
+    For loops without a trainer (the callbacks in ``preflight.integrations`` do this for Lightning, the HF Trainer
+    and accelerate). Pass the worst-case batch: the longest samples your loader can yield, collated
+    (`preflight._batches.worst_case_batch` finds it from a DataLoader).
+
+    Args:
+        model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
+        budget, headroom, on_overflow, report_path, plot_path, gpu, suggest: see `Options`.
+        eval_batch, eval_step: an evaluation batch and step, to predict the no-grad eval peak too.
+        accumulate: gradient-accumulation micro-batches per optimizer step.
+        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop frees gradients.
+
+    Returns:
+        The `Report`, or None when the prediction failed (a warning says why).
+
+    Raises:
+        preflight.PreflightError: it does not fit and ``on_overflow="raise"``.
+        ValueError: a bad option (raised before anything is traced).
+
+    Example:
+        >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP
+    """
+    options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
+                      report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
+    check_precision(precision)
+    report = None
+    with internal_failures("the prediction"):
+        report = predict(model, optimizer, batch, options=options, step=step, precision=precision, device=device,
+                         schedule=schedule, eval_batch=eval_batch, eval_step=eval_step)
+    return decide(report, options)
+
+
+def predict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    options: Options,
+    step: StepFn | None = None,
+    precision: str | None = None,
+    device: str | torch.device | None = None,
+    schedule: Schedule = Schedule(),
+    batch_info: BatchInfo | None = None,
+    eval_batch: Any = None,
+    eval_step: EvalStepFn | None = None,
+    eval_batch_info: BatchInfo | None = None,
+    ddp_gradient_buckets: bool = False,
+    make_batch: Callable[[int], Any] | None = None,
+) -> Report:
+    """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
+
+    Args:
+        model, optimizer, batch, step, precision, device: as for `preflight.estimate` (``batch`` should be the
+            worst-case batch, see `preflight._batches.worst_case_batch`).
+        options: the callback's `Options`.
+        schedule: the trainer's step order (gradient accumulation, when gradients are freed).
+        batch_info, eval_batch_info: how the batches were found, for the report.
+        eval_batch: an evaluation batch; with ``options.check_eval`` the no-grad step is predicted too.
+        eval_step: ``eval_step(model, batch)``; default ``model(**batch)`` / ``model(batch)``.
+        ddp_gradient_buckets: the model is wrapped in DDP without ``gradient_as_bucket_view``: its buckets hold
+            a flat copy of every gradient for the whole run (`preflight._sharding.shard_breakdown` docs),
+            added to both peaks as gradients.
+        make_batch: ``make_batch(b)`` builds the worst-case batch at size ``b``, for the suggestions.
+
+    Returns:
+        A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
+        of `preflight._advise.advise` (left empty, with a warning in the report, when advice fails).
+    """
+    import preflight
+
+    precision = check_precision(precision)
+    options, settings = _with_environment(options)
+    target = resolve_device(device, model)
+    budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
+    usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
+    traced_optimizer, traced_step = scheduled(optimizer, step, schedule)
+    # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
+    # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
+    est = estimate(model, traced_optimizer, batch, step=traced_step, precision=precision,
+                   device=None if options.gpu else target, gpu=options.gpu, world_size=settings.world_size or 1,
+                   sharding=settings.sharding)
+    if est.device != str(target):
+        target = torch.device(est.device)
+    breakdown = dict(est.breakdown)
+    peak = est.peak_bytes
+    notes: list[str] = []
+    # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown.
+    ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1
+    buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
+    if buckets:
+        peak += buckets
+        breakdown["gradients"] += buckets
+        notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
+
+    eval_est = None
+    if options.check_eval and eval_batch is not None:
+        resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
+                                 ddp_gradient_buckets=ddp_gradient_buckets, estimate=est)
+        eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
+                                 resident=resident)
+
+    coverage = est.coverage.to_dict()
+    coverage["notes"] = list(coverage["notes"]) + notes
+    if eval_est is not None and eval_est.coverage.lower_bound:
+        coverage["eval_lower_bound"] = True
+    report = Report(
+        version=preflight.__version__,
+        device=str(target),
+        budget_bytes=budget_bytes,
+        headroom=options.headroom,
+        usable_bytes=usable,
+        predicted_peak_bytes=peak,
+        predicted_breakdown=breakdown,
+        peak_phase=est.peak_phase,
+        eval_predicted_peak_bytes=eval_est.peak_bytes if eval_est is not None else None,
+        eval_peak_phase=eval_est.peak_phase if eval_est is not None else None,
+        worst_case_batch_shape=batch_info.shape if batch_info is not None else _shape(batch),
+        worst_case_batch=batch_info.to_dict() if batch_info is not None else None,
+        eval_batch_shape=(eval_batch_info.shape if eval_batch_info is not None else _shape(eval_batch))
+        if eval_est is not None else None,
+        fits=None,
+        coverage=coverage,
+        precision=precision,
+        schedule=schedule.to_dict(),
+        predicted_reserved_bytes=est.peak_reserved_bytes,
+        predicted_device_total_bytes=est.device_total_bytes,
+        estimate=est,
+        eval_estimate=eval_est,
+    )
+    if est.coverage.lower_bound:
+        report.warnings.append("the training step could not be traced: the prediction is a lower bound "
+                               f"(operator {est.coverage.failed_op}: {est.coverage.reason})")
+    if usable is not None:
+        report.fits = report.verdict_bytes <= usable
+        if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
+            report.fits = None  # a lower bound under the budget says nothing about the real peak
+            report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
+    if report.fits is False and options.suggest and is_rank_zero():
+        report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
+                                          make_batch, report)
+    return report
+
+
+def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None) -> Report | None:
+    """Agree on the verdict across ranks, write and print the report, then end a dry run or raise/warn.
+
+    ``report`` is None on a rank whose prediction failed; that rank still joins the collective, and raises
+    with the others if another rank's prediction does not fit. ``emit(report)`` renders extra output (e.g. a
+    trainer's logger) on rank zero.
+    """
+    local_fits = report.fits if report is not None else None
+    report, ranks = _agree(report)
+    verdicts = [r[2] if r is not None else "failed" for r in ranks]
+    if report is not None and is_rank_zero():
+        with internal_failures("writing the report"):
+            _emit(report, options)
+            if emit is not None:
+                emit(report)
+    failed = any(v == "failed" for v in verdicts)
+    fits = False if False in verdicts else (None if None in verdicts or failed else True)
+    if settings_from_env().dry_run:
+        code = EXIT_DOES_NOT_FIT if fits is False else (_EXIT_PREDICTION_FAILED if failed else 0)
+        if is_rank_zero():
+            verdict = "does not fit" if fits is False else "prediction failed" if failed else \
+                "no budget to compare with" if fits is None else "fits"
+            print(f"preflight: dry run (PREFLIGHT_DRY_RUN=1): {verdict}; exiting with status {code} before step "
+                  "one.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.exit(code)
+    if fits is False:
+        message = _overflow_message(report, ranks, local_fits)
+        if options.on_overflow == "raise":
+            raise PreflightError(message, report=report.to_dict() if report is not None else None)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return report
+
+
+class VerifySession:
+    """Measure the first ``verify_steps`` optimizer steps and fill in the report's measured fields.
+
+    The adapter calls ``step_started(resident)`` before the first forward of an optimizer step and
+    ``step_ended()`` after its ``zero_grad``; ``step_ended`` returns True once the last step was measured, after
+    which `finish` has run: results are agreed across ranks (a collective: every rank measures the same number
+    of steps), written, printed, and warnings emitted. If training ends early, the adapter calls `finish` itself.
+    A measurement that fails on one rank is a warning there; the collective still runs.
+
+    Args:
+        report: the prediction to compare with (None when it failed: the measurement still runs, for the
+            collective, but nothing is reported).
+        options: the callback's `Options` (``verify_steps``, output paths).
+        device: where training runs.
+        extra_resident_bytes: bytes alive during every step that the CPU profiler cannot see because they were
+            allocated before it started and no Python tensor points at them (DDP's gradient buckets).
+    """
+
+    def __init__(self, report: Report | None, options: Options, device: torch.device,
+                 extra_resident_bytes: int = 0) -> None:
+        self.report = report
+        self.options = options
+        self.steps = options.verify_steps
+        self.extra = extra_resident_bytes
+        self.meter: StepPeakMeter | None = None
+        self.done = self._finished = self.steps == 0
+        self.ended = 0
+        with internal_failures("starting verification"):
+            self.meter = StepPeakMeter(device)
+        self.method = self.meter.method if self.meter is not None else None
+
+    @property
+    def active(self) -> bool:
+        """Still measuring (the adapter should call the step hooks)."""
+        return not self.done
+
+    def step_started(self, resident: Any) -> None:
+        """A step begins; ``resident`` holds every tensor alive now that the step uses (see `StepPeakMeter`)."""
+        if self.done or self.meter is None:
+            return
+        ok = False
+        with internal_failures("measuring the peak"):
+            self.meter.start(resident)
+            ok = True
+        if not ok:
+            self._give_up()
+
+    def step_ended(self, also_resident: Any = None) -> bool:
+        """Record the step; return True when verification has just finished. ``also_resident``: see
+        `StepPeakMeter.stop`."""
+        if self.done:
+            return False
+        if self.meter is not None and self.meter.running:
+            ok = False
+            with internal_failures("measuring the peak"):
+                self.meter.stop(also_resident)
+                ok = True
+            if not ok:
+                self._give_up()
+        self.ended += 1
+        if self.ended >= self.steps:
+            self.finish()
+            return True
+        return False
+
+    def finish(self) -> Report | None:
+        """Agree on the measured peaks across ranks and update, write and print the report (once)."""
+        if self._finished:
+            return self.report
+        self.done = self._finished = True
+        if self.meter is not None:
+            self.meter.abort()
+        local = None
+        if self.meter is not None and self.meter.step_peaks:
+            local = ([p + self.extra for p in self.meter.step_peaks], list(self.meter.reserved_peaks))
+        gathered = [g for g in _all_gather(local) if g is not None]
+        report = self.report
+        if report is None or not gathered:
+            return report
+        with internal_failures("comparing with the measurement"):
+            peaks, reserved = max(gathered, key=lambda g: max(g[0]))  # the rank with the largest peak
+            result = compare(report.predicted_peak_bytes, peaks, method=self.method, reserved_peaks=reserved)
+            report.measured_peak_bytes = result.measured_peak_bytes
+            report.measured_reserved_bytes = result.measured_reserved_bytes
+            report.relative_error = result.relative_error
+            report.steps_measured = result.steps_measured
+            report.measured_step_peaks = list(result.step_peaks)
+            report.verify_method = result.method
+            report.warnings.extend(result.warnings)
+            if is_rank_zero():
+                for message in result.warnings:
+                    warnings.warn(f"preflight: {message}", RuntimeWarning, stacklevel=2)
+                _emit(report, self.options, verified=True)
+        return report
+
+    def _give_up(self) -> None:
+        if self.meter is not None:
+            self.meter.abort()
+            self.meter.step_peaks.clear()
+        self.meter = None
+
+
+# ---- policies ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def internal_failures(what: str) -> Iterator[None]:
+    """Turn an exception inside preflight (not a `PreflightError`) into a warning: training must not stop for us."""
+    try:
+        yield
+    except PreflightError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+        warnings.warn(f"preflight: {what} failed and was skipped; training proceeds. Reason: {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _with_environment(options: Options) -> tuple[Options, Any]:
+    """``options`` with what ``preflight check`` asked for through the environment (`preflight._dryrun`)."""
+    settings = settings_from_env()
+    changes: dict[str, Any] = {}
+    if settings.budget is not None:
+        changes["budget"] = settings.budget
+    if settings.gpu is not None:
+        changes["gpu"] = settings.gpu
+    if settings.headroom is not None:
+        changes["headroom"] = settings.headroom
+    return (dataclasses.replace(options, **changes) if changes else options), settings
+
+
+def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None) -> str:
+    if report is None or local_fits is not False:  # another rank does not fit: say which, with its numbers
+        over = [(i, r) for i, r in enumerate(ranks) if r is not None and r[2] is False]
+        lines = [f"preflight: {len(over)} of {len(ranks)} ranks are predicted not to fit, so no rank trains:"]
+        lines += [f"  rank {i}: {format_bytes(max(r[0], r[1] or 0))} over its usable {format_bytes(r[3])}"
+                  for i, r in over]
+        if report is not None:
+            peaks = report.rank_predicted_peak_bytes
+            own = peaks[_rank()] if peaks else report.predicted_peak_bytes
+            lines.append(f"  this rank: {format_bytes(own)} (usable {format_bytes(report.usable_bytes)})")
+        lines.append(f"  See rank {over[0][0]}'s error for what to change. Set on_overflow='warn' to train anyway.")
+        return "\n".join(lines)
+    lines = [
+        f"preflight: the run is predicted to need {format_bytes(report.verdict_bytes)} per device "
+        f"({'evaluation' if (report.eval_predicted_peak_bytes or 0) > report.predicted_peak_bytes else 'training'} "
+        f"peak), over the usable {format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
+        f"minus {report.headroom:.0%} headroom) on {report.device}.",
+        f"  training step: {format_bytes(report.predicted_peak_bytes)} at {report.peak_phase}; "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in report.predicted_breakdown.items() if v),
+    ]
+    if report.eval_predicted_peak_bytes is not None:
+        lines.append(f"  evaluation step: {format_bytes(report.eval_predicted_peak_bytes)}")
+    lines.append(f"  worst-case batch: {report.worst_case_batch_shape}")
+    if report.suggestions:
+        lines.append("  What to change (predicted peak with the change):")
+        for s in report.suggestions[:_TOP_SUGGESTIONS]:
+            lines.append(f"    - {'fits' if s['fits'] else 'still over'}: {s['description']}")
+    else:
+        lines.append("  What to change: a smaller micro-batch with gradient accumulation, activation checkpointing, "
+                     "bf16 mixed precision, an 8-bit optimizer or LoRA; preflight.advise(...) predicts each.")
+    lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")
+    return "\n".join(lines)
+
+
+def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None,
+                 precision: str | None, device: torch.device, options: Options, schedule: Schedule,
+                 make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
+    try:
+        from preflight._advise import advise
+    except ImportError:
+        return []
+    # The trainer's gradient lifetime, not its accumulation: the micro-batch option adds accumulation itself.
+    traced_optimizer, traced_step = scheduled(optimizer, step, Schedule(zero_grad=schedule.zero_grad))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
+            found = advise(model, traced_optimizer, batch, budget=report.budget_bytes, step=traced_step,
+                           precision=precision, device=device, world_size=_world_size(),
+                           make_batch=make_batch, headroom=options.headroom)
+    except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
+        report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
+        return []
+    return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
+             "change": s.change, "cost": getattr(s, "cost", None)} for s in found]
+
+
+def _emit(report: Report, options: Options, *, verified: bool = False) -> None:
+    from preflight._console import print_report
+
+    if options.report_path is not None:
+        report.write(options.report_path)
+    requested = settings_from_env().report_path  # `preflight check` reads the report back from here
+    if requested is not None and requested != options.report_path:
+        report.write(requested)
+    print_report(report, verified=verified)
+    if options.plot_path is not None:
+        from preflight._plot import plot_report
+
+        plot_report(report, options.plot_path)
+
+
+# ---- numbers -------------------------------------------------------------------------------------------------
+
+
+def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
+    from preflight._twin import float_dtype_for
+
+    dtype = float_dtype_for(precision)
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+               for p in params)
+
+
+def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Schedule,
+                  ddp_gradient_buckets: bool = False, estimate: Estimate | None = None) -> dict[str, int]:
+    """Training state alive during evaluation inside training: the optimizer state (closed form when the optimizer
+    is known, else the traced training breakdown's), the last step's gradients when the trainer frees them only at
+    the next backward (Lightning), and DDP's buckets."""
+    from preflight._analytic import optimizer_state_bytes
+    from preflight._twin import float_dtype_for
+
+    state = optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision))
+    if state is None:
+        state = estimate.breakdown.get("optimizer_state", 0) if estimate is not None else 0
+    grads = _gradient_bytes(model, precision)
+    kept = grads if schedule.zero_grad == "before_backward" else 0
+    return {"optimizer_state": state, "gradients": kept + (grads if ddp_gradient_buckets else 0)}
+
+
+def _shape(batch: Any) -> Any:
+    from preflight._batches import batch_shape
+
+    return batch_shape(batch) if batch is not None else None
+
+
+# ---- ranks ---------------------------------------------------------------------------------------------------
+
+
+def _distributed() -> Any:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _world_size() -> int:
+    dist = _distributed()
+    return dist.get_world_size() if dist is not None else 1
+
+
+def _rank() -> int:
+    dist = _distributed()
+    return dist.get_rank() if dist is not None else 0
+
+
+def is_rank_zero() -> bool:
+    """Rank zero of ``torch.distributed`` (True when not distributed)."""
+    dist = _distributed()
+    return dist is None or dist.get_rank() == 0
+
+
+def _all_gather(value: Any) -> list[Any]:
+    dist = _distributed()
+    if dist is None:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _agree(report: Report | None) -> tuple[Report | None, list[tuple | None]]:
+    """Every rank's ``(peak, eval peak, fits, usable)`` (None where the prediction failed); the report updated
+    with the maximum over ranks, and ``fits`` False if any rank does not fit."""
+    local = None if report is None else (report.predicted_peak_bytes, report.eval_predicted_peak_bytes, report.fits,
+                                         report.usable_bytes)
+    gathered = _all_gather(local)
+    verdicts = [g[2] if g is not None else "failed" for g in gathered]
+    if report is not None and len(gathered) > 1:
+        peaks = [g[0] if g is not None else None for g in gathered]
+        eval_peaks = [g[1] for g in gathered if g is not None and g[1] is not None]
+        report.world_size = len(gathered)
+        report.rank_predicted_peak_bytes = peaks
+        report.predicted_peak_bytes = max(p for p in peaks if p is not None)
+        if eval_peaks:
+            report.eval_predicted_peak_bytes = max(eval_peaks)
+        if report.usable_bytes is not None:
+            report.fits = report.verdict_bytes <= report.usable_bytes and False not in verdicts
+    return report, gathered

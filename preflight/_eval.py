@@ -1,0 +1,157 @@
+"""Predict the peak memory of an evaluation step: a forward under ``torch.no_grad()``, on fake tensors.
+
+The same machinery as the training trace (`preflight._trace`: fake twins, storage tracker, real-run code
+paths, the user's module reparametrized and restored), running one forward in eval mode with autograd off.
+Evaluation during training keeps the training state alive (optimizer state, and under Lightning the last
+step's gradients); pass those bytes as ``resident`` so the peak is the one the device will see.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten
+
+from preflight._compat import real_run_paths
+from preflight._device import resolve_device, trace_device_for
+from preflight._estimate import summarize_events
+from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
+from preflight._steps import autocast_for, check_precision
+from preflight._trace import _can_shadow, preserved_state
+from preflight._tracker import StorageTracker
+from preflight._twin import TwinMaker, float_dtype_for
+
+__all__ = ["EvalStepFn", "estimate_eval"]
+
+EvalStepFn = Any  # eval_step(model, batch) -> anything (outputs are kept alive until the step returns)
+
+
+def estimate_eval(
+    model: nn.Module,
+    batch: Any,
+    *,
+    step: EvalStepFn | None = None,
+    precision: str | None = None,
+    device: str | torch.device | None = None,
+    resident: Mapping[str, int] | None = None,
+) -> Estimate:
+    """Predict the peak of one evaluation step of ``model`` on ``batch`` without running it.
+
+    Args:
+        model: the model, as for `preflight.estimate`; traced in eval mode (dropout off), then restored.
+        batch: one evaluation batch as the eval dataloader yields it.
+        step: ``step(model, batch)`` running the evaluation forward (e.g. a LightningModule's
+            ``validation_step``); its return value is alive at the end of the step. Default: ``model(**batch)``
+            for a mapping, ``model(batch)`` otherwise.
+        precision: as for `preflight.estimate`; ``*-mixed`` runs the forward under autocast.
+        device: the device planned for; default the model's.
+        resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
+            (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
+
+    Returns:
+        An `Estimate` with ``steps=1`` and phases ``eval/forward``. When the forward cannot be traced, a lower
+        bound (parameters + buffers + batch + ``resident``) with ``coverage.lower_bound`` set.
+
+    Known limitations: as `preflight.estimate`; outputs that an evaluation loop accumulates across batches
+    (HF ``prediction_loss_only=False`` gathers logits) are not counted.
+    """
+    precision = check_precision(precision)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    resident = {k: int(v) for k, v in (resident or {}).items() if v}
+    unknown = set(resident) - {c.value for c in Category}
+    if unknown:
+        raise ValueError(f"`resident` keys should be category names {[c.value for c in Category]}, "
+                         f"got {sorted(unknown)}.")
+    target = resolve_device(device, model)
+    trace_device = trace_device_for(target)
+    start = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = StorageTracker(fake_mode)
+    twins = TwinMaker(fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
+    state = twins.module_state(model)
+    fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
+    for name, _ in model.named_parameters():
+        tracker.register(state[name], Category.PARAMETERS)
+    for name, _ in model.named_buffers():
+        tracker.register(state[name], Category.BUFFERS)
+    for real, fake in zip(tree_flatten(batch)[0], tree_flatten(fake_batch)[0]):
+        if isinstance(fake, torch.Tensor):
+            tracker.register(fake, Category.INPUTS)
+            if _can_shadow(real):
+                tracker.shadow(fake, real.detach().cpu())
+    tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
+
+    notes: list[str] = []
+    error: BaseException | None = None
+    with preserved_state(model), real_run_paths(notes), fake_mode, tracker, _reparametrize_module(
+        model, state, tie_weights=True, strict=False
+    ):
+        model.eval()
+        try:
+            with torch.no_grad(), autocast_for(precision, trace_device.type):
+                out = step(model, fake_batch) if step is not None else _forward(model, fake_batch)
+            tracker.phase = "eval/end"
+            del out
+        except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
+            error = err
+    failed_op = tracker.failed_op or tracker.last_op
+    del fake_batch, state
+    tracker.detach()
+    seconds = time.perf_counter() - start
+    if target != trace_device:
+        notes.append(f"traced on {trace_device.type} for a {target.type} target")
+    if error is not None:
+        return _lower_bound(model, batch, target, precision, resident, error, failed_op, notes, seconds)
+
+    events = list(tracker.events)
+    categories = dict(tracker.categories)
+    if resident:  # alive before and after the step: one event each at the start
+        base = max(categories, default=-1) + 1
+        for i, (name, nbytes) in enumerate(sorted(resident.items())):
+            categories[base + i] = Category(name)
+            events.insert(0, Event(base + i, nbytes, -1, "eval/forward"))
+        notes.append("counts the training state alive during evaluation: " +
+                     ", ".join(f"{k} {v} B" for k, v in sorted(resident.items())))
+    peak, breakdown, phase, timeline = summarize_events(events, categories)
+    return Estimate(peak_bytes=peak, breakdown=breakdown, peak_phase=phase, device=str(target),
+                    coverage=Coverage(traced=True, notes=tuple(notes)), timeline=timeline, steps=1,
+                    trace_seconds=seconds, num_ops=tracker.num_ops, events=tuple(events))
+
+
+def _forward(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: str | None,
+                 resident: dict[str, int], error: BaseException, failed_op: str | None, notes: list[str],
+                 seconds: float) -> Estimate:
+
+    dtype = float_dtype_for(precision)
+
+    def nbytes(tensors: Any) -> int:
+        unique = {id(t): t for t in tensors}.values()
+        return sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+                   for t in unique)
+
+    breakdown = {c.value: 0 for c in Category}
+    breakdown.update(parameters=nbytes(model.parameters()), buffers=nbytes(model.buffers()),
+                     inputs=nbytes(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
+    for name, nbytes in resident.items():
+        breakdown[name] += nbytes
+    reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    warnings.warn(f"preflight could not trace the evaluation step (operator {failed_op}: {reason}). The eval "
+                  "estimate is a lower bound: parameters + buffers + batch, without activations.",
+                  RuntimeWarning, stacklevel=3)
+    return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",
+                    device=str(target), coverage=Coverage(traced=False, lower_bound=True, failed_op=failed_op,
+                                                          reason=reason, notes=tuple(notes)),
+                    timeline=(TimelinePoint(-1, sum(breakdown.values()), "eval/forward"),), steps=1,
+                    trace_seconds=seconds)

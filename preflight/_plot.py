@@ -1,0 +1,78 @@
+"""Render a `preflight._check.Report` as a PNG: the predicted live-memory timeline and the breakdown at the peak.
+
+matplotlib is an optional extra (``pip install 'preflight-memory[plot]'``). Only its object-oriented API is used
+(``Figure`` with an Agg canvas), so plotting changes no global matplotlib state (backend, pyplot figures).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from preflight._units import format_bytes
+
+if TYPE_CHECKING:
+    from preflight._check import Report
+
+__all__ = ["plot_report"]
+
+_MIB = 2**20
+
+
+def plot_report(report: Report, path: str | os.PathLike) -> None:
+    """Write a PNG to ``path``: live MiB by operator, coloured by phase, with the usable budget, the budget and
+    (once verified) the measured peak as horizontal lines; beside it, the bytes per category at the peak.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message says how to install it).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(
+            "plot_path needs matplotlib, which is not installed: pip install 'preflight-memory[plot]'"
+        ) from err
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    timeline_ax, bar_ax = fig.subplots(1, 2, width_ratios=(3, 1))
+    points = report.estimate.timeline if report.estimate is not None else ()
+    phases: dict[str, tuple[list[int], list[float]]] = {}
+    for p in points:
+        xs, ys = phases.setdefault(p.phase, ([], []))
+        xs.append(p.op)
+        ys.append(p.live_bytes / _MIB)
+    colours: dict[str, str] = {}  # one colour per phase kind (forward, backward, ...) across steps
+    cycle = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+    for name, (xs, ys) in phases.items():
+        kind = name.split("/")[-1]
+        new = kind not in colours
+        colour = colours.setdefault(kind, cycle[len(colours) % len(cycle)])
+        timeline_ax.plot(xs, ys, color=colour, linewidth=1.2, label=kind if new else None)
+    if report.usable_bytes is not None:
+        timeline_ax.axhline(report.usable_bytes / _MIB, color="tab:red", linestyle="--",
+                            label=f"usable ({format_bytes(report.usable_bytes)})")
+        timeline_ax.axhline(report.budget_bytes / _MIB, color="tab:red", linestyle=":",
+                            label=f"budget ({format_bytes(report.budget_bytes)})")
+    if report.measured_peak_bytes is not None:
+        timeline_ax.axhline(report.measured_peak_bytes / _MIB, color="black", linestyle="-.",
+                            label=f"measured peak ({format_bytes(report.measured_peak_bytes)})")
+    if report.eval_predicted_peak_bytes is not None:
+        timeline_ax.axhline(report.eval_predicted_peak_bytes / _MIB, color="grey", linestyle="--",
+                            label=f"eval peak ({format_bytes(report.eval_predicted_peak_bytes)})")
+    timeline_ax.set_xlabel("operator")
+    timeline_ax.set_ylabel("live MiB")
+    timeline_ax.set_title(f"predicted peak {format_bytes(report.predicted_peak_bytes)} at {report.peak_phase}")
+    timeline_ax.legend(loc="upper left", fontsize="small")
+
+    names = [k for k, v in report.predicted_breakdown.items() if v]
+    values = [report.predicted_breakdown[k] / _MIB for k in names]
+    bar_ax.barh(names, values, color="tab:blue")
+    bar_ax.invert_yaxis()
+    bar_ax.set_xlabel("MiB at the peak")
+    bar_ax.set_title("breakdown")
+    path = os.fspath(path)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,42 @@
+"""preflight_check and StepVerifier in a hand-written accelerate loop, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+
+from conftest import lm_batch, make_gpt2  # noqa: E402
+
+from preflight.integrations.accelerate import StepVerifier, preflight_check  # noqa: E402
+
+
+class Batches(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {k: v[0] for k, v in lm_batch(1, 48).items()}
+
+
+def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_gpt2(n_layer=2, n_embd=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    report = preflight_check(accelerator, model, optimizer, loader, budget="1GiB", eval_dataloader=loader)
+    assert report.fits is True and report.schedule == {"accumulate": 2, "zero_grad": "after_step"}
+    assert report.eval_predicted_peak_bytes is not None
+
+    verifier = StepVerifier(accelerator, model, optimizer, report, steps=2, report_path=str(tmp_path / "r.json"))
+    for batch in loader:
+        with verifier.step(batch), accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["steps_measured"] == 2 and abs(data["relative_error"]) < 0.01

@@ -1,0 +1,164 @@
+"""PreflightCallback and autotune for the Hugging Face Trainer, end to end on CPU with a tiny GPT-2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import make_gpt2  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import preflight  # noqa: E402
+from preflight.integrations.hf import PreflightCallback, attach, autotune  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Tokenised samples (lists, padded by the collator); with ``fixed`` all that long, else the longest last."""
+
+    def __init__(self, n: int = 24, fixed: int | None = None) -> None:
+        self.n, self.fixed = n, fixed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        length = self.fixed or (96 if i == self.n - 1 else 12 + (i * 7) % 40)
+        gen = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(1, 1000, (length,), generator=gen).tolist()}
+
+
+def pad(samples: list[dict]) -> dict[str, torch.Tensor]:
+    n = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    for j, s in enumerate(samples):
+        ids[j, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class Seen(TrainerCallback):
+    """Records the input ids of every real training forward (a pre-hook added at train begin; preflight's trace
+    runs the model's hooks too, on fake tensors, which are not recorded; nor are evaluation forwards)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def record(module, args, kwargs):
+            if module.training and not isinstance(kwargs["input_ids"], FakeTensor):
+                self.seen.append(kwargs["input_ids"].clone())
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def make_trainer(tmp_path, *, train=None, eval_dataset=None, callbacks=(), steps=3, **args):
+    defaults = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, report_to=[],
+                    use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+                    eval_strategy="steps" if eval_dataset is not None else "no", eval_steps=1000,
+                    per_device_eval_batch_size=8)
+    defaults.update(args)
+    return Trainer(model=make_gpt2(n_layer=2, n_embd=64), args=TrainingArguments(**defaults),
+                   train_dataset=train if train is not None else Tokens(), eval_dataset=eval_dataset,
+                   data_collator=pad, callbacks=list(callbacks))
+
+
+def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
+    trainer = make_trainer(tmp_path, train=Tokens(fixed=48), eval_dataset=Tokens(8, fixed=48),
+                           gradient_accumulation_steps=2)
+    callback = attach(trainer, budget="1GiB", report_path=str(tmp_path / "r.json"))
+    trainer.train()
+    report = json.loads((tmp_path / "r.json").read_text())
+    # Same quantity on both sides: one optimizer step (both micro-batches), first forward to zero_grad, over the
+    # storages it starts with; see preflight._verify.
+    assert report["steps_measured"] == 3 and abs(report["relative_error"]) < 0.01
+    assert report["schedule"] == {"accumulate": 2, "zero_grad": "after_step"}
+    assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes", "preflight/relative_error"} <= logged
+    assert callback.report.fits is True
+
+
+def test_training_sees_the_same_batches_and_weights_with_the_callback(tmp_path):
+    def run(callbacks):
+        seen = Seen()
+        trainer = make_trainer(tmp_path, callbacks=[seen, *callbacks], steps=3)
+        trainer.train()
+        return seen.seen, list(trainer.model.parameters())
+
+    plain_batches, plain_weights = run([])
+    callback = PreflightCallback(verify_steps=2)
+    batches, weights = run([callback])
+    assert len(batches) == len(plain_batches) == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain_batches, batches))
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights))
+    assert callback.report.worst_case_batch_shape["input_ids"] == [4, 96]  # the longest sample is the last one
+
+
+def test_overflow_raises_before_any_optimizer_step(tmp_path):
+    trainer = make_trainer(tmp_path, callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(preflight.PreflightError, match="over the usable"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+from pathlib import Path
+from test_hf import make_trainer
+from preflight.integrations.hf import PreflightCallback
+trainer = make_trainer(Path({tmp!r}), callbacks=[PreflightCallback(budget="1GiB", report_path={report!r})])
+trainer.train()
+print("TRAINED")
+"""
+
+
+def test_dry_run_exits_0_when_it_fits(tmp_path):
+    script = tmp_path / "train.py"
+    report = tmp_path / "r.json"
+    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent), tmp=str(tmp_path),
+                                    report=str(report)))
+    env = {**os.environ, "PREFLIGHT_DRY_RUN": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRAINED" not in done.stdout and "exiting with status 0" in done.stderr
+    assert json.loads(report.read_text())["fits"] is True
+
+
+def test_autotune_sets_micro_batch_accumulation_and_eval_batch(tmp_path):
+    pytest.importorskip("preflight._autotune")
+    seen = Seen()
+    trainer = make_trainer(tmp_path, train=Tokens(fixed=32), eval_dataset=Tokens(16, fixed=32), callbacks=[seen],
+                           per_device_train_batch_size=8, steps=1)
+    callback = attach(trainer, verify_steps=0)
+    chosen = autotune(trainer, budget="1GiB", max_batch_size=4)
+    args = trainer.args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2)
+    assert chosen["global_batch_size"] == 8 and chosen["exact"]
+    assert args.per_device_eval_batch_size == 4 == chosen["per_device_eval_batch_size"]  # capped by max_batch_size
+    trainer.train()
+    assert [b.shape[0] for b in seen.seen] == [4, 4]
+    assert callback.report.autotune["per_device_train_batch_size"] == 4
+
+
+def test_autotune_needs_a_budget_on_cpu(tmp_path):
+    pytest.importorskip("preflight._autotune")
+    trainer = make_trainer(tmp_path)
+    with pytest.warns(RuntimeWarning, match="autotune failed.*needs a budget"):
+        assert autotune(trainer) is None
+    assert trainer.args.per_device_train_batch_size == 4

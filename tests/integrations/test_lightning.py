@@ -1,0 +1,259 @@
+"""PreflightCallback for Lightning, end to end on CPU with a tiny GPT-2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from conftest import make_gpt2  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+import preflight  # noqa: E402
+from preflight.integrations.lightning import PreflightCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Token sequences; with ``fixed`` all of that length, else varying with the longest (96) last."""
+
+    def __init__(self, n: int = 24, fixed: int | None = None) -> None:
+        self.n, self.fixed = n, fixed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> list[int]:
+        length = self.fixed or (96 if i == self.n - 1 else 12 + (i * 7) % 40)
+        gen = torch.Generator().manual_seed(i)
+        return torch.randint(1, 1000, (length,), generator=gen).tolist()
+
+
+def pad(samples: list[list[int]]) -> dict[str, torch.Tensor]:
+    n = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    for j, s in enumerate(samples):
+        ids[j, : len(s)] = torch.tensor(s)
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class GPT(L.LightningModule):
+    def __init__(self, batch_size: int = 4, fixed: int | None = None, val: bool = True) -> None:
+        super().__init__()
+        self.model = make_gpt2(n_layer=2, n_embd=64)
+        self.batch_size, self.fixed, self.val = batch_size, fixed, val
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].clone())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(Tokens(fixed=self.fixed), batch_size=self.batch_size, shuffle=True,
+                                           collate_fn=pad)
+
+    def val_dataloader(self):
+        if not self.val:
+            return []
+        return torch.utils.data.DataLoader(Tokens(8, fixed=self.fixed), batch_size=8, collate_fn=pad)
+
+
+class Metrics(Logger):
+    name, version = "metrics", "0"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: dict[str, float] = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.update(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def fit(module, callbacks=(), steps=3, logger=False, **kwargs):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=1, val_check_interval=None, callbacks=list(callbacks), **kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_prediction_matches_the_measured_peak(tmp_path, accumulate):
+    torch.manual_seed(0)
+    callback = PreflightCallback(budget="1GiB", report_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
+    logger = Metrics()
+    fit(GPT(fixed=48), [callback], logger=logger, accumulate_grad_batches=accumulate)
+    report = json.loads((tmp_path / "r.json").read_text())
+    # Same quantity on both sides: one optimizer step from the first forward to zero_grad, over the storages it
+    # starts with (parameters, gradients, optimizer state, batch); see preflight._verify.
+    assert report["steps_measured"] == 3 and abs(report["relative_error"]) < 0.01
+    assert report["fits"] is True and report["schedule"] == {"accumulate": accumulate, "zero_grad": "before_backward"}
+    assert report["worst_case_batch_shape"]["input_ids"] == [4, 48]
+    assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
+    assert set(logger.logged) >= {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes",
+                                  "preflight/relative_error"}
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_training_sees_the_same_batches_and_weights_with_the_callback():
+    def run(callbacks):
+        torch.manual_seed(0)
+        module = GPT()  # varying lengths, the longest sample last; shuffled; dropout on
+        fit(module, callbacks, steps=4)
+        return module
+
+    plain = run([])
+    callback = PreflightCallback(verify_steps=2)
+    checked = run([callback])
+    assert len(plain.seen) == len(checked.seen) == 4
+    assert all(torch.equal(a, b) for a, b in zip(plain.seen, checked.seen))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), checked.parameters()))
+    # The worst case holds the longest sample (last in the dataset), not the first batch.
+    assert callback.report.worst_case_batch_shape["input_ids"] == [4, 96]
+    assert callback.report.worst_case_batch["method"] == "scanned"
+
+
+def test_overflow_raises_before_any_optimizer_step():
+    torch.manual_seed(0)
+    module = GPT(val=False)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
+    with pytest.raises(preflight.PreflightError, match="over the usable 1.80 MiB"):
+        trainer.fit(module)
+    assert trainer.global_step == 0 and module.seen == []
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert all(p.grad is None for p in module.parameters())
+    assert not trainer.optimizers[0].state
+
+
+def test_internal_failure_warns_and_training_runs(monkeypatch):
+    from preflight import _check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("trace exploded")
+
+    monkeypatch.setattr(_check, "estimate", broken)
+    with pytest.warns(RuntimeWarning, match="the prediction failed and was skipped.*trace exploded"):
+        trainer = fit(GPT(val=False), [PreflightCallback(budget="1MiB")], steps=2)
+    assert trainer.global_step == 2
+
+
+def test_options_are_checked_at_construction():
+    with pytest.raises(ValueError, match="`on_overflow` should be either of"):
+        PreflightCallback(on_overflow="explode")
+    with pytest.raises(ValueError, match="multiple_of"):
+        PreflightCallback(multiple_of=0)
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+from test_lightning import GPT, fit
+from preflight.integrations.lightning import PreflightCallback
+fit(GPT(val=False), [PreflightCallback(budget={budget!r}, report_path={report!r}, suggest=False)], steps=2)
+print("TRAINED")
+"""
+
+
+def test_dry_run_exits_3_when_it_does_not_fit(tmp_path):
+    script = tmp_path / "train.py"
+    report = tmp_path / "r.json"
+    script.write_text(SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent), budget="2MiB",
+                                    report=str(report)))
+    env = {**os.environ, "PREFLIGHT_DRY_RUN": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "TRAINED" not in done.stdout and "exiting with status 3" in done.stderr
+    assert json.loads(report.read_text())["fits"] is False
+
+
+def test_autotune_keeps_the_global_batch(tmp_path):
+    pytest.importorskip("preflight._autotune")
+    torch.manual_seed(0)
+    module = GPT(batch_size=8, fixed=32, val=False)
+    callback = PreflightCallback(budget="1GiB", autotune=True, max_batch_size=4, verify_steps=0,
+                                 report_path=str(tmp_path / "r.json"))
+    trainer = fit(module, [callback], steps=2)
+    assert module.batch_size == 4 and trainer.accumulate_grad_batches == 2
+    assert {b.shape[0] for b in module.seen} == {4}
+    tuned = json.loads((tmp_path / "r.json").read_text())["autotune"]
+    assert tuned["global_batch_size"] == 8 and tuned["original_batch_size"] == 8 and tuned["exact"]
+
+
+def test_autotune_failure_restores_the_setup(monkeypatch):
+    pytest.importorskip("preflight._autotune")
+    from preflight import _autotune
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("search failed")
+
+    monkeypatch.setattr(_autotune, "max_batch_size", broken)
+    torch.manual_seed(0)
+    module = GPT(batch_size=8, fixed=32, val=False)
+    with pytest.warns(RuntimeWarning, match="autotune failed.*search failed"):
+        trainer = fit(module, [PreflightCallback(budget="1GiB", autotune=True, verify_steps=0)], steps=1)
+    assert module.batch_size == 8 and trainer.accumulate_grad_batches == 1
+    assert [b.shape[0] for b in module.seen] == [8]
+
+
+DDP_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+import lightning as L
+import preflight
+from test_lightning import GPT
+from preflight.integrations.lightning import PreflightCallback
+rank = int(os.environ.get("LOCAL_RANK", 0))
+# Rank 1 is given a budget it cannot meet; rank 0's fits. Both must stop, before any step.
+callback = PreflightCallback(budget="1GiB" if rank == 0 else "2MiB", suggest=False, verify_steps=0)
+module = GPT(val=False)
+trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, callbacks=[callback])
+try:
+    trainer.fit(module)
+except preflight.PreflightError as err:
+    world = callback.report.world_size if callback.report else None
+    print(f"RANK {{rank}} RAISED steps={{trainer.global_step}} world={{world}}: " + str(err).splitlines()[0], flush=True)
+    sys.exit(5)
+print(f"RANK {{rank}} TRAINED", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_and_all_raise(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    out = done.stdout
+    assert "RANK 0 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
+    assert "RANK 1 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
+    assert "TRAINED" not in out

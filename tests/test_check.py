@@ -1,0 +1,258 @@
+"""The decision layer: eval and trainer-schedule predictions against measurement, verdict, errors, dry run, outputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import lm_batch, make_gpt2, make_llama
+
+import preflight
+from preflight._check import Options, VerifySession, check, decide, internal_failures, predict
+from preflight._device import live_storage_bytes
+from preflight._eval import estimate_eval
+from preflight._measure import cpu_profiled_peak
+from preflight._schedule import Schedule, scheduled
+from preflight._steps import compute_loss
+from preflight._verify import StepPeakMeter
+
+REQUIRED = ("version", "device", "budget_bytes", "predicted_peak_bytes", "predicted_breakdown", "peak_phase",
+            "eval_predicted_peak_bytes", "worst_case_batch_shape", "fits", "coverage", "measured_peak_bytes",
+            "relative_error", "steps_measured")
+
+
+def _profiled(fn, *tensors) -> int:
+    """Bytes alive before ``fn`` (``tensors``) plus the profiled peak of ``fn``: how preflight.measure counts."""
+    before = live_storage_bytes(list(tensors), torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(fn)
+    return before + peak
+
+
+@pytest.mark.parametrize("make", [make_gpt2, make_llama])
+def test_eval_step_matches_a_profiled_no_grad_forward(make):
+    model = make()
+    batch = lm_batch(4, 96)
+    est = estimate_eval(model, batch, resident={"optimizer_state": 4096})
+    assert est.peak_phase == "eval/forward" and est.breakdown["optimizer_state"] == 4096
+    assert model.training  # restored
+
+    def forward():
+        with torch.no_grad():
+            del_out = model(**batch)
+            del del_out
+
+    model.eval()
+    measured = _profiled(forward, list(model.parameters()), list(model.buffers()), batch) + 4096
+    assert abs(est.peak_bytes - measured) <= 128
+
+
+def _state(model, optimizer, batch):
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [list(model.parameters()), grads, [list(s.values()) for s in optimizer.state.values()], batch]
+
+
+def test_lightning_order_keeps_gradients_through_the_next_forward():
+    # Parameter-heavy and activation-light: the peak is the forward with last step's gradients alive.
+    model = make_gpt2(n_layer=2, n_embd=128)
+    real = copy.deepcopy(model)
+    batch = lm_batch(2, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    traced_opt, step = scheduled(optimizer, None, Schedule(zero_grad="before_backward"))
+    est = preflight.estimate(model, traced_opt, batch, step=step)
+    plain = preflight.estimate(model, optimizer, batch)
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+    real_opt = torch.optim.AdamW(real.parameters())
+
+    def lightning_step():  # lightning/pytorch/loops/optimization/automatic.py: training_step, zero_grad, backward
+        loss = compute_loss(real, batch, None)
+        real_opt.zero_grad()
+        loss.backward()
+        del loss
+        real_opt.step()
+
+    # Measured step by step as verification does: step 2 frees the gradients step 1 made, which the profiler
+    # reports only if it saw them allocated.
+    meter = StepPeakMeter(torch.device("cpu"))
+    for _ in range(2):
+        meter.start(_state(real, real_opt, batch))
+        lightning_step()
+        meter.stop()
+    measured = meter.step_peaks[1]
+    assert est.peak_phase == "step2/forward"
+    assert abs(est.peak_bytes - measured) / measured < 0.001
+    assert est.peak_bytes > plain.peak_bytes * 1.05
+
+
+def test_accumulation_keeps_gradients_across_micro_batches():
+    model = make_gpt2(n_layer=2, n_embd=64)
+    real = copy.deepcopy(model)
+    batch = lm_batch(4, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    traced_opt, step = scheduled(optimizer, None, Schedule(accumulate=4))
+    est = preflight.estimate(model, traced_opt, batch, step=step)
+
+    real_opt = torch.optim.AdamW(real.parameters())
+
+    def hf_step():  # transformers Trainer: micro-batches forward+backward, then step and zero_grad
+        for _ in range(4):
+            loss = compute_loss(real, batch, None)
+            loss.backward()
+            del loss
+        real_opt.step()
+        real_opt.zero_grad(set_to_none=True)
+
+    hf_step()
+    measured = _profiled(hf_step, *_state(real, real_opt, batch))
+    assert abs(est.peak_bytes - measured) / measured < 0.001
+
+
+def _check(budget=None, **kwargs):
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = Options(budget=budget, suggest=False, **kwargs)
+    return predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(4, 16)), options
+
+
+def test_report_has_the_issue_fields_and_is_json():
+    report, _ = _check(budget="1GiB")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert set(REQUIRED) <= set(data)
+    assert data["fits"] is True and data["budget_bytes"] == 2**30
+    assert data["eval_predicted_peak_bytes"] > 0
+    assert sum(data["predicted_breakdown"].values()) == data["predicted_peak_bytes"]
+
+
+def test_overflow_raises_with_numbers_and_warn_mode_warns():
+    report, options = _check(budget=100_000)
+    assert report.fits is False
+    with pytest.raises(preflight.PreflightError) as info:
+        decide(report, options)
+    message = str(info.value)
+    assert "over the usable" in message and "KiB" in message and "on_overflow='warn'" in message
+    assert info.value.report["fits"] is False
+    _, warn_options = _check(budget=100_000, on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match="over the usable"):
+        decide(report, warn_options)
+
+
+def test_no_budget_on_cpu_gives_no_verdict():
+    report, options = _check()
+    assert report.fits is None and report.usable_bytes is None
+    assert decide(report, options) is report
+
+
+def test_suggestions_are_ranked_into_the_error(monkeypatch):
+    from preflight import _advise
+
+    class Suggestion:
+        def __init__(self, description, peak, fits):
+            self.description, self.predicted_peak_bytes, self.fits = description, peak, fits
+            self.change, self.cost = {"micro_batch_size": 1}, "slower"
+
+    monkeypatch.setattr(_advise, "advise", lambda *a, **k: [Suggestion("micro-batch 1 x 2", 90_000, True)])
+    model = make_gpt2(n_layer=1, n_embd=32)
+    options = Options(budget=200_000)
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options)
+    assert report.suggestions[0]["fits"] is True
+    with pytest.raises(preflight.PreflightError, match="micro-batch 1 x 2"):
+        decide(report, options)
+
+    def broken(*a, **k):
+        raise RuntimeError("no advice today")
+
+    monkeypatch.setattr(_advise, "advise", broken)
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options)
+    assert report.suggestions == [] and "no advice today" in report.warnings[0]
+
+
+@pytest.mark.parametrize(("budget", "code"), [("1GiB", 0), (100_000, 3)])
+def test_dry_run_exits_with_the_verdict(monkeypatch, budget, code, tmp_path):
+    monkeypatch.setenv("PREFLIGHT_DRY_RUN", "1")
+    report, options = _check(budget=budget, report_path=str(tmp_path / "r.json"))
+    with pytest.raises(SystemExit) as info:
+        decide(report, options)
+    assert info.value.code == code
+    assert json.loads((tmp_path / "r.json").read_text())["fits"] is (code == 0)
+
+
+def test_dry_run_after_a_failed_prediction_is_not_success(monkeypatch):
+    monkeypatch.setenv("PREFLIGHT_DRY_RUN", "1")
+    with pytest.raises(SystemExit) as info:
+        decide(None, Options())
+    assert info.value.code == 1
+
+
+def test_public_check_raises_and_honours_preflight_check_environment(monkeypatch, tmp_path):
+    model = make_gpt2(n_layer=1, n_embd=32)
+    with pytest.raises(preflight.PreflightError):
+        check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), budget=100_000, suggest=False)
+    # `preflight check -- python train.py` asks through the environment (preflight._dryrun): a larger budget
+    # and a report path win over the arguments.
+    monkeypatch.setenv("PREFLIGHT_BUDGET", "1GiB")
+    monkeypatch.setenv("PREFLIGHT_REPORT", str(tmp_path / "cli.json"))
+    report = check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), budget=100_000, suggest=False)
+    assert report.fits is True and report.budget_bytes == 2**30
+    data = json.loads((tmp_path / "cli.json").read_text())
+    assert data["predicted_required_bytes"] == report.verdict_bytes
+
+
+def test_internal_failures_become_warnings_but_preflight_errors_pass():
+    with pytest.warns(RuntimeWarning, match="the prediction failed and was skipped.*boom"):
+        with internal_failures("the prediction"):
+            raise KeyError("boom")
+    with pytest.raises(preflight.PreflightError):
+        with internal_failures("the prediction"):
+            raise preflight.PreflightError("over")
+
+
+def test_verify_session_fills_the_report(tmp_path):
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = lm_batch(2, 16)
+    report, _ = _check()
+    options = Options(verify_steps=2, report_path=str(tmp_path / "r.json"))
+    session = VerifySession(report, options, torch.device("cpu"))
+    from preflight._steps import run_steps
+
+    for _ in range(2):
+        session.step_started(_state(model, optimizer, batch) + [list(model.buffers())])
+        run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=1)
+        finished = session.step_ended()
+    assert finished and not session.active
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["steps_measured"] == 2 and data["measured_peak_bytes"] > 0
+    assert data["relative_error"] is not None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"on_overflow": "stop"}, "either of"), ({"headroom": 1.5}, "headroom"), ({"verify_steps": -1}, "verify_steps"),
+    ({"budget": "lots"}, "Cannot read"), ({"check_eval": "yes"}, "check_eval"), ({"gpu": "Z9000"}, "Z9000"),
+])
+def test_options_are_checked_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Options(**kwargs)
+
+
+def test_console_and_plot(tmp_path, capsys, monkeypatch):
+    from preflight._console import format_report, print_report
+    from preflight._plot import plot_report
+
+    report, _ = _check(budget="1GiB")
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "training peak" in out and "fits" in out
+    assert "worst-case batch" in format_report(report)
+    plot_report(report, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install 'preflight-memory\[plot\]'"):
+        plot_report(report, tmp_path / "s.png")
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    print_report(report)  # plain text without rich
+    assert "training peak" in capsys.readouterr().out
+    warnings.resetwarnings()

@@ -12,7 +12,7 @@ Hooks (Lightning 2.x, ``lightning/pytorch/trainer/trainer.py`` ``_run`` and ``lo
 
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward`` (``Closure``
 in ``loops/optimization/automatic.py``), so the previous step's gradients are alive through the next forward;
-the prediction traces that order (`preflight._schedule`).
+the prediction traces that order (`preflight._steps.Schedule`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, isolated_rng, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import Options, Report, VerifySession, decide, internal_failures, is_rank_zero, predict
-from preflight._schedule import Schedule, scheduled
+from preflight._steps import Schedule
 from preflight._steps import PRECISIONS
 
 __all__ = ["PreflightCallback"]
@@ -237,14 +237,13 @@ class PreflightCallback(Callback):
         samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
         global_batch = original[0] * original[1]
         precision, _ = _precision(trainer)
-        # Traced as an accumulation micro-step: any micro-batch below the global batch will accumulate.
-        optimizer, step = scheduled(trainer.optimizers[0], _training_step,
-                                    Schedule(accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward"))
         with _quiet_logging(pl_module):
-            result = max_batch_size(pl_module, optimizer, samples.batch, budget=budget, step=step,
-                                    precision=precision, device=pl_module.device,
+            # Traced with accumulation: any micro-batch below the global batch will accumulate.
+            result = max_batch_size(pl_module, trainer.optimizers[0], samples.batch, budget=budget,
+                                    step=_training_step, precision=precision, device=pl_module.device,
                                     max_batch=min(global_batch, self.max_batch_size or global_batch),
-                                    multiple_of=self.multiple_of, headroom=self.options.headroom)
+                                    multiple_of=self.multiple_of, headroom=self.options.headroom,
+                                    accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward")
         if result.batch_size == 0:
             raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
         plan = split_global_batch(global_batch, result.batch_size)

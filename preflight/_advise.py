@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._autotune import accumulating_step, max_batch_size, split_global_batch
+from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import resolve_device
 from preflight._estimate import estimate
 from preflight._result import Estimate
 from preflight._sharding import shard_breakdown
-from preflight._steps import StepFn, check_precision
+from preflight._steps import Schedule, StepFn, check_precision
 from preflight._units import format_bytes
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
@@ -85,16 +85,19 @@ class _Setup:
     world_size: int
     make_batch: Callable[[int], Any] | None
     baseline: Estimate
+    schedule: Schedule
 
     def trace(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-              batch: Any = None, step: StepFn | None = None, precision: Any = ...) -> Estimate:
+              batch: Any = None, step: StepFn | None = None, precision: Any = ...,
+              accumulate: int | None = None) -> Estimate:
         """Trace the set-up with some parts replaced; a trace that fails is an error, not a lower bound."""
         est = estimate(model if model is not None else self.model,
                        optimizer if optimizer is not None else self.optimizer,
                        batch if batch is not None else self.batch,
                        step=step if step is not None else self.step,
                        precision=self.precision if precision is ... else precision,
-                       device=self.device)
+                       device=self.device, accumulate=accumulate or self.schedule.accumulate,
+                       zero_grad=self.schedule.zero_grad)
         if est.coverage.lower_bound:
             raise RuntimeError(f"the trace failed at operator {est.coverage.failed_op}: {est.coverage.reason}")
         return est
@@ -120,6 +123,8 @@ def advise(
     world_size: int = 1,
     make_batch: Callable[[int], Any] | None = None,
     headroom: float = 0.0,  # 0: the budget as given; DEFAULT_HEADROOM (0.10) keeps room for the allocator
+    accumulate: int = 1,
+    zero_grad: str = "after_step",
 ) -> list[Suggestion]:
     """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
 
@@ -149,6 +154,8 @@ def advise(
         world_size: data-parallel GPUs available; above 1, sharding options are added.
         make_batch: ``make_batch(b)`` returns a batch of ``b`` samples; default: `resize_batch` of ``batch``.
         headroom: the fraction of ``budget`` kept free, in [0, 1).
+        accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`; ``batch`` is one
+            micro-batch, so the global batch the micro-batch option keeps is ``batch size * accumulate``.
 
     Returns:
         Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
@@ -184,12 +191,14 @@ def advise(
         raise TypeError(f"`make_batch` should be None or a callable make_batch(batch_size) -> batch, got "
                         f"{type(make_batch).__name__}.")
     check_headroom(headroom)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     target = resolve_device(device, model)
     budget_bytes = resolve_budget(budget, device=target)
     if budget_bytes is None:
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
-    baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target)
+    baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target,
+                        accumulate=accumulate, zero_grad=zero_grad)
     if baseline.coverage.lower_bound:
         raise RuntimeError(
             f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
@@ -197,7 +206,7 @@ def advise(
             "traces."
         )
     setup = _Setup(model, optimizer, batch, step, precision, target, budget_bytes,
-                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline)
+                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule)
     options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
         ("micro-batch", _micro_batch),
         ("activation checkpointing", _checkpointing),
@@ -226,15 +235,16 @@ def advise(
 def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if setup.baseline.peak_bytes <= setup.limit:
         return []  # the current batch fits: no need for a smaller one
-    current = batch_size_of(setup.batch)
-    if current is None:
+    micro = batch_size_of(setup.batch)
+    if micro is None:
         raise ValueError("no tensor with a batch dimension in the batch; pass make_batch=")
-    if current < 2:
+    current = micro * setup.schedule.accumulate  # the global batch to keep
+    if micro < 2:
         return []
     make = setup.make_batch or (lambda b: resize_batch(setup.batch, b))
     result = max_batch_size(setup.model, setup.optimizer, make, budget=setup.budget_bytes, step=setup.step,
-                            precision=setup.precision, device=setup.device, max_batch=current - 1,
-                            headroom=setup.headroom, gradient_accumulation=True)
+                            precision=setup.precision, device=setup.device, max_batch=micro - 1,
+                            headroom=setup.headroom, accumulate=2, zero_grad=setup.schedule.zero_grad)
     cost_micro = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, "
                   "lower throughput when the full batch kept the GPU busy")
     if result.batch_size == 0:
@@ -247,7 +257,7 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if plan.micro_batch_size == result.batch_size:
         peak = result.predicted_peak_bytes
     else:  # a divisor below the largest that fits: traced too (kernel scratch need not be affine in the batch)
-        peak = setup.trace(batch=make(plan.micro_batch_size), step=accumulating_step(setup.step)).peak_bytes
+        peak = setup.trace(batch=make(plan.micro_batch_size), accumulate=2).peak_bytes
     change = {"micro_batch_size": plan.micro_batch_size, "accumulate_grad_batches": plan.accumulation_steps}
     text = (f"{plan.note} (gradient accumulation; the largest micro-batch that fits is {result.batch_size}, found "
             f"with {result.traces} traces): {setup.versus(peak)}")

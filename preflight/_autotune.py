@@ -24,14 +24,13 @@ from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import model_device
 from preflight._estimate import estimate
 from preflight._result import Estimate, Event
-from preflight._steps import StepFn, check_precision, compute_loss
+from preflight._steps import Schedule, StepFn, check_precision
 from preflight._units import format_bytes
 
 __all__ = [
     "BatchPeakModel",
     "BatchSizeResult",
     "GlobalBatchPlan",
-    "accumulating_step",
     "fit_batch_model",
     "max_batch_size",
     "split_global_batch",
@@ -177,9 +176,9 @@ class _Tracer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], Any],
                  step: StepFn | None, precision: str | None, device: Any, progress: Callable[[str], None] | None,
-                 limit: int) -> None:
+                 limit: int, schedule: Schedule) -> None:
         self.model, self.optimizer, self.make_batch = model, optimizer, make_batch
-        self.step, self.precision, self.device = step, precision, device
+        self.step, self.precision, self.device, self.schedule = step, precision, device, schedule
         self.progress = progress
         self.limit = limit
         self.count = 0
@@ -189,7 +188,8 @@ class _Tracer:
         self.count += 1
         self._say(f"tracing batch size {batch_size} (trace {self.count})")
         est = estimate(self.model, self.optimizer, self.make_batch(batch_size), step=self.step,
-                       precision=self.precision, device=self.device)
+                       precision=self.precision, device=self.device, accumulate=self.schedule.accumulate,
+                       zero_grad=self.schedule.zero_grad)
         if est.coverage.lower_bound:
             raise RuntimeError(
                 f"preflight could not trace the training step at batch size {batch_size} (operator "
@@ -211,37 +211,6 @@ class _Tracer:
             self.progress(f"preflight: {message}")
 
 
-def accumulating_step(step: StepFn | None = None) -> StepFn:
-    """A step that runs as the second micro-step of gradient accumulation.
-
-    The returned ``step(model, batch)`` runs one forward and backward (the previous micro-batch, whose gradients
-    stay in ``.grad``), then returns the loss of a second forward, which the caller backpropagates and
-    steps. Tracing or measuring with it includes what accumulation adds: the accumulated gradients are alive
-    during the next micro-batch's forward and backward. Two micro-steps show the repeating pattern of any number
-    of accumulation steps >= 2.
-
-    Args:
-        step: the user's step, as for `preflight.estimate` (None: the default forward).
-
-    Example:
-        >>> preflight.estimate(model, opt, batch, step=accumulating_step())  # doctest: +SKIP
-
-    Known limitations: the first micro-step runs inside the trace's forward phase, so an estimate's phase names
-    (``"step2/forward"``) cover that micro-step's backward too.
-    """
-
-    def accumulate(model: nn.Module, batch: Any) -> torch.Tensor:
-        first = compute_loss(model, batch, step)
-        # The real loop runs backward outside autocast; the caller has entered it for the forward.
-        device_type = model_device(model).type
-        with torch.autocast(device_type=device_type, enabled=False):
-            first.backward()
-        del first
-        return compute_loss(model, batch, step)
-
-    return accumulate
-
-
 def max_batch_size(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -254,7 +223,8 @@ def max_batch_size(
     max_batch: int | None = None,
     multiple_of: int = 1,
     headroom: float = 0.0,  # 0: the budget is taken as given; pass preflight._budget.DEFAULT_HEADROOM for a margin
-    gradient_accumulation: bool = False,
+    accumulate: int = 1,
+    zero_grad: str = "after_step",
     progress: Callable[[str], None] | None = None,
 ) -> BatchSizeResult:
     """The largest micro-batch whose predicted training peak fits ``budget``, from at most a few fake traces.
@@ -278,9 +248,9 @@ def max_batch_size(
             budget, capped at 16384 samples.
         multiple_of: only multiples of this are returned (e.g. 8 for tensor cores).
         headroom: the fraction of ``budget`` kept free, in [0, 1).
-        gradient_accumulation: trace each size as a micro-step of gradient accumulation (see
-            `accumulating_step`): the previous micro-batch's gradients are alive during the forward and
-            backward. Set it when the micro-batch will be accumulated into a larger global batch.
+        accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`. Pass ``accumulate=2``
+            (or more) when the micro-batch will be accumulated into a larger global batch: the earlier
+            micro-batches' gradients are alive during the next one's forward and backward.
         progress: optional ``progress(message)`` called before and after each trace.
 
     Returns:
@@ -323,8 +293,7 @@ def max_batch_size(
             raise ValueError(f"`max_batch` ({max_batch}) is smaller than `multiple_of` ({multiple_of}): no batch "
                              "size is allowed. Lower multiple_of or raise max_batch.")
     check_headroom(headroom)
-    if not isinstance(gradient_accumulation, bool):
-        raise ValueError(f"`gradient_accumulation` should be True or False, got {gradient_accumulation!r}.")
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` should be None or a callable progress(message), got {type(progress).__name__}.")
     budget_bytes = resolve_budget(budget, device=device if device is not None else model_device(model))
@@ -332,11 +301,10 @@ def max_batch_size(
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
     limit = usable_bytes(budget_bytes, headroom)
-    traced_step = accumulating_step(step) if gradient_accumulation else step
-    tracer = _Tracer(model, optimizer, make_batch, traced_step, precision, device, progress, limit)
+    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule)
     notes: list[str] = []
-    if gradient_accumulation:
-        notes.append("traced as a gradient-accumulation micro-step (the accumulated gradients are alive)")
+    if schedule.accumulate > 1:
+        notes.append("traced with gradient accumulation (the accumulated gradients are alive)")
     capped = max_batch is None
     upper = max_batch if max_batch is not None else _DEFAULT_MAX_BATCH
 

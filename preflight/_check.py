@@ -45,8 +45,7 @@ from preflight._errors import PreflightError
 from preflight._estimate import estimate
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
-from preflight._schedule import Schedule, scheduled
-from preflight._steps import StepFn, check_precision
+from preflight._steps import Schedule, StepFn, check_precision
 from preflight._units import format_bytes, parse_bytes
 from preflight._verify import StepPeakMeter, compare
 
@@ -275,10 +274,10 @@ def predict(
     target = resolve_device(device, model)
     budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
-    traced_optimizer, traced_step = scheduled(optimizer, step, schedule)
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
-    est = estimate(model, traced_optimizer, batch, step=traced_step, precision=precision,
+    est = estimate(model, optimizer, batch, step=step, precision=precision, accumulate=schedule.accumulate,
+                   zero_grad=schedule.zero_grad,
                    device=None if options.gpu else target, gpu=options.gpu, world_size=settings.world_size or 1,
                    sharding=settings.sharding)
     if est.device != str(target):
@@ -549,14 +548,13 @@ def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         from preflight._advise import advise
     except ImportError:
         return []
-    # The trainer's gradient lifetime, not its accumulation: the micro-batch option adds accumulation itself.
-    traced_optimizer, traced_step = scheduled(optimizer, step, Schedule(zero_grad=schedule.zero_grad))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
-            found = advise(model, traced_optimizer, batch, budget=report.budget_bytes, step=traced_step,
+            found = advise(model, optimizer, batch, budget=report.budget_bytes, step=step,
                            precision=precision, device=device, world_size=_world_size(),
-                           make_batch=make_batch, headroom=options.headroom)
+                           make_batch=make_batch, headroom=options.headroom, accumulate=schedule.accumulate,
+                           zero_grad=schedule.zero_grad)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
         return []

@@ -14,7 +14,7 @@ from preflight._analytic import model_state
 from preflight._device import resolve_device, trace_device_for
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
-from preflight._steps import StepFn, check_precision
+from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events
 from preflight._trace import trace_steps
 from preflight._twin import float_dtype_for
@@ -34,6 +34,8 @@ def estimate(
     precision: str | None = None,
     device: str | torch.device | None = None,
     steps: int = 2,
+    accumulate: int = 1,
+    zero_grad: str = "after_step",
     gpu: str | None = None,
     world_size: int = 1,
     sharding: str | None = None,
@@ -62,6 +64,10 @@ def estimate(
         device: the device planned for; default the model's (CPU for a meta model).
         steps: simulated steps; 2 by default because step 1 creates the optimizer state and step 2 is the
             steady state.
+        accumulate: gradient-accumulation micro-batches per optimizer step (``batch`` is one micro-batch).
+            The gradients of earlier micro-batches are alive during the next one's forward and backward.
+        zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops) or
+            ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward).
         gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
@@ -78,7 +84,8 @@ def estimate(
         emitted.
 
     Raises:
-        ValueError: a wrong argument (unknown precision, steps < 1, no loss found in the model's output).
+        ValueError: a wrong argument (unknown precision, steps < 1, accumulate < 1, unknown zero_grad, no loss found
+            in the model's output).
 
     Example:
         >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
@@ -108,6 +115,7 @@ def estimate(
         raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
     if step is not None and not callable(step):
         raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     sharding = check_sharding(world_size, sharding)
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
@@ -120,7 +128,7 @@ def estimate(
         gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)
     result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
-                         target_device=target, steps=steps, record_op=is_scratch_op)
+                         target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op)
     notes = list(result.notes)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")

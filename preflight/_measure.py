@@ -10,7 +10,7 @@ from torch import nn
 
 from preflight._device import cuda_available, live_storage_bytes, model_device
 from preflight._result import Measurement
-from preflight._steps import StepFn, check_precision, run_steps
+from preflight._steps import Schedule, StepFn, check_precision, run_steps
 from preflight._twin import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak"]
@@ -24,6 +24,8 @@ def measure(
     step: StepFn | None = None,
     precision: str | None = None,
     steps: int = 2,
+    accumulate: int = 1,
+    zero_grad: str = "after_step",
 ) -> Measurement:
     """Run ``steps`` real training steps and measure their peak memory.
 
@@ -38,7 +40,7 @@ def measure(
       alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch).
 
     Args:
-        model, optimizer, batch, step, precision, steps: as for `preflight.estimate`.
+        model, optimizer, batch, step, precision, steps, accumulate, zero_grad: as for `preflight.estimate`.
 
     Returns:
         A `Measurement`.
@@ -48,6 +50,7 @@ def measure(
         >>> m.peak_bytes  # doctest: +SKIP
     """
     precision = check_precision(precision)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     if steps < 1:
         raise ValueError(f"`steps` should be at least 1, got {steps}.")
     device = model_device(model)
@@ -60,7 +63,8 @@ def measure(
     model.train()
 
     def run() -> None:
-        run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device.type, steps=steps)
+        run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device.type, steps=steps,
+                  schedule=schedule)
 
     if device.type == "cuda" and cuda_available():  # pragma: no cover - needs a GPU
         torch.cuda.synchronize(device)

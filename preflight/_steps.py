@@ -3,24 +3,69 @@
 A step is: forward (under autocast for the ``*-mixed`` precisions) to a scalar loss, ``loss.backward()``,
 ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Running the same code for prediction and for
 measurement is what makes their peaks comparable.
+
+Two things trainers do differently change the peak, and a `Schedule` says which:
+
+- **Gradient accumulation** (``accumulate > 1``): gradients of the earlier micro-batches are alive during the
+  forward and backward of the next. Two micro-batches per optimizer step show the repeating pattern of any
+  number >= 2, so that is what runs.
+- **Where gradients are freed**: ``"after_step"`` (the HF Trainer, most hand-written loops) or
+  ``"before_backward"`` (Lightning's automatic optimization: its closure runs ``training_step``, then
+  ``zero_grad``, then ``backward``; lightning/pytorch/loops/optimization/automatic.py). With the latter the
+  previous step's gradients are alive through the next forward (measured: +17% on a 4-layer GPT-2 at batch
+  2 x 64 tokens).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PRECISIONS", "StepFn", "check_precision", "autocast_for", "compute_loss", "run_steps"]
+__all__ = [
+    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "autocast_for", "compute_loss",
+    "run_steps",
+]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
 # Lightning's vocabulary (lightning.fabric.connector._PRECISION_INPUT); None keeps the tensors' own dtypes.
 PRECISIONS = (None, "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed"}
+
+
+ZERO_GRAD_CHOICES = ("after_step", "before_backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A trainer's step order.
+
+    Attributes:
+        accumulate: micro-batches per optimizer step (gradient accumulation).
+        zero_grad: ``"after_step"`` (HF Trainer, plain loops) or ``"before_backward"`` (Lightning).
+    """
+
+    accumulate: int = 1
+    zero_grad: str = "after_step"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"`accumulate` should be a positive integer, got {self.accumulate!r}.")
+        if self.zero_grad not in ZERO_GRAD_CHOICES:
+            raise ValueError(f"`zero_grad` should be one of {ZERO_GRAD_CHOICES}, got {self.zero_grad!r}.")
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches actually run per optimizer step: 2 show the pattern of any accumulation >= 2."""
+        return min(self.accumulate, 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class LossNotFoundError(ValueError):
@@ -99,18 +144,25 @@ def run_steps(
     precision: str | None,
     device_type: str,
     steps: int,
+    schedule: Schedule = Schedule(),
     on_phase: Callable[[int, str], None] = lambda i, phase: None,
 ) -> None:
-    """Run ``steps`` training steps, calling ``on_phase(step_index, phase)`` as each phase starts."""
+    """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
+    phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end)."""
     for i in range(1, steps + 1):
-        on_phase(i, "forward")
-        with autocast_for(precision, device_type):
-            loss = compute_loss(model, batch, step)
-        on_phase(i, "backward")
-        loss.backward()
-        del loss
+        for micro in range(schedule.micro_steps):
+            on_phase(i, "forward")
+            with autocast_for(precision, device_type):
+                loss = compute_loss(model, batch, step)
+            if schedule.zero_grad == "before_backward" and micro == 0:
+                on_phase(i, "zero_grad")
+                optimizer.zero_grad(set_to_none=True)
+            on_phase(i, "backward")
+            loss.backward()
+            del loss
         on_phase(i, "optimizer")
         optimizer.step()
-        on_phase(i, "zero_grad")
-        optimizer.zero_grad(set_to_none=True)
+        if schedule.zero_grad == "after_step":
+            on_phase(i, "zero_grad")
+            optimizer.zero_grad(set_to_none=True)
     on_phase(steps, "end")

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from preflight._compat import real_run_paths
 from preflight._result import Category, Event
-from preflight._steps import LossNotFoundError, StepFn, run_steps
+from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
 from preflight._tracker import SHADOW_MAX_NUMEL, StorageTracker
 from preflight._twin import TwinMaker, clone_optimizer, float_dtype_for
 
@@ -69,6 +69,7 @@ def trace_steps(
     trace_device: torch.device,
     target_device: torch.device,
     steps: int,
+    schedule: Schedule = Schedule(),
     record_op: Callable[[Any], bool] | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps on fake tensors.
@@ -141,7 +142,7 @@ def trace_steps(
         model.train()
         try:
             run_steps(model, fake_opt, fake_batch, step=step, precision=precision,
-                      device_type=trace_device.type, steps=steps, on_phase=on_phase)
+                      device_type=trace_device.type, steps=steps, schedule=schedule, on_phase=on_phase)
         except LossNotFoundError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported

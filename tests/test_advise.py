@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint
 import preflight
 import preflight._advise as advise_module
 from preflight._advise import Suggestion, advise, batch_size_of, resize_batch
-from preflight._autotune import accumulating_step
 from preflight._sharding import shard_breakdown
 
 VOCAB = 1000
@@ -70,10 +69,11 @@ def mlp_step(model: nn.Module, batch) -> torch.Tensor:
 MLP_BATCH = (torch.randn(512, 32, generator=torch.Generator().manual_seed(0)), torch.randint(0, 10, (512,)))
 
 
-def measure_fresh(make_model, batch, *, step=None, prepare=lambda model: None) -> int:
+def measure_fresh(make_model, batch, *, step=None, prepare=lambda model: None, accumulate=1) -> int:
     model = make_model()
     prepare(model)
-    return preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=step).peak_bytes
+    return preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=step,
+                             accumulate=accumulate).peak_bytes
 
 
 def state_of(model: nn.Module) -> dict:
@@ -106,8 +106,8 @@ def assert_unchanged(model: nn.Module, before: dict) -> None:
 @functools.lru_cache(maxsize=None)
 def gpt2_budget() -> int:
     """Between the measured peaks of micro-batch 4 and 5 as accumulation micro-steps: micro-batch 4 fits."""
-    four = measure_fresh(make_gpt2, lm_batch(4), step=accumulating_step())
-    five = measure_fresh(make_gpt2, lm_batch(5), step=accumulating_step())
+    four = measure_fresh(make_gpt2, lm_batch(4), accumulate=2)
+    five = measure_fresh(make_gpt2, lm_batch(5), accumulate=2)
     return (four + five) // 2
 
 
@@ -132,7 +132,7 @@ def test_micro_batch_suggestion_matches_measurement(gpt2_advice):
     s = by_change(suggestions, "micro_batch_size")
     assert s.change == {"micro_batch_size": 4, "accumulate_grad_batches": 2}  # global batch 8 kept
     assert s.fits and s.predicted_peak_bytes <= gpt2_budget()
-    real = measure_fresh(make_gpt2, resize_batch(lm_batch(BATCH), 4), step=accumulating_step())
+    real = measure_fresh(make_gpt2, resize_batch(lm_batch(BATCH), 4), accumulate=2)
     assert s.predicted_peak_bytes == pytest.approx(real, rel=0.01)
 
 

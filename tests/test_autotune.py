@@ -12,7 +12,6 @@ import preflight
 from preflight._autotune import (
     BatchSizeResult,
     GlobalBatchPlan,
-    accumulating_step,
     max_batch_size,
     split_global_batch,
 )
@@ -45,10 +44,11 @@ def lm_batch(b: int) -> dict[str, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def measured(make_model, make_batch, b: int, step=None) -> int:
+def measured(make_model, make_batch, b: int, step=None, accumulate=1) -> int:
     """The real peak of two training steps at batch ``b`` on a fresh model and optimizer (memoised)."""
     model = make_model()
-    return preflight.measure(model, torch.optim.AdamW(model.parameters()), make_batch(b), step=step).peak_bytes
+    return preflight.measure(model, torch.optim.AdamW(model.parameters()), make_batch(b), step=step,
+                             accumulate=accumulate).peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +142,10 @@ def test_falls_back_to_a_trace_search_when_traces_do_not_line_up():
 
 def test_gradient_accumulation_is_traced_as_a_micro_step(gpt2):
     model, opt = gpt2
-    accumulated = max_batch_size(model, opt, lm_batch, budget="1GiB", max_batch=3, gradient_accumulation=True)
+    accumulated = max_batch_size(model, opt, lm_batch, budget="1GiB", max_batch=3, accumulate=2)
     assert accumulated.batch_size == 3 and accumulated.traces == 1  # a small max_batch is traced directly
     plain = preflight.estimate(model, opt, lm_batch(3)).peak_bytes
-    real = measured(make_gpt2, lm_batch, 3, step=accumulating_step())
+    real = measured(make_gpt2, lm_batch, 3, accumulate=2)
     assert accumulated.predicted_peak_bytes > plain  # the accumulated gradients are alive in the next forward
     assert accumulated.predicted_peak_bytes == pytest.approx(real, rel=0.01)
 

@@ -16,7 +16,6 @@ from preflight._check import Options, VerifySession, check, decide, internal_fai
 from preflight._device import live_storage_bytes
 from preflight._eval import estimate_eval
 from preflight._measure import cpu_profiled_peak
-from preflight._schedule import Schedule, scheduled
 from preflight._steps import compute_loss
 from preflight._verify import StepPeakMeter
 
@@ -61,8 +60,7 @@ def test_lightning_order_keeps_gradients_through_the_next_forward():
     real = copy.deepcopy(model)
     batch = lm_batch(2, 32)
     optimizer = torch.optim.AdamW(model.parameters())
-    traced_opt, step = scheduled(optimizer, None, Schedule(zero_grad="before_backward"))
-    est = preflight.estimate(model, traced_opt, batch, step=step)
+    est = preflight.estimate(model, optimizer, batch, zero_grad="before_backward")
     plain = preflight.estimate(model, optimizer, batch)
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
 
@@ -93,8 +91,7 @@ def test_accumulation_keeps_gradients_across_micro_batches():
     real = copy.deepcopy(model)
     batch = lm_batch(4, 64)
     optimizer = torch.optim.AdamW(model.parameters())
-    traced_opt, step = scheduled(optimizer, None, Schedule(accumulate=4))
-    est = preflight.estimate(model, traced_opt, batch, step=step)
+    est = preflight.estimate(model, optimizer, batch, accumulate=4)
 
     real_opt = torch.optim.AdamW(real.parameters())
 

@@ -254,3 +254,15 @@ def test_custom_step_and_existing_optimizer_state():
     err, est = relative_error(model, opt, batch, step=lambda m, b: m(**b).loss * 1.0)
     assert abs(err) < TRANSFORMER_TOL
     assert est.breakdown["optimizer_state"] > 0
+
+
+@pytest.mark.parametrize("accumulate, zero_grad", [(3, "after_step"), (1, "before_backward"), (2, "before_backward")])
+def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zero_grad):
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    err, est = relative_error(model, opt, lm_batch(), accumulate=accumulate, zero_grad=zero_grad)
+    assert abs(err) < TRANSFORMER_TOL
+    plain = preflight.estimate(model, opt, lm_batch())
+    assert est.peak_bytes > plain.peak_bytes  # gradients alive across a forward
+    with pytest.raises(ValueError, match="zero_grad"):
+        preflight.estimate(model, opt, lm_batch(), zero_grad="sometimes")

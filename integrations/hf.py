@@ -28,7 +28,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 import torch
 from torch import nn
 
-from preflight._batches import DEFAULT_TIME_LIMIT, isolated_rng, scan
+from preflight._batches import DEFAULT_TIME_LIMIT, scan
+from preflight._restore import isolated_rng
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, decide, eval_resident, internal_failures,
                               is_rank_zero, predict)

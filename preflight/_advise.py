@@ -10,11 +10,10 @@ trace's own option. Sharding is the exception: it is derived from the traced bre
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import resolve_device
 from preflight._estimate import estimate
+from preflight._restore import NotRestoredError, restored_module
 from preflight._result import Estimate
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
@@ -220,7 +220,7 @@ def advise(
     for name, option in options:
         try:
             ranked.extend(option(setup))
-        except _NotRestored:
+        except NotRestoredError:
             raise
         except Exception as err:  # noqa: BLE001 - one option failing must not hide the others (reported below)
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
@@ -272,7 +272,7 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
             return []  # already on
         how = "transformers' activation_checkpointing_enable, use_reentrant=False"
-        with _restored(model):
+        with restored_module(model):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # gradient_* names are deprecated in transformers 5
                 enable = getattr(model, "activation_checkpointing_enable", None)
@@ -286,9 +286,9 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
         if not blocks:
             return []
         how = f"torch.utils.checkpoint on each of the {len(blocks)} {type(blocks[0]).__name__} blocks"
-        with _restored(model):
+        with restored_module(model):
             for block in blocks:
-                block.forward = _checkpointed(block.forward)  # an instance attribute; _restored deletes it
+                block.forward = _checkpointed(block.forward)  # an instance attribute; restored_module deletes it
             est = setup.trace()
     base = setup.baseline
     saving = base.peak_bytes - est.peak_bytes
@@ -560,76 +560,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item()
     return value
-
-
-class _NotRestored(RuntimeError):
-    """The user's model could not be put back as it was: never swallowed."""
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _restored(model: nn.Module) -> Iterator[None]:
-    """Put back, on exit, every attribute of every module and of its config, the contents of dict attributes
-    (parameter, buffer, submodule and hook tables) and ``requires_grad`` flags; then check nothing differs."""
-    saved = _snapshot(model)
-    try:
-        yield
-    finally:
-        for obj, attrs, tables in saved.objects:
-            current = obj.__dict__
-            for key in [k for k in current if k not in attrs]:
-                del current[key]
-            for key, value in attrs.items():
-                if current.get(key, _MISSING) is not value:
-                    current[key] = value
-            for key, items in tables.items():
-                table = attrs[key]
-                if not _same_items(table, items):
-                    table.clear()
-                    table.update(items)
-        for p, flag in saved.requires_grad:
-            if p.requires_grad != flag:
-                p.requires_grad_(flag)
-        if not _snapshot(model).same_as(saved):
-            raise _NotRestored(f"preflight.advise could not restore {type(model).__name__} after tracing an "
-                               "option; please report this with the model's class.")
-
-
-@dataclasses.dataclass
-class _Snapshot:
-    objects: list[tuple[Any, dict[str, Any], dict[str, list[tuple[Any, Any]]]]]
-    requires_grad: list[tuple[torch.Tensor, bool]]
-
-    def same_as(self, other: _Snapshot) -> bool:
-        if len(self.objects) != len(other.objects) or len(self.requires_grad) != len(other.requires_grad):
-            return False
-        for (o1, a1, t1), (o2, a2, t2) in zip(self.objects, other.objects):
-            if o1 is not o2 or a1.keys() != a2.keys() or any(a1[k] is not a2[k] for k in a1):
-                return False
-            if t1.keys() != t2.keys() or any(not _same_items(dict(t1[k]), t2[k]) for k in t1):
-                return False
-        return all(p1 is p2 and f1 == f2 for (p1, f1), (p2, f2) in zip(self.requires_grad, other.requires_grad))
-
-
-def _snapshot(model: nn.Module) -> _Snapshot:
-    objects: list[Any] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        for obj in (module, module.__dict__.get("config")):
-            if obj is not None and hasattr(obj, "__dict__") and id(obj) not in seen:
-                seen.add(id(obj))
-                objects.append(obj)
-    entries = []
-    for obj in objects:
-        attrs = dict(obj.__dict__)
-        tables = {k: list(v.items()) for k, v in attrs.items() if isinstance(v, dict)}
-        entries.append((obj, attrs, tables))
-    return _Snapshot(entries, [(p, p.requires_grad) for p in model.parameters()])
-
-
-def _same_items(table: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> bool:
-    return len(table) == len(items) and all(
-        k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(table.items(), items)
-    )

@@ -23,10 +23,8 @@ Known limitations:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,7 +32,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "isolated_rng", "loader_batch_size",
+from preflight._restore import isolated_rng
+
+__all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "loader_batch_size",
            "sample_size", "scan", "worst_case_batch"]
 
 # Long enough to scan ~10^5-10^6 tokenised samples on one core, short next to any real training run.
@@ -278,19 +278,3 @@ def batch_shape(batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return [batch_shape(v) for v in batch]
     return type(batch).__name__
-
-
-@contextlib.contextmanager
-def isolated_rng() -> Iterator[None]:
-    """Restore the torch (CPU and CUDA), Python and numpy random streams on exit."""
-    python_state = random.getstate()
-    np = sys.modules.get("numpy")
-    np_state = np.random.get_state() if np is not None else None
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        if np_state is not None:
-            np.random.set_state(np_state)

@@ -13,12 +13,24 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "cuda_available", "device_capacity", "model_device", "resolve_device", "trace_device_for", "live_storage_bytes",
+    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "model_device", "resolve_device", "trace_device_for", "live_storage_bytes",
 ]
 
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def cuda_reset_peaks(device: torch.device) -> None:  # pragma: no cover - needs a GPU
+    """Start a measurement window: synchronise and reset the caching allocator's peak statistics."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peaks(device: torch.device) -> tuple[int, int]:  # pragma: no cover - needs a GPU
+    """End a measurement window: ``(max_memory_allocated, max_memory_reserved)`` since `cuda_reset_peaks`."""
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
 
 
 def device_capacity(device: torch.device) -> int | None:

@@ -15,18 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
-from preflight._compat import real_run_paths
 from preflight._device import resolve_device, trace_device_for
 from preflight._estimate import summarize_events
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision
-from preflight._trace import _can_shadow, preserved_state
-from preflight._tracker import StorageTracker
-from preflight._twin import TwinMaker, float_dtype_for
+from preflight._trace import FakeRun
+from preflight._twin import float_dtype_for
 
 __all__ = ["EvalStepFn", "estimate_eval"]
 
@@ -73,43 +69,22 @@ def estimate_eval(
     target = resolve_device(device, model)
     trace_device = trace_device_for(target)
     start = time.perf_counter()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracker = StorageTracker(fake_mode)
-    twins = TwinMaker(fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
-    state = twins.module_state(model)
-    fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
-    for name, _ in model.named_parameters():
-        tracker.register(state[name], Category.PARAMETERS)
-    for name, _ in model.named_buffers():
-        tracker.register(state[name], Category.BUFFERS)
-    for real, fake in zip(tree_flatten(batch)[0], tree_flatten(fake_batch)[0]):
-        if isinstance(fake, torch.Tensor):
-            tracker.register(fake, Category.INPUTS)
-            if _can_shadow(real):
-                tracker.shadow(fake, real.detach().cpu())
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device)
+    tracker = run.tracker
     tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
-
-    notes: list[str] = []
-    error: BaseException | None = None
-    with preserved_state(model), real_run_paths(notes), fake_mode, tracker, _reparametrize_module(
-        model, state, tie_weights=True, strict=False
-    ):
+    with run.active(model):
         model.eval()
-        try:
-            with torch.no_grad(), autocast_for(precision, trace_device.type):
-                out = step(model, fake_batch) if step is not None else _forward(model, fake_batch)
-            tracker.phase = "eval/end"
-            del out
-        except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
-            error = err
-    failed_op = tracker.failed_op or tracker.last_op
-    del fake_batch, state
-    tracker.detach()
+        with torch.no_grad(), autocast_for(precision, trace_device.type):
+            out = step(model, run.batch) if step is not None else _forward(model, run.batch)
+        tracker.phase = "eval/end"
+        del out
+    run.finish()
+    notes = run.notes
     seconds = time.perf_counter() - start
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
-    if error is not None:
-        return _lower_bound(model, batch, target, precision, resident, error, failed_op, notes, seconds)
+    if run.error is not None:
+        return _lower_bound(model, batch, target, precision, resident, run.error, run.failed_op, notes, seconds)
 
     events = list(tracker.events)
     categories = dict(tracker.categories)

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import cuda_available, live_storage_bytes, model_device
+from preflight._device import cuda_available, cuda_peaks, cuda_reset_peaks, live_storage_bytes, model_device
 from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, run_steps
 from preflight._twin import float_dtype_for
 
-__all__ = ["measure", "cpu_profiled_peak"]
+__all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak"]
 
 
 def measure(
@@ -67,15 +67,14 @@ def measure(
                   schedule=schedule)
 
     if device.type == "cuda" and cuda_available():  # pragma: no cover - needs a GPU
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        cuda_reset_peaks(device)
         start = time.perf_counter()
         run()
-        torch.cuda.synchronize(device)
+        allocated, reserved = cuda_peaks(device)
         seconds = time.perf_counter() - start
         return Measurement(
-            peak_bytes=int(torch.cuda.max_memory_allocated(device)),
-            peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
+            peak_bytes=allocated,
+            peak_reserved_bytes=reserved,
             device=str(device),
             method="cuda-allocator",
             steps=steps,
@@ -98,6 +97,15 @@ def cpu_profiled_peak(fn: Any) -> tuple[int, float]:
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
+    return profiled_memory_peak(prof), seconds
+
+
+def profiled_memory_peak(prof: Any) -> int:
+    """Peak of allocated-minus-freed CPU bytes over a finished ``torch.profiler.profile`` session.
+
+    The profiler records every CPU allocation and free as a ``[memory]`` event (negative bytes on free); summed in
+    time order they give the live-bytes curve of what was allocated during the session.
+    """
     memory = [
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -108,7 +116,7 @@ def cpu_profiled_peak(fn: Any) -> tuple[int, float]:
     for _, nbytes in memory:
         live += nbytes
         peak = max(peak, live)
-    return peak, seconds
+    return peak
 
 
 def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Event
 
 __all__ = ["SCRATCH_OPS", "is_scratch_op", "calibrate", "ScratchResult"]
@@ -142,12 +143,10 @@ def _scratch_at(func: Any, args: Any, kwargs: Any, device: torch.device, batch: 
     real_kwargs = tree_map(lambda x: _materialise(x, device), kwargs)
     with torch.no_grad():
         if device.type == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            cuda_reset_peaks(device)
             out = func(*real_args, **real_kwargs)
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
+            peak = cuda_peaks(device)[0] - base
         else:
             from preflight._measure import cpu_profiled_peak
 

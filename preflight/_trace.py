@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,12 +21,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from preflight._compat import real_run_paths
+from preflight._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
 from preflight._tracker import SHADOW_MAX_NUMEL, StorageTracker
 from preflight._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["TensorSpec", "TraceResult", "trace_steps", "preserved_state"]
+__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "preserved_state", "trace_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,31 +83,19 @@ def trace_steps(
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
     """
     start = time.perf_counter()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     op_log: list[tuple[int, int, Any, Any, Any]] = []
 
     def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if record_op is not None and record_op(func):
             # Shapes only: holding the fake tensors would keep their storages alive and change the trace.
-            op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args), tree_map(TensorSpec.of, kwargs)))
+            op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
+                           tree_map(TensorSpec.of, kwargs)))
 
-    tracker = StorageTracker(fake_mode, on_op=on_op)
-    twins = TwinMaker(fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
-    state = twins.module_state(model)
-    fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op)
+    tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
-    fake_opt = clone_optimizer(optimizer, twins, foreach=foreach)
-
-    for name, t in model.named_parameters():
-        tracker.register(state[name], Category.PARAMETERS)
-    for name, t in model.named_buffers():
-        tracker.register(state[name], Category.BUFFERS)
-    for real, fake in zip(tree_flatten(batch)[0], tree_flatten(fake_batch)[0]):
-        if isinstance(fake, torch.Tensor):
-            tracker.register(fake, Category.INPUTS)
-            if _can_shadow(real):
-                tracker.shadow(fake, real.detach().cpu())
+    fake_opt = clone_optimizer(optimizer, run.twins, foreach=foreach)
     for st in fake_opt.state.values():
         for key, v in list(st.items()):
             if isinstance(v, torch.Tensor) and v.device.type != "meta" and not isinstance(v, FakeTensor):
@@ -133,39 +121,75 @@ def trace_steps(
         tracker.phase = f"step{i}/{phase}"
         tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
 
-    error: BaseException | None = None
-    failed_op: str | None = None
-    notes: list[str] = []
-    with preserved_state(model), real_run_paths(notes), fake_mode, tracker, _reparametrize_module(
-        model, state, tie_weights=True, strict=False
-    ):
+    with run.active(model):
         model.train()
-        try:
-            run_steps(model, fake_opt, fake_batch, step=step, precision=precision,
-                      device_type=trace_device.type, steps=steps, schedule=schedule, on_phase=on_phase)
-        except LossNotFoundError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
-            error, failed_op = err, tracker.failed_op or tracker.last_op
+        run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
+                  steps=steps, schedule=schedule, on_phase=on_phase)
     if tracker.placeholders_used:
-        notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); placeholders "
-                     "were used (they change arithmetic, not which tensors exist)")
-    # Drop the fake objects so remaining frees are recorded, then stop listening.
-    del fake_opt, fake_params, fake_batch, state
-    tracker.detach()
+        run.notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); "
+                         "placeholders were used (they change arithmetic, not which tensors exist)")
+    run.finish()
     return TraceResult(
         events=tracker.events,
         categories=tracker.categories,
         num_ops=tracker.num_ops,
         seconds=time.perf_counter() - start,
-        error=error,
-        failed_op=failed_op,
+        error=run.error,
+        failed_op=run.failed_op,
         op_log=op_log,
-        notes=notes,
+        notes=run.notes,
     )
 
 
-def _can_shadow(t: Any) -> bool:
+class FakeRun:
+    """The fake world one trace runs in: a `FakeTensorMode`, a `StorageTracker`, and fake twins of the model's
+    parameters and buffers and of the batch, registered with the tracker (small integer batch tensors keep a
+    shadow of their values).
+
+    Use: build it, make any other twins (an optimizer, outside fake mode), run the user's code inside
+    ``with run.active(model):`` (errors from the user's code are kept in ``error`` / ``failed_op``, except
+    `LossNotFoundError`, which is the caller's mistake), then `finish`.
+    """
+
+    def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
+                 on_op: Callable[..., None] | None = None) -> None:
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.tracker = StorageTracker(self.fake_mode, on_op=on_op)
+        self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
+        self.state = self.twins.module_state(model)
+        self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)
+        self.notes: list[str] = []
+        self.error: BaseException | None = None
+        self.failed_op: str | None = None
+        for name, _ in model.named_parameters():
+            self.tracker.register(self.state[name], Category.PARAMETERS)
+        for name, _ in model.named_buffers():
+            self.tracker.register(self.state[name], Category.BUFFERS)
+        for real, fake in zip(tree_flatten(batch)[0], tree_flatten(self.batch)[0]):
+            if isinstance(fake, torch.Tensor):
+                self.tracker.register(fake, Category.INPUTS)
+                if can_shadow(real):
+                    self.tracker.shadow(fake, real.detach().cpu())
+
+    @contextlib.contextmanager
+    def active(self, model: nn.Module) -> Iterator[None]:
+        """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
+        with preserved_state(model), real_run_paths(self.notes), self.fake_mode, self.tracker, \
+                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+            try:
+                yield
+            except LossNotFoundError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
+                self.error, self.failed_op = err, self.tracker.failed_op or self.tracker.last_op
+
+    def finish(self) -> None:
+        """Stop listening for frees: the events after the user's code are not part of any peak."""
+        self.tracker.detach()
+
+
+def can_shadow(t: Any) -> bool:
+    """Whether a real batch tensor keeps a value shadow in the trace: small integer tensors (ids, masks)."""
     return (
         isinstance(t, torch.Tensor)
         and t.device.type != "meta"
@@ -177,35 +201,7 @@ def _can_shadow(t: Any) -> bool:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore module attributes, training flags and every RNG stream (torch, CUDA, Python, numpy) on exit."""
-    modules = list(model.modules())
-    saved = [(m, dict(m.__dict__)) for m in modules]
-    python_state = random.getstate()
-    np_state = _numpy_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        for m, attrs in saved:
-            current = m.__dict__
-            for key in [k for k in current if k not in attrs]:
-                del current[key]
-            for key, value in attrs.items():
-                if current.get(key, _MISSING) is not value:
-                    current[key] = value
-        random.setstate(python_state)
-        if np_state is not None:
-            import numpy as np
-
-            np.random.set_state(np_state)
-
-
-_MISSING = object()
-
-
-def _numpy_state() -> Any:
-    import sys
-
-    np = sys.modules.get("numpy")
-    return np.random.get_state() if np is not None else None
+    """Restore the model (attributes, hook tables, flags: `preflight._restore`) and every RNG stream (torch,
+    CUDA, Python, numpy) on exit."""
+    with restored_module(model), isolated_rng():
+        yield

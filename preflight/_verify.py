@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from preflight._device import live_storage_bytes
+from preflight._device import cuda_peaks, cuda_reset_peaks, live_storage_bytes
+from preflight._measure import profiled_memory_peak
 from preflight._units import format_bytes
 
 __all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare"]
@@ -70,8 +71,7 @@ class StepPeakMeter:
     def start(self, resident: Any) -> None:
         """Start measuring a step. ``resident``: every tensor alive at its start that the step uses (CPU only)."""
         if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            cuda_reset_peaks(self.device)
             self._running = True
             return
         from torch.profiler import ProfilerActivity, profile
@@ -88,9 +88,8 @@ class StepPeakMeter:
         a trainer that does not pass it to the step-start hook); counted like ``start``'s ``resident``.
         """
         if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(self.device)
-            peak = int(torch.cuda.max_memory_allocated(self.device))
-            self.reserved_peaks.append(int(torch.cuda.max_memory_reserved(self.device)))
+            peak, reserved = cuda_peaks(self.device)
+            self.reserved_peaks.append(reserved)
         else:
             profiler, self._profiler = self._profiler, None
             if profiler is None:
@@ -108,25 +107,6 @@ class StepPeakMeter:
         if profiler is not None:
             profiler.stop()
         self._running = False
-
-
-def profiled_memory_peak(prof: Any) -> int:
-    """Peak of allocated-minus-freed CPU bytes over a finished profiler session.
-
-    The event summing of `preflight._measure.cpu_profiled_peak`, for a session started and stopped in different
-    callbacks (that function takes one callable). TODO(lead): extract it there and have both call it.
-    """
-    memory = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    memory.sort(key=lambda pair: pair[0])
-    live = peak = 0
-    for _, nbytes in memory:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,6 @@ the user's model left exactly as it was."""
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 
 import pytest

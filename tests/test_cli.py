@@ -107,3 +107,13 @@ def test_check_propagates_the_dry_run_verdict(tmp_path):
                          env={**__import__("os").environ, "NEED": str(need)})
         assert result.returncode == code, result.stderr
         assert ("DOES NOT FIT" in result.stdout) == (code == 3)
+
+
+@pytest.mark.parametrize("budget, code", [("4GiB", 0), ("100MiB", 3)])
+def test_check_dry_runs_an_example_script(budget, code):
+    # The example's own check honours the dry run: it predicts, reports and exits before training.
+    example = str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "accelerate_loop.py")
+    result = run_cli("check", "--budget", budget, "--", sys.executable, example)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert ("DOES NOT FIT" in result.stdout) == (code == 3)
+    assert "measured" not in result.stdout  # it stopped before step one: nothing was trained or verified

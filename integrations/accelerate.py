@@ -25,8 +25,7 @@ from preflight._batches import DEFAULT_TIME_LIMIT, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import Options, Report, VerifySession, decide, internal_failures, predict
 from preflight._eval import EvalStepFn
-from preflight._steps import Schedule
-from preflight._steps import StepFn
+from preflight._steps import Schedule, StepFn
 
 __all__ = ["StepVerifier", "preflight_check"]
 

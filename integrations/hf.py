@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, scan
-from preflight._restore import isolated_rng
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, decide, eval_resident, internal_failures,
                               is_rank_zero, predict)
+from preflight._restore import isolated_rng
 from preflight._steps import Schedule
 
 __all__ = ["PreflightCallback", "attach", "autotune"]

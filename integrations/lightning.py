@@ -34,11 +34,10 @@ import torch
 from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, scan
-from preflight._restore import isolated_rng
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import Options, Report, VerifySession, decide, internal_failures, is_rank_zero, predict
-from preflight._steps import Schedule
-from preflight._steps import PRECISIONS
+from preflight._restore import isolated_rng
+from preflight._steps import PRECISIONS, Schedule
 
 __all__ = ["PreflightCallback"]
 

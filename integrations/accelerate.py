@@ -23,7 +23,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight._check import Options, Report, VerifySession, decide, internal_failures, predict
+from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
+                              predict)
 from preflight._eval import EvalStepFn
 from preflight._steps import Schedule, StepFn
 
@@ -108,7 +109,7 @@ class StepVerifier:
         self.model = accelerator.unwrap_model(model)
         self.optimizer = _torch_optimizer(optimizer)
         self.session = VerifySession(report, options, accelerator.device,
-                                     extra_resident_bytes=_ddp_bucket_bytes(model))
+                                     extra_resident_bytes=ddp_bucket_bytes(model))
         self._open = False
 
     @contextlib.contextmanager
@@ -148,7 +149,7 @@ def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: A
     report = predict(accelerator.unwrap_model(model), _torch_optimizer(optimizer), batch, options=options, step=step,
                    precision=_PRECISIONS[mixed], device=accelerator.device, schedule=schedule,
                    batch_info=info, eval_batch=eval_batch, eval_step=eval_step,
-                   eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_bucket_bytes(model) > 0,
+                   eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(model) > 0,
                    make_batch=samples.batch)
     return report
 
@@ -156,10 +157,3 @@ def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: A
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-
-
-def _ddp_bucket_bytes(model: nn.Module) -> int:
-    if not isinstance(model, nn.parallel.DistributedDataParallel) or model.gradient_as_bucket_view:
-        return 0
-    params = {id(p): p for p in model.module.parameters() if p.requires_grad}.values()
-    return sum(p.numel() * p.element_size() for p in params)

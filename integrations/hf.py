@@ -30,8 +30,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
-from preflight._check import (Options, Report, VerifySession, decide, eval_resident, internal_failures,
-                              is_rank_zero, predict)
+from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
+                              internal_failures, is_rank_zero, predict)
 from preflight._restore import isolated_rng
 from preflight._steps import Schedule
 
@@ -245,7 +245,7 @@ def autotune(
 
 def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multiple_of: int,
           scan_seconds: float) -> dict[str, Any]:
-    from preflight._autotune import max_batch_size as largest_batch, split_global_batch
+    from preflight._autotune import max_batch_size as largest_batch, max_eval_batch_size, split_global_batch
 
     args, model = trainer.args, trainer.model
     device = _device(model)
@@ -289,8 +289,9 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
         eval_samples = scan(eval_loader, time_limit=scan_seconds)
         resident = eval_resident(model, optimizer, precision=precision, schedule=Schedule())
         cap = max_batch_size or max(1, eval_samples.dataset_size or args.per_device_eval_batch_size)
-        size, peak = _largest_eval_batch(model, eval_samples, resident, usable_bytes(budget, options.headroom),
-                                         precision, device, cap, multiple_of)
+        size, peak = max_eval_batch_size(model, eval_samples.batch, resident=resident,
+                                          usable=usable_bytes(budget, options.headroom), precision=precision,
+                                          device=device, max_batch=cap, multiple_of=multiple_of)
         if size:
             chosen.update(per_device_eval_batch_size=size, eval_predicted_peak_bytes=peak)
     args.per_device_train_batch_size = plan.micro_batch_size
@@ -305,39 +306,6 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
               f"{plan.accumulation_steps} ({plan.note}); per_device_eval_batch_size "
               f"{original['per_device_eval_batch_size']} -> {args.per_device_eval_batch_size}", flush=True)
     return chosen
-
-
-def _largest_eval_batch(model: nn.Module, samples: Any, resident: dict[str, int], limit: int,
-                        precision: str | None, device: torch.device, cap: int, multiple_of: int) -> tuple[int, int]:
-    """The largest multiple of ``multiple_of`` up to ``cap`` whose eval peak fits ``limit``: doubling, then
-    bisection over eval traces (each a single no-grad forward)."""
-    from preflight._eval import estimate_eval
-
-    peaks: dict[int, int] = {}
-
-    def peak(k: int) -> int:
-        if k not in peaks:
-            peaks[k] = estimate_eval(model, samples.batch(k * multiple_of), precision=precision, device=device,
-                                     resident=resident).peak_bytes
-        return peaks[k]
-
-    k_max = max(1, cap // multiple_of)
-    if peak(1) > limit:
-        return 0, 0
-    good, bad = 1, None
-    while good < k_max:  # doubling up to the cap
-        k = min(2 * good, k_max)
-        if peak(k) > limit:
-            bad = k
-            break
-        good = k
-    while bad is not None and bad - good > 1:  # bisection between a fitting and a failing size
-        mid = (good + bad) // 2
-        if peak(mid) <= limit:
-            good = mid
-        else:
-            bad = mid
-    return good * multiple_of, peaks[good]
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
@@ -387,10 +355,10 @@ def _ddp_bucket_bytes(trainer: Trainer | None, model: nn.Module, args: Any) -> i
     """DDP's gradient buckets (a flat copy of every gradient) when the model trains under DDP without bucket views."""
     wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-        if wrapped.gradient_as_bucket_view:
-            return 0
-    elif not (_world_size() > 1 and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)):
+        return ddp_bucket_bytes(wrapped)
+    if not (_world_size() > 1 and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)):
         return 0
+    # Not wrapped yet (the callback saw the model first), but the Trainer will wrap it in DDP with its defaults.
     params = {id(p): p for p in _unwrap(model).parameters() if p.requires_grad}.values()
     return sum(p.numel() * p.element_size() for p in params)
 

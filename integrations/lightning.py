@@ -31,11 +31,11 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 import torch
-from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight._check import Options, Report, VerifySession, decide, internal_failures, is_rank_zero, predict
+from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
+                              is_rank_zero, predict)
 from preflight._restore import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
@@ -151,7 +151,7 @@ class PreflightCallback(Callback):
         decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False))
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, pl_module.device,
-                                          extra_resident_bytes=_ddp_bucket_bytes(trainer, pl_module))
+                                          extra_resident_bytes=ddp_bucket_bytes(getattr(trainer.strategy, "model", None)))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -198,7 +198,7 @@ class PreflightCallback(Callback):
                 precision=precision, device=pl_module.device,
                 schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
-                eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_bucket_bytes(trainer, pl_module) > 0,
+                eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(getattr(trainer.strategy, "model", None)) > 0,
                 make_batch=samples.batch,
             )
         if note:
@@ -328,15 +328,6 @@ def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
             return None
         loaders = loaders[0]
     return _single_loader(loaders, "validation")
-
-
-def _ddp_bucket_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
-    """Bytes of DDP's gradient buckets (one flat copy of every gradient), 0 without DDP or with bucket views."""
-    wrapped = getattr(trainer.strategy, "model", None)
-    if not isinstance(wrapped, nn.parallel.DistributedDataParallel) or wrapped.gradient_as_bucket_view:
-        return 0
-    params = {id(p): p for p in pl_module.parameters() if p.requires_grad}.values()
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _reset_train_dataloader(trainer: pl.Trainer) -> None:

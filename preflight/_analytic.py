@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._device import iter_tensors
+
 __all__ = ["ModelState", "model_state", "optimizer_state_bytes"]
 
 # torch.optim classes -> number of full-size state tensors per parameter (before hyperparameter options).
@@ -64,9 +66,7 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
 
 
 def _batch_bytes(batch: Any) -> int:
-    from torch.utils._pytree import tree_flatten
-
-    return sum(t.numel() * t.element_size() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in iter_tensors(batch))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None) -> int | None:

@@ -33,6 +33,7 @@ __all__ = [
     "GlobalBatchPlan",
     "fit_batch_model",
     "max_batch_size",
+    "max_eval_batch_size",
     "split_global_batch",
 ]
 
@@ -415,6 +416,49 @@ def _search(tracer: _Tracer, limit: int, multiple_of: int, k_max: int, notes: li
         bad = good
         good = max((b // multiple_of for b, p in tracer.peaks.items() if p <= limit and b < bad * multiple_of),
                    default=0)
+
+
+class _EvalTracer:
+    """`_Tracer`'s interface for evaluation steps: trace the no-grad forward at a batch size, remember peaks."""
+
+    def __init__(self, model: nn.Module, make_batch: Callable[[int], Any], precision: str | None, device: Any,
+                 resident: dict[str, int] | None) -> None:
+        self.model, self.make_batch, self.precision, self.device, self.resident = (
+            model, make_batch, precision, device, resident)
+        self.peaks: dict[int, int] = {}
+
+    def peak(self, batch_size: int) -> int:
+        if batch_size not in self.peaks:
+            from preflight._eval import estimate_eval
+
+            est = estimate_eval(self.model, self.make_batch(batch_size), precision=self.precision,
+                                device=self.device, resident=self.resident)
+            if est.coverage.lower_bound:
+                raise RuntimeError(
+                    f"preflight could not trace the evaluation step at batch size {batch_size} (operator "
+                    f"{est.coverage.failed_op}: {est.coverage.reason}); an eval batch size cannot be chosen from a "
+                    "lower bound."
+                )
+            self.peaks[batch_size] = est.peak_bytes
+        return self.peaks[batch_size]
+
+
+def max_eval_batch_size(model: nn.Module, make_batch: Callable[[int], Any], *, usable: int,
+                        precision: str | None = None, device: Any = None, max_batch: int, multiple_of: int = 1,
+                        resident: dict[str, int] | None = None) -> tuple[int, int]:
+    """The largest evaluation batch (a multiple of ``multiple_of``, at most ``max_batch``) whose no-grad peak,
+    with ``resident`` training state alive (see `preflight.estimate_eval`), is at most ``usable`` bytes; and its
+    traced peak. ``(0, 0)`` when not even the smallest fits.
+
+    Eval traces are one forward each, so this searches by tracing (doubling, then bisection) without a fitted
+    model.
+
+    Raises:
+        RuntimeError: the evaluation step could not be traced (a lower bound cannot choose a batch size).
+    """
+    tracer = _EvalTracer(model, make_batch, precision, device, resident)
+    found = _search(tracer, usable, multiple_of, max(1, max_batch // multiple_of), [])  # type: ignore[arg-type]
+    return found, tracer.peaks.get(found, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,9 @@ Policies:
   numbers and what to change (top suggestions of `preflight._advise.advise` when it can run); ``"warn"`` warns.
 - **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
   ``PREFLIGHT_DRY_RUN=1`` the process ends after the report with exit status 0 when the run fits (or there is no
-  budget to compare with), 3 (`EXIT_DOES_NOT_FIT`) when it does not, and 1 when the prediction itself failed, so
-  a job script can run the real training script once and stop before step one. ``PREFLIGHT_REPORT``,
+  budget to compare with), 3 (`EXIT_DOES_NOT_FIT`) when it does not, 4 (`EXIT_NO_VERDICT`) when the model could
+  not be traced and its lower bound is under the budget, and 1 when the prediction itself failed, so a job script
+  can run the real training script once and stop before step one. ``PREFLIGHT_REPORT``,
   ``PREFLIGHT_BUDGET``, ``PREFLIGHT_GPU``, ``PREFLIGHT_HEADROOM``, ``PREFLIGHT_WORLD_SIZE`` and
   ``PREFLIGHT_SHARDING`` override the callback's options.
 - **Internal failures**: any exception inside preflight that is not a `PreflightError` (a model the trace
@@ -40,17 +41,17 @@ from torch import nn
 from preflight._batches import BatchInfo
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight._device import resolve_device
-from preflight._dryrun import EXIT_DOES_NOT_FIT, settings_from_env
+from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
 from preflight._estimate import estimate
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
-from preflight._steps import Schedule, StepFn, check_precision
+from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision
 from preflight._units import format_bytes, parse_bytes
 from preflight._verify import StepPeakMeter, compare
 
 __all__ = [
-    "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession",
+    "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
     "check", "decide", "eval_resident", "internal_failures", "is_rank_zero", "predict",
 ]
 
@@ -156,8 +157,13 @@ class Report:
 
     @property
     def verdict_bytes(self) -> int:
-        """The peak the verdict uses: the larger of the training and evaluation peaks."""
-        return max(self.predicted_peak_bytes, self.eval_predicted_peak_bytes or 0)
+        """What the verdict compares with the usable budget: the larger of the training need (the device total
+        when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the peak of
+        tensor storages) and the evaluation peak."""
+        train = self.predicted_device_total_bytes
+        if train is None:
+            train = self.predicted_peak_bytes
+        return max(train, self.eval_predicted_peak_bytes or 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report (without the timelines)."""
@@ -215,7 +221,7 @@ def check(
 
     Raises:
         preflight.PreflightError: it does not fit and ``on_overflow="raise"``.
-        ValueError: a bad option (raised before anything is traced).
+        ValueError: a bad option (raised before anything is traced), or a step that yields no loss.
 
     Example:
         >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP
@@ -225,7 +231,8 @@ def check(
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     check_precision(precision)
     report = None
-    with internal_failures("the prediction"):
+    # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
+    with internal_failures("the prediction", reraise=(LossNotFoundError,)):
         report = predict(model, optimizer, batch, options=options, step=step, precision=precision, device=device,
                          schedule=schedule, eval_batch=eval_batch, eval_step=eval_step)
     return decide(report, options)
@@ -288,8 +295,10 @@ def predict(
     # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown.
     ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1
     buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
+    total = est.device_total_bytes
     if buckets:
         peak += buckets
+        total = None if total is None else total + buckets
         breakdown["gradients"] += buckets
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
 
@@ -324,7 +333,7 @@ def predict(
         precision=precision,
         schedule=schedule.to_dict(),
         predicted_reserved_bytes=est.peak_reserved_bytes,
-        predicted_device_total_bytes=est.device_total_bytes,
+        predicted_device_total_bytes=total,
         estimate=est,
         eval_estimate=eval_est,
     )
@@ -359,10 +368,13 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
                 emit(report)
     failed = any(v == "failed" for v in verdicts)
     fits = False if False in verdicts else (None if None in verdicts or failed else True)
+    lower_bound = fits is None and report is not None and report.budget_bytes is not None
     if settings_from_env().dry_run:
-        code = EXIT_DOES_NOT_FIT if fits is False else (_EXIT_PREDICTION_FAILED if failed else 0)
+        code = EXIT_DOES_NOT_FIT if fits is False else (_EXIT_PREDICTION_FAILED if failed else
+                                                        EXIT_NO_VERDICT if lower_bound else 0)
         if is_rank_zero():
             verdict = "does not fit" if fits is False else "prediction failed" if failed else \
+                "no verdict: the prediction is a lower bound under the budget" if lower_bound else \
                 "no budget to compare with" if fits is None else "fits"
             print(f"preflight: dry run (PREFLIGHT_DRY_RUN=1): {verdict}; exiting with status {code} before step "
                   "one.", file=sys.stderr, flush=True)
@@ -482,11 +494,12 @@ class VerifySession:
 
 
 @contextlib.contextmanager
-def internal_failures(what: str) -> Iterator[None]:
-    """Turn an exception inside preflight (not a `PreflightError`) into a warning: training must not stop for us."""
+def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Turn an exception inside preflight (not a `PreflightError`, nor one of ``reraise``) into a warning: training
+    must not stop for us."""
     try:
         yield
-    except PreflightError:
+    except (PreflightError, *reraise):
         raise
     except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
@@ -587,6 +600,14 @@ def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
                for p in params)
+
+
+def ddp_bucket_bytes(wrapped: Any) -> int:
+    """Bytes of DDP's gradient buckets, a flat copy of every trainable parameter's gradient kept for the whole
+    run, when ``wrapped`` is a ``DistributedDataParallel`` without ``gradient_as_bucket_view``; else 0."""
+    if not isinstance(wrapped, nn.parallel.DistributedDataParallel) or wrapped.gradient_as_bucket_view:
+        return 0
+    return _gradient_bytes(wrapped.module, None)
 
 
 def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Schedule,

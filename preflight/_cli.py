@@ -3,8 +3,9 @@
     preflight estimate --hf-config config.json --batch 8 --seq 2048 --gpu H100-80GB [--json out.json]
     preflight check --gpu A100-80GB -- python train.py --lr 3e-4 && sbatch job.sh
 
-Exit status: 0 the run fits, 3 it does not, 2 bad input (unknown GPU, malformed size, missing file, unknown
-option), 1 an unexpected error.
+Exit status: 0 the run fits (or there is no budget to compare with), 3 it does not, 4 no verdict (the model
+could not be traced and its lower bound is under the budget), 2 bad input (unknown GPU, malformed size, missing
+file, unknown option), 1 an unexpected error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
-from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_USAGE
+from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_USAGE
 from preflight._gpus import known_gpus
 from preflight._sharding import SHARDING_CHOICES
 from preflight._steps import PRECISIONS
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
     _add_plan_options(est)
+    est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
+    est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
+    est.add_argument("--deepspeed-config", metavar="PATH",
+                     help="read the ZeRO stage and offload settings from a DeepSpeed config (JSON)")
     est.add_argument("--json", metavar="PATH", help="also write the estimate and verdict as JSON")
 
     chk = sub.add_parser("check", help="dry-run your training script: `preflight check [options] -- python train.py`")
@@ -103,29 +108,54 @@ def _estimate(args: argparse.Namespace) -> int:
 
     with _progress("building the model on the meta device"):
         model, optimizer, batch = _build(args)
+    sharding, offload = _sharding(args)
     with _progress("tracing 2 training steps on fake tensors"):
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
-                                 sharding=args.sharding)
+                                 sharding=sharding, **offload)
     print(est)
-    verdict = _verdict(est.required_bytes, budget, args.headroom)
+    verdict = _verdict(est.required_bytes, budget, args.headroom, lower_bound=est.coverage.lower_bound)
     print(verdict["text"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**est.to_dict(), **{k: v for k, v in verdict.items() if k != "text"}}, f, indent=2)
-    return EXIT_FITS if verdict["fits"] in (True, None) else EXIT_DOES_NOT_FIT
+    if verdict["fits"] is None:
+        return EXIT_NO_VERDICT if budget is not None else EXIT_FITS
+    return EXIT_FITS if verdict["fits"] else EXIT_DOES_NOT_FIT
 
 
-def _verdict(required: int, budget: int | None, headroom: float) -> dict[str, Any]:
+def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
+    """The sharding and offload settings: the flags, or a DeepSpeed config's ZeRO section (flags win)."""
+    sharding = args.sharding
+    offload = {"offload_optimizer": args.offload_optimizer, "offload_params": args.offload_params}
+    if args.deepspeed_config:
+        from preflight._sharding import read_deepspeed_config
+
+        if not os.path.exists(args.deepspeed_config):
+            raise UsageError(f"DeepSpeed config not found: {args.deepspeed_config!r}")
+        try:
+            ds = read_deepspeed_config(args.deepspeed_config)
+        except (ValueError, OSError) as err:
+            raise UsageError(f"cannot read the DeepSpeed config {args.deepspeed_config!r}: {err}") from None
+        sharding = sharding or ds["sharding"]
+        offload = {k: offload[k] or ds[k] for k in offload}
+    return sharding, offload
+
+
+def _verdict(required: int, budget: int | None, headroom: float, *, lower_bound: bool) -> dict[str, Any]:
     if budget is None:
         return {"fits": None, "budget_bytes": None, "usable_bytes": None,
                 "text": "verdict: no budget (pass --gpu or --budget to get one)"}
     usable = usable_bytes(budget, headroom)
-    fits = required <= usable
-    word = "FITS" if fits else "DOES NOT FIT"
-    return {"fits": fits, "budget_bytes": budget, "usable_bytes": usable,
-            "text": f"verdict: {word}: needs {format_bytes(required)} of {format_bytes(usable)} usable "
-                    f"({format_bytes(budget)} budget, {headroom:.0%} headroom)"}
+    fits: bool | None = required <= usable
+    need = f"needs {format_bytes(required)}{' at least' if lower_bound else ''} of {format_bytes(usable)} usable " \
+           f"({format_bytes(budget)} budget, {headroom:.0%} headroom)"
+    if fits and lower_bound:  # a lower bound under the budget says nothing about the real peak
+        fits = None
+        text = f"verdict: NO VERDICT: the model could not be traced, and its lower bound {need}"
+    else:
+        text = f"verdict: {'FITS' if fits else 'DOES NOT FIT'}: {need}"
+    return {"fits": fits, "budget_bytes": budget, "usable_bytes": usable, "text": text}
 
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -137,6 +167,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise UsageError("`preflight estimate --hf-config` needs transformers: pip install "
                          "'preflight-memory[hf]'") from err
     config = _load_config(args.hf_config, transformers)
+    if args.task == "seq-cls" and getattr(config, "pad_token_id", 0) is None:
+        # transformers' classifiers find the last token through the pad token and refuse batches > 1 without one.
+        config.pad_token_id = 0
     classes = {
         "causal-lm": transformers.AutoModelForCausalLM, "seq-cls": transformers.AutoModelForSequenceClassification,
         "masked-lm": transformers.AutoModelForMaskedLM, "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
@@ -284,8 +317,9 @@ def _check(args: argparse.Namespace) -> int:
         return code
     fits = report.get("fits")
     need = report.get("predicted_required_bytes") or report.get("predicted_peak_bytes")
-    print(f"preflight check: {'FITS' if fits else 'DOES NOT FIT'}: predicted {format_bytes(need)} "
-          f"against a budget of {format_bytes(report.get('budget_bytes'))}")
+    word = {True: "FITS", False: "DOES NOT FIT"}.get(fits, "NO VERDICT" if report.get("budget_bytes") else "NO BUDGET")
+    print(f"preflight check: {word}: predicted {format_bytes(need)} against a budget of "
+          f"{format_bytes(report.get('budget_bytes'))}")
     return code
 
 

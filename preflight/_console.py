@@ -69,7 +69,7 @@ def _rows(r: Report) -> list[tuple[str, str]]:
         rows.append(("budget", f"{format_bytes(r.budget_bytes)}, headroom {r.headroom:.0%} -> usable "
                                f"{format_bytes(r.usable_bytes)}"))
         share = r.verdict_bytes / r.usable_bytes if r.usable_bytes else float("inf")
-        verdict = "fits" if r.fits else "DOES NOT FIT"
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "no verdict (lower bound)"}[r.fits]
         rows.append(("verdict", f"{verdict} ({share:.0%} of usable)"))
     for i, s in enumerate(r.suggestions[:_TOP_SUGGESTIONS]):
         # advise's descriptions carry the predicted peak and whether it fits

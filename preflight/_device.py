@@ -6,14 +6,14 @@ them runs and is tested on CPU; tests of the CUDA paths carry the ``requires_cud
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "model_device", "resolve_device", "trace_device_for", "live_storage_bytes",
+    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "map_tensors", "model_device", "resolve_device", "trace_device_for", "live_storage_bytes",
 ]
 
 
@@ -76,8 +76,8 @@ def live_storage_bytes(tensors: Any, device: torch.device) -> int:
     """Bytes of the distinct storages behind ``tensors`` (any nested structure) that live on ``device``."""
     seen: set[int] = set()
     total = 0
-    for t in tree_flatten(tensors)[0]:
-        if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+    for t in iter_tensors(tensors):
+        if t.device.type != device.type:
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() in seen and storage.data_ptr() != 0:
@@ -85,3 +85,38 @@ def live_storage_bytes(tensors: Any, device: torch.device) -> int:
         seen.add(storage.data_ptr())
         total += storage.nbytes()
     return total
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested batch: mappings of any type (transformers' ``BatchEncoding`` is a ``UserDict``,
+    which torch's pytree treats as one leaf), lists, tuples and named tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)``, keeping the containers' types where they allow it.
+
+    Tensors are visited in the order `iter_tensors` yields them.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        try:  # keep the user's mapping type (e.g. BatchEncoding): models may rely on it
+            return type(obj)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj

@@ -22,11 +22,15 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["EXIT_FITS", "EXIT_DOES_NOT_FIT", "EXIT_USAGE", "DryRunSettings", "settings_from_env", "finish"]
+__all__ = ["EXIT_FITS", "EXIT_DOES_NOT_FIT", "EXIT_NO_VERDICT", "EXIT_USAGE", "DryRunSettings", "settings_from_env",
+           "finish"]
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 3  # not 1: a crash of the script itself exits 1, and must not read as "does not fit"
 EXIT_USAGE = 2  # argparse's convention for bad input
+# The model could not be traced and its lower bound is under the budget: nothing is known either way, and a job
+# script must not read that as "fits".
+EXIT_NO_VERDICT = 4
 
 
 @dataclasses.dataclass(frozen=True)

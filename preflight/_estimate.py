@@ -12,8 +12,10 @@ from torch import nn
 
 from preflight._analytic import model_state
 from preflight._device import resolve_device, trace_device_for
+from preflight._gpus import GPU
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
+from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events
 from preflight._trace import trace_steps
@@ -39,6 +41,8 @@ def estimate(
     gpu: str | None = None,
     world_size: int = 1,
     sharding: str | None = None,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
     allocator: AllocatorConfig | str | None = None,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
@@ -73,6 +77,8 @@ def estimate(
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
         sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"``,
             ``"fsdp-full"`` or ``"fsdp-grad-op"``.
+        offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
+            or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
         allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
             ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True"``. Default: the
             environment's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, else PyTorch's defaults.
@@ -117,6 +123,12 @@ def estimate(
         raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     sharding = check_sharding(world_size, sharding)
+    offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
+    if any(offload.values()) and world_size == 1 and sharding is None:
+        sharding = "zero3" if offload_params else "zero2"  # offloading is a ZeRO / FSDP feature
+    if sharding is not None:
+        shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding,
+                        **offload)  # checks the combination before tracing
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
         device = "cuda"
@@ -136,7 +148,8 @@ def estimate(
     paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
 
     if result.error is not None:
-        return _fallback(model, optimizer, batch, target, precision, steps, result, notes)
+        return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
+                         gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
 
     scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
     if scratch.skipped:
@@ -157,10 +170,10 @@ def estimate(
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     unsharded = None
-    if world_size > 1:
+    if sharding is not None:
         unsharded = peak
         breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
-                                             dtype=float_dtype_for(precision))
+                                             dtype=float_dtype_for(precision), **offload)
         notes.append(note)
         peak = sum(breakdown.values())
         if reserved is not None:  # keep the simulated allocator overhead, rescaled to the rank's tensors
@@ -239,13 +252,20 @@ def _timeline(events: Iterable[Event]) -> tuple[TimelinePoint, ...]:
 
 
 def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, target: torch.device,
-              precision: str | None, steps: int, result: Any, notes: list[str]) -> Estimate:
+              precision: str | None, steps: int, result: Any, notes: list[str], *, gpu: GPU | None,
+              world_size: int, sharding: str | None, offload: dict[str, bool]) -> Estimate:
     state = model_state(model, optimizer, batch, target, param_dtype=float_dtype_for(precision))
     breakdown = {c.value: 0 for c in Category}
     breakdown.update(parameters=state.parameters, buffers=state.buffers, gradients=state.gradients,
                      optimizer_state=state.optimizer_state or 0, inputs=state.inputs)
     if state.optimizer_state is None:
         notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
+    unsharded = None
+    if sharding is not None:
+        unsharded = sum(breakdown.values())
+        breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
+                                             dtype=float_dtype_for(precision), **offload)
+        notes.append(note)
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warnings.warn(
         f"preflight could not trace the training step (operator {result.failed_op}: {reason}). The estimate is a "
@@ -264,4 +284,8 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         trace_seconds=result.seconds,
         num_ops=result.num_ops,
         managed_bytes=state.managed,
+        gpu=None if gpu is None else gpu.name,
+        world_size=world_size,
+        sharding=sharding,
+        unsharded_peak_bytes=unsharded,
     )

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from preflight._device import resolve_device, trace_device_for
+from preflight._device import iter_tensors, resolve_device, trace_device_for
 from preflight._estimate import summarize_events
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision
@@ -118,7 +117,7 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
 
     breakdown = {c.value: 0 for c in Category}
     breakdown.update(parameters=nbytes(model.parameters()), buffers=nbytes(model.buffers()),
-                     inputs=nbytes(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)))
+                     inputs=nbytes(iter_tensors(batch)))
     for name, nbytes in resident.items():
         breakdown[name] += nbytes
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]

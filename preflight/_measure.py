@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import cuda_available, cuda_peaks, cuda_reset_peaks, live_storage_bytes, model_device
+from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storage_bytes, map_tensors,
+                               model_device)
 from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, run_steps
 from preflight._twin import float_dtype_for
@@ -127,6 +128,4 @@ def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 
 def _cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)

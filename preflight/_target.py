@@ -105,10 +105,14 @@ def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
 
 
 def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
-                       dtype: torch.dtype | None) -> tuple[dict[str, int], str]:
+                       dtype: torch.dtype | None, offload_optimizer: bool = False,
+                       offload_params: bool = False) -> tuple[dict[str, int], str]:
     """One rank's breakdown and a note saying how it was derived."""
     unit = largest_unit_bytes(model, dtype)
-    out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit)
-    note = (f"per-rank figures for {sharding} over {world_size} ranks, derived from the single-device trace's "
-            f"breakdown at its peak (largest gathered unit: {unit} bytes)")
+    out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
+                          offload_optimizer=offload_optimizer, offload_params=offload_params)
+    offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
+    note = (f"per-rank figures for {sharding} over {world_size} rank(s), derived from the single-device trace's "
+            f"breakdown at its peak (largest gathered unit: {unit} bytes)"
+            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
     return out, note

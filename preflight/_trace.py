@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from preflight._compat import real_run_paths
+from preflight._device import iter_tensors
 from preflight._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
@@ -95,7 +96,13 @@ def trace_steps(
     tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
-    fake_opt = clone_optimizer(optimizer, run.twins, foreach=foreach)
+    try:
+        fake_opt = clone_optimizer(optimizer, run.twins, foreach=foreach)
+    except Exception as err:  # noqa: BLE001 - an optimizer we cannot rebuild gets the analytic estimate
+        run.finish()
+        return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=0,
+                           seconds=time.perf_counter() - start, error=err,
+                           failed_op=f"{type(optimizer).__name__}(param_groups, **defaults)", notes=run.notes)
     for st in fake_opt.state.values():
         for key, v in list(st.items()):
             if isinstance(v, torch.Tensor) and v.device.type != "meta" and not isinstance(v, FakeTensor):
@@ -165,11 +172,11 @@ class FakeRun:
             self.tracker.register(self.state[name], Category.PARAMETERS)
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
-        for real, fake in zip(tree_flatten(batch)[0], tree_flatten(self.batch)[0]):
-            if isinstance(fake, torch.Tensor):
-                self.tracker.register(fake, Category.INPUTS)
-                if can_shadow(real):
-                    self.tracker.shadow(fake, real.detach().cpu())
+        for real, fake in zip(iter_tensors(batch), iter_tensors(self.batch)):
+            self.tracker.register(fake, Category.INPUTS)
+            if can_shadow(real):
+                # A copy: the model may write into its batch (labels[mask] = -100), and the shadow runs it for real.
+                self.tracker.shadow(fake, real.detach().to("cpu", copy=True))
 
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:

@@ -89,7 +89,7 @@ class StorageTracker(TorchDispatchMode):
         self.failed_op: str | None = None  # the innermost operator that raised
         self.placeholders_allowed = False
         self.placeholders_used = 0
-        self._uids: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> uid
+        self._uids: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [uid of its current block]
         self._sizes: dict[int, int] = {}  # uid -> bytes currently counted
         self._counter = itertools.count()
         self._finalizers: list[weakref.finalize] = []
@@ -104,9 +104,10 @@ class StorageTracker(TorchDispatchMode):
     def uid_of(self, tensor: torch.Tensor) -> int | None:
         """The uid of ``tensor``'s storage, if tracked."""
         try:
-            return self._uids.get(tensor.untyped_storage())
+            holder = self._uids.get(tensor.untyped_storage())
         except (NotImplementedError, RuntimeError):
             return None
+        return None if holder is None else holder[0]
 
     def label(self, tensor: torch.Tensor, category: Category) -> None:
         """Put ``tensor``'s storage in ``category`` (e.g. a gradient once it lands in ``param.grad``)."""
@@ -122,22 +123,31 @@ class StorageTracker(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
             return None
         nbytes = storage.nbytes()
-        uid = self._uids.get(storage)
-        if uid is not None:
-            grown = nbytes - self._sizes[uid]
-            if grown:  # resized in place (resize_, set_, out= ops)
-                self._sizes[uid] = nbytes
-                self.events.append(Event(uid, grown, op, self.phase))
-            return uid
+        holder = self._uids.get(storage)
+        if holder is not None:
+            uid = holder[0]
+            if nbytes != self._sizes[uid]:
+                # Resized in place (resize_, set_, out= ops): the allocator allocates a new block, copies, and
+                # frees the old one; record that, under a new uid (the allocator simulation needs one per block).
+                holder[0] = self._new_uid(nbytes, self.categories[uid], op)
+                self._release(uid)
+            return holder[0]
+        holder = [self._new_uid(nbytes, category, op)]
+        self._uids[storage] = holder
+        self._finalizers.append(weakref.finalize(storage, self._free, holder))
+        return holder[0]
+
+    def _new_uid(self, nbytes: int, category: Category, op: int) -> int:
         uid = next(self._counter)
-        self._uids[storage] = uid
         self._sizes[uid] = nbytes
         self.categories[uid] = category
         self.events.append(Event(uid, nbytes, op, self.phase))
-        self._finalizers.append(weakref.finalize(storage, self._free, uid))
         return uid
 
-    def _free(self, uid: int) -> None:
+    def _free(self, holder: list[int]) -> None:
+        self._release(holder[0])
+
+    def _release(self, uid: int) -> None:
         nbytes = self._sizes.pop(uid, 0)
         if nbytes:
             self.events.append(Event(uid, -nbytes, self.num_ops, self.phase))

@@ -7,11 +7,12 @@ A twin has the shape, dtype, stride and ``requires_grad`` of the original and li
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from preflight._device import map_tensors
 
 __all__ = ["TwinMaker", "clone_optimizer", "float_dtype_for"]
 
@@ -59,21 +60,7 @@ class TwinMaker:
 
     def batch(self, batch: Any, *, cast: bool) -> Any:
         """Twin a nested batch; floating tensors are cast only when ``cast`` (the ``*-true`` precisions)."""
-        if isinstance(batch, torch.Tensor):
-            return self.tensor(batch, cast=cast, requires_grad=batch.requires_grad)
-        if isinstance(batch, Mapping):
-            twinned = {k: self.batch(v, cast=cast) for k, v in batch.items()}
-            if type(batch) is dict:
-                return twinned
-            try:  # keep the user's mapping type (e.g. transformers' BatchEncoding): models may rely on it
-                return type(batch)(twinned)
-            except TypeError:
-                return twinned
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*(self.batch(v, cast=cast) for v in batch))
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.batch(v, cast=cast) for v in batch)
-        return batch
+        return map_tensors(lambda t: self.tensor(t, cast=cast, requires_grad=t.requires_grad), batch)
 
 
 

@@ -253,3 +253,20 @@ def test_console_and_plot(tmp_path, capsys, monkeypatch):
     print_report(report)  # plain text without rich
     assert "training peak" in capsys.readouterr().out
     warnings.resetwarnings()
+
+
+def test_gpu_verdict_uses_the_device_total():
+    # On a GPU target the need is reserved memory + CUDA context + cuBLAS workspace, as `preflight estimate` says.
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = Options(budget="100MiB", headroom=0.0, gpu="H100-80GB", suggest=False)
+    report = predict(model, optimizer, lm_batch(2, 16), options=options)
+    assert report.predicted_peak_bytes < 100 * 2**20 < report.predicted_device_total_bytes
+    assert report.verdict_bytes == report.predicted_device_total_bytes
+    assert report.fits is False
+
+
+def test_check_raises_for_a_step_without_a_loss():
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="step="):
+        check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8), budget="1GiB")

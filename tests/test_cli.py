@@ -117,3 +117,40 @@ def test_check_dry_runs_an_example_script(budget, code):
     assert result.returncode == code, result.stderr[-2000:]
     assert ("DOES NOT FIT" in result.stdout) == (code == 3)
     assert "measured" not in result.stdout  # it stopped before step one: nothing was trained or verified
+
+
+def test_options_for_lora_checkpointing_optimizer_and_task(config, tmp_path):
+    base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "64"]
+    full, lora, ckpt, sgd, cls = (tmp_path / f"{n}.json" for n in ("full", "lora", "ckpt", "sgd", "cls"))
+    assert main(base + ["--json", str(full)]) == 0
+    assert main(base + ["--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--json", str(lora)]) == 0
+    assert main(base + ["--checkpointing", "--json", str(ckpt)]) == 0
+    assert main(base + ["--optimizer", "sgd", "--json", str(sgd)]) == 0
+    assert main(base + ["--task", "seq-cls", "--json", str(cls)]) == 0
+    full, lora, ckpt, sgd, cls = (json.loads(p.read_text()) for p in (full, lora, ckpt, sgd, cls))
+    assert lora["breakdown"]["optimizer_state"] < full["breakdown"]["optimizer_state"] / 10  # adapters only
+    assert ckpt["peak_bytes"] < full["peak_bytes"]
+    assert sgd["breakdown"]["optimizer_state"] < full["breakdown"]["optimizer_state"]  # momentum: 1 state, not 2
+    assert cls["coverage"]["traced"] and cls["peak_bytes"] < full["peak_bytes"]  # no vocabulary-sized logits
+
+
+def test_deepspeed_config_sets_stage_and_offload(config, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--gpu", "A100-80GB",
+                 "--world-size", "4", "--deepspeed-config", str(ds), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sharding"] == "zero3" and report["breakdown"]["optimizer_state"] == 0
+
+
+def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys):
+    # A mixture-of-experts router reads values computed from parameters: the trace stops, a lower bound remains.
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 1000, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    with pytest.warns(RuntimeWarning, match="lower bound"):
+        code = main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB"])
+    assert code == 4
+    assert "NO VERDICT" in capsys.readouterr().out

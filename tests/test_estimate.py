@@ -266,3 +266,59 @@ def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zer
     assert est.peak_bytes > plain.peak_bytes  # gradients alive across a forward
     with pytest.raises(ValueError, match="zero_grad"):
         preflight.estimate(model, opt, lm_batch(), zero_grad="sometimes")
+
+
+def test_batch_encoding_batches_are_traced_like_dicts():
+    from transformers import BatchEncoding  # what the HF Trainer's padding collators return
+
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    plain = preflight.estimate(model, opt, lm_batch())
+    wrapped = preflight.estimate(model, opt, BatchEncoding(lm_batch()))
+    assert not wrapped.coverage.lower_bound
+    assert wrapped.peak_bytes == plain.peak_bytes and wrapped.breakdown["inputs"] == plain.breakdown["inputs"] > 0
+    assert preflight.measure(model, opt, BatchEncoding(lm_batch())).peak_bytes == pytest.approx(
+        wrapped.peak_bytes, rel=TRANSFORMER_TOL)
+
+
+def test_a_step_writing_into_its_batch_does_not_change_the_users_batch():
+    model = make_gpt2()
+    batch = lm_batch()
+    batch["labels"][0, :5] = 0
+    before = {k: v.clone() for k, v in batch.items()}
+
+    def step(m, b):
+        labels = b["labels"]
+        labels[labels == 0] = -100  # runs for real on the value shadow of the labels
+        return m(**b).loss
+
+    preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=step)
+    assert all(torch.equal(before[k], batch[k]) for k in batch)
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_gets_the_analytic_lower_bound():
+    class Scaled(torch.optim.SGD):  # its constructor needs an argument that is not in `defaults`
+        def __init__(self, params, scale, lr=0.1):
+            super().__init__(params, lr=lr)
+            self.scale = scale
+
+    model = nn.Linear(32, 32)
+    with pytest.warns(RuntimeWarning, match="lower bound"):
+        est = preflight.estimate(model, Scaled(model.parameters(), 2.0), torch.randn(4, 32),
+                                 step=lambda m, b: m(b).sum())
+    assert est.coverage.lower_bound and "Scaled" in est.coverage.failed_op and "scale" in est.coverage.reason
+
+
+def test_lower_bound_is_per_rank_when_sharded():
+    torch.manual_seed(0)
+    model = DataDependent()
+    x = torch.randn(16, 32)
+    with pytest.warns(RuntimeWarning):
+        single = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x)
+    with pytest.warns(RuntimeWarning):
+        sharded = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, world_size=4,
+                                     sharding="zero2", gpu="A100-80GB")
+    assert sharded.coverage.lower_bound and sharded.world_size == 4 and sharded.gpu == "A100-80GB"
+    assert sharded.unsharded_peak_bytes == single.peak_bytes
+    assert sharded.breakdown["optimizer_state"] == -(-single.breakdown["optimizer_state"] // 4)
+    assert sharded.peak_bytes < single.peak_bytes

@@ -117,3 +117,37 @@ def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target():
     # the same uint8 states and fp32 absmax, rounded to 512-byte blocks on the plain optimizer
     assert 0 < paged.managed_bytes <= plain.breakdown["optimizer_state"]
     assert paged.peak_bytes < plain.peak_bytes
+
+
+class ResizesInPlace(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        out = torch.empty(0)
+        with torch.no_grad():
+            torch.mul(h, 2, out=out)  # `out` grows in place: a new block for the allocator
+        return h.sum() + out.sum()
+
+
+def test_storages_resized_in_place_replay_through_the_allocator():
+    model = ResizesInPlace()
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 64),
+                             gpu="A100-80GB")
+    assert est.coverage.traced and est.peak_reserved_bytes >= est.peak_bytes > 0
+    uids = [e.uid for e in est.events if e.nbytes > 0]
+    assert len(uids) == len(set(uids))  # one allocation per uid, as the simulator requires
+
+
+def test_offload_and_zero3_from_arguments():
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    plain = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=4, sharding="zero3")
+    offloaded = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=4, sharding="zero3",
+                                   offload_optimizer=True, offload_params=True)
+    assert offloaded.breakdown["optimizer_state"] == 0 and offloaded.breakdown["parameters"] == 0
+    assert plain.breakdown["optimizer_state"] > 0 and offloaded.peak_bytes < plain.peak_bytes
+    with pytest.raises(ValueError, match="offload"):
+        preflight.estimate(model, opt, lm_batch(), world_size=4, sharding="ddp", offload_params=True)

@@ -17,7 +17,8 @@ from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
-from preflight._target import check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events
+from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
+                               shard_events)
 from preflight._trace import trace_steps
 from preflight._twin import float_dtype_for
 from preflight.allocator import AllocatorConfig
@@ -162,6 +163,12 @@ def estimate(
         managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
         events = [e for e in events if e.uid not in managed_uids]
         notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+    unsharded = None
+    if sharding is not None:
+        unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
+        events, categories, note = shard_events(events, categories, model, world_size=world_size, sharding=sharding,
+                                                dtype=float_dtype_for(precision), **offload)
+        notes.append(note)
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
@@ -169,17 +176,6 @@ def estimate(
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
-    unsharded = None
-    if sharding is not None:
-        unsharded = peak
-        breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
-                                             dtype=float_dtype_for(precision), **offload)
-        notes.append(note)
-        peak = sum(breakdown.values())
-        if reserved is not None:  # keep the simulated allocator overhead, rescaled to the rank's tensors
-            overhead = reserved - unsharded
-            reserved = peak + overhead
-            total = None if total is None else reserved + gpu_info.context_bytes + gpu_info.cublas_workspace_bytes
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,

@@ -39,12 +39,13 @@ import json
 import os
 from typing import Any
 
-__all__ = ["SHARDING_CHOICES", "ShardedState", "model_state_bytes", "shard_breakdown", "read_deepspeed_config"]
+__all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "model_state_bytes", "shard_breakdown",
+           "read_deepspeed_config"]
 
 SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op")
 
 # Which model states each choice partitions across ranks (ZeRO paper Sec 5; FSDP ShardingStrategy).
-_SHARDED: dict[str, frozenset[str]] = {
+SHARDED_STATES: dict[str, frozenset[str]] = {
     "ddp": frozenset(),
     "zero1": frozenset({"optimizer_state"}),
     "zero2": frozenset({"optimizer_state", "gradients"}),
@@ -168,7 +169,7 @@ def model_state_bytes(
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_state_bytes_per_param", optimizer_state_bytes_per_param)):
         _check_int(name, value, 0)
-    sharded = _SHARDED[sharding]
+    sharded = SHARDED_STATES[sharding]
     share = _ceil_div(num_params, world_size)
 
     def held(state: str, per_param: int) -> int:
@@ -266,7 +267,7 @@ def shard_breakdown(
     for key in _BREAKDOWN_KEYS:
         _check_int(f"breakdown[{key!r}]", breakdown[key], 0)
 
-    sharded = _SHARDED[sharding]
+    sharded = SHARDED_STATES[sharding]
     out = {key: breakdown[key] for key in _BREAKDOWN_KEYS}
     for state in sharded:
         out[state] = _ceil_div(breakdown[state], world_size)

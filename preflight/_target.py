@@ -15,8 +15,15 @@ and memory-efficient kernels, so the difference is small; the math fallback save
 convolution workspaces (listed as not calibrated), and Adam's ``step`` counters, which live on the CPU for a
 CUDA target but are counted here (4 bytes per parameter tensor).
 
-Sharding (``world_size > 1``): the categories at the single-device peak are rescaled per rank by
-`preflight._sharding.shard_breakdown` (ZeRO paper Sec 5, FSDP's strategies); see its docstring for each term.
+Sharding (`shard_events`): every allocation of the traced run is rescaled to what one rank holds, by its
+category, and the per-rank peak is read from the rescaled timeline (so it can fall in another phase than the
+single-device peak). ZeRO-1 divides optimizer state by the world size; ZeRO-2 and FSDP's ``SHARD_GRAD_OP`` also
+gradients; ZeRO-3 and FSDP's ``FULL_SHARD`` also parameters, plus the unsharded parameters of the largest
+repeated block and the prefetched next one for the whole step (ZeRO paper, arXiv:1910.02054, Sec 5; FSDP's
+``ShardingStrategy``). The optimizer step runs over the rank's shard, so the temporaries it allocates divide
+too; an offloaded optimizer step (ZeRO-Offload, FSDP ``CPUOffload``) and offloaded parameter shards leave the
+GPU. DDP without ``gradient_as_bucket_view`` holds a flat copy of every gradient in its buckets from
+construction on. Shares round up per tensor. Communication buffers are not counted.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ from torch import nn
 
 from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
-from preflight._result import Event
-from preflight._sharding import SHARDING_CHOICES, shard_breakdown
+from preflight._result import Category, Event
+from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 
-__all__ = ["CudaTerms", "cuda_terms", "round_events", "per_rank_breakdown", "resolve_gpu", "check_sharding"]
+__all__ = ["CudaTerms", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu", "round_events",
+           "shard_events"]
 
 _BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
@@ -107,7 +115,8 @@ def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
 def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
                        dtype: torch.dtype | None, offload_optimizer: bool = False,
                        offload_params: bool = False) -> tuple[dict[str, int], str]:
-    """One rank's breakdown and a note saying how it was derived."""
+    """One rank's breakdown, rescaled by category from a single-device breakdown (for a lower bound, which has no
+    event timeline to rescale), and a note saying how it was derived."""
     unit = largest_unit_bytes(model, dtype)
     out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
@@ -116,3 +125,60 @@ def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_siz
             f"breakdown at its peak (largest gathered unit: {unit} bytes)"
             + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
     return out, note
+
+
+# uids for the per-rank terms shard_events adds (the tracker's uids are >= 0, calibrated scratch's are < 0).
+_GATHERED_UID, _DDP_BUCKETS_UID = -(2**62), -(2**62) + 1
+
+
+def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
+                 sharding: str, dtype: torch.dtype | None, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> tuple[list[Event], dict[int, Category], str]:
+    """One rank's events under ``sharding`` (module docstring), their categories, and a note saying how.
+
+    The arguments are checked by `preflight._sharding.shard_breakdown` beforehand.
+    """
+    sharded = SHARDED_STATES[sharding]
+    fsdp_offload = offload_params and sharding.startswith("fsdp")  # CPUOffload: grads and the step on the CPU too
+    zero = {Category.OPTIMIZER_STATE.value} if offload_optimizer or fsdp_offload else set()
+    zero |= {Category.PARAMETERS.value} if offload_params else set()
+    zero |= {Category.GRADIENTS.value} if fsdp_offload else set()
+
+    def share(nbytes: int, category: str) -> int:
+        if category in zero:
+            return 0
+        if category in sharded:
+            return -(-nbytes // world_size)
+        return nbytes
+
+    sizes: dict[int, int] = {}
+    out: list[Event] = []
+    for e in events:
+        if e.nbytes > 0:
+            category = categories.get(e.uid, Category.TEMPORARIES).value
+            if category == Category.TEMPORARIES.value and e.phase.endswith("/optimizer"):
+                category = Category.OPTIMIZER_STATE.value  # the step's temporaries live and die with the shard
+            sizes[e.uid] = share(e.nbytes, category)
+            nbytes = sizes[e.uid]
+        else:
+            nbytes = -sizes.pop(e.uid, 0)
+        if nbytes:
+            out.append(dataclasses.replace(e, nbytes=nbytes))
+    categories = dict(categories)
+    extra: list[Event] = []
+    unit = largest_unit_bytes(model, dtype)
+    if Category.PARAMETERS.value in sharded:
+        total = sum(e.nbytes for e in events if e.nbytes > 0 and categories.get(e.uid) is Category.PARAMETERS)
+        gathered = min(2 * (unit or total), total)  # the unit in use and the prefetched next one
+        extra.append(Event(_GATHERED_UID, gathered, -1, "setup"))
+        categories[_GATHERED_UID] = Category.TEMPORARIES
+    if sharding == "ddp":
+        grads = sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+                    for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+        extra.append(Event(_DDP_BUCKETS_UID, grads, -1, "setup"))
+        categories[_DDP_BUCKETS_UID] = Category.GRADIENTS
+    offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
+    note = (f"per-rank figures for {sharding} over {world_size} rank(s): every traced allocation rescaled to one "
+            f"rank's share (largest gathered unit: {unit} bytes)"
+            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
+    return extra + out, categories, note

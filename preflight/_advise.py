@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
-from preflight._device import resolve_device
+from preflight._device import iter_tensors, map_tensors, resolve_device
 from preflight._estimate import estimate
 from preflight._restore import NotRestoredError, restored_module
 from preflight._result import Estimate
@@ -455,14 +455,7 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 def batch_size_of(batch: Any) -> int | None:
     """The size of dim 0 of the first tensor with at least one dimension in ``batch`` (None if there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for v in values:
-        size = batch_size_of(v)
-        if size is not None:
-            return size
-    return None
+    return next((int(t.shape[0]) for t in iter_tensors(batch) if t.dim()), None)
 
 
 def resize_batch(batch: Any, batch_size: int) -> Any:
@@ -506,25 +499,8 @@ def resize_batch(batch: Any, batch_size: int) -> Any:
         out = source[:batch_size].clone(memory_format=torch.contiguous_format)
         return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
 
-    return _map_tensors(batch, resize)
+    return map_tensors(resize, batch)
 
-
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        mapped = {k: _map_tensors(v, fn) for k, v in batch.items()}
-        if type(batch) is dict:
-            return mapped
-        try:  # keep the user's mapping type (e.g. transformers' BatchEncoding)
-            return type(batch)(mapped)
-        except TypeError:
-            return mapped
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map_tensors(v, fn) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

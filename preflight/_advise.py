@@ -5,7 +5,7 @@ gradient accumulation, activation checkpointing is switched on for the trace and
 attributes and hook tables restored, then checked), an 8-bit optimizer is built over the same parameters, LoRA
 is traced on a copy of the architecture built on the meta device (no weights copied), and precisions are the
 trace's own option. Sharding is the exception: it is derived from the traced breakdown with
-`preflight._sharding.shard_breakdown`, and says so.
+`preflight._target.shard_events` (every traced allocation rescaled to one rank's share), and says so.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from torch import nn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
-from preflight._estimate import estimate
+from preflight._estimate import estimate, summarize_events
 from preflight._restore import NotRestoredError, restored_module
 from preflight._result import Estimate
-from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
+from preflight._target import round_events, shard_events
+from preflight._twin import float_dtype_for
 from preflight._units import format_bytes
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
@@ -400,12 +401,9 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if n < 2:
         return []
     base = setup.baseline
+    if base.world_size > 1:
+        return []  # already planned per rank
     blocks = repeated_blocks(setup.model)
-    total = sum(p.numel() for p in setup.model.parameters())
-    unit = 0  # 0: the whole model is gathered at once (shard_breakdown's upper bound)
-    if blocks and total:
-        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
-        unit = base.breakdown["parameters"] * largest // total
     param_bytes = base.breakdown["parameters"]
     comm = {"zero1": 2, "zero2": 2, "zero3": 3}  # ZeRO paper Sec 7: P_os, P_os+g move 2Ψ like DDP; P_os+g+p 3Ψ
     shards = {"zero1": "optimizer state", "zero2": "optimizer state and gradients",
@@ -414,17 +412,20 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
              "zero3": "ZeRO stage 3 (FSDP FULL_SHARD)"}
     out = []
     for stage in ("zero1", "zero2", "zero3"):
-        per_rank = shard_breakdown(dict(base.breakdown), world_size=n, sharding=stage, largest_unit_param_bytes=unit)
-        peak = sum(per_rank.values())
+        events, categories, _ = shard_events(base.events, base.categories, setup.model, world_size=n, sharding=stage,
+                                             dtype=float_dtype_for(setup.precision))
+        if base.device.startswith("cuda"):
+            events = round_events(events)
+        peak = summarize_events(events, categories)[0]
         if peak >= base.peak_bytes:
             continue
         gather = ""
         if stage == "zero3":
-            gather = (f"; gathers one {type(blocks[0]).__name__}'s parameters at a time, plus one prefetched" if unit
+            gather = (f"; gathers one {type(blocks[0]).__name__}'s parameters at a time, plus one prefetched" if blocks
                       else "; gathers the whole model's parameters at once (no repeated blocks to wrap)")
         text = (f"{names[stage]} over {n} GPUs, sharding the {shards[stage]}{gather}: "
-                f"{setup.versus(peak)} per GPU. Derived from the traced single-GPU breakdown at its peak, not a "
-                "trace of the sharded run; communication buffers are not counted")
+                f"{setup.versus(peak)} per GPU. Every allocation of the traced single-GPU run rescaled to one rank's "
+                "share (not a trace under a process group); communication buffers are not counted")
         cost = (f"needs {n} GPUs; communicates about {comm[stage]}x the parameter bytes "
                 f"({format_bytes(comm[stage] * param_bytes)}) per GPU per step"
                 f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")

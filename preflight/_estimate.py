@@ -194,6 +194,7 @@ def estimate(
         sharding=sharding,
         unsharded_peak_bytes=unsharded,
         events=tuple(events),
+        categories=categories,
     )
 
 

@@ -94,6 +94,7 @@ class Estimate:
         sharding: the sharding scheme the per-rank figures assume (``"ddp"``, ``"zero1"`` ... ``"fsdp-full"``).
         unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
+        categories: the `Category` of each storage uid in ``events``; not shown in repr.
     """
 
     peak_bytes: int
@@ -113,6 +114,7 @@ class Estimate:
     sharding: str | None = None
     unsharded_peak_bytes: int | None = None
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def required_bytes(self) -> int:

@@ -11,7 +11,8 @@ import preflight
 BATCH_SIZE = 8  # sequences per step
 SEQ_LEN = 256  # tokens per sequence
 # A small GPT-2 built from its config (random weights, nothing downloaded).
-CONFIG = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=SEQ_LEN, bos_token_id=0, eos_token_id=0)
+CONFIG = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=SEQ_LEN,
+                    bos_token_id=0, eos_token_id=0)
 
 torch.manual_seed(0)
 model = GPT2LMHeadModel(CONFIG)

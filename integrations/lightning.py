@@ -151,7 +151,7 @@ class PreflightCallback(Callback):
         decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False))
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, pl_module.device,
-                                          extra_resident_bytes=ddp_bucket_bytes(getattr(trainer.strategy, "model", None)))
+                                          extra_resident_bytes=_ddp_buckets(trainer))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -198,7 +198,7 @@ class PreflightCallback(Callback):
                 precision=precision, device=pl_module.device,
                 schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
-                eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(getattr(trainer.strategy, "model", None)) > 0,
+                eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=samples.batch,
             )
         if note:
@@ -328,6 +328,10 @@ def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
             return None
         loaders = loaders[0]
     return _single_loader(loaders, "validation")
+
+
+def _ddp_buckets(trainer: pl.Trainer) -> int:
+    return ddp_bucket_bytes(getattr(trainer.strategy, "model", None))  # the DDP-wrapped module, when there is one
 
 
 def _reset_train_dataloader(trainer: pl.Trainer) -> None:

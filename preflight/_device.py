@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "map_tensors", "model_device", "resolve_device", "trace_device_for", "live_storage_bytes",
+    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
+    "map_tensors", "model_device", "resolve_device", "trace_device_for",
 ]
 
 

@@ -64,7 +64,8 @@ class TwinMaker:
 
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *, foreach: bool | None) -> torch.optim.Optimizer:
+def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *,
+                    foreach: bool | None) -> torch.optim.Optimizer:
     """A new optimizer of the same class and hyperparameters over the twins of ``optimizer``'s parameters.
 
     Existing state (an optimizer that has stepped, e.g. resumed from a checkpoint) is twinned too.

@@ -93,3 +93,29 @@ def image_batch(batch_size: int = 8, size: int = 64) -> tuple[torch.Tensor, torc
 def classify_step(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return nn.functional.cross_entropy(model(x), y)
+
+
+class VariableTokens(torch.utils.data.Dataset):
+    """Token sequences as lists; with ``fixed`` all of that length, else varying, with the longest (96) last.
+    ``key`` wraps each sample as ``{key: tokens}`` (the HF Trainer drops dataset columns it cannot name)."""
+
+    def __init__(self, n: int = 24, fixed: int | None = None, key: str | None = None) -> None:
+        self.n, self.fixed, self.key = n, fixed, key
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        length = self.fixed or (96 if i == self.n - 1 else 12 + (i * 7) % 40)
+        tokens = torch.randint(1, VOCAB, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+        return {self.key: tokens} if self.key else tokens
+
+
+def pad_tokens(samples: list) -> dict[str, torch.Tensor]:
+    """Right-pad token lists (or ``{"input_ids": list}`` samples) with 0; labels ignore the padding."""
+    samples = [s["input_ids"] if isinstance(s, dict) else s for s in samples]
+    ids = torch.zeros(len(samples), max(len(s) for s in samples), dtype=torch.long)
+    for j, s in enumerate(samples):
+        ids[j, : len(s)] = torch.tensor(s)
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

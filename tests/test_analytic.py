@@ -61,7 +61,8 @@ def test_unknown_optimizer_is_reported_as_unknown():
 
     model = _model()
     assert optimizer_state_bytes(Custom(model.parameters())) is None
-    assert model_state(model, Custom(model.parameters()), torch.zeros(4, 64), torch.device("cpu")).optimizer_state is None
+    state = model_state(model, Custom(model.parameters()), torch.zeros(4, 64), torch.device("cpu"))
+    assert state.optimizer_state is None
 
 
 def test_model_state_counts_trainable_gradients_and_casts():

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import make_gpt2  # noqa: E402
+from conftest import VariableTokens, make_gpt2, pad_tokens  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -21,30 +21,6 @@ import preflight  # noqa: E402
 from preflight.integrations.hf import PreflightCallback, attach, autotune  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Tokenised samples (lists, padded by the collator); with ``fixed`` all that long, else the longest last."""
-
-    def __init__(self, n: int = 24, fixed: int | None = None) -> None:
-        self.n, self.fixed = n, fixed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        length = self.fixed or (96 if i == self.n - 1 else 12 + (i * 7) % 40)
-        gen = torch.Generator().manual_seed(i)
-        return {"input_ids": torch.randint(1, 1000, (length,), generator=gen).tolist()}
-
-
-def pad(samples: list[dict]) -> dict[str, torch.Tensor]:
-    n = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), n, dtype=torch.long)
-    for j, s in enumerate(samples):
-        ids[j, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
-    mask = (ids != 0).long()
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class Seen(TrainerCallback):
@@ -69,12 +45,13 @@ def make_trainer(tmp_path, *, train=None, eval_dataset=None, callbacks=(), steps
                     per_device_eval_batch_size=8)
     defaults.update(args)
     return Trainer(model=make_gpt2(n_layer=2, n_embd=64), args=TrainingArguments(**defaults),
-                   train_dataset=train if train is not None else Tokens(), eval_dataset=eval_dataset,
-                   data_collator=pad, callbacks=list(callbacks))
+                   train_dataset=train if train is not None else VariableTokens(key="input_ids"),
+                   eval_dataset=eval_dataset, data_collator=pad_tokens, callbacks=list(callbacks))
 
 
 def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
-    trainer = make_trainer(tmp_path, train=Tokens(fixed=48), eval_dataset=Tokens(8, fixed=48),
+    trainer = make_trainer(tmp_path, train=VariableTokens(fixed=48, key="input_ids"),
+                           eval_dataset=VariableTokens(8, fixed=48, key="input_ids"),
                            gradient_accumulation_steps=2)
     callback = attach(trainer, budget="1GiB", report_path=str(tmp_path / "r.json"))
     trainer.train()
@@ -143,7 +120,8 @@ def test_dry_run_exits_0_when_it_fits(tmp_path):
 def test_autotune_sets_micro_batch_accumulation_and_eval_batch(tmp_path):
     pytest.importorskip("preflight._autotune")
     seen = Seen()
-    trainer = make_trainer(tmp_path, train=Tokens(fixed=32), eval_dataset=Tokens(16, fixed=32), callbacks=[seen],
+    trainer = make_trainer(tmp_path, train=VariableTokens(fixed=32, key="input_ids"),
+                           eval_dataset=VariableTokens(16, fixed=32, key="input_ids"), callbacks=[seen],
                            per_device_train_batch_size=8, steps=1)
     callback = attach(trainer, verify_steps=0)
     chosen = autotune(trainer, budget="1GiB", max_batch_size=4)

@@ -13,37 +13,13 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from conftest import make_gpt2  # noqa: E402
+from conftest import VariableTokens, make_gpt2, pad_tokens  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 import preflight  # noqa: E402
 from preflight.integrations.lightning import PreflightCallback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Token sequences; with ``fixed`` all of that length, else varying with the longest (96) last."""
-
-    def __init__(self, n: int = 24, fixed: int | None = None) -> None:
-        self.n, self.fixed = n, fixed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> list[int]:
-        length = self.fixed or (96 if i == self.n - 1 else 12 + (i * 7) % 40)
-        gen = torch.Generator().manual_seed(i)
-        return torch.randint(1, 1000, (length,), generator=gen).tolist()
-
-
-def pad(samples: list[list[int]]) -> dict[str, torch.Tensor]:
-    n = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), n, dtype=torch.long)
-    for j, s in enumerate(samples):
-        ids[j, : len(s)] = torch.tensor(s)
-    mask = (ids != 0).long()
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class GPT(L.LightningModule):
@@ -68,13 +44,13 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(Tokens(fixed=self.fixed), batch_size=self.batch_size, shuffle=True,
-                                           collate_fn=pad)
+        return torch.utils.data.DataLoader(VariableTokens(fixed=self.fixed), batch_size=self.batch_size, shuffle=True,
+                                           collate_fn=pad_tokens)
 
     def val_dataloader(self):
         if not self.val:
             return []
-        return torch.utils.data.DataLoader(Tokens(8, fixed=self.fixed), batch_size=8, collate_fn=pad)
+        return torch.utils.data.DataLoader(VariableTokens(8, fixed=self.fixed), batch_size=8, collate_fn=pad_tokens)
 
 
 class Metrics(Logger):

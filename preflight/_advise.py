@@ -41,6 +41,7 @@ _COST_ORDER = (
     "checkpointing",  # about one extra forward per step
     "zero3",  # 1.5x DDP's communication
     "adamw8bit",  # another optimizer
+    "offload",  # the optimizer step on the CPU: host memory and PCIe traffic, a slower step
     "bf16-true",  # precision risk for the updates
     "lora",  # changes what is trained
 )
@@ -145,7 +146,8 @@ def advise(
     - ``lora``: LoRA (peft, r=16, all linear layers) for a transformers ``PreTrainedModel`` that is not already
       a PEFT model, with AdamW over the adapters.
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
-    - ``zero1``/``zero2``/``zero3`` when ``world_size > 1``: the traced breakdown at the peak, sharded.
+    - ``zero1``/``zero2``/``zero3`` when ``world_size > 1``: every traced allocation rescaled to one rank's share.
+    - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU), on any number of GPUs.
     - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
       reserved peak is more than 10% above the allocated peak.
 
@@ -160,7 +162,8 @@ def advise(
 
     Returns:
         Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
-        micro-batch, bf16-mixed, ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, pure bf16, LoRA), then by peak.
+        micro-batch, bf16-mixed, ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16,
+        LoRA), then by peak.
         An option whose trace fails is left out with a ``RuntimeWarning`` saying why.
 
     Raises:
@@ -215,6 +218,7 @@ def advise(
         ("LoRA", _lora),
         ("bf16 precision", _bf16),
         ("sharding", _sharding),
+        ("optimizer offload", _offload),
         ("allocator setting", _allocator),
     )
     ranked: list[tuple[str, Suggestion]] = []
@@ -431,6 +435,29 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
                 f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")
         out.append((stage, Suggestion({"sharding": stage, "world_size": n}, text, peak, peak <= setup.limit, cost)))
     return out
+
+
+def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """ZeRO-Offload: the optimizer state and its step on the CPU (DeepSpeed ``offload_optimizer``), on top of
+    ZeRO-2 over the available GPUs (one GPU included)."""
+    base = setup.baseline
+    if base.world_size > 1:
+        return []  # already planned per rank
+    n = setup.world_size
+    events, categories, _ = shard_events(base.events, base.categories, setup.model, world_size=n, sharding="zero2",
+                                         dtype=float_dtype_for(setup.precision), offload_optimizer=True)
+    if base.device.startswith("cuda"):
+        events = round_events(events)
+    peak = summarize_events(events, categories)[0]
+    if peak >= base.peak_bytes:
+        return []
+    text = (f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {n} GPU(s): the optimizer state and "
+            f"its step move to the CPU: {setup.versus(peak)} per GPU. Every allocation of the traced run rescaled "
+            "(not a trace of the offloaded run)")
+    cost = ("the optimizer step runs on the CPU: host memory for the state, gradients copied over PCIe every "
+            "step, and a slower step (ZeRO-Offload, arXiv:2101.06840)")
+    change = {"offload_optimizer": True, "zero_stage": 2, "world_size": n}  # DeepSpeed's names
+    return [("offload", Suggestion(change, text, peak, peak <= setup.limit, cost))]
 
 
 def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:

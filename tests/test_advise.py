@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 
 import pytest
 import torch
@@ -186,6 +187,8 @@ def _kind(s: Suggestion) -> str:
         return s.change["precision"]
     if "sharding" in s.change:
         return s.change["sharding"]
+    if "offload_optimizer" in s.change:
+        return "offload"
     return "allocator"
 
 
@@ -251,3 +254,17 @@ def test_resize_batch():
         resize_batch(batch, 0)
     with pytest.raises(ValueError, match="no tensor"):
         resize_batch({"n": 3}, 2)
+
+
+def test_optimizer_offload_suggestion_matches_planning_it():
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = lm_batch(1, 8)  # a tiny batch: model states dominate the peak
+    base = preflight.estimate(model, opt, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        suggestions = advise(model, opt, batch, budget=int(base.peak_bytes * 0.9))
+    offload = by_change(suggestions, "offload_optimizer")
+    planned = preflight.estimate(model, opt, batch, sharding="zero2", offload_optimizer=True)
+    assert offload.predicted_peak_bytes == planned.peak_bytes < base.peak_bytes
+    assert planned.breakdown["optimizer_state"] == 0

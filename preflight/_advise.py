@@ -416,11 +416,7 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
              "zero3": "ZeRO stage 3 (FSDP FULL_SHARD)"}
     out = []
     for stage in ("zero1", "zero2", "zero3"):
-        events, categories, _ = shard_events(base.events, base.categories, setup.model, world_size=n, sharding=stage,
-                                             dtype=float_dtype_for(setup.precision))
-        if base.device.startswith("cuda"):
-            events = round_events(events)
-        peak = summarize_events(events, categories)[0]
+        peak = _per_rank_peak(setup, world_size=n, sharding=stage)
         if peak >= base.peak_bytes:
             continue
         gather = ""
@@ -437,6 +433,16 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
     return out
 
 
+def _per_rank_peak(setup: _Setup, **sharding: Any) -> int:
+    """The per-rank peak of the baseline trace rescaled by `shard_events` (as ``estimate(world_size=...)`` does)."""
+    base = setup.baseline
+    events, categories, _ = shard_events(base.events, base.categories, setup.model,
+                                         dtype=float_dtype_for(setup.precision), **sharding)
+    if base.device.startswith("cuda"):
+        events = round_events(events)
+    return summarize_events(events, categories)[0]
+
+
 def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """ZeRO-Offload: the optimizer state and its step on the CPU (DeepSpeed ``offload_optimizer``), on top of
     ZeRO-2 over the available GPUs (one GPU included)."""
@@ -444,11 +450,7 @@ def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if base.world_size > 1:
         return []  # already planned per rank
     n = setup.world_size
-    events, categories, _ = shard_events(base.events, base.categories, setup.model, world_size=n, sharding="zero2",
-                                         dtype=float_dtype_for(setup.precision), offload_optimizer=True)
-    if base.device.startswith("cuda"):
-        events = round_events(events)
-    peak = summarize_events(events, categories)[0]
+    peak = _per_rank_peak(setup, world_size=n, sharding="zero2", offload_optimizer=True)
     if peak >= base.peak_bytes:
         return []
     text = (f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {n} GPU(s): the optimizer state and "

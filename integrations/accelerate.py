@@ -21,7 +21,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 import torch
 from torch import nn
 
-from preflight._batches import DEFAULT_TIME_LIMIT, scan
+from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               predict)
@@ -85,6 +85,7 @@ def preflight_check(
     options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
                       report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest)
     schedule = Schedule(accumulate=accelerator.gradient_accumulation_steps, zero_grad=zero_grad)  # validates
+    check_scan_seconds(scan_seconds)
     report = None
     with internal_failures("the prediction"):
         report = _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, schedule, step,

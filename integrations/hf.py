@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 import torch
 from torch import nn
 
-from preflight._batches import DEFAULT_TIME_LIMIT, scan
+from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict)
@@ -83,9 +83,7 @@ class PreflightCallback(TrainerCallback):
         self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
                                report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
                                suggest=suggest)
-        if not isinstance(scan_seconds, (int, float)) or isinstance(scan_seconds, bool) or scan_seconds <= 0:
-            raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {scan_seconds!r}.")
-        self.scan_seconds = scan_seconds
+        self.scan_seconds = check_scan_seconds(scan_seconds)
         self.trainer: Trainer | None = None  # set by attach() / autotune()
         self.report: Report | None = None
         self.autotuned: dict[str, Any] | None = None

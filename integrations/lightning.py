@@ -32,7 +32,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 import torch
 
-from preflight._batches import DEFAULT_TIME_LIMIT, scan
+from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               is_rank_zero, predict)
@@ -108,8 +108,7 @@ class PreflightCallback(Callback):
             raise ValueError(f"`max_batch_size` should be None or a positive integer, got {max_batch_size!r}.")
         if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
             raise ValueError(f"`multiple_of` should be a positive integer, got {multiple_of!r}.")
-        if not isinstance(scan_seconds, (int, float)) or isinstance(scan_seconds, bool) or scan_seconds <= 0:
-            raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {scan_seconds!r}.")
+        check_scan_seconds(scan_seconds)
         self.autotune = autotune
         self.max_batch_size = max_batch_size
         self.multiple_of = multiple_of

@@ -172,6 +172,16 @@ class BatchSizeResult:
         return self.batch_size
 
 
+def _require_traced(est: Estimate, step: str, batch_size: int) -> None:
+    """A batch size cannot be chosen from a lower bound: raise when the trace did not run to the end."""
+    if est.coverage.lower_bound:
+        raise RuntimeError(
+            f"preflight could not trace the {step} step at batch size {batch_size} (operator "
+            f"{est.coverage.failed_op}: {est.coverage.reason}). A batch size cannot be chosen from a lower bound: "
+            "pass `step=` with a step that traces, or choose the batch size by measurement."
+        )
+
+
 class _Tracer:
     """Trace the training step at a batch size, counting traces and remembering peaks."""
 
@@ -191,12 +201,7 @@ class _Tracer:
         est = estimate(self.model, self.optimizer, self.make_batch(batch_size), step=self.step,
                        precision=self.precision, device=self.device, accumulate=self.schedule.accumulate,
                        zero_grad=self.schedule.zero_grad)
-        if est.coverage.lower_bound:
-            raise RuntimeError(
-                f"preflight could not trace the training step at batch size {batch_size} (operator "
-                f"{est.coverage.failed_op}: {est.coverage.reason}). A batch size cannot be chosen from a lower "
-                "bound: pass `step=` with a step that traces, or choose the batch size by measurement."
-            )
+        _require_traced(est, "training", batch_size)
         self.peaks[batch_size] = est.peak_bytes
         verdict = "fits" if est.peak_bytes <= self.limit else "does not fit"
         self._say(f"batch size {batch_size}: traced peak {format_bytes(est.peak_bytes)} ({verdict})")
@@ -433,12 +438,7 @@ class _EvalTracer:
 
             est = estimate_eval(self.model, self.make_batch(batch_size), precision=self.precision,
                                 device=self.device, resident=self.resident)
-            if est.coverage.lower_bound:
-                raise RuntimeError(
-                    f"preflight could not trace the evaluation step at batch size {batch_size} (operator "
-                    f"{est.coverage.failed_op}: {est.coverage.reason}); an eval batch size cannot be chosen from a "
-                    "lower bound."
-                )
+            _require_traced(est, "evaluation", batch_size)
             self.peaks[batch_size] = est.peak_bytes
         return self.peaks[batch_size]
 

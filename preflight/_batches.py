@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from preflight._restore import isolated_rng
 
-__all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "loader_batch_size",
+__all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "check_scan_seconds", "loader_batch_size",
            "sample_size", "scan", "worst_case_batch"]
 
 # Long enough to scan ~10^5-10^6 tokenised samples on one core, short next to any real training run.
@@ -173,6 +173,13 @@ def loader_batch_size(dataloader: DataLoader) -> int:
         f"Cannot tell the batch size of {type(dataloader).__name__}: neither it nor its batch sampler has a "
         "`batch_size`. Pass the batch size explicitly."
     )
+
+
+def check_scan_seconds(seconds: Any) -> float:
+    """Validate a scan time limit (the adapters' ``scan_seconds`` option) and return it."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {seconds!r}.")
+    return seconds
 
 
 def scan(dataloader: DataLoader, *, time_limit: float = DEFAULT_TIME_LIMIT,

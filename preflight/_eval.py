@@ -18,9 +18,10 @@ from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
 from preflight._estimate import summarize_events
+from preflight._leftovers import Sweep, swept
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision
-from preflight._trace import FakeRun
+from preflight._trace import FakeRun, TraceResult
 from preflight._twin import float_dtype_for
 
 __all__ = ["EvalStepFn", "estimate_eval"]
@@ -67,26 +68,16 @@ def estimate_eval(
                          f"got {sorted(unknown)}.")
     target = resolve_device(device, model)
     trace_device = trace_device_for(target)
-    start = time.perf_counter()
-    run = FakeRun(model, batch, precision=precision, trace_device=trace_device)
-    tracker = run.tracker
-    tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
-    with run.active(model):
-        model.eval()
-        with torch.no_grad(), autocast_for(precision, trace_device.type):
-            out = step(model, run.batch) if step is not None else _forward(model, run.batch)
-        tracker.phase = "eval/end"
-        del out
-    run.finish()
-    notes = run.notes
-    seconds = time.perf_counter() - start
+    result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device)
+    notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
-    if run.error is not None:
-        return _lower_bound(model, batch, target, precision, resident, run.error, run.failed_op, notes, seconds)
+    if result.error is not None:
+        return _lower_bound(model, batch, target, precision, resident, result.error, result.failed_op, notes,
+                            result.seconds)
 
-    events = list(tracker.events)
-    categories = dict(tracker.categories)
+    events = list(result.events)
+    categories = dict(result.categories)
     if resident:  # alive before and after the step: one event each at the start
         base = max(categories, default=-1) + 1
         for i, (name, nbytes) in enumerate(sorted(resident.items())):
@@ -97,7 +88,27 @@ def estimate_eval(
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     return Estimate(peak_bytes=peak, breakdown=breakdown, peak_phase=phase, device=str(target),
                     coverage=Coverage(traced=True, notes=tuple(notes)), timeline=timeline, steps=1,
-                    trace_seconds=seconds, num_ops=tracker.num_ops, events=tuple(events))
+                    trace_seconds=result.seconds, num_ops=result.num_ops, events=tuple(events))
+
+
+@swept
+def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
+                trace_device: torch.device, sweep: Sweep) -> TraceResult:
+    """Trace one evaluation forward on fake tensors (the eval twin of `preflight._trace.trace_steps`)."""
+    start = time.perf_counter()
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep)
+    tracker = run.tracker
+    tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
+    with run.active(model):
+        model.eval()
+        with torch.no_grad(), autocast_for(precision, trace_device.type):
+            out = step(model, run.batch) if step is not None else _forward(model, run.batch)
+        tracker.phase = "eval/end"
+        del out
+    run.finish()
+    return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
+                       seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
+                       notes=run.notes)
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:

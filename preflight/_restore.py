@@ -2,7 +2,8 @@
 
 A trace (and `preflight.advise`'s option trials) runs the user's own module: its forward may cache tensors on
 ``self``, register hooks, flip flags; the trace itself swaps parameters in and out. `restored_module` snapshots
-every module's attributes (and a transformers model's ``config``), the contents of dict attributes (parameter,
+every module's attributes (and those of the plain objects they refer to: a transformers model's ``config``, a
+helper object that caches on itself), the contents of dict attributes (parameter,
 buffer, submodule and hook tables) and ``requires_grad`` flags, puts all of them back on exit, and checks that
 nothing differs. `isolated_rng` does the same for the random streams.
 """
@@ -13,6 +14,7 @@ import contextlib
 import dataclasses
 import random
 import sys
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -80,8 +82,9 @@ def _snapshot(model: nn.Module) -> _Snapshot:
     objects: list[Any] = []
     seen: set[int] = set()
     for module in model.modules():
-        for obj in (module, module.__dict__.get("config")):
-            if obj is not None and hasattr(obj, "__dict__") and id(obj) not in seen:
+        # The module, its config, and the plain objects it refers to (a helper that caches on itself).
+        for obj in (module, *(v for v in module.__dict__.values() if _is_plain_object(v))):
+            if id(obj) not in seen:
                 seen.add(id(obj))
                 objects.append(obj)
     entries = []
@@ -90,6 +93,16 @@ def _snapshot(model: nn.Module) -> _Snapshot:
         tables = {k: list(v.items()) for k, v in attrs.items() if isinstance(v, dict)}
         entries.append((obj, attrs, tables))
     return _Snapshot(entries, [(p, p.requires_grad) for p in model.parameters()])
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An instance of a Python class with its own ``__dict__``: not a module, tensor, class or function."""
+    if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    try:
+        return type(vars(value)) is dict
+    except TypeError:  # no __dict__
+        return False
 
 
 def _same_items(table: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> bool:

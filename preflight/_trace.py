@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from preflight._compat import real_run_paths
 from preflight._device import iter_tensors
+from preflight._leftovers import Sweep, swept
 from preflight._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
@@ -60,6 +61,7 @@ class TraceResult:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
+@swept
 def trace_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -72,8 +74,10 @@ def trace_steps(
     steps: int,
     schedule: Schedule = Schedule(),
     record_op: Callable[[Any], bool] | None = None,
+    sweep: Sweep,
 ) -> TraceResult:
-    """Trace ``steps`` training steps on fake tensors.
+    """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight._leftovers`:
+    ``sweep`` is supplied by the decorator).
 
     Args:
         record_op: ``record_op(func) -> bool``; operators for which it is true are logged with their fake
@@ -92,7 +96,7 @@ def trace_steps(
             op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
                            tree_map(TensorSpec.of, kwargs)))
 
-    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op)
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, sweep=sweep)
     tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
@@ -155,13 +159,15 @@ class FakeRun:
 
     Use: build it, make any other twins (an optimizer, outside fake mode), run the user's code inside
     ``with run.active(model):`` (errors from the user's code are kept in ``error`` / ``failed_op``, except
-    `LossNotFoundError`, which is the caller's mistake), then `finish`.
+    `LossNotFoundError`, which is the caller's mistake), then `finish`. Every fake tensor of the run is watched
+    by ``sweep``, which repairs whatever still holds one once the tracing function has returned.
     """
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
-                 on_op: Callable[..., None] | None = None) -> None:
+                 sweep: Sweep, on_op: Callable[..., None] | None = None) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StorageTracker(self.fake_mode, on_op=on_op)
+        sweep.watch(self.tracker.tensors)
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
         self.state = self.twins.module_state(model)
         self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)

@@ -94,6 +94,8 @@ class StorageTracker(TorchDispatchMode):
         self._counter = itertools.count()
         self._finalizers: list[weakref.finalize] = []
         self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> real tensor
+        # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight._leftovers`.
+        self.tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -116,8 +118,11 @@ class StorageTracker(TorchDispatchMode):
             self.categories[uid] = category
 
     def _track(self, tensor: torch.Tensor, category: Category, op: int) -> int | None:
-        if tensor.device.type == "meta" and not _is_fake(tensor):
+        fake = _is_fake(tensor)
+        if tensor.device.type == "meta" and not fake:
             return None
+        if fake:
+            self.tensors[tensor] = None
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors

@@ -146,9 +146,11 @@ def run_steps(
     steps: int,
     schedule: Schedule = Schedule(),
     on_phase: Callable[[int, str], None] = lambda i, phase: None,
+    before_backward: Callable[[torch.Tensor], None] = lambda loss: None,
 ) -> None:
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
-    phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end)."""
+    phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
+    ``before_backward(loss)`` just before each ``loss.backward()``."""
     for i in range(1, steps + 1):
         for micro in range(schedule.micro_steps):
             on_phase(i, "forward")
@@ -158,6 +160,7 @@ def run_steps(
                 on_phase(i, "zero_grad")
                 optimizer.zero_grad(set_to_none=True)
             on_phase(i, "backward")
+            before_backward(loss)
             loss.backward()
             del loss
         on_phase(i, "optimizer")

@@ -128,6 +128,7 @@ def trace_steps(
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         tracker.label(v, Category.OPTIMIZER_STATE)
+        tracker.end_backward()
         tracker.placeholders_allowed = phase == "optimizer"
         tracker.phase = f"step{i}/{phase}"
         tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
@@ -135,7 +136,7 @@ def trace_steps(
     with run.active(model):
         model.train()
         run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
-                  steps=steps, schedule=schedule, on_phase=on_phase)
+                  steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
     if tracker.placeholders_used:
         run.notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); "
                          "placeholders were used (they change arithmetic, not which tensors exist)")

@@ -14,6 +14,7 @@ from preflight._analytic import model_state
 from preflight._device import resolve_device, trace_device_for
 from preflight._gpus import GPU
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
+from preflight._routing import check_routing
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
@@ -45,6 +46,7 @@ def estimate(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     allocator: AllocatorConfig | str | None = None,
+    routing: str = "balanced",
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -83,6 +85,12 @@ def estimate(
         allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
             ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True"``. Default: the
             environment's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, else PyTorch's defaults.
+        routing: the mixture-of-experts routing assumed where a per-expert loop (``experts_implementation=
+            "eager"``, transformers 4.x and remote-code MoEs) needs the router's choices, which a fake trace does
+            not have: ``"balanced"`` (default: each expert gets top_k x tokens / experts, what load-balancing
+            losses train routers towards) or ``"skewed"`` (every token to the same top_k experts, a worst case).
+            Reported in ``coverage.notes`` when it decided a shape; grouped kernels (transformers 5's default)
+            do not depend on it.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -104,13 +112,14 @@ def estimate(
         - Kernel-internal scratch is measured only for convolutions (``coverage.calibrated``); other custom
           kernels that allocate internally are unseen.
         - Custom CUDA kernels without fake (meta) implementations stop the trace: the result is then a lower bound.
-        - Data-dependent control flow on values computed from parameters (mixture-of-experts routing) stops the
-          trace.
+        - Data-dependent control flow on values computed from parameters stops the trace, except for
+          mixture-of-experts routing, which follows ``routing``.
         - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
           lists can differ from CUDA's.
         - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
     """
     precision = check_precision(precision)
+    routing = check_routing(routing)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -141,7 +150,8 @@ def estimate(
         gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)
     result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
-                         target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op)
+                         target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op,
+                         routing=routing)
     notes = list(result.notes)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")

@@ -74,6 +74,7 @@ def trace_steps(
     steps: int,
     schedule: Schedule = Schedule(),
     record_op: Callable[[Any], bool] | None = None,
+    routing: str = "balanced",
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight._leftovers`:
@@ -83,6 +84,8 @@ def trace_steps(
         record_op: ``record_op(func) -> bool``; operators for which it is true are logged with their fake
             arguments in ``op_log`` as ``(op_index, event_index, func, args, kwargs)`` (used to calibrate kernel
             scratch memory); tensors are logged as `TensorSpec`.
+        routing: the mixture-of-experts routing assumed where a per-expert loop needs the router's choices
+            (`preflight._routing`).
 
     Raises:
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
@@ -96,7 +99,8 @@ def trace_steps(
             op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
                            tree_map(TensorSpec.of, kwargs)))
 
-    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, sweep=sweep)
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, routing=routing,
+                  sweep=sweep)
     tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
@@ -140,6 +144,8 @@ def trace_steps(
     if tracker.placeholders_used:
         run.notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); "
                          "placeholders were used (they change arithmetic, not which tensors exist)")
+    if tracker.routing.note():
+        run.notes.append(tracker.routing.note())
     run.finish()
     return TraceResult(
         events=tracker.events,
@@ -165,9 +171,9 @@ class FakeRun:
     """
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
-                 sweep: Sweep, on_op: Callable[..., None] | None = None) -> None:
+                 sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced") -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.tracker = StorageTracker(self.fake_mode, on_op=on_op)
+        self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing)
         sweep.watch(self.tracker.tensors)
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
         self.state = self.twins.module_state(model)

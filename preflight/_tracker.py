@@ -14,7 +14,8 @@ per tensor.
 
 Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
 `preflight._scratch` calibrates them. Values computed from parameters are unknown, so data-dependent control
-flow on them (mixture-of-experts routing) stops the trace.
+flow on them stops the trace, except mixture-of-experts routing, which follows a stated assumption
+(`preflight._routing`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
+from preflight._fake_kernels import FAKE_KERNELS
 from preflight._result import Category, Event
+from preflight._routing import RoutingShadows
 
 __all__ = ["StorageTracker", "SHADOW_MAX_NUMEL"]
 
@@ -69,6 +72,8 @@ class StorageTracker(TorchDispatchMode):
             data-dependent operators).
         on_op: optional callback ``on_op(index, func, args, kwargs, out)`` after each operator, for
             kernel-scratch bookkeeping.
+        routing: the mixture-of-experts routing assumed for router selections on unknown values
+            (`preflight._routing`).
 
     Attributes:
         events: allocation (``nbytes > 0``) and free (``nbytes < 0``) events in order.
@@ -77,7 +82,7 @@ class StorageTracker(TorchDispatchMode):
         num_ops: operators seen so far.
     """
 
-    def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None) -> None:
+    def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None, routing: str = "balanced") -> None:
         super().__init__()
         self.fake_mode = fake_mode
         self.on_op = on_op
@@ -99,6 +104,7 @@ class StorageTracker(TorchDispatchMode):
         self._in_place: tuple | None = None  # an in-place accumulation, confirmed at the next operator
         # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight._leftovers`.
         self.tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.routing = RoutingShadows(routing, SHADOW_MAX_NUMEL)
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -321,9 +327,11 @@ class StorageTracker(TorchDispatchMode):
                 out = _placeholder(func, args)
             else:
                 out = func(*args, **kwargs)  # raises the fake mode's data-dependent error
+            self._route(func, args, kwargs, out, data_dependent=ok)
         else:
-            out = func(*args, **kwargs)
+            out = FAKE_KERNELS.get(func, func)(*args, **kwargs)  # kernels whose meta functions disagree with them
             self._propagate_shadow(func, args, kwargs, out)
+            self._route(func, args, kwargs, out, data_dependent=False)
         return out
 
     def _fake_like(self, real_out: Any) -> Any:
@@ -361,6 +369,19 @@ class StorageTracker(TorchDispatchMode):
             for a in tree_flatten(args)[0]:
                 if isinstance(a, torch.Tensor):
                     self._shadows.pop(a, None)
+
+    # ---- mixture-of-experts routing (preflight._routing) ----------------------------------------------------
+
+    def _route(self, func: Any, args: Any, kwargs: dict, out: Any, *, data_dependent: bool) -> None:
+        """Give a router's index output on unknown values a synthetic shadow, and track what derives from it."""
+        with _disable_current_modes():  # the synthetic indices are real tensors
+            synthetic = self.routing.synthesize(func, args, kwargs, out, self._has_shadow)
+        if synthetic is not None:
+            self.shadow(*synthetic)
+        self.routing.propagate(args, kwargs, out, self._has_shadow, data_dependent)
+
+    def _has_shadow(self, t: torch.Tensor) -> bool:
+        return t in self._shadows
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -1,0 +1,89 @@
+"""Fake implementations of kernels whose registered meta functions disagree with the real CPU and CUDA kernels.
+
+`StorageTracker` calls these instead of the fake mode's implementation, for the trace only: torch's own
+registrations are left as they are for the user's process.
+
+``aten._grouped_mm`` (``torch.nn.functional.grouped_mm``, the mixture-of-experts kernel transformers 5 uses):
+torch's meta function (``torch/_meta_registrations.py``, ``_meta_grouped_mm_common``) accepts bf16 only and, on a
+build without CUDA, returns a contiguous output. The real kernels (``_grouped_mm_cpu`` and ``_grouped_mm_cuda``,
+both validating with ``_grouped_mm_validate_inputs`` and allocating with ``create_grouped_gemm_output_tensor`` in
+``aten/src/ATen/native/GroupedMMUtils.h``) accept fp32, bf16 and fp16, require ``out_dtype`` to be ``mat_a``'s
+dtype, and pad the output's last dimension to 16 bytes (except on ROCm). The backward (``_grouped_mm`` again,
+with transposed operands) goes through the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FAKE_KERNELS"]
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_grouped_mm_strides(name: str, mat: torch.Tensor) -> None:
+    # check_valid_strides_and_return_transposed: row- or column-major in the last two dims, 16-byte aligned.
+    sizes, strides = mat.shape, mat.stride()
+    alignment = 16 // mat.element_size()
+    if strides[-2] == 1 and strides[-1] >= max(1, sizes[-2]):
+        aligned = strides[-1] % alignment == 0
+    elif strides[-1] == 1 and strides[-2] >= max(1, sizes[-1]):
+        aligned = strides[-2] % alignment == 0
+    else:
+        raise RuntimeError(f"Invalid strides/sizes, got {list(strides)} for strides and {list(sizes)} for sizes "
+                           f"({name})")
+    if not aligned:
+        raise RuntimeError(f"strides should be multiple of 16 bytes ({name})")
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` as the CPU and CUDA kernels allocate it (shape, dtype, strides), after
+    their input checks; called under the fake mode, so it allocates nothing real."""
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if mat.dtype not in _GROUPED_MM_DTYPES:
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+        if mat.dim() not in (2, 3):
+            raise RuntimeError(f"{name} has to be 2 or 3d")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if (not a_2d or not b_2d) and mat_a.size(-1) != mat_b.size(-2):
+        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+    _check_grouped_mm_strides("mat_a", mat_a)
+    _check_grouped_mm_strides("mat_b", mat_b)
+    if (offs is not None) != (a_2d or b_2d):
+        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
+        raise RuntimeError("offs has to be 1D and int32")
+    if bias is not None:
+        raise RuntimeError("Bias not supported yet")
+    dtype = out_dtype or mat_a.dtype
+    if dtype != mat_a.dtype:
+        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
+
+    if a_2d and b_2d:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a_2d:
+        if offs.size(0) != mat_b.size(0):
+            raise RuntimeError("matrix batch sizes have to match")
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_2d:
+        if offs.size(0) != mat_a.size(0):
+            raise RuntimeError("matrix batch sizes have to match")
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        if mat_a.size(0) != mat_b.size(0):
+            raise RuntimeError("batched dimension has to match")
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    if torch.version.hip:
+        return torch.empty(size, dtype=dtype, device=mat_a.device)
+    # For TMA transfers the output's strides are 1 or multiples of 16 bytes: the last dimension is padded.
+    alignment = 16 // dtype.itemsize
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
+FAKE_KERNELS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: grouped_mm}

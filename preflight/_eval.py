@@ -78,7 +78,7 @@ def estimate_eval(
         tracker.phase = "eval/end"
         del out
     run.finish()
-    notes = run.notes
+    notes = run.notes + tracker.random_notes()
     seconds = time.perf_counter() - start
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
@@ -121,7 +121,7 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
     for name, nbytes in resident.items():
         breakdown[name] += nbytes
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    warnings.warn(f"preflight could not trace the evaluation step (operator {failed_op}: {reason}). The eval "
+    warnings.warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
                   "estimate is a lower bound: parameters + buffers + batch, without activations.",
                   RuntimeWarning, stacklevel=3)
     return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",

@@ -237,6 +237,8 @@ class StorageTracker(TorchDispatchMode):
     def _dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
         if func is torch.ops.aten.index.Tensor:
             args = self._expand_mask_indices(args)
+        if func is torch.ops.aten._ctc_loss.Tensor and args[3] in self._shadows:
+            return self._ctc_loss(args)
         if func in _DATA_DEPENDENT:
             self._note_draw_read(args, kwargs)
             ok, real_out = self._run_real(func, args, kwargs)
@@ -313,6 +315,19 @@ class StorageTracker(TorchDispatchMode):
             else:
                 expanded.append(index)
         return (self_, expanded, *args[2:])
+
+    def _ctc_loss(self, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``aten._ctc_loss.Tensor`` has no fake implementation: its ``log_alpha`` output is ``(batch, input length,
+        2 * max(target_lengths) + 1)``, known from the target lengths' shadow (the labels of the batch). As the CPU
+        and CUDA kernels allocate it (aten/src/ATen/native/LossCTC.cpp, ``ctc_loss_cpu_template``)."""
+        log_probs, target_lengths = args[0], self._shadows[args[3]]
+        batch, steps = target_lengths.numel(), log_probs.size(0)
+        with _disable_current_modes():
+            max_target = int(target_lengths.max()) if batch else 0
+        like = {"dtype": log_probs.dtype, "device": log_probs.device}
+        nll = torch.empty(batch, **like)
+        log_alpha = torch.empty(batch, steps, 2 * max_target + 1, **like)
+        return nll, log_alpha
 
     def _shadow_random_draw(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
         """A small draw of a uniform random operator gets a shadow at the top of its range (``torch.rand`` just

@@ -29,20 +29,22 @@ def audio_model(config_name: str, model_name: str, **kwargs) -> nn.Module:
     return getattr(transformers, model_name)(config)
 
 
-def audio_batch() -> dict[str, torch.Tensor]:
+def audio_batch(ctc: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"input_values": torch.randn(2, 4000, generator=gen), "labels": torch.randint(0, 2, (2,), generator=gen)}
+    labels = torch.randint(1, 32, (2, 10), generator=gen) if ctc else torch.randint(0, 2, (2,), generator=gen)
+    return {"input_values": torch.randn(2, 4000, generator=gen), "labels": labels}
 
 
 @pytest.mark.parametrize("config_name, model_name", [
     ("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification"),
     ("HubertConfig", "HubertForSequenceClassification"),
     ("WavLMConfig", "WavLMForSequenceClassification"),
-], ids=["wav2vec2", "hubert", "wavlm"])
+    ("Wav2Vec2Config", "Wav2Vec2ForCTC"),  # CTC's log_alpha is sized by the longest target (labels' shadow)
+], ids=["wav2vec2", "hubert", "wavlm", "wav2vec2-ctc"])
 def test_layerdrop_and_specaugment_trace_the_worst_case(config_name, model_name):
-    model = audio_model(config_name, model_name)
+    model = audio_model(config_name, model_name, vocab_size=32)
     optimizer = torch.optim.AdamW(model.parameters())
-    batch = audio_batch()
+    batch = audio_batch(ctc=model_name.endswith("CTC"))
     np.random.seed(0)  # SpecAugment draws its masks with numpy; estimate restores the stream, so measure draws the same
     est = preflight.estimate(model, optimizer, batch)
     assert est.coverage.traced and not est.coverage.lower_bound

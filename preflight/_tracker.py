@@ -391,7 +391,8 @@ def _owned(reals: list[torch.Tensor], args: Any, kwargs: dict) -> list[torch.Ten
     (``lift_fresh``) or a view of a module's constant returns the user's own memory, which in-place operators
     on the shadow would otherwise write."""
     users = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-             if isinstance(a, torch.Tensor) and not _is_fake(a) and a.device.type != "meta"}
+             if isinstance(a, torch.Tensor) and not _is_fake(a) and a.device.type != "meta"
+             and a.layout == torch.strided}
     if not users:
         return reals
     return [r.clone() if r.untyped_storage().data_ptr() in users else r for r in reals]

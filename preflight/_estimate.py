@@ -94,7 +94,8 @@ def estimate(
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
-        ``coverage.lower_bound`` is True, ``coverage.failed_op`` names the operator, ``peak_bytes`` is the
+        ``coverage.lower_bound`` is True, ``coverage.failed_op`` names the operator (or Python error) and the line of
+        the model that stopped the trace, ``peak_bytes`` is the
         analytic lower bound parameters + buffers + gradients + optimizer state + batch, and one warning is
         emitted.
 
@@ -275,7 +276,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         notes.append(note)
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warnings.warn(
-        f"preflight could not trace the training step (operator {result.failed_op}: {reason}). The estimate is a "
+        f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
         "lower bound: parameters + gradients + optimizer state + batch, without activations.",
         RuntimeWarning,
         stacklevel=3,

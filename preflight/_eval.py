@@ -108,7 +108,7 @@ def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precis
     run.finish()
     return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
                        seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
-                       notes=run.notes)
+                       notes=run.notes + tracker.random_notes())
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:
@@ -132,7 +132,7 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
     for name, nbytes in resident.items():
         breakdown[name] += nbytes
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    warnings.warn(f"preflight could not trace the evaluation step (operator {failed_op}: {reason}). The eval "
+    warnings.warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
                   "estimate is a lower bound: parameters + buffers + batch, without activations.",
                   RuntimeWarning, stacklevel=3)
     return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",

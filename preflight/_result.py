@@ -51,7 +51,9 @@ class Coverage:
     Attributes:
         traced: the steps ran to the end on fake tensors; the peak is a traced figure, not analytic.
         lower_bound: ``peak_bytes`` is a lower bound (the trace failed, or part of the run is unseen).
-        failed_op: the operator that stopped the trace, when it failed.
+        failed_op: what stopped the trace, when it failed: the operator and the model's line that called it
+            (``aten._local_scalar_dense.default at modeling_x.py:123 in forward (step1/forward)``), or for an
+            error raised in Python, that error and the line that raised it.
         reason: why the trace failed, in words.
         calibrated: kernel configurations whose hidden scratch memory was measured for real (e.g. convolutions).
         notes: anything else the prediction assumed or left out.

@@ -26,7 +26,7 @@ from preflight._leftovers import Sweep, swept
 from preflight._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
-from preflight._tracker import SHADOW_MAX_NUMEL, StorageTracker
+from preflight._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight._twin import TwinMaker, clone_optimizer, float_dtype_for
 
 __all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "preserved_state", "trace_steps"]
@@ -146,6 +146,7 @@ def trace_steps(
                          "placeholders were used (they change arithmetic, not which tensors exist)")
     if tracker.routing.note():
         run.notes.append(tracker.routing.note())
+    run.notes.extend(tracker.random_notes())
     run.finish()
     return TraceResult(
         events=tracker.events,
@@ -201,7 +202,7 @@ class FakeRun:
             except LossNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
-                self.error, self.failed_op = err, self.tracker.failed_op or self.tracker.last_op
+                self.error, self.failed_op = err, failed_op_of(err)
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

@@ -12,10 +12,16 @@ give (``mask.all().item()``, ``nonzero``), the shadow answers, so the trace take
 takes instead of failing or taking a "tracing" path. Shadows never hold more than `SHADOW_MAX_NUMEL` elements
 per tensor.
 
+Tensors made from host data (``torch.tensor(ndarray)``, lists, ``arange``, ``full``) have known values and are
+shadowed too; a boolean mask with a shadow can index (``x[mask]``), in forward and backward. Small draws of
+uniform random operators (``torch.rand([]) < layerdrop``) get a synthetic shadow at the top of their range, so
+the trace takes the worst case for memory (every LayerDrop layer kept); `random_notes` says where that was read.
+
 Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
 `preflight._scratch` calibrates them. Values computed from parameters are unknown, so data-dependent control
 flow on them stops the trace, except mixture-of-experts routing, which follows a stated assumption
-(`preflight._routing`).
+(`preflight._routing`); the failing exception then carries the operator and the user's line that asked
+for the value (`failed_op_of`). Normal draws (``randn``) have no top of range and get no synthetic shadow.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
 from preflight._fake_kernels import FAKE_KERNELS
+from preflight._frames import failure_site, user_frame
 from preflight._result import Category, Event
 from preflight._routing import RoutingShadows
 
-__all__ = ["StorageTracker", "SHADOW_MAX_NUMEL"]
+__all__ = ["StorageTracker", "SHADOW_MAX_NUMEL", "failed_op_of"]
 
 # Large enough for a 4-D attention mask of a few thousand tokens, small enough to cost little real memory.
 SHADOW_MAX_NUMEL = 1 << 24
@@ -105,6 +112,8 @@ class StorageTracker(TorchDispatchMode):
         # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight._leftovers`.
         self.tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.routing = RoutingShadows(routing, SHADOW_MAX_NUMEL)
+        self._drawn: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> site of its random draw
+        self._draw_reads: dict[tuple[str, str], int] = {}  # (draw site, read site) -> reads
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -304,8 +313,9 @@ class StorageTracker(TorchDispatchMode):
             self._settle_in_place()
         try:
             out = self._dispatch(func, args, kwargs)
-        except Exception:
+        except Exception as exc:
             self.failed_op = self.failed_op or str(func)
+            _mark_failure(exc, func, self.phase)
             raise
         if not (self._between_nodes and self._accumulate_in_place(func, args, out, index)):
             for t in tree_flatten(out)[0]:
@@ -316,7 +326,12 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
+        if func is torch.ops.aten.index.Tensor:
+            args = self._expand_mask_indices(args)
+        if func is torch.ops.aten._ctc_loss.Tensor and args[3] in self._shadows:
+            return self._ctc_loss(args)
         if func in _DATA_DEPENDENT:
+            self._note_draw_read(args, kwargs)
             ok, real_out = self._run_real(func, args, kwargs)
             if ok:
                 out = self._fake_like(real_out)
@@ -330,7 +345,10 @@ class StorageTracker(TorchDispatchMode):
             self._route(func, args, kwargs, out, data_dependent=ok)
         else:
             out = FAKE_KERNELS.get(func, func)(*args, **kwargs)  # kernels whose meta functions disagree with them
-            self._propagate_shadow(func, args, kwargs, out)
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self._shadow_random_draw(func, args, kwargs, out)
+            else:
+                self._propagate_shadow(func, args, kwargs, out)
             self._route(func, args, kwargs, out, data_dependent=False)
         return out
 
@@ -347,28 +365,98 @@ class StorageTracker(TorchDispatchMode):
     def _propagate_shadow(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if any(t.numel() > SHADOW_MAX_NUMEL for t in outs):
-            self._forget_mutated(func, args)
+            self._forget_mutated(func, args, kwargs)
             return
         has_tensor_arg = any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
         if not has_tensor_arg and not _is_factory(func):
             return
         ok, real_out = self._run_real(func, args, kwargs)
         if not ok:
-            self._forget_mutated(func, args)
+            self._forget_mutated(func, args, kwargs)
             return
         reals = [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
         if len(reals) != len(outs):
             return
+        with _disable_current_modes():
+            reals = _owned(reals, args, kwargs)
         for fake, real in zip(outs, reals):
             if tuple(fake.shape) == tuple(real.shape):
                 self.shadow(fake, real)
+        self._carry_draw_site(args, kwargs, outs)
 
-    def _forget_mutated(self, func: Any, args: Any) -> None:
-        # An in-place op whose result we could not compute leaves a stale shadow: drop it.
+    def _forget_mutated(self, func: Any, args: Any, kwargs: dict | None = None) -> None:
+        # An in-place op whose result we could not compute leaves a stale shadow on what it wrote: drop it. Only
+        # the written arguments: `hidden[mask] = v` writes `hidden`, and `mask` keeps its shadow for backward.
         if func._schema.is_mutable:
-            for a in tree_flatten(args)[0]:
-                if isinstance(a, torch.Tensor):
-                    self._shadows.pop(a, None)
+            for a in _written(func, args, kwargs or {}):
+                self._shadows.pop(a, None)
+
+    # ---- boolean masks, random draws ------------------------------------------------------------------------
+
+    def _expand_mask_indices(self, args: Any) -> Any:
+        """``x[mask]`` with a shadowed boolean mask: give ``aten.index`` the mask's ``nonzero()`` coordinates, as
+        the real kernel does internally (``expandTensors``), so the output shape is known. The coordinates are
+        allocated here as the kernel allocates them."""
+        self_, indices = args[0], args[1]
+        if not any(_is_mask(i) and i in self._shadows for i in indices):
+            return args
+        expanded: list[Any] = []
+        for index in indices:
+            if _is_mask(index) and index in self._shadows:
+                coords = self.__torch_dispatch__(torch.ops.aten.nonzero.default, (), (index,))
+                expanded.extend(self.__torch_dispatch__(torch.ops.aten.unbind.int, (), (coords, 1)))
+            else:
+                expanded.append(index)
+        return (self_, expanded, *args[2:])
+
+    def _ctc_loss(self, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``aten._ctc_loss.Tensor`` has no fake implementation: its ``log_alpha`` output is ``(batch, input length,
+        2 * max(target_lengths) + 1)``, known from the target lengths' shadow (the labels of the batch). As the CPU
+        and CUDA kernels allocate it (aten/src/ATen/native/LossCTC.cpp, ``ctc_loss_cpu_template``)."""
+        log_probs, target_lengths = args[0], self._shadows[args[3]]
+        batch, steps = target_lengths.numel(), log_probs.size(0)
+        with _disable_current_modes():
+            max_target = int(target_lengths.max()) if batch else 0
+        like = {"dtype": log_probs.dtype, "device": log_probs.device}
+        nll = torch.empty(batch, **like)
+        log_alpha = torch.empty(batch, steps, 2 * max_target + 1, **like)
+        return nll, log_alpha
+
+    def _shadow_random_draw(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
+        """A small draw of a uniform random operator gets a shadow at the top of its range (``torch.rand`` just
+        below 1, ``randint`` ``high - 1``): ``torch.rand([]) < layerdrop`` is False, so every layer is kept, the
+        worst case for memory. Where such a value is read is reported by `random_notes`."""
+        if not isinstance(out, torch.Tensor) or out.numel() > _DRAW_MAX_NUMEL:
+            self._forget_mutated(func, args, kwargs)
+            return
+        with _disable_current_modes():
+            top = _top_of_range(func, args, kwargs, out.dtype)
+            real = None if top is None else torch.full(tuple(out.shape), top, dtype=out.dtype)
+        if real is None:
+            self._forget_mutated(func, args, kwargs)
+            return
+        self.shadow(out, real)
+        self._drawn[out] = user_frame() or "an unknown line"
+
+    def _carry_draw_site(self, args: Any, kwargs: dict, outs: list[torch.Tensor]) -> None:
+        sites = {self._drawn[a] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                 and a in self._drawn}
+        if sites:
+            for t in outs:
+                self._drawn[t] = min(sites)
+
+    def _note_draw_read(self, args: Any, kwargs: dict) -> None:
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a in self._drawn:
+                key = (self._drawn[a], user_frame() or "an unknown line")
+                self._draw_reads[key] = self._draw_reads.get(key, 0) + 1
+                return
+
+    def random_notes(self) -> list[str]:
+        """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`)."""
+        return [f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
+                "at the top of its range (every layer kept: the worst case for memory)"
+                for (drawn, read), n in self._draw_reads.items()]
 
     # ---- mixture-of-experts routing (preflight._routing) ----------------------------------------------------
 
@@ -388,6 +476,75 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def _written(func: Any, args: Any, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator writes (``Tensor(a!)`` in its schema)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
+
+
+def _is_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _owned(reals: list[torch.Tensor], args: Any, kwargs: dict) -> list[torch.Tensor]:
+    """``reals``, with any that shares memory with a real (non-fake) argument copied: ``torch.from_numpy(a)``
+    (``lift_fresh``) or a view of a module's constant returns the user's own memory, which in-place operators
+    on the shadow would otherwise write."""
+    users = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+             if isinstance(a, torch.Tensor) and not _is_fake(a) and a.device.type != "meta"
+             and a.layout == torch.strided}
+    if not users:
+        return reals
+    return [r.clone() if r.untyped_storage().data_ptr() in users else r for r in reals]
+
+
+# Draws this small or smaller get a synthetic shadow: scalars and per-layer vectors, never activation-sized noise.
+_DRAW_MAX_NUMEL = 64
+
+
+def _top_of_range(func: Any, args: Any, kwargs: dict, dtype: torch.dtype) -> float | int | None:
+    """The largest value ``func`` (a uniform draw) can return, or None for other random operators."""
+    name = func.overloadpacket.__name__
+    bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    if name in ("rand", "rand_like", "uniform", "uniform_"):
+        high, low = float(bound.get("to", 1.0)), float(bound.get("from", 0.0))
+        # Exclusive upper bound: the largest representable value below it, in the output's dtype.
+        return torch.nextafter(torch.tensor(high, dtype=dtype), torch.tensor(low, dtype=dtype)).item()
+    if name in ("randint", "randint_like") and not isinstance(bound.get("high"), torch.Tensor):
+        return int(bound["high"]) - 1
+    if name == "random_" and bound.get("to") is not None:
+        return int(bound["to"]) - 1
+    return None
+
+
+def _mark_failure(exc: BaseException, func: Any, phase: str) -> None:
+    """Name, on the exception, the innermost operator that raised it, the user's line that called it and the
+    phase (in backward the user's line is only where backward was called)."""
+    if getattr(exc, _FAILED_OP, None) is None:
+        site = user_frame()
+        setattr(exc, _FAILED_OP, f"{func} at {site} ({phase})" if site else f"{func} ({phase})")
+
+
+_FAILED_OP = "_preflight_failed_op"
+
+
+def failed_op_of(err: BaseException) -> str:
+    """What stopped a trace: the operator and user line that raised ``err`` (or an error it was raised from),
+    else, for an error raised in Python outside any operator, the Python line that raised it."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, _FAILED_OP, None) is not None:
+            return getattr(e, _FAILED_OP)
+        e = e.__cause__ or e.__context__
+    return failure_site(err)
 
 
 def _is_factory(func: Any) -> bool:

@@ -1,0 +1,231 @@
+"""Trace paths that need more than shapes: random branches, masks built from host data, modules that cast
+themselves inside forward, and naming the line of the model that stopped a trace."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import preflight
+
+TOL = 0.01  # issue 9: within 1% of the measured CPU peak
+
+# Tiny speech encoders with their defaults for LayerDrop (0.1) and SpecAugment on, masking 30% of the frames.
+AUDIO = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
+             conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+             mask_time_prob=0.3, mask_time_length=2)
+
+
+def audio_model(config_name: str, model_name: str, **kwargs) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**AUDIO, **kwargs)
+    assert config.layerdrop > 0 and config.mask_time_prob > 0
+    return getattr(transformers, model_name)(config)
+
+
+def audio_batch(ctc: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(1, 32, (2, 10), generator=gen) if ctc else torch.randint(0, 2, (2,), generator=gen)
+    return {"input_values": torch.randn(2, 4000, generator=gen), "labels": labels}
+
+
+@pytest.mark.parametrize("config_name, model_name", [
+    ("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification"),
+    ("HubertConfig", "HubertForSequenceClassification"),
+    ("WavLMConfig", "WavLMForSequenceClassification"),
+    ("Wav2Vec2Config", "Wav2Vec2ForCTC"),  # CTC's log_alpha is sized by the longest target (labels' shadow)
+], ids=["wav2vec2", "hubert", "wavlm", "wav2vec2-ctc"])
+def test_layerdrop_and_specaugment_trace_the_worst_case(config_name, model_name):
+    model = audio_model(config_name, model_name, vocab_size=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = audio_batch(ctc=model_name.endswith("CTC"))
+    np.random.seed(0)  # SpecAugment draws its masks with numpy; estimate restores the stream, so measure draws the same
+    est = preflight.estimate(model, optimizer, batch)
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert any("layerdrop/random branch" in n and "every layer kept" in n for n in est.coverage.notes)
+    # The trace keeps every layer (each `torch.rand([]) < layerdrop` is False): the worst case, which is the real run
+    # in which no layer is dropped. Measure exactly that run: the same model and masks with LayerDrop off.
+    model.config.layerdrop = 0.0
+    measured = preflight.measure(model, optimizer, batch)
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL
+
+
+class RandomDepth(nn.Module):
+    def __init__(self, random: bool) -> None:
+        super().__init__()
+        self.random = random
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.random and torch.rand([]) < 0.5:  # LayerDrop: skipped for a low draw
+                continue
+            if self.random and torch.randint(0, 10, ()) < 9:  # kept for the top draw only
+                continue
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+def test_random_branches_are_traced_at_the_top_of_the_range():
+    peaks = {}
+    for random in (True, False):
+        torch.manual_seed(0)
+        model = RandomDepth(random)
+        est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 64),
+                                 step=lambda m, b: m(b))
+        assert est.coverage.traced
+        peaks[random] = est.peak_bytes
+    # Every layer kept, as without the random branches (up to the draws' own few bytes).
+    assert abs(peaks[True] - peaks[False]) <= 64
+    notes = [n for n in est.coverage.notes if "layerdrop/random branch" in n]
+    assert not notes  # the deterministic model made no draw
+
+
+def test_a_random_branch_is_named_in_coverage():
+    model = RandomDepth(True)
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 64),
+                             step=lambda m, b: m(b))
+    draw = _line_of(RandomDepth.forward, "torch.rand([])")
+    notes = [n for n in est.coverage.notes if "layerdrop/random branch" in n]
+    assert len(notes) == 2 and f"test_trace_paths.py:{draw} in forward" in notes[0]
+
+
+def test_host_data_masks_index_in_forward_and_backward_without_touching_the_users_array():
+    host = np.zeros((4, 16), dtype=bool)
+    host[:, ::3] = True
+    counts = np.arange(4)
+
+    class HostMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.fill = nn.Parameter(torch.zeros(32))
+
+        def forward(self, x):
+            h = self.proj(x)
+            mask = torch.from_numpy(host)
+            h[mask] = self.fill  # index_put_ with a mask made from numpy: its backward indexes with the mask
+            picked = h[torch.tensor(host)]  # index with a boolean mask: the output size is the mask's count
+            n = torch.as_tensor(counts)
+            n += 1  # in place on a tensor sharing the user's array: must not write the array
+            return picked.pow(2).mean() * n.sum()
+
+    torch.manual_seed(0)
+    model = HostMask()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 16, 32)
+    saved = host.copy(), counts.copy()
+    est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert np.array_equal(host, saved[0]) and np.array_equal(counts, saved[1])
+    measured = preflight.measure(model, optimizer, x, step=lambda m, b: m(b))
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+class ItemOnWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.mean().item() > 0:  # a value computed from parameters: unknown to the trace
+            h = h * 2
+        return h.pow(2).mean()
+
+
+def test_an_unknown_value_read_names_the_models_line():
+    model = ItemOnWeights()
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16),
+                                 step=lambda m, b: m(b))
+    assert est.coverage.lower_bound
+    line = _line_of(ItemOnWeights.forward, ".item()")
+    assert est.coverage.failed_op == (f"aten._local_scalar_dense.default at test_trace_paths.py:{line} in forward "
+                                      "(step1/forward)")
+
+
+class RaisesInPython(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x).detach()
+        raise ValueError("not an operator's error")
+
+
+def test_an_error_raised_in_python_names_the_python_line_not_the_last_operator():
+    model = RaisesInPython()
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16),
+                                 step=lambda m, b: m(b))
+    line = _line_of(RaisesInPython.forward, "raise ValueError")
+    assert est.coverage.failed_op == f"ValueError at test_trace_paths.py:{line} in forward"
+    assert "aten" not in est.coverage.failed_op and "not an operator's error" in est.coverage.reason
+
+
+class CastsItsHead(nn.Module):
+    """Casts a submodule inside forward, as Switch Transformers' router does (``self.classifier.to(self.dtype)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 256)
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x):
+        self.head = self.head.to(torch.float64)
+        return self.head(torch.relu(self.body(x)).double()).float().pow(2).mean()
+
+
+def test_a_module_casting_itself_in_forward_traces_and_is_restored():
+    torch.manual_seed(0)
+    model = CastsItsHead()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    params = [(p, p.dtype, p.detach().clone()) for p in model.parameters()]
+    est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert [(p, p.dtype) for p in model.parameters()] == [(p, dtype) for p, dtype, _ in params]
+    assert all(torch.equal(p, value) for p, _, value in params)
+    measured = preflight.measure(model, optimizer, x, step=lambda m, b: m(b))
+    # The real cast frees the fp32 head (`param.data = ...`): the trace sees that free; the CPU profiler cannot (the
+    # block was allocated before profiling started), so the measurement still counts the fp32 head's bytes.
+    unseen_free = sum(p.numel() * 4 for p in (model.head.weight, model.head.bias))
+    assert abs(est.peak_bytes - (measured.peak_bytes - unseen_free)) / measured.peak_bytes < TOL
+
+
+def test_switch_transformers_router_cast_traces():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, decoder_start_token_id=0,
+        pad_token_id=0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = preflight.estimate(model, optimizer, batch)
+    if est.coverage.lower_bound:
+        # Past the router's `self.classifier.to(self.dtype)`, the trace stops only at expert routing (values
+        # computed from parameters), which the routing-shadow work (issue 9, MoE) covers.
+        assert "Couldn't swap" not in est.coverage.reason and "modeling_switch_transformers" in est.coverage.failed_op
+        assert "_apply" not in est.coverage.failed_op and "detach" not in est.coverage.failed_op
+        pytest.xfail(f"expert routing is data-dependent: {est.coverage.failed_op}")
+    assert not caught
+    measured = preflight.measure(model, optimizer, batch)
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL

@@ -12,6 +12,9 @@ self.classifier.to(self.dtype)``) runs ``Module._apply``, which always swaps fak
 ``torch.utils.swap_tensors``; that refuses tensors with weak references, and fake tensors always have some. In
 the real run the parameter keeps its identity and takes the converted data (``param.data = ...``); the trace
 does the same to the fake twin, which is what the optimizer and autograd hold (`_fake_swap_tensors`).
+
+A 0-dim tensor in an f-string formats as its value in the real run (``f"expert_{idx}"``) but as
+``FakeTensor(...)`` in the trace; during the trace it formats as its value (`_format_like_a_tensor`).
 """
 
 from __future__ import annotations
@@ -44,11 +47,28 @@ def real_run_paths(notes: list[str]) -> Iterator[None]:
         masking.is_tracing = is_tracing
     patches.append((torch.utils, "swap_tensors", torch.utils.swap_tensors))
     torch.utils.swap_tensors = _fake_swap_tensors(torch.utils.swap_tensors)
+    patches.append((FakeTensor, "__format__", FakeTensor.__dict__.get("__format__", _MISSING)))
+    FakeTensor.__format__ = _format_like_a_tensor
     try:
         yield
     finally:
-        for module, name, original in patches:
-            setattr(module, name, original)
+        for owner, name, original in patches:
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+_MISSING = object()
+
+
+def _format_like_a_tensor(self: torch.Tensor, format_spec: str) -> str:
+    # `Tensor.__format__` formats a 0-dim plain tensor as its value (f"expert_{idx}" in Switch Transformers'
+    # expert loop) and anything else, subclasses included, as the object: a fake scalar would format as
+    # "FakeTensor(...)". Format it as the real run does; its value comes from its shadow, or stops the trace.
+    if self.dim() == 0:
+        return self.detach().item().__format__(format_spec)
+    return object.__format__(self, format_spec)
 
 
 def _fake_swap_tensors(original: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[..., None]:

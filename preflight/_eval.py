@@ -68,7 +68,8 @@ def estimate_eval(
                          f"got {sorted(unknown)}.")
     target = resolve_device(device, model)
     trace_device = trace_device_for(target)
-    result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device)
+    result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
+                         layouts=target.type == trace_device.type == "cpu")
     notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
@@ -93,10 +94,10 @@ def estimate_eval(
 
 @swept
 def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
-                trace_device: torch.device, sweep: Sweep) -> TraceResult:
+                trace_device: torch.device, layouts: bool, sweep: Sweep) -> TraceResult:
     """Trace one evaluation forward on fake tensors (the eval twin of `preflight._trace.trace_steps`)."""
     start = time.perf_counter()
-    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep)
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts)
     tracker = run.tracker
     tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
     with run.active(model):
@@ -108,7 +109,8 @@ def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precis
     run.finish()
     return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
                        seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
-                       notes=run.notes + tracker.random_notes())
+                       notes=run.notes + tracker.random_notes() +
+                       ([tracker.layouts.note()] if tracker.layouts is not None and tracker.layouts.note() else []))
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:

@@ -100,7 +100,7 @@ def trace_steps(
                            tree_map(TensorSpec.of, kwargs)))
 
     run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, routing=routing,
-                  sweep=sweep)
+                  sweep=sweep, layouts=target_device.type == trace_device.type == "cpu")
     tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
@@ -147,6 +147,8 @@ def trace_steps(
     if tracker.routing.note():
         run.notes.append(tracker.routing.note())
     run.notes.extend(tracker.random_notes())
+    if tracker.layouts is not None and tracker.layouts.note():
+        run.notes.append(tracker.layouts.note())
     run.finish()
     return TraceResult(
         events=tracker.events,
@@ -172,9 +174,10 @@ class FakeRun:
     """
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
-                 sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced") -> None:
+                 sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced",
+                 layouts: bool = False) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing)
+        self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts)
         sweep.watch(self.tracker.tensors)
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
         self.state = self.twins.module_state(model)

@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
 from preflight._fake_kernels import FAKE_KERNELS
 from preflight._frames import failure_site, user_frame
+from preflight._layouts import LayoutCalibration
 from preflight._result import Category, Event
 from preflight._routing import RoutingShadows
 
@@ -89,9 +90,12 @@ class StorageTracker(TorchDispatchMode):
         num_ops: operators seen so far.
     """
 
-    def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None, routing: str = "balanced") -> None:
+    def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None, routing: str = "balanced",
+                 layouts: bool = False) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        # The real CPU kernel's output layouts (`preflight._layouts`): only meaningful when the target is the CPU.
+        self.layouts = LayoutCalibration() if layouts else None
         self.on_op = on_op
         self.events: list[Event] = []
         self.categories: dict[int, Category] = {}
@@ -345,6 +349,8 @@ class StorageTracker(TorchDispatchMode):
             self._route(func, args, kwargs, out, data_dependent=ok)
         else:
             out = FAKE_KERNELS.get(func, func)(*args, **kwargs)  # kernels whose meta functions disagree with them
+            if self.layouts is not None:
+                out = self.layouts.match(func, args, kwargs, out)
             if torch.Tag.nondeterministic_seeded in func.tags:
                 self._shadow_random_draw(func, args, kwargs, out)
             else:

@@ -1,0 +1,107 @@
+"""Give fake outputs the memory layout the real kernel gives them.
+
+A fake tensor's strides come from the operator's meta function or decomposition, which can choose another
+layout than the device kernel. LayerNorm's backward with a transposed ``grad_output`` is one: the CPU kernel
+returns a contiguous ``grad_input``, the fake one follows ``grad_output``'s layout, and a later ``reshape`` then
+copies in the trace only (Swin: +1.1% of the peak). Layouts only diverge when some input is not contiguous, so
+for each such operator configuration (the operator, its inputs' shapes, strides and dtypes, its other
+arguments) `LayoutCalibration` runs the real kernel once on zero-filled inputs of the same layout, and where
+its outputs' strides differ, the fake outputs get the kernel's strides. Views are never changed: their layout
+is the operator's definition, not a kernel's choice.
+
+Known limitations: it runs on the CPU, so it applies only when the target is the CPU (CUDA kernels can choose
+otherwise); configurations larger than `MAX_BYTES` are not run, and are counted in `note`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["LayoutCalibration", "MAX_BYTES"]
+
+# One real run of a configuration this size costs little next to a trace; larger ones are not run.
+MAX_BYTES = 64 << 20
+
+
+class LayoutCalibration:
+    """Match fake outputs' strides with the real CPU kernel's, once per operator configuration."""
+
+    def __init__(self) -> None:
+        self._strides: dict[Any, list[tuple[int, ...]] | None] = {}  # config -> the kernel's output strides
+        self.corrected: dict[str, int] = {}  # operator -> outputs whose layout was corrected
+        self.unchecked = 0  # configurations too large to run
+
+    def match(self, func: Any, args: Any, kwargs: dict, out: Any) -> Any:
+        """``out`` with each freshly allocated tensor's strides set to the real kernel's."""
+        flat_args = tree_flatten((args, kwargs))[0]
+        if not any(isinstance(a, torch.Tensor) and a.dim() > 1 and not a.is_contiguous() for a in flat_args):
+            return out
+        if any(r.alias_info is not None for r in func._schema.returns) or func._schema.is_mutable:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return out
+        key = (func, *(_spec(a) for a in flat_args))
+        if key not in self._strides:
+            self._strides[key] = self._run_real(func, args, kwargs, flat_args, outs)
+        strides = self._strides[key]
+        if strides is None or len(strides) != len(outs):
+            return out
+        fixed = {}
+        for t, stride in zip(outs, strides):
+            if tuple(t.stride()) != stride and t.dim() == len(stride):
+                fixed[id(t)] = torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device)
+        if not fixed:
+            return out
+        self.corrected[str(func)] = self.corrected.get(str(func), 0) + len(fixed)
+        return tree_map(lambda x: fixed.get(id(x), x), out)
+
+    def _run_real(self, func: Any, args: Any, kwargs: dict, flat_args: list[Any],
+                  outs: list[torch.Tensor]) -> list[tuple[int, ...]] | None:
+        tensors = [a for a in flat_args if isinstance(a, torch.Tensor)] + outs
+        if sum(t.untyped_storage().nbytes() for t in tensors) > MAX_BYTES:
+            self.unchecked += 1
+            return None
+
+        def zeros_like_layout(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            real = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
+            return real.zero_() if real.numel() else real
+
+        def on_cpu(x: Any) -> Any:
+            return torch.device("cpu") if isinstance(x, torch.device) else x
+
+        with _disable_current_modes():
+            try:
+                real_out = func(*tree_map(zeros_like_layout, tree_map(on_cpu, args)),
+                                **tree_map(zeros_like_layout, tree_map(on_cpu, kwargs)))
+            except Exception:  # noqa: BLE001 - a kernel that cannot run on zeros keeps the fake layout
+                return None
+        return [tuple(t.stride()) for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
+
+    def note(self) -> str | None:
+        parts = []
+        if self.corrected:
+            parts.append("memory layout of outputs taken from the real CPU kernel where the fake one differs: " +
+                         ", ".join(f"{op} ({n})" for op, n in sorted(self.corrected.items())))
+        if self.unchecked:
+            parts.append(f"{self.unchecked} operator configuration(s) with non-contiguous inputs were too large "
+                         f"(> {MAX_BYTES >> 20} MiB) to check their output layout against the kernel")
+        return "; ".join(parts) or None
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset())
+    if isinstance(x, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
+        return str(x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x

@@ -173,8 +173,9 @@ def _gpt_bigcode() -> Built:
 
 @register("GPT-Neo", DENSE)
 def _gpt_neo() -> Built:
-    return make("GPTNeoForCausalLM", num_layers=2, hidden_size=64, num_heads=4,
-                attention_types=[[["global", "local"], 1]], window_size=16, vocab_size=V, max_position_embeddings=64), lm_batch(), None
+    model = make("GPTNeoForCausalLM", num_layers=2, hidden_size=64, num_heads=4,
+                 attention_types=[[["global", "local"], 1]], window_size=16, vocab_size=V, max_position_embeddings=64)
+    return model, lm_batch(), None
 
 
 @register("GPT-J", DENSE)
@@ -557,7 +558,8 @@ def _ast() -> Built:
 @register("Moonshine", AUD)
 def _moonshine() -> Built:
     model = make("MoonshineForConditionalGeneration", hidden_size=64, intermediate_size=128,
-                 encoder_num_hidden_layers=2, decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+                 encoder_num_hidden_layers=2, decoder_num_hidden_layers=2, encoder_num_attention_heads=4,
+                 decoder_num_attention_heads=4,
                  vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
     return model, {"input_values": audio_ctc_batch()["input_values"], "labels": tokens(S // 2)}, None
 
@@ -723,11 +725,19 @@ def check_builders(only: str) -> int:
 
 # ------------------------------------------------------------------------------------------------------- driver
 def selected(only: str, cases_only: bool = False) -> list:
-    cases = [c for c in CASES if only.lower() in c.name.lower() or only.lower() in c.family.lower()]
+    """The cases (or NAME:VARIANT specs) whose name, spec or family contains one of ``only``'s comma-separated
+    substrings (case-insensitive); a substring that is a whole NAME or NAME:VARIANT selects only that. All cases
+    for an empty ``only``."""
+    wanted = [w.strip().lower() for w in only.split(",")]
+    whole = {t.lower() for c in CASES for t in [c.name, *(f"{c.name}:{v}" for v in c.variants)]}
+
+    def hit(name: str, *texts: str) -> bool:
+        return any(any(w == t.lower() for t in (name, *texts)) if w in whole else any(w in t.lower() for t in texts)
+                   for w in wanted)
+
     if cases_only:
-        return cases
-    specs = [f"{c.name}:{v}" for c in CASES for v in c.variants]
-    return [s for s in specs if only.lower() in s.lower() or only.lower() in find_case(s)[0].family.lower()]
+        return [c for c in CASES if hit(c.name, c.name, c.family)]
+    return [f"{c.name}:{v}" for c in CASES for v in c.variants if hit(c.name, f"{c.name}:{v}", c.family)]
 
 
 def spawn(spec: str, timeout: float) -> dict[str, Any]:
@@ -804,8 +814,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once, each in its own process")
-    parser.add_argument("--only", default="", help="run the cases whose NAME:VARIANT or family contains this")
+    parser.add_argument("--only", default="", help="comma-separated substrings of NAME:VARIANT or family "
+                        "(a whole NAME or NAME:VARIANT selects just that)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a case counts as an error")
+    parser.add_argument("--out", default=RESULTS, help="write OUT.md and OUT.json (default: %(default)s)")
     parser.add_argument("--case", help="run one NAME:VARIANT in this process and print its JSON row")
     parser.add_argument("--list", action="store_true", help="print the NAME:VARIANT pairs and exit")
     parser.add_argument("--check-builders", action="store_true",
@@ -844,10 +856,10 @@ def main() -> int:
     command = "python benchmarks/architectures.py " + " ".join(sys.argv[1:])
     text = render(rows, command.strip())
     print(text)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS + ".md", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
         f.write(text)
-    with open(RESULTS + ".json", "w") as f:
+    with open(args.out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 

@@ -15,7 +15,9 @@ optimizer, then one more real forward and backward whose loss and gradients must
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
 returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed.
 
-Run: python benchmarks/architectures.py --jobs 2        (all cases; see the module's --help)
+Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
+                                                          about 40 minutes on 2 idle cores; more jobs than free
+                                                          cores slow the "estimate s" column, not the errors)
      python benchmarks/architectures.py --only llama --jobs 1
      python benchmarks/architectures.py --check-builders  (build each model, one real forward+backward, no preflight)
 Writes benchmarks/results/architectures.md (and .json with the raw rows) and prints the table.
@@ -766,28 +768,34 @@ def status(row: dict[str, Any]) -> str:
     return "traced" if row["traced"] else "fallback"
 
 
+def summary_row(label: str, rows: list[dict[str, Any]]) -> str:
+    """One line of the summary: counts, cases traced within 0.5% and 1% (of all cases), traced errors, times."""
+    n = len(rows)
+    counts = {s: sum(status(r) == s for r in rows) for s in ("traced", "fallback", "error")}
+    errors = sorted(abs(r["error"]) for r in rows if status(r) == "traced")
+    times = [r["estimate_s"] for r in rows if r.get("estimate_s") is not None]
+    within = [f"{k} ({k / n:.1%})" for k in (sum(e <= tol for e in errors) for tol in (0.005, 0.01))]
+    stats = [f"{statistics.median(errors):.3%}", f"{max(errors):.3%}"] if errors else ["", ""]
+    med_time = f"{statistics.median(times):.2f}" if times else ""
+    return (f"| {label} | {n} | {len({r['name'] for r in rows})} | {counts['traced']} | {counts['fallback']} | "
+            f"{counts['error']} | {' | '.join(within)} | {' | '.join(stats)} | {med_time} |")
+
+
 def render(rows: list[dict[str, Any]], command: str) -> str:
+    """The markdown: a summary (all cases, then per family) and the per-case table."""
     import transformers
 
-    traced = [r for r in rows if status(r) == "traced"]
-    errors = sorted(abs(r["error"]) for r in traced)
-    counts = {s: sum(status(r) == s for r in rows) for s in ("traced", "fallback", "error")}
-    within = {tol: sum(e <= tol for e in errors) for tol in (0.005, 0.01)}
-    times = [r["estimate_s"] for r in rows if "estimate_s" in r]
-    n = len(rows)
-    summary = [
+    lines = [
         f"Command: `{command}` (torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{os.cpu_count()} CPU cores; batch {B}, {S} tokens, {IMG}px images ({DET_IMG}px for detection), "
         f"{AUDIO}-sample audio; AdamW; each case in its own process)",
         "",
-        "| cases | architectures | traced | fallback (lower bound) | error | traced within 0.5% | traced within 1% | "
-        "median abs error (traced) | max abs error (traced) | median estimate s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| {n} | {len({r['name'] for r in rows})} | {counts['traced']} | {counts['fallback']} | {counts['error']} | "
-        f"{within[0.005]} ({within[0.005] / max(n, 1):.1%}) | {within[0.01]} ({within[0.01] / max(n, 1):.1%}) | "
-        f"{statistics.median(errors):.3%} | {max(errors):.3%} | "
-        f"{statistics.median(times):.2f} |" if errors and times else f"| {n} | | {counts['traced']} | "
-        f"{counts['fallback']} | {counts['error']} | | | | | |",
+        "| family | cases | architectures | traced | fallback (lower bound) | error | traced within 0.5% | "
+        "traced within 1% | median abs error (traced) | max abs error (traced) | median estimate s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        summary_row("all", rows),
+        *(summary_row(f, [r for r in rows if r["family"] == f]) for f in FAMILIES
+          if any(r["family"] == f for r in rows)),
         "",
         "| family | architecture | variant | params | measured MiB | estimate MiB | error | status | estimate s "
         "| note |",
@@ -803,11 +811,11 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
             note = f"FakeTensor check failed: {r['fakes_left']} left alive, real run ok={r['real_after_estimate']}"
         note = note.replace("|", "\\|").replace("\n", " ")[:160]
         mib = (lambda k: f"{r[k] / 2**20:.2f}" if r.get(k) is not None else "")
-        summary.append(
+        lines.append(
             f"| {r['family']} | {r['name']} | {r['variant']} | {r.get('params', 0):,} | {mib('measured')} | "
             f"{mib('estimate')} | {'' if r.get('error') is None else format(r['error'], '+.3%')} | {st} | "
             f"{'' if r.get('estimate_s') is None else format(r['estimate_s'], '.2f')} | {note} |")
-    return "\n".join(summary) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:

@@ -3,8 +3,9 @@
 A fake tensor's strides come from the operator's meta function or decomposition, which can choose another
 layout than the device kernel. LayerNorm's backward with a transposed ``grad_output`` is one: the CPU kernel
 returns a contiguous ``grad_input``, the fake one follows ``grad_output``'s layout, and a later ``reshape`` then
-copies in the trace only (Swin: +1.1% of the peak). Layouts only diverge when some input is not contiguous, so
-for each such operator configuration (the operator, its inputs' shapes, strides and dtypes, its other
+copies in the trace only (Swin: +1.1% of the peak). Layouts only diverge when an output has the shape of an
+input that is not contiguous (the layout a kernel may or may not propagate), so for each such operator
+configuration (the operator, its inputs' shapes, strides and dtypes, its other
 arguments) `LayoutCalibration` runs the real kernel once on zero-filled inputs of the same layout, and where
 its outputs' strides differ, the fake outputs get the kernel's strides. Views are never changed: their layout
 is the operator's definition, not a kernel's choice.
@@ -38,12 +39,14 @@ class LayoutCalibration:
     def match(self, func: Any, args: Any, kwargs: dict, out: Any) -> Any:
         """``out`` with each freshly allocated tensor's strides set to the real kernel's."""
         flat_args = tree_flatten((args, kwargs))[0]
-        if not any(isinstance(a, torch.Tensor) and a.dim() > 1 and not a.is_contiguous() for a in flat_args):
-            return out
-        if any(r.alias_info is not None for r in func._schema.returns) or func._schema.is_mutable:
+        strided = [a for a in flat_args if isinstance(a, torch.Tensor) and a.dim() > 1 and not a.is_contiguous()]
+        if not strided or any(r.alias_info is not None for r in func._schema.returns) or func._schema.is_mutable:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not outs:
+        # An output can only inherit the layout of an input of its own shape (elementwise ops, norms' backward):
+        # a matmul with a transposed weight has no layout to propagate, and is not run.
+        shapes = {tuple(a.shape) for a in strided}
+        if not any(tuple(t.shape) in shapes for t in outs):
             return out
         key = (func, *(_spec(a) for a in flat_args))
         if key not in self._strides:

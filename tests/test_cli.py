@@ -144,12 +144,21 @@ def test_deepspeed_config_sets_stage_and_offload(config, tmp_path):
     assert report["sharding"] == "zero3" and report["breakdown"]["optimizer_state"] == 0
 
 
-def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys):
-    # A mixture-of-experts router reads values computed from parameters: the trace stops, a lower bound remains.
-    path = tmp_path / "moe.json"
-    path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys, monkeypatch):
+    # A forward that branches on a value computed from parameters: the trace stops, a lower bound remains.
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaMLP.forward
+
+    def branching_forward(self, x):
+        out = forward(self, x)
+        return out * 2 if out.sum() > 0 else out
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", branching_forward)
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "vocab_size": 1000, "num_local_experts": 4, "num_experts_per_tok": 2}))
+                                "vocab_size": 1000}))
     with pytest.warns(RuntimeWarning, match="lower bound"):
         code = main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB"])
     assert code == 4

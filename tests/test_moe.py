@@ -63,7 +63,7 @@ def moe_batch():
 def test_grouped_experts_fp32(name):
     model = make_moe(name)
     err, est = relative_error(model, torch.optim.AdamW(model.parameters()), moe_batch())
-    assert not est.coverage.notes  # grouped kernels take no routing assumption
+    assert not any("routing" in n for n in est.coverage.notes)  # grouped kernels take no routing assumption
     assert abs(err) < MOE_TOL
 
 

@@ -32,7 +32,7 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict)
-from preflight._restore import isolated_rng
+from preflight.trace import isolated_rng
 from preflight._steps import Schedule
 
 __all__ = ["PreflightCallback", "attach", "autotune"]

@@ -36,7 +36,7 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               is_rank_zero, predict)
-from preflight._restore import isolated_rng
+from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
 __all__ = ["PreflightCallback"]

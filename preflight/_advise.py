@@ -23,12 +23,11 @@ from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
 from preflight._estimate import estimate, summarize_events
-from preflight._restore import NotRestoredError, restored_module
 from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import round_events, shard_events
-from preflight._twin import float_dtype_for
 from preflight._units import format_bytes
+from preflight.trace import NotRestoredError, float_dtype_for, restored_module
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from preflight._restore import isolated_rng
+from preflight.trace import isolated_rng
 
 __all__ = ["DEFAULT_TIME_LIMIT", "BatchInfo", "SampleScan", "batch_shape", "check_scan_seconds", "loader_batch_size",
            "sample_size", "scan", "worst_case_batch"]

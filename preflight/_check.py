@@ -594,7 +594,7 @@ def _emit(report: Report, options: Options, *, verified: bool = False) -> None:
 
 
 def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
-    from preflight._twin import float_dtype_for
+    from preflight.trace import float_dtype_for
 
     dtype = float_dtype_for(precision)
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
@@ -616,7 +616,7 @@ def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precisi
     is known, else the traced training breakdown's), the last step's gradients when the trainer frees them only at
     the next backward (Lightning), and DDP's buckets."""
     from preflight._analytic import optimizer_state_bytes
-    from preflight._twin import float_dtype_for
+    from preflight.trace import float_dtype_for
 
     state = optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision))
     if state is None:

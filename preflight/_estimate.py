@@ -14,15 +14,13 @@ from preflight._analytic import model_state
 from preflight._device import resolve_device, trace_device_for
 from preflight._gpus import GPU
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._routing import check_routing
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
                                shard_events)
-from preflight._trace import trace_steps
-from preflight._twin import float_dtype_for
 from preflight.allocator import AllocatorConfig
+from preflight.trace import check_routing, float_dtype_for, trace_steps
 
 __all__ = ["estimate", "summarize_events"]
 

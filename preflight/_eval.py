@@ -1,6 +1,6 @@
 """Predict the peak memory of an evaluation step: a forward under ``torch.no_grad()``, on fake tensors.
 
-The same machinery as the training trace (`preflight._trace`: fake twins, storage tracker, real-run code
+The same machinery as the training trace (`preflight.trace._run`: fake twins, storage tracker, real-run code
 paths, the user's module reparametrized and restored), running one forward in eval mode with autograd off.
 Evaluation during training keeps the training state alive (optimizer state, and under Lightning the last
 step's gradients); pass those bytes as ``resident`` so the peak is the one the device will see.
@@ -18,11 +18,9 @@ from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
 from preflight._estimate import summarize_events
-from preflight._leftovers import Sweep, swept
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision
-from preflight._trace import FakeRun, TraceResult
-from preflight._twin import float_dtype_for
+from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
 __all__ = ["EvalStepFn", "estimate_eval"]
 
@@ -95,7 +93,7 @@ def estimate_eval(
 @swept
 def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
                 trace_device: torch.device, layouts: bool, sweep: Sweep) -> TraceResult:
-    """Trace one evaluation forward on fake tensors (the eval twin of `preflight._trace.trace_steps`)."""
+    """Trace one evaluation forward on fake tensors (the eval twin of `preflight.trace._run.trace_steps`)."""
     start = time.perf_counter()
     run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts)
     tracker = run.tracker

@@ -12,7 +12,7 @@ from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, liv
                                model_device)
 from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, run_steps
-from preflight._twin import float_dtype_for
+from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak"]
 

@@ -126,7 +126,7 @@ def _materialise(x: Any, device: torch.device) -> Any:
     The layout matters: oneDNN picks another algorithm, with other scratch, for a channels-last or permuted
     gradient than for a contiguous one (measured: 19 MB against almost none for one depthwise backward).
     """
-    from preflight._trace import TensorSpec
+    from preflight.trace import TensorSpec
 
     if not isinstance(x, TensorSpec):
         return x

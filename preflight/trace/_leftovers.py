@@ -21,7 +21,7 @@ gradients). `Sweep` prevents that without knowing any cache in advance:
    - a closure cell: set to None (what a lazily filled closure variable starts from).
 
 Each repair is described in the trace's notes. The traced model's own modules are put back separately, and
-exactly, by `preflight._restore.restored_module`.
+exactly, by `preflight.trace._restore.restored_module`.
 
 Known limitations: an attribute rebound during the trace on an object outside the traced model loses the value
 it had before (it is deleted, not restored), and a closure cell is set to None; fakes held only by C++ objects (not

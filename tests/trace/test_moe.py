@@ -8,8 +8,8 @@ from conftest import VOCAB, lm_batch
 from test_estimate import relative_error
 
 import preflight
-from preflight._fake_kernels import grouped_mm
-from preflight._routing import routing_indices
+from preflight.trace._fake_kernels import grouped_mm
+from preflight.trace._routing import routing_indices
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,14 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
-from preflight._compat import real_run_paths
+from preflight.trace._compat import real_run_paths
 from preflight._device import iter_tensors
-from preflight._leftovers import Sweep, swept
-from preflight._restore import isolated_rng, restored_module
+from preflight.trace._leftovers import Sweep, swept
+from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
-from preflight._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
-from preflight._twin import TwinMaker, clone_optimizer, float_dtype_for
+from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
+from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
 __all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "preserved_state", "trace_steps"]
 
@@ -77,7 +77,7 @@ def trace_steps(
     routing: str = "balanced",
     sweep: Sweep,
 ) -> TraceResult:
-    """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight._leftovers`:
+    """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight.trace._leftovers`:
     ``sweep`` is supplied by the decorator).
 
     Args:
@@ -85,7 +85,7 @@ def trace_steps(
             arguments in ``op_log`` as ``(op_index, event_index, func, args, kwargs)`` (used to calibrate kernel
             scratch memory); tensors are logged as `TensorSpec`.
         routing: the mixture-of-experts routing assumed where a per-expert loop needs the router's choices
-            (`preflight._routing`).
+            (`preflight.trace._routing`).
 
     Raises:
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
@@ -225,7 +225,7 @@ def can_shadow(t: Any) -> bool:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore the model (attributes, hook tables, flags: `preflight._restore`) and every RNG stream (torch,
+    """Restore the model (attributes, hook tables, flags: `preflight.trace._restore`) and every RNG stream (torch,
     CUDA, Python, numpy) on exit."""
     with restored_module(model), isolated_rng():
         yield

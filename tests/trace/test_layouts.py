@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import preflight
-from preflight._layouts import LayoutCalibration
+from preflight.trace._layouts import LayoutCalibration
 
 aten = torch.ops.aten
 

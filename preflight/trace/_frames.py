@@ -16,7 +16,7 @@ import torch
 __all__ = ["failure_site", "user_frame"]
 
 _SKIPPED_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__package__])
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["preflight"])
 )
 
 

@@ -3,7 +3,7 @@
 Some libraries change behaviour when they see a `FakeTensor` because they assume it means graph capture.
 transformers' ``is_tracing(tensor)`` is true for fake tensors, and then ``masking_utils`` always builds an
 explicit 4-D attention mask that the real run skips (measured: +0.04% to +3.1% of the peak). Inside the trace
-the value shadows of `preflight._tracker` can answer the real run's value checks, so these functions are told
+the value shadows of `preflight.trace._tracker` can answer the real run's value checks, so these functions are told
 the truth: a fake tensor alone is not graph capture. Only modules the user already imported are patched, and
 only for the duration of the trace.
 

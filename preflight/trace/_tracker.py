@@ -20,7 +20,7 @@ the trace takes the worst case for memory (every LayerDrop layer kept); `random_
 Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
 `preflight._scratch` calibrates them. Values computed from parameters are unknown, so data-dependent control
 flow on them stops the trace, except mixture-of-experts routing, which follows a stated assumption
-(`preflight._routing`); the failing exception then carries the operator and the user's line that asked
+(`preflight.trace._routing`); the failing exception then carries the operator and the user's line that asked
 for the value (`failed_op_of`). Normal draws (``randn``) have no top of range and get no synthetic shadow.
 """
 
@@ -37,11 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
-from preflight._fake_kernels import FAKE_KERNELS
-from preflight._frames import failure_site, user_frame
-from preflight._layouts import LayoutCalibration
+from preflight.trace._fake_kernels import FAKE_KERNELS
+from preflight.trace._frames import failure_site, user_frame
+from preflight.trace._layouts import LayoutCalibration
 from preflight._result import Category, Event
-from preflight._routing import RoutingShadows
+from preflight.trace._routing import RoutingShadows
 
 __all__ = ["StorageTracker", "SHADOW_MAX_NUMEL", "failed_op_of"]
 
@@ -81,7 +81,7 @@ class StorageTracker(TorchDispatchMode):
         on_op: optional callback ``on_op(index, func, args, kwargs, out)`` after each operator, for
             kernel-scratch bookkeeping.
         routing: the mixture-of-experts routing assumed for router selections on unknown values
-            (`preflight._routing`).
+            (`preflight.trace._routing`).
 
     Attributes:
         events: allocation (``nbytes > 0``) and free (``nbytes < 0``) events in order.
@@ -94,7 +94,7 @@ class StorageTracker(TorchDispatchMode):
                  layouts: bool = False) -> None:
         super().__init__()
         self.fake_mode = fake_mode
-        # The real CPU kernel's output layouts (`preflight._layouts`): only meaningful when the target is the CPU.
+        # The real CPU kernel's output layouts (`preflight.trace._layouts`): only meaningful when the target is the CPU.
         self.layouts = LayoutCalibration() if layouts else None
         self.on_op = on_op
         self.events: list[Event] = []
@@ -113,7 +113,7 @@ class StorageTracker(TorchDispatchMode):
         self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> real tensor
         self._between_nodes = False  # the autograd engine is accumulating a node's outputs: `watch_backward`
         self._in_place: tuple | None = None  # an in-place accumulation, confirmed at the next operator
-        # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight._leftovers`.
+        # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight.trace._leftovers`.
         self.tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.routing = RoutingShadows(routing, SHADOW_MAX_NUMEL)
         self._drawn: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> site of its random draw
@@ -464,7 +464,7 @@ class StorageTracker(TorchDispatchMode):
                 "at the top of its range (every layer kept: the worst case for memory)"
                 for (drawn, read), n in self._draw_reads.items()]
 
-    # ---- mixture-of-experts routing (preflight._routing) ----------------------------------------------------
+    # ---- mixture-of-experts routing (preflight.trace._routing) ----------------------------------------------------
 
     def _route(self, func: Any, args: Any, kwargs: dict, out: Any, *, data_dependent: bool) -> None:
         """Give a router's index output on unknown values a synthetic shadow, and track what derives from it."""

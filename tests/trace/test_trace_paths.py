@@ -210,7 +210,7 @@ def test_switch_transformers_router_cast_traces(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from transformers.models.switch_transformers import modeling_switch_transformers
 
-    from preflight._routing import routing_indices
+    from preflight.trace._routing import routing_indices
 
     torch.manual_seed(0)
     config = transformers.SwitchTransformersConfig(

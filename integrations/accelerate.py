@@ -123,7 +123,7 @@ class StepVerifier:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             states = [list(s.values()) for s in self.optimizer.state.values()]
             self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads, states,
-                                       batch])
+                                       batch], batch=batch)
             self._open = True
         yield
         if self.accelerator.sync_gradients:

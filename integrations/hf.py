@@ -126,7 +126,7 @@ class PreflightCallback(TrainerCallback):
             return
         self._remove_hook()
         batch, self._batch = self._batch, None
-        if session.step_ended(also_resident=batch):
+        if session.step_ended(also_resident=batch, batch=batch):
             self._log(state, session.report, verified=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

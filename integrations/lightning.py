@@ -159,7 +159,8 @@ class PreflightCallback(Callback):
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
-        session.step_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch])
+        session.step_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch],
+                             batch=batch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -26,6 +26,7 @@ Policies:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -40,7 +41,7 @@ from torch import nn
 
 from preflight._batches import BatchInfo
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
-from preflight._device import resolve_device
+from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
 from preflight._estimate import estimate
@@ -48,7 +49,7 @@ from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
 from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision
 from preflight._units import format_bytes, parse_bytes
-from preflight._verify import StepPeakMeter, compare
+from preflight._verify import StepPeakMeter, compare, summary
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
@@ -150,10 +151,15 @@ class Report:
     relative_error: float | None = None
     steps_measured: int = 0
     measured_step_peaks: list[int] = dataclasses.field(default_factory=list)
+    predicted_step_peaks: list[int | None] = dataclasses.field(default_factory=list)
+    worst_case_headroom: float | None = None
+    retained_step_bytes: list[int] = dataclasses.field(default_factory=list)
     verify_method: str | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     eval_estimate: Estimate | None = dataclasses.field(default=None, repr=False)
+    # step_predictor(batch) -> {step: peak bytes}: the same prediction for another batch (`VerifySession`).
+    step_predictor: Callable[[Any], dict[int, int]] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def verdict_bytes(self) -> int:
@@ -168,8 +174,10 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The JSON report (without the timelines)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("estimate", "eval_estimate")}
+               if f.name not in ("estimate", "eval_estimate", "step_predictor")}
         out["relative_error"] = None if self.relative_error is None else round(self.relative_error, 6)
+        if self.worst_case_headroom is not None:
+            out["worst_case_headroom"] = round(self.worst_case_headroom, 6)
         out["predicted_required_bytes"] = self.verdict_bytes  # what the verdict compared with usable_bytes
         return out
 
@@ -283,10 +291,16 @@ def predict(
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
-    est = estimate(model, optimizer, batch, step=step, precision=precision, accumulate=schedule.accumulate,
-                   zero_grad=schedule.zero_grad,
-                   device=None if options.gpu else target, gpu=options.gpu, world_size=settings.world_size or 1,
-                   sharding=settings.sharding)
+    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
+        return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
+                        zero_grad=schedule.zero_grad, device=None if options.gpu else target, gpu=options.gpu,
+                        world_size=settings.world_size or 1, sharding=settings.sharding)
+
+    def step_predictor(b: Any) -> dict[int, int]:
+        # After the measured steps the optimizer has state; the measured run's first step had none.
+        return {k: v + buckets for k, v in run_estimate(b, _without_state(optimizer)).step_peaks().items()}
+
+    est = run_estimate(batch)
     if est.device != str(target):
         target = torch.device(est.device)
     breakdown = dict(est.breakdown)
@@ -336,6 +350,7 @@ def predict(
         predicted_device_total_bytes=total,
         estimate=est,
         eval_estimate=eval_est,
+        step_predictor=step_predictor,
     )
     if est.coverage.lower_bound:
         report.warnings.append("the training step could not be traced: the prediction is a lower bound "
@@ -415,6 +430,12 @@ class VerifySession:
         self.meter: StepPeakMeter | None = None
         self.done = self._finished = self.steps == 0
         self.ended = 0
+        # The shape of each measured step's batch, and a host copy of one batch per shape: after the measured
+        # steps, each is predicted as the worst case was, so a step is compared with the prediction for its own
+        # batch. Copies, not the batches: holding those would keep them alive into the next measured step.
+        self._step_shapes: list[str | None] = []
+        self._batches: dict[str, Any] = {}
+        self._pending_shape: str | None = None
         with internal_failures("starting verification"):
             self.meter = StepPeakMeter(device)
         self.method = self.meter.method if self.meter is not None else None
@@ -424,10 +445,12 @@ class VerifySession:
         """Still measuring (the adapter should call the step hooks)."""
         return not self.done
 
-    def step_started(self, resident: Any) -> None:
-        """A step begins; ``resident`` holds every tensor alive now that the step uses (see `StepPeakMeter`)."""
+    def step_started(self, resident: Any, batch: Any = None) -> None:
+        """A step begins; ``resident`` holds every tensor alive now that the step uses (see `StepPeakMeter`);
+        ``batch``, when the adapter has it now, is the step's (first micro-)batch."""
         if self.done or self.meter is None:
             return
+        self._pending_shape = self._remember(batch)
         ok = False
         with internal_failures("measuring the peak"):
             self.meter.start(resident)
@@ -435,9 +458,9 @@ class VerifySession:
         if not ok:
             self._give_up()
 
-    def step_ended(self, also_resident: Any = None) -> bool:
+    def step_ended(self, also_resident: Any = None, batch: Any = None) -> bool:
         """Record the step; return True when verification has just finished. ``also_resident``: see
-        `StepPeakMeter.stop`."""
+        `StepPeakMeter.stop`; ``batch``: the step's batch, for an adapter that only knows it now."""
         if self.done:
             return False
         if self.meter is not None and self.meter.running:
@@ -447,6 +470,10 @@ class VerifySession:
                 ok = True
             if not ok:
                 self._give_up()
+            else:
+                shape = self._pending_shape if batch is None else self._remember(batch)
+                self._step_shapes.append(shape)
+        self._pending_shape = None
         self.ended += 1
         if self.ended >= self.steps:
             self.finish()
@@ -462,26 +489,61 @@ class VerifySession:
             self.meter.abort()
         local = None
         if self.meter is not None and self.meter.step_peaks:
-            local = ([p + self.extra for p in self.meter.step_peaks], list(self.meter.reserved_peaks))
+            own: list[int | None] = []
+            with internal_failures("predicting the measured batches"):
+                own = self._own_predictions()
+            local = ([p + self.extra for p in self.meter.step_peaks], list(self.meter.reserved_peaks), own,
+                     list(self.meter.step_retained))
+        self._batches.clear()
         gathered = [g for g in _all_gather(local) if g is not None]
         report = self.report
         if report is None or not gathered:
             return report
+        report.step_predictor = None  # it holds the model and optimizer; not needed past verification
         with internal_failures("comparing with the measurement"):
-            peaks, reserved = max(gathered, key=lambda g: max(g[0]))  # the rank with the largest peak
-            result = compare(report.predicted_peak_bytes, peaks, method=self.method, reserved_peaks=reserved)
+            peaks, reserved, own, retained = max(gathered, key=lambda g: max(g[0]))  # the rank with the largest peak
+            result = compare(report.predicted_peak_bytes, peaks, method=self.method, reserved_peaks=reserved,
+                             predicted_step_peaks=own, step_retained=retained)
             report.measured_peak_bytes = result.measured_peak_bytes
             report.measured_reserved_bytes = result.measured_reserved_bytes
             report.relative_error = result.relative_error
+            report.worst_case_headroom = result.worst_case_headroom
             report.steps_measured = result.steps_measured
             report.measured_step_peaks = list(result.step_peaks)
+            report.predicted_step_peaks = list(result.predicted_step_peaks)
+            report.retained_step_bytes = list(result.step_retained)
             report.verify_method = result.method
             report.warnings.extend(result.warnings)
             if is_rank_zero():
                 for message in result.warnings:
                     warnings.warn(f"preflight: {message}", RuntimeWarning, stacklevel=2)
                 _emit(report, self.options, verified=True)
+                print(summary(report.predicted_peak_bytes, result), flush=True)
         return report
+
+    def _remember(self, batch: Any) -> str | None:
+        """The shape key of ``batch``; keep a host copy of the first batch of each shape."""
+        if batch is None:
+            return None
+        key = json.dumps(_shape(batch), default=str)
+        if key not in self._batches:
+            self._batches[key] = map_tensors(lambda t: t.detach().to("cpu", copy=True), batch)
+        return key
+
+    def _own_predictions(self) -> list[int | None]:
+        """For each measured step, the prediction for its own batch's shapes: the first step against the traced
+        step 1 (it creates the optimizer state), later steps against the steady state. Traced once per shape."""
+        predictor = None if self.report is None else self.report.step_predictor
+        if predictor is None or not any(self._step_shapes):
+            return []
+        per_shape = {}
+        for key in dict.fromkeys(k for k in self._step_shapes if k is not None):
+            per_shape[key] = predictor(self._batches[key])
+        own: list[int | None] = []
+        for i, key in enumerate(self._step_shapes, start=1):
+            peaks = per_shape.get(key) if key is not None else None
+            own.append(peaks.get(min(i, max(peaks))) if peaks else None)
+        return own
 
     def _give_up(self) -> None:
         if self.meter is not None:
@@ -588,6 +650,16 @@ def _emit(report: Report, options: Options, *, verified: bool = False) -> None:
         from preflight._plot import plot_report
 
         plot_report(report, options.plot_path)
+
+
+def _without_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with an empty ``state``, for tracing a first step again. The original is
+    never written: the copy gets its own ``state`` in its instance dict (a wrapper whose ``state`` is a property
+    keeps reading its inner optimizer's)."""
+    fresh = object.__new__(type(optimizer))
+    fresh.__dict__.update(optimizer.__dict__)
+    fresh.__dict__["state"] = collections.defaultdict(dict)
+    return fresh
 
 
 # ---- numbers -------------------------------------------------------------------------------------------------

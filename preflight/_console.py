@@ -80,11 +80,19 @@ def _rows(r: Report) -> list[tuple[str, str]]:
 
 
 def _verification_rows(r: Report) -> list[tuple[str, str]]:
-    rows = [("predicted", format_bytes(r.predicted_peak_bytes)),
+    own = [p for p in r.predicted_step_peaks if p]
+    rows = [("predicted", f"{format_bytes(max(own))} for the measured batches" if own else
+             format_bytes(r.predicted_peak_bytes)),
             ("measured", f"{format_bytes(r.measured_peak_bytes)} over {r.steps_measured} step(s) ({r.verify_method})")]
     if r.relative_error is not None:
-        rows.append(("error", f"{r.relative_error:+.2%} (predicted - measured) / measured"))
+        rows.append(("error", f"{r.relative_error:+.2%} (predicted - measured) / measured, per step"
+                     if own else f"{r.relative_error:+.2%} (predicted - measured) / measured"))
+    if r.worst_case_headroom is not None and own:
+        rows.append(("worst case", f"{format_bytes(r.predicted_peak_bytes)} predicted, "
+                     f"{r.worst_case_headroom:+.1%} above the largest measured step"))
     if r.measured_reserved_bytes is not None:
         rows.append(("reserved", format_bytes(r.measured_reserved_bytes)))
     rows.append(("per step", ", ".join(format_bytes(p) for p in r.measured_step_peaks)))
+    if own:
+        rows.append(("predicted", ", ".join("?" if p is None else format_bytes(p) for p in r.predicted_step_peaks)))
     return rows

@@ -101,11 +101,14 @@ def cpu_profiled_peak(fn: Any) -> tuple[int, float]:
     return profiled_memory_peak(prof), seconds
 
 
-def profiled_memory_peak(prof: Any) -> int:
-    """Peak of allocated-minus-freed CPU bytes over a finished ``torch.profiler.profile`` session.
+def profiled_memory_peak(prof: Any, *, with_end: bool = False) -> Any:
+    """Peak of allocated-minus-freed CPU bytes over a finished ``torch.profiler.profile`` session; with
+    ``with_end``, ``(peak, bytes still allocated at the end)``.
 
     The profiler records every CPU allocation and free as a ``[memory]`` event (negative bytes on free); summed in
-    time order they give the live-bytes curve of what was allocated during the session.
+    time order they give the live-bytes curve of what was allocated during the session. Frees of blocks allocated
+    while another profiling session ran are recorded too; frees of blocks allocated with no profiler running are
+    not (their size is unknown).
     """
     memory = [
         (e.start_ns(), e.nbytes())
@@ -117,7 +120,7 @@ def profiled_memory_peak(prof: Any) -> int:
     for _, nbytes in memory:
         live += nbytes
         peak = max(peak, live)
-    return peak
+    return (peak, live) if with_end else peak
 
 
 def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> int:

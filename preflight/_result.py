@@ -123,6 +123,19 @@ class Estimate:
         """What a verdict compares with the budget: the device total when simulated, else ``peak_bytes``."""
         return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
+    def step_peaks(self) -> dict[int, int]:
+        """The peak of live bytes within each simulated step (``{1: ..., 2: ...}``), replaying ``events``: step 1
+        creates the optimizer state, later steps are the steady state. Empty for an analytic lower bound."""
+        peaks: dict[int, int] = {}
+        live = 0
+        for e in self.events:
+            live += e.nbytes
+            head = e.phase.split("/", 1)[0]
+            if head.startswith("step") and head[4:].isdigit():
+                step = int(head[4:])
+                peaks[step] = max(peaks.get(step, 0), live)
+        return peaks
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (without the event list)."""
         return {

@@ -14,8 +14,10 @@ the first ``verify_steps`` steps only, then switched off so training runs at ful
   micro-batches) from the first forward to the optimizer step and ``zero_grad``.
 
 What is measured is the batches the run actually draws, which may be smaller than the worst case the
-prediction used: with variable-length data a negative ``relative_error`` is expected; only an under-prediction
-is a warning.
+prediction used: each measured step is compared with the prediction for its own batch (``relative_error``, the
+prediction's accuracy), and the worst case's margin over the measured steps is reported apart
+(``worst_case_headroom``). A leak is what a step leaves allocated after ``zero_grad``, step after step: peaks
+follow batch lengths, retained memory does not.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from preflight._device import cuda_peaks, cuda_reset_peaks, live_storage_bytes
 from preflight._measure import profiled_memory_peak
 from preflight._units import format_bytes
 
-__all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare"]
+__all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare", "summary"]
 
 # Measured above predicted by more than this is worth a warning: the CPU method agrees to ~100 bytes on the
 # models we test, so 5% means something the trace did not see (custom kernels, a different step order).
 UNDER_PREDICTION_TOLERANCE = 0.05
-# Step-over-step growth ignored as noise (scalars a trainer logs); a leak retaining a graph grows by megabytes.
+# Memory a step may leave allocated as noise (scalars a trainer logs), relative to the peak; a leak retaining
+# a graph keeps megabytes.
 LEAK_TOLERANCE = 0.001
 
 
@@ -53,7 +56,9 @@ class StepPeakMeter:
         self.device = torch.device(device)
         self.step_peaks: list[int] = []
         self.reserved_peaks: list[int] = []
+        self.step_retained: list[int] = []  # bytes a step allocated and did not free: what it leaves alive
         self._before = 0
+        self._allocated_at_start = 0
         self._profiler: Any = None
         self._running = False
         if self.device.type == "cuda":
@@ -72,6 +77,7 @@ class StepPeakMeter:
         """Start measuring a step. ``resident``: every tensor alive at its start that the step uses (CPU only)."""
         if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
             cuda_reset_peaks(self.device)
+            self._allocated_at_start = torch.cuda.memory_allocated(self.device)
             self._running = True
             return
         from torch.profiler import ProfilerActivity, profile
@@ -90,15 +96,18 @@ class StepPeakMeter:
         if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
             peak, reserved = cuda_peaks(self.device)
             self.reserved_peaks.append(reserved)
+            retained = torch.cuda.memory_allocated(self.device) - self._allocated_at_start
         else:
             profiler, self._profiler = self._profiler, None
             if profiler is None:
                 raise RuntimeError("StepPeakMeter.stop() called without start().")
             profiler.stop()
             late = live_storage_bytes(also_resident, self.device) if also_resident is not None else 0
-            peak = self._before + late + profiled_memory_peak(profiler)
+            profiled_peak, retained = profiled_memory_peak(profiler, with_end=True)
+            peak = self._before + late + profiled_peak
         self._running = False
         self.step_peaks.append(peak)
+        self.step_retained.append(retained)
         return peak
 
     def abort(self) -> None:
@@ -111,15 +120,21 @@ class StepPeakMeter:
 
 @dataclasses.dataclass(frozen=True)
 class Verification:
-    """The measured peak of the first steps, compared with the prediction.
+    """The measured peak of the first steps, compared with the prediction for the same batches.
 
     Attributes:
         measured_peak_bytes: the largest step peak.
         measured_reserved_bytes: CUDA only: the largest reserved peak.
         step_peaks: the peak of each measured step, in order.
-        relative_error: ``(predicted - measured) / measured``; negative means under-predicted.
+        predicted_step_peaks: the prediction for each measured step's own batch (None where unknown).
+        relative_error: ``(predicted - measured) / measured`` of the step that differs most from its own
+            prediction (or, without per-step predictions, of the largest step against ``predicted_peak_bytes``):
+            the prediction's accuracy. Negative means under-predicted.
+        worst_case_headroom: ``(worst-case prediction - largest measured step) / largest measured step``: how far
+            below the planned worst case these batches stayed.
+        step_retained: bytes each step left alive after ``zero_grad`` (its allocations minus its frees).
         method: ``"cuda-allocator"`` or ``"cpu-profiler"``.
-        warnings: under-prediction beyond `UNDER_PREDICTION_TOLERANCE`, step-over-step growth (a leak).
+        warnings: under-prediction beyond `UNDER_PREDICTION_TOLERANCE`, memory retained step after step (a leak).
     """
 
     measured_peak_bytes: int
@@ -128,6 +143,9 @@ class Verification:
     relative_error: float | None
     method: str
     warnings: tuple[str, ...] = ()
+    predicted_step_peaks: tuple[int | None, ...] = ()
+    worst_case_headroom: float | None = None
+    step_retained: tuple[int, ...] = ()
 
     @property
     def steps_measured(self) -> int:
@@ -135,36 +153,66 @@ class Verification:
 
 
 def compare(predicted_peak_bytes: int | None, step_peaks: list[int] | tuple[int, ...], *, method: str,
-            reserved_peaks: list[int] | tuple[int, ...] = ()) -> Verification:
-    """Compare measured step peaks (e.g. `StepPeakMeter.step_peaks`) with the predicted peak; see `Verification`."""
+            reserved_peaks: list[int] | tuple[int, ...] = (),
+            predicted_step_peaks: list[int | None] | tuple[int | None, ...] = (),
+            step_retained: list[int] | tuple[int, ...] = ()) -> Verification:
+    """Compare measured step peaks (e.g. `StepPeakMeter.step_peaks`) with their predictions; see `Verification`.
+
+    ``predicted_peak_bytes`` is the worst-case prediction; ``predicted_step_peaks`` the prediction for each
+    measured step's own batch, when known.
+    """
     peaks = tuple(step_peaks)
     if not peaks:
         raise ValueError("No step was measured.")
     measured = max(peaks)
-    error = None
+    own = tuple(predicted_step_peaks)
+    pairs = [(p, m) for p, m in zip(own, peaks) if p]
+    error = headroom = None
     notes: list[str] = []
-    if predicted_peak_bytes:
+    if pairs:
+        error = max(((p - m) / m for p, m in pairs), key=abs)
+    elif predicted_peak_bytes:
         error = (predicted_peak_bytes - measured) / measured
-        if measured > predicted_peak_bytes * (1 + UNDER_PREDICTION_TOLERANCE):
-            notes.append(
-                f"measured peak {format_bytes(measured)} is {-error:.1%} above the predicted "
-                f"{format_bytes(predicted_peak_bytes)}: something in the step was not traced (custom kernels, "
-                "a different step order, memory kept across steps). Keep more headroom, and please report it."
-            )
-    if _growth(peaks):
+    if predicted_peak_bytes:
+        headroom = (predicted_peak_bytes - measured) / measured
+    if error is not None and error < -UNDER_PREDICTION_TOLERANCE:
         notes.append(
-            f"memory grows step over step ({', '.join(format_bytes(p) for p in peaks)}): something keeps tensors "
-            "across steps (e.g. appending the loss without .item() or .detach(), caching outputs), which will run "
-            "out of memory later."
+            f"a measured step is {-error:.1%} above the prediction for its own batch: something in the step was "
+            "not traced (custom kernels, a different step order, memory kept across steps). Keep more headroom, "
+            "and please report it."
+        )
+    retained = tuple(step_retained)
+    if _leaks(retained, measured):
+        notes.append(
+            "memory stays allocated step after step (" + ", ".join(format_bytes(r) for r in retained[1:]) +
+            " left alive by each step after the first): something keeps tensors across steps (e.g. appending the "
+            "loss without .item() or .detach(), caching outputs), which will run out of memory later."
         )
     return Verification(measured_peak_bytes=measured,
                         measured_reserved_bytes=max(reserved_peaks) if reserved_peaks else None,
-                        step_peaks=peaks, relative_error=error, method=method, warnings=tuple(notes))
+                        step_peaks=peaks, relative_error=error, method=method, warnings=tuple(notes),
+                        predicted_step_peaks=own, worst_case_headroom=headroom, step_retained=retained)
 
 
-def _growth(peaks: tuple[int, ...]) -> bool:
-    """True when every step after the first (which creates the optimizer state) grows beyond the tolerance."""
-    steady = peaks[1:]
+def _leaks(retained: tuple[int, ...], peak: int) -> bool:
+    """True when every step after the first (which creates the optimizer state) leaves more memory alive than
+    the tolerance: what a step keeps after ``zero_grad``, unlike its peak, does not follow the batch's length."""
+    steady = retained[1:]
     if len(steady) < 2:
         return False
-    return all(b - a > max(4096, LEAK_TOLERANCE * a) for a, b in zip(steady, steady[1:]))
+    return all(r > max(4096, LEAK_TOLERANCE * peak) for r in steady)
+
+
+def summary(predicted_peak_bytes: int | None, result: Verification) -> str:
+    """One line: the prediction for the measured batches, the measurement, the error, the worst case's headroom."""
+    own = [p for p in result.predicted_step_peaks if p]
+    predicted = max(own) if own else predicted_peak_bytes
+    line = f"preflight: verified {result.steps_measured} step(s): measured {format_bytes(result.measured_peak_bytes)}"
+    if predicted:
+        line += f", predicted {format_bytes(predicted)} for these batches"
+    if result.relative_error is not None:
+        line += f" (error {result.relative_error:+.2%})"
+    if result.worst_case_headroom is not None and predicted_peak_bytes:
+        line += (f"; worst case predicted {format_bytes(predicted_peak_bytes)}, "
+                 f"{result.worst_case_headroom:+.1%} above the largest measured step")
+    return line

@@ -9,7 +9,7 @@ import torch
 
 import preflight
 from preflight._steps import run_steps
-from preflight._verify import StepPeakMeter, compare
+from preflight._verify import StepPeakMeter, compare, summary
 from conftest import lm_batch, make_gpt2
 
 
@@ -53,18 +53,57 @@ def test_under_prediction_warns_beyond_five_percent():
     ok = compare(1000, [900, 1040, 1040], method="cpu-profiler")
     assert ok.warnings == () and ok.relative_error == pytest.approx(-40 / 1040)
     bad = compare(1000, [900, 1060, 1060], method="cpu-profiler")
-    assert len(bad.warnings) == 1 and "above the predicted" in bad.warnings[0]
+    assert len(bad.warnings) == 1 and "above the prediction" in bad.warnings[0]
     assert bad.steps_measured == 3 and bad.measured_peak_bytes == 1060
 
 
-def test_growth_step_over_step_is_reported_as_a_leak():
+def test_each_step_is_compared_with_the_prediction_for_its_own_batch():
+    # Variable-length batches: the steps' peaks follow their lengths; the worst case is larger than all of them.
+    result = compare(2000, [900, 1500, 1100], method="cpu-profiler", predicted_step_peaks=[901, 1499, 1100])
+    assert result.relative_error == pytest.approx(1 / 900)  # the accuracy, not the headroom
+    assert result.worst_case_headroom == pytest.approx(500 / 1500)
+    assert result.warnings == ()
+    under = compare(2000, [900, 1500, 1100], method="cpu-profiler", predicted_step_peaks=[900, 1400, 1100])
+    assert under.relative_error == pytest.approx(-100 / 1500) and "own batch" in under.warnings[0]
+    line = summary(2000, result)
+    assert "predicted 1.46 KiB for these batches" in line and "error +0.11%" in line and "+33.3%" in line
+
+
+def test_a_leak_is_memory_retained_step_after_step_not_growing_peaks():
     mb = 2**20
-    leak = compare(100 * mb, [50 * mb, 80 * mb, 90 * mb, 100 * mb], method="cpu-profiler")
-    assert any("grows step over step" in w for w in leak.warnings)
-    flat = compare(100 * mb, [50 * mb, 100 * mb, 100 * mb, 100 * mb], method="cpu-profiler")
+    peaks = [50 * mb, 80 * mb, 70 * mb, 90 * mb]  # follow the batch lengths, up and down
+    leak = compare(100 * mb, peaks, method="cpu-profiler", step_retained=[30 * mb, 2 * mb, 2 * mb, 3 * mb])
+    assert any("step after step" in w for w in leak.warnings)
+    flat = compare(100 * mb, peaks, method="cpu-profiler", step_retained=[30 * mb, 0, 96, -64])
     assert flat.warnings == ()
-    short = compare(100 * mb, [50 * mb, 90 * mb], method="cpu-profiler")  # one steady step: no trend to judge
-    assert short.warnings == ()
+    growing = compare(100 * mb, [50 * mb, 80 * mb, 90 * mb, 100 * mb], method="cpu-profiler",
+                      step_retained=[30 * mb, 0, 0, 0])
+    assert growing.warnings == ()  # peaks that grow with the batch are not a leak
+    short = compare(100 * mb, [50 * mb, 90 * mb], method="cpu-profiler", step_retained=[30 * mb, 2 * mb])
+    assert short.warnings == ()  # one steady step: no trend to judge
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_meter_measures_what_a_step_leaves_alive(leak):
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept = []
+
+    def step(m, b):
+        out = m(**b)
+        if leak:
+            kept.append(out.logits)  # caches every step's outputs
+        return out.loss
+
+    meter = StepPeakMeter(torch.device("cpu"))
+    for length in (48, 16, 32, 24):  # variable lengths, neither ascending nor descending
+        batch = lm_batch(2, length)
+        meter.start(_resident(model, optimizer, batch))
+        run_steps(model, optimizer, batch, step=step, precision=None, device_type="cpu", steps=1)
+        meter.stop()
+    result = compare(None, meter.step_peaks, method="cpu-profiler", step_retained=meter.step_retained)
+    assert meter.step_retained[0] > 0  # the optimizer state
+    assert any("step after step" in w for w in result.warnings) == leak
 
 
 def test_meter_rejects_other_devices():

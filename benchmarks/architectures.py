@@ -646,7 +646,11 @@ def apply_variant(model: nn.Module, variant: str) -> tuple[nn.Module, str | None
     if variant == "lora":
         import peft
 
-        return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear")), None
+        # peft refuses LoRA on a Mamba mixer's out_proj and conv1d ("all-linear" includes out_proj): adapt the
+        # mixer's input-side projections there.
+        mamba = getattr(model.config, "model_type", "") in ("mamba", "mamba2", "falcon_mamba")
+        targets = ["in_proj", "x_proj", "dt_proj"] if mamba else "all-linear"
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets)), None
     return model, ("bf16-mixed" if variant == "bf16-mixed" else None)
 
 
@@ -828,6 +832,9 @@ def main() -> int:
     parser.add_argument("--out", default=RESULTS, help="write OUT.md and OUT.json (default: %(default)s)")
     parser.add_argument("--case", help="run one NAME:VARIANT in this process and print its JSON row")
     parser.add_argument("--list", action="store_true", help="print the NAME:VARIANT pairs and exit")
+    parser.add_argument("--update", action="store_true",
+                        help="rerun only the cases --only selects and replace their rows in OUT.json; the table is "
+                        "rendered from all rows")
     parser.add_argument("--check-builders", action="store_true",
                         help="build each model and run one real forward+backward, without preflight")
     args = parser.parse_args()
@@ -862,6 +869,15 @@ def main() -> int:
             print(f"[{i}/{len(specs)}] {row['case']}: {status(row)}{err} {row.get('exception') or ''}",
                   file=sys.stderr, flush=True)
     command = "python benchmarks/architectures.py " + " ".join(sys.argv[1:])
+    if args.update:  # the earlier run's rows, with the rerun cases replaced (order kept)
+        with open(args.out + ".json") as f:
+            earlier = json.load(f)
+        rerun = {row["case"]: row for row in rows}
+        rows = [rerun.pop(row["case"], row) for row in earlier] + list(rerun.values())
+        with open(args.out + ".md") as f:
+            first = f.readline()
+        if first.startswith("Command: `"):
+            command = first[len("Command: `"):first.index("`", len("Command: `"))] + "`, then `" + command
     text = render(rows, command.strip())
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

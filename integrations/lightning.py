@@ -13,22 +13,22 @@ Hooks (Lightning 2.x, ``lightning/pytorch/trainer/trainer.py`` ``_run`` and ``lo
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward`` (``Closure``
 in ``loops/optimization/automatic.py``), so the previous step's gradients are alive through the next forward;
 the prediction traces that order (`preflight._steps.Schedule`).
+
+Both distributions of Lightning 2 work: ``lightning`` (``import lightning.pytorch as pl``) and the standalone
+``pytorch-lightning`` (``import pytorch_lightning as pl``), one or both installed. The callback derives from the
+``Callback`` of each one installed, so either Trainer accepts it; every Lightning utility it calls comes from the
+package of the Trainer it is given (`_lightning`), since those utilities reject a module of the other package
+("You passed a `pytorch_lightning` object ... to a `lightning.pytorch` Trainer").
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
-
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "preflight.integrations.lightning needs Lightning 2: pip install 'preflight-memory[lightning]'"
-    ) from err
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,10 +39,41 @@ from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, 
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = ["PreflightCallback"]
 
+# The two distributions of Lightning 2 ship the same trainer under these names.
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
-class PreflightCallback(Callback):
+
+def _callback_bases() -> tuple[type, ...]:
+    """``Callback`` of every Lightning package installed, so that a Trainer of either accepts the callback."""
+    bases = []
+    for name in _PACKAGES:
+        try:
+            bases.append(importlib.import_module(name).Callback)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("preflight.integrations.lightning needs Lightning 2 (the `lightning` or the "
+                          "`pytorch-lightning` package): pip install 'preflight-memory[lightning]'")
+    return tuple(bases)
+
+
+def _lightning(trainer: Any) -> ModuleType:
+    """The Lightning package ``trainer`` comes from (``lightning.pytorch`` or ``pytorch_lightning``), found from its
+    class (or the first Lightning class it derives from), not from what happens to be installed."""
+    for cls in type(trainer).__mro__:
+        for name in _PACKAGES:
+            if cls.__module__ == name or cls.__module__.startswith(name + "."):
+                return importlib.import_module(name)
+    raise TypeError(f"preflight's Lightning callback needs a Lightning Trainer (from {' or '.join(_PACKAGES)}), "
+                    f"got {type(trainer).__module__}.{type(trainer).__qualname__}.")
+
+
+class PreflightCallback(*_callback_bases()):
     """Predict the peak memory of ``trainer.fit`` before step one; raise if it will not fit; verify after a few steps.
 
     Args:
@@ -205,8 +236,9 @@ class PreflightCallback(Callback):
         return report
 
     def _autotune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-
+        parsing = importlib.import_module(_lightning(trainer).__name__ + ".utilities.parsing")
+        lightning_getattr, lightning_hasattr, lightning_setattr = (parsing.lightning_getattr, parsing.lightning_hasattr,
+                                                                   parsing.lightning_setattr)
         if not lightning_hasattr(pl_module, "batch_size"):
             warnings.warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
                           "the datamodule (as BatchSizeFinder does); the batch size was not tuned.",
@@ -315,8 +347,7 @@ def _single_loader(loaders: Any, what: str) -> Any:
 
 def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """The validation DataLoader (the first, when there are several), or None without validation."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
+    is_overridden = importlib.import_module(_lightning(trainer).__name__ + ".utilities.model_helpers").is_overridden
     loaders = trainer.val_dataloaders
     if loaders is None or trainer.limit_val_batches == 0 or not is_overridden("validation_step", pl_module):
         return None

@@ -15,6 +15,7 @@ A callback does not see the Trainer, so it cannot build the eval dataloader or l
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -170,10 +171,17 @@ class PreflightCallback(TrainerCallback):
             metrics["preflight/measured_peak_bytes"] = float(report.measured_peak_bytes)
             if report.relative_error is not None:
                 metrics["preflight/relative_error"] = float(report.relative_error)
+        entry = {**metrics, "step": state.global_step}
+        if state.epoch is not None:
+            entry["epoch"] = state.epoch
+        state.log_history.append(entry)
         if self.trainer is not None:
-            self.trainer.log(metrics)
-        else:
-            state.log_history.append({**metrics, "step": state.global_step})
+            # To the loggers as ``Trainer.log`` sends them, but not through it: its ``CallbackHandler.on_log`` resets
+            # ``control.should_log``, which drops the training loss the Trainer was about to log this step. The
+            # callbacks get a copy of the control, so none of them can change what the Trainer does next.
+            handler = self.trainer.callback_handler
+            handler.call_event("on_log", self.trainer.args, state, dataclasses.replace(self.trainer.control),
+                               logs=dict(metrics))
 
 
 def attach(trainer: Trainer, **options: Any) -> PreflightCallback:

@@ -82,6 +82,31 @@ def test_training_sees_the_same_batches_and_weights_with_the_callback(tmp_path):
     assert callback.report.worst_case_batch_shape["input_ids"] == [4, 96]  # the longest sample is the last one
 
 
+@pytest.mark.parametrize("how", ["attach", "callback"])
+def test_the_trainers_log_history_is_unchanged(tmp_path, how):
+    """Logging every step: the Trainer logs the same entries with preflight as without (preflight's own entries
+    aside); before, `attach` dropped the loss of the step where verification ended."""
+    timings = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+    def run(with_preflight):
+        trainer = make_trainer(tmp_path, steps=6, logging_strategy="steps", logging_steps=1)
+        if with_preflight and how == "attach":
+            attach(trainer, verify_steps=3)
+        elif with_preflight:
+            trainer.add_callback(PreflightCallback(verify_steps=3))
+        trainer.train()
+        ours = [e for e in trainer.state.log_history if any(k.startswith("preflight/") for k in e)]
+        theirs = [{k: v for k, v in e.items() if k not in timings} for e in trainer.state.log_history
+                  if e not in ours]
+        return theirs, ours
+
+    plain, _ = run(False)
+    checked, ours = run(True)
+    assert [e["step"] for e in plain if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert checked == plain
+    assert [e["step"] for e in ours] == [0, 3]  # the prediction before step one, the verification after step 3
+
+
 def test_overflow_raises_before_any_optimizer_step(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
     before = [p.detach().clone() for p in trainer.model.parameters()]

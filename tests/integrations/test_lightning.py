@@ -148,6 +148,22 @@ def test_training_sees_the_same_batches_and_weights_with_the_callback(pl):
     assert callback.report.worst_case_batch["method"] == "scanned"
 
 
+def test_the_logged_metrics_are_unchanged(pl):
+    """Logging every step: the loggers get the same metrics with preflight as without, preflight's own aside."""
+    def run(callbacks):
+        torch.manual_seed(0)
+        logger = pl.Metrics()
+        fit(pl.GPT(val=False), callbacks, steps=4, logger=logger, log_every_n_steps=1)
+        ours = [entry for entry in logger.history if all(k.startswith("preflight/") for k in entry[1])]
+        return [entry for entry in logger.history if entry not in ours], ours
+
+    plain, _ = run([])
+    checked, ours = run([PreflightCallback(verify_steps=2)])
+    assert [step for step, metrics in plain if "loss" in metrics] == [0, 1, 2, 3]
+    assert checked == plain
+    assert [step for step, _ in ours] == [0, 2]
+
+
 def test_overflow_raises_before_any_optimizer_step(pl):
     torch.manual_seed(0)
     module = pl.GPT(val=False)

@@ -27,6 +27,7 @@ import torch
 
 from preflight._device import cuda_peaks, cuda_reset_peaks, live_storage_bytes
 from preflight._measure import profiled_memory_peak
+from preflight._quiet import StderrFilter
 from preflight._units import format_bytes
 
 __all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare"]
@@ -55,6 +56,7 @@ class StepPeakMeter:
         self.reserved_peaks: list[int] = []
         self._before = 0
         self._profiler: Any = None
+        self._quiet: StderrFilter | None = None
         self._running = False
         if self.device.type == "cuda":
             self.method = "cuda-allocator"
@@ -77,8 +79,14 @@ class StepPeakMeter:
         from torch.profiler import ProfilerActivity, profile
 
         self._before = live_storage_bytes(resident, self.device)
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.start()
+        self._quiet = StderrFilter().open()  # the profiler's native log lines (see preflight._quiet)
+        try:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.start()
+        except BaseException:
+            self._profiler = None
+            self._close_quiet()
+            raise
         self._running = True
 
     def stop(self, also_resident: Any = None) -> int:
@@ -94,7 +102,10 @@ class StepPeakMeter:
             profiler, self._profiler = self._profiler, None
             if profiler is None:
                 raise RuntimeError("StepPeakMeter.stop() called without start().")
-            profiler.stop()
+            try:
+                profiler.stop()
+            finally:
+                self._close_quiet()
             late = live_storage_bytes(also_resident, self.device) if also_resident is not None else 0
             peak = self._before + late + profiled_memory_peak(profiler)
         self._running = False
@@ -104,9 +115,17 @@ class StepPeakMeter:
     def abort(self) -> None:
         """Stop a running profiler without recording (training ended inside a measured step)."""
         profiler, self._profiler = self._profiler, None
-        if profiler is not None:
-            profiler.stop()
+        try:
+            if profiler is not None:
+                profiler.stop()
+        finally:
+            self._close_quiet()
         self._running = False
+
+    def _close_quiet(self) -> None:
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict)
+from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
 
@@ -274,10 +275,11 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     precision = _precision(args)
     # Traced with accumulation: any micro-batch below the global batch will accumulate.
-    result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
-                           step=_loss_step(trainer), precision=precision, device=device,
-                           max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
-                           headroom=options.headroom, accumulate=2 if global_batch > 1 else 1)
+    with progress("autotune: finding the largest micro-batch that fits", enabled=is_rank_zero()):
+        result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
+                               step=_loss_step(trainer), precision=precision, device=device,
+                               max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
+                               headroom=options.headroom, accumulate=2 if global_batch > 1 else 1)
     if result.batch_size == 0:
         raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
     plan = split_global_batch(global_batch, result.batch_size)

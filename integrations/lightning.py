@@ -36,6 +36,7 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               is_rank_zero, predict)
+from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
@@ -268,7 +269,8 @@ class PreflightCallback(*_callback_bases()):
         samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
         global_batch = original[0] * original[1]
         precision, _ = _precision(trainer)
-        with _quiet_logging(pl_module):
+        with _quiet_logging(pl_module), progress("autotune: finding the largest micro-batch that fits",
+                                                  enabled=is_rank_zero()):
             # Traced with accumulation: any micro-batch below the global batch will accumulate.
             result = max_batch_size(pl_module, trainer.optimizers[0], samples.batch, budget=budget,
                                     step=_training_step, precision=precision, device=pl_module.device,

@@ -40,6 +40,7 @@ from torch import nn
 
 from preflight._batches import BatchInfo
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._console import progress
 from preflight._device import resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
@@ -283,10 +284,12 @@ def predict(
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
-    est = estimate(model, optimizer, batch, step=step, precision=precision, accumulate=schedule.accumulate,
-                   zero_grad=schedule.zero_grad,
-                   device=None if options.gpu else target, gpu=options.gpu, world_size=settings.world_size or 1,
-                   sharding=settings.sharding)
+    talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
+    with progress("tracing the training step on fake tensors", enabled=talk):
+        est = estimate(model, optimizer, batch, step=step, precision=precision, accumulate=schedule.accumulate,
+                       zero_grad=schedule.zero_grad,
+                       device=None if options.gpu else target, gpu=options.gpu,
+                       world_size=settings.world_size or 1, sharding=settings.sharding)
     if est.device != str(target):
         target = torch.device(est.device)
     breakdown = dict(est.breakdown)
@@ -306,8 +309,9 @@ def predict(
     if options.check_eval and eval_batch is not None:
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est)
-        eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
-                                 resident=resident)
+        with progress("tracing the evaluation step on fake tensors", enabled=talk):
+            eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
+                                     resident=resident)
 
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes
@@ -345,9 +349,10 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and is_rank_zero():
-        report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
-                                          make_batch, report)
+    if report.fits is False and options.suggest and talk:
+        with progress("it does not fit: predicting what to change (about ten traces)"):
+            report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
+                                              make_batch, report)
     return report
 
 

@@ -1,11 +1,16 @@
-"""Render a `preflight._check.Report` for people: a compact table with rich, plain text without it.
+"""Render a `preflight._check.Report` for people: a compact table with rich, plain text without it; and say what is
+happening while a trace runs (`progress`, shared by the CLI and the callbacks).
 
 Callers print on rank zero only (`preflight._check` does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from preflight._units import format_bytes
@@ -13,9 +18,48 @@ from preflight._units import format_bytes
 if TYPE_CHECKING:
     from preflight._check import Report
 
-__all__ = ["format_report", "print_report"]
+__all__ = ["format_report", "print_report", "progress"]
 
 _TOP_SUGGESTIONS = 3
+_TICK = 0.2  # seconds between spinner frames on a terminal
+
+
+@contextlib.contextmanager
+def progress(what: str, *, enabled: bool = True) -> Iterator[None]:
+    """Say on stderr what is happening and, when it is done, how long it took; on a terminal, keep the elapsed time
+    ticking meanwhile. ``enabled=False`` (other ranks) prints nothing.
+
+    Example:
+        >>> with progress("tracing the training step on fake tensors"):  # doctest: +SKIP
+        ...     estimate(...)
+    """
+    if not enabled:
+        yield
+        return
+    start = time.perf_counter()
+    done = threading.Event()
+    thread = None
+    if sys.stderr.isatty():
+        def spin() -> None:
+            frames = "|/-\\"
+            i = 0
+            while not done.wait(_TICK):
+                print(f"\rpreflight: {what} {frames[i % 4]} {time.perf_counter() - start:5.1f} s",
+                      end="", file=sys.stderr, flush=True)
+                i += 1
+
+        thread = threading.Thread(target=spin, daemon=True)
+        thread.start()
+    else:
+        print(f"preflight: {what} ...", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join()
+            print("\r\033[K", end="", file=sys.stderr)  # clear the spinner's line
+        print(f"preflight: {what}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def print_report(report: Report, *, verified: bool = False, file: Any = None) -> None:

@@ -137,6 +137,15 @@ def test_overflow_raises_with_numbers_and_warn_mode_warns():
         decide(report, warn_options)
 
 
+def test_the_prediction_says_what_it_is_doing(capsys):
+    """A trace takes seconds: the callbacks say so on stderr (rank zero), as the CLI does."""
+    _check(budget="1GiB")
+    err = capsys.readouterr().err
+    assert "preflight: tracing the training step on fake tensors ..." in err
+    assert "preflight: tracing the training step on fake tensors: done in" in err
+    assert "preflight: tracing the evaluation step on fake tensors: done in" in err
+
+
 def test_no_budget_on_cpu_gives_no_verdict():
     report, options = _check()
     assert report.fits is None and report.usable_bytes is None

@@ -251,6 +251,7 @@ def test_only_pytorch_lightning_installed(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "TRAINED" in done.stdout, done.stderr[-3000:]
     assert "skipped" not in done.stderr, done.stderr[-3000:]
+    assert "preflight: tracing the training step on fake tensors: done in" in done.stderr
     written = json.loads(report.read_text())
     assert written["steps_measured"] == 2 and written["eval_predicted_peak_bytes"] > 0
 

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PreflightCallback"]
 
+_REMEDY = ("Or let preflight choose the micro-batch: PreflightCallback(autotune=True) sets the largest that fits "
+           "and keeps the global batch with accumulate_grad_batches (`max_batch_size` caps it).")
 # The two distributions of Lightning 2 ship the same trainer under these names.
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -179,7 +181,7 @@ class PreflightCallback(*_callback_bases()):
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
-        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False))
+        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer))

@@ -356,12 +356,19 @@ def predict(
     return report
 
 
-def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None) -> Report | None:
+# How to have preflight choose the micro-batch, for a loop without a trainer (the adapters name their own way).
+REMEDY_MAX_BATCH_SIZE = ("Or let preflight choose the micro-batch: preflight.max_batch_size(model, optimizer, "
+                         "make_batch, budget=...) gives the largest that fits.")
+
+
+def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None,
+           remedy: str = REMEDY_MAX_BATCH_SIZE) -> Report | None:
     """Agree on the verdict across ranks, write and print the report, then end a dry run or raise/warn.
 
     ``report`` is None on a rank whose prediction failed; that rank still joins the collective, and raises
     with the others if another rank's prediction does not fit. ``emit(report)`` renders extra output (e.g. a
-    trainer's logger) on rank zero.
+    trainer's logger) on rank zero. ``remedy``: a line of the overflow error saying how to have preflight choose
+    the batch size in the caller's setting.
     """
     local_fits = report.fits if report is not None else None
     report, ranks = _agree(report)
@@ -386,7 +393,7 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
         sys.stdout.flush()
         sys.exit(code)
     if fits is False:
-        message = _overflow_message(report, ranks, local_fits)
+        message = _overflow_message(report, ranks, local_fits, remedy)
         if options.on_overflow == "raise":
             raise PreflightError(message, report=report.to_dict() if report is not None else None)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -525,7 +532,8 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
     return (dataclasses.replace(options, **changes) if changes else options), settings
 
 
-def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None) -> str:
+def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None,
+                      remedy: str = REMEDY_MAX_BATCH_SIZE) -> str:
     if report is None or local_fits is not False:  # another rank does not fit: say which, with its numbers
         over = [(i, r) for i, r in enumerate(ranks) if r is not None and r[2] is False]
         lines = [f"preflight: {len(over)} of {len(ranks)} ranks are predicted not to fit, so no rank trains:"]
@@ -555,6 +563,7 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     else:
         lines.append("  What to change: a smaller micro-batch with gradient accumulation, activation checkpointing, "
                      "bf16 mixed precision, an 8-bit optimizer or LoRA; preflight.advise(...) predicts each.")
+    lines.append(f"  {remedy}")
     lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")
     return "\n".join(lines)
 

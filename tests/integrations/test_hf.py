@@ -165,3 +165,33 @@ def test_autotune_needs_a_budget_on_cpu(tmp_path):
     with pytest.warns(RuntimeWarning, match="autotune failed.*needs a budget"):
         assert autotune(trainer) is None
     assert trainer.args.per_device_train_batch_size == 4
+
+
+def test_auto_find_batch_size_takes_the_batch_from_the_prediction(tmp_path, capsys):
+    """HF's finder retries only on out-of-memory: with auto_find_batch_size the callback steps it down to the largest
+    batch predicted to fit, before any step, instead of ending train() with PreflightError."""
+    data = VariableTokens(fixed=48, key="input_ids")
+    probe = make_trainer(tmp_path)
+    need = {}
+    for b in (4, 16):  # the training peak at two batch sizes, to put the budget between them
+        batch = pad_tokens([data[i] for i in range(b)])
+        need[b] = preflight.estimate(probe.model, torch.optim.AdamW(probe.model.parameters()), batch).peak_bytes
+    budget = int(need[4] * 1.05 / 0.9)  # usable: 5% over batch 4's need, far under batch 16's
+    seen = Seen()
+    trainer = make_trainer(tmp_path, train=data, callbacks=[seen], steps=2, per_device_train_batch_size=16,
+                           auto_find_batch_size=True)
+    callback = attach(trainer, budget=budget, verify_steps=0, suggest=False)
+    trainer.train()
+    chosen = callback.report.autotune["train_batch_size"]
+    assert 4 <= chosen < 16 and callback.report.fits is True
+    assert {b.shape[0] for b in seen.seen} == {chosen} and trainer.state.global_step == 2
+    out = capsys.readouterr().out
+    assert "auto_find_batch_size: per-device batch 16 is predicted to need" in out
+    assert f"training with per-device batch {chosen}" in out
+
+
+def test_the_overflow_error_names_autotune(tmp_path):
+    trainer = make_trainer(tmp_path, steps=1)
+    attach(trainer, budget="2MiB", suggest=False)
+    with pytest.raises(preflight.PreflightError, match=r"hf\.autotune\(trainer\)"):
+        trainer.train()

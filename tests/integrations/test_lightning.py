@@ -171,8 +171,9 @@ def test_overflow_raises_before_any_optimizer_step(pl):
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
-    with pytest.raises(preflight.PreflightError, match="over the usable 1.80 MiB"):
+    with pytest.raises(preflight.PreflightError, match="over the usable 1.80 MiB") as info:
         trainer.fit(module)
+    assert "PreflightCallback(autotune=True) sets the largest that fits" in str(info.value)
     assert trainer.global_step == 0 and module.seen == []
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
     assert all(p.grad is None for p in module.parameters())

@@ -290,15 +290,16 @@ DDP_SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
 sys.path.insert(0, {here!r})
-import lightning as L
+import {package} as pl
 import preflight
-from test_lightning import GPT
+from test_lightning import CLASSES
+GPT = CLASSES[{package!r}][0]
 from preflight.integrations.lightning import PreflightCallback
 rank = int(os.environ.get("LOCAL_RANK", 0))
 # Rank 1 is given a budget it cannot meet; rank 0's fits. Both must stop, before any step.
 callback = PreflightCallback(budget="1GiB" if rank == 0 else "2MiB", suggest=False, verify_steps=0)
 module = GPT(val=False)
-trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     num_sanity_val_steps=0, callbacks=[callback])
 try:
@@ -312,9 +313,9 @@ print(f"RANK {{rank}} TRAINED", flush=True)
 
 
 @pytest.mark.slow
-def test_ddp_ranks_agree_and_all_raise(tmp_path):
+def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
+    script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent), package=pl.name))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
                           cwd=tmp_path)

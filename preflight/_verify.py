@@ -20,6 +20,7 @@ is a warning.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Any
 
@@ -87,6 +88,9 @@ class StepPeakMeter:
             self._profiler = None
             self._close_quiet()
             raise
+        # A step that raises out of a trainer without an exception hook (HF) leaves the profiler running, and
+        # torch segfaults at exit with one running: stop it at exit (atexit runs this before the filter's close).
+        atexit.register(self.abort)
         self._running = True
 
     def stop(self, also_resident: Any = None) -> int:
@@ -123,6 +127,7 @@ class StepPeakMeter:
         self._running = False
 
     def _close_quiet(self) -> None:
+        atexit.unregister(self.abort)
         quiet, self._quiet = self._quiet, None
         if quiet is not None:
             quiet.close()

@@ -39,11 +39,11 @@ def test_profiler_log_lines_are_silenced_and_python_output_kept():
     assert lines.index("python print inside the step") < lines.index("after")
 
 
-def test_nothing_is_left_captured_when_the_process_exits_inside_a_step():
+def test_a_process_that_exits_inside_a_measured_step_keeps_its_output_and_status():
     script = ("import sys, torch\nfrom preflight._verify import StepPeakMeter\n"
               "meter = StepPeakMeter(torch.device('cpu'))\nmeter.start([])\n"
               "print('inside', file=sys.stderr)\nraise SystemExit('bye from inside')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    # The exit status is not asserted: torch 2.13 segfaults at exit with a profiler still running, preflight or not.
+    assert done.returncode == 1, done.stderr  # not a segfault: torch's, at exit with a profiler still running
     assert "inside" in done.stderr and "bye from inside" in done.stderr, done.stderr
     assert "profiler_start" not in done.stderr

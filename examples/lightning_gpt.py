@@ -5,7 +5,10 @@ Runs on CPU in under a minute:      python examples/lightning_gpt.py
 Predict only, exit 0 (fits) or 3:   PREFLIGHT_DRY_RUN=1 python examples/lightning_gpt.py
 """
 
-import lightning as L
+try:
+    import lightning.pytorch as pl  # the `lightning` package
+except ImportError:
+    import pytorch_lightning as pl  # the standalone `pytorch-lightning`: the callback works the same
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -31,7 +34,7 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-class GPT(L.LightningModule):
+class GPT(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.model = GPT2LMHeadModel(CONFIG)
@@ -52,7 +55,7 @@ torch.manual_seed(0)
 loader = torch.utils.data.DataLoader(Blocks(), batch_size=BATCH_SIZE, shuffle=True)
 val_loader = torch.utils.data.DataLoader(Blocks(), batch_size=2 * BATCH_SIZE)  # eval: no gradients, larger batch
 callback = PreflightCallback(budget=BUDGET, report_path="out/lightning_gpt.json", plot_path="out/lightning_gpt.png")
-trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     num_sanity_val_steps=0, limit_val_batches=1)
 trainer.fit(GPT(), loader, val_loader)

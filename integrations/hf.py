@@ -15,6 +15,7 @@ A callback does not see the Trainer, so it cannot build the eval dataloader or l
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -32,8 +33,10 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict)
+from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
+from preflight._units import format_bytes
 
 __all__ = ["PreflightCallback", "attach", "autotune"]
 
@@ -57,6 +60,11 @@ class PreflightCallback(TrainerCallback):
     Environment:
         ``PREFLIGHT_DRY_RUN=1``: predict, write the report, and exit before step one with status 0 (fits) or 3
         (does not fit).
+
+    ``TrainingArguments(auto_find_batch_size=True)``: when the training step does not fit, the callback finds the
+    largest per-device batch predicted to fit and, before any step, steps the Trainer's finder (which retries only
+    on out-of-memory errors) down to the first of its sizes at or under it, instead of raising; it says so, and
+    the report's ``autotune`` records it (one process only: under ``torch.distributed`` it raises as usual).
 
     Known limitations:
         - Without `attach`, the eval step is predicted only if the Trainer already evaluated (it passes the eval
@@ -90,19 +98,42 @@ class PreflightCallback(TrainerCallback):
         self._session: VerifySession | None = None
         self._batch: Any = None
         self._hook: Any = None
+        self._samples: Any = None  # the train set's scan, for auto_find_batch_size
+        self._finder_target: int | None = None  # with auto_find_batch_size: the largest batch predicted to fit
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: torch.optim.Optimizer | None = None, train_dataloader: Any = None,
                        eval_dataloader: Any = None, **kwargs: Any) -> None:
+        finder = bool(getattr(args, "auto_find_batch_size", False)) and _world_size() == 1
+        if finder and self._finder_target is not None and state.train_batch_size > self._finder_target:
+            raise _PredictedOutOfMemory(state.train_batch_size, self._finder_target)  # HF's finder steps down
         report = None
+        options = dataclasses.replace(self.options, suggest=False) if finder else self.options
         with internal_failures("the prediction"):
-            report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader)
+            report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options)
+        if finder and report is not None and report.fits is False:
+            target = None
+            with internal_failures("choosing the batch size for auto_find_batch_size"):
+                target = self._fitting_batch(args, state, model, optimizer, report)
+            if target:
+                self._finder_target = target
+                raise _PredictedOutOfMemory(state.train_batch_size, target)
+            if self.options.suggest:  # the finder cannot help: say what would, as without it
+                with internal_failures("the prediction"):
+                    report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader, self.options)
         if report is not None and self.autotuned is not None:
             report.autotune = self.autotuned
+        if report is not None and self._finder_target is not None:
+            report.autotune = {"method": "auto_find_batch_size", "train_batch_size": state.train_batch_size,
+                               "largest_predicted_to_fit": self._finder_target,
+                               "original_train_batch_size": args.per_device_train_batch_size}
+            if is_rank_zero():
+                print(f"preflight: auto_find_batch_size: training with per-device batch {state.train_batch_size}, the "
+                      f"first of the finder's sizes at or under {self._finder_target}.", flush=True)
         self.report = report  # kept when decide raises
-        decide(report, self.options, emit=lambda r: self._log(state, r))
+        decide(report, self.options, emit=lambda r: self._log(state, r), remedy=_REMEDY)
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, _device(model),
                                           extra_resident_bytes=_ddp_bucket_bytes(self.trainer, model, args))
@@ -138,20 +169,44 @@ class PreflightCallback(TrainerCallback):
     # ---- translation ------------------------------------------------------------------------------------------
 
     def _predict(self, args: Any, model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: Any,
-                 eval_dataloader: Any) -> Report:
-        samples = scan(train_dataloader, time_limit=self.scan_seconds)
+                 eval_dataloader: Any, options: Options) -> Report:
+        samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds)
         batch, info = samples.worst_case()
         eval_batch = eval_info = None
-        if self.options.check_eval:
+        if options.check_eval:
             loader = eval_dataloader if eval_dataloader is not None else _eval_loader(self.trainer, args)
             if loader is not None:
                 eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds).worst_case()
-        return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=self.options,
+        return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=options,
                      step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
                      schedule=Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step"),
                      batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
                      ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
                      make_batch=samples.batch)
+
+    def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       report: Report) -> int | None:
+        """With ``auto_find_batch_size``, the largest per-device batch predicted to fit, when it is under the
+        current one and the training step (not evaluation, whose batch the finder does not change) is over."""
+        from preflight._autotune import max_batch_size
+
+        train_need = report.predicted_device_total_bytes or report.predicted_peak_bytes
+        current = state.train_batch_size
+        if report.usable_bytes is None or train_need <= report.usable_bytes or not current or current < 2:
+            return None
+        with progress("auto_find_batch_size: finding the largest per-device batch that fits", enabled=is_rank_zero()):
+            result = max_batch_size(_unwrap(model), _unwrap_optimizer(optimizer), self._samples.batch,
+                                    budget=report.budget_bytes, step=_loss_step(self.trainer),
+                                    precision=_precision(args), device=_device(model), max_batch=current - 1,
+                                    headroom=self.options.headroom, accumulate=args.gradient_accumulation_steps)
+        if not result.batch_size:
+            return None
+        if is_rank_zero():
+            print(f"preflight: auto_find_batch_size: per-device batch {current} is predicted to need "
+                  f"{format_bytes(report.verdict_bytes)}, over the usable {format_bytes(report.usable_bytes)}; "
+                  f"the largest predicted to fit is {result.batch_size} ({format_bytes(result.predicted_peak_bytes)})"
+                  ". Stepping the Trainer's batch-size finder down to it without running a step.", flush=True)
+        return result.batch_size
 
     def _remember_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._batch is None:
@@ -170,10 +225,32 @@ class PreflightCallback(TrainerCallback):
             metrics["preflight/measured_peak_bytes"] = float(report.measured_peak_bytes)
             if report.relative_error is not None:
                 metrics["preflight/relative_error"] = float(report.relative_error)
+        entry = {**metrics, "step": state.global_step}
+        if state.epoch is not None:
+            entry["epoch"] = state.epoch
+        state.log_history.append(entry)
         if self.trainer is not None:
-            self.trainer.log(metrics)
-        else:
-            state.log_history.append({**metrics, "step": state.global_step})
+            # To the loggers as ``Trainer.log`` sends them, but not through it: its ``CallbackHandler.on_log`` resets
+            # ``control.should_log``, which drops the training loss the Trainer was about to log this step. The
+            # callbacks get a copy of the control, so none of them can change what the Trainer does next.
+            handler = self.trainer.callback_handler
+            handler.call_event("on_log", self.trainer.args, state, dataclasses.replace(self.trainer.control),
+                               logs=dict(metrics))
+
+
+_REMEDY = ("Or let preflight choose the micro-batch: preflight.integrations.hf.autotune(trainer) before train() sets "
+           "the largest that fits and keeps the global batch (`max_batch_size` caps it); with "
+           "TrainingArguments(auto_find_batch_size=True) the callback steps the Trainer's finder down to it.")
+
+
+class _PredictedOutOfMemory(RuntimeError):
+    """Raised from ``on_train_begin`` under ``auto_find_batch_size``, before any step, so that the Trainer's finder
+    (``accelerate.utils.find_executable_batch_size``) retries with a smaller batch: it retries on a ``RuntimeError``
+    with one argument containing " out of memory." (``accelerate.utils.memory.should_reduce_batch_size``)."""
+
+    def __init__(self, batch: int, target: int) -> None:
+        super().__init__(f"preflight: per-device batch {batch} is predicted to run out of memory. (the largest "
+                         f"predicted to fit is {target}; the Trainer's auto_find_batch_size retries with less)")
 
 
 def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
@@ -266,10 +343,11 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     precision = _precision(args)
     # Traced with accumulation: any micro-batch below the global batch will accumulate.
-    result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
-                           step=_loss_step(trainer), precision=precision, device=device,
-                           max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
-                           headroom=options.headroom, accumulate=2 if global_batch > 1 else 1)
+    with progress("autotune: finding the largest micro-batch that fits", enabled=is_rank_zero()):
+        result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
+                               step=_loss_step(trainer), precision=precision, device=device,
+                               max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
+                               headroom=options.headroom, accumulate=2 if global_batch > 1 else 1)
     if result.batch_size == 0:
         raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
     plan = split_global_batch(global_batch, result.batch_size)

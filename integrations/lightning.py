@@ -13,22 +13,22 @@ Hooks (Lightning 2.x, ``lightning/pytorch/trainer/trainer.py`` ``_run`` and ``lo
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward`` (``Closure``
 in ``loops/optimization/automatic.py``), so the previous step's gradients are alive through the next forward;
 the prediction traces that order (`preflight._steps.Schedule`).
+
+Both distributions of Lightning 2 work: ``lightning`` (``import lightning.pytorch as pl``) and the standalone
+``pytorch-lightning`` (``import pytorch_lightning as pl``), one or both installed. The callback derives from the
+``Callback`` of each one installed, so either Trainer accepts it; every Lightning utility it calls comes from the
+package of the Trainer it is given (`_lightning`), since those utilities reject a module of the other package
+("You passed a `pytorch_lightning` object ... to a `lightning.pytorch` Trainer").
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
-
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "preflight.integrations.lightning needs Lightning 2: pip install 'preflight-memory[lightning]'"
-    ) from err
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,13 +36,47 @@ from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               is_rank_zero, predict)
+from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = ["PreflightCallback"]
 
+_REMEDY = ("Or let preflight choose the micro-batch: PreflightCallback(autotune=True) sets the largest that fits "
+           "and keeps the global batch with accumulate_grad_batches (`max_batch_size` caps it).")
+# The two distributions of Lightning 2 ship the same trainer under these names.
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
-class PreflightCallback(Callback):
+
+def _callback_bases() -> tuple[type, ...]:
+    """``Callback`` of every Lightning package installed, so that a Trainer of either accepts the callback."""
+    bases = []
+    for name in _PACKAGES:
+        try:
+            bases.append(importlib.import_module(name).Callback)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("preflight.integrations.lightning needs Lightning 2 (the `lightning` or the "
+                          "`pytorch-lightning` package): pip install 'preflight-memory[lightning]'")
+    return tuple(bases)
+
+
+def _lightning(trainer: Any) -> ModuleType:
+    """The Lightning package ``trainer`` comes from (``lightning.pytorch`` or ``pytorch_lightning``), found from its
+    class (or the first Lightning class it derives from), not from what happens to be installed."""
+    for cls in type(trainer).__mro__:
+        for name in _PACKAGES:
+            if cls.__module__ == name or cls.__module__.startswith(name + "."):
+                return importlib.import_module(name)
+    raise TypeError(f"preflight's Lightning callback needs a Lightning Trainer (from {' or '.join(_PACKAGES)}), "
+                    f"got {type(trainer).__module__}.{type(trainer).__qualname__}.")
+
+
+class PreflightCallback(*_callback_bases()):
     """Predict the peak memory of ``trainer.fit`` before step one; raise if it will not fit; verify after a few steps.
 
     Args:
@@ -147,7 +181,7 @@ class PreflightCallback(Callback):
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
-        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False))
+        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer))
@@ -206,8 +240,9 @@ class PreflightCallback(Callback):
         return report
 
     def _autotune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-
+        parsing = importlib.import_module(_lightning(trainer).__name__ + ".utilities.parsing")
+        lightning_getattr, lightning_hasattr, lightning_setattr = (parsing.lightning_getattr, parsing.lightning_hasattr,
+                                                                   parsing.lightning_setattr)
         if not lightning_hasattr(pl_module, "batch_size"):
             warnings.warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
                           "the datamodule (as BatchSizeFinder does); the batch size was not tuned.",
@@ -237,7 +272,8 @@ class PreflightCallback(Callback):
         samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
         global_batch = original[0] * original[1]
         precision, _ = _precision(trainer)
-        with _quiet_logging(pl_module):
+        with _quiet_logging(pl_module), progress("autotune: finding the largest micro-batch that fits",
+                                                  enabled=is_rank_zero()):
             # Traced with accumulation: any micro-batch below the global batch will accumulate.
             result = max_batch_size(pl_module, trainer.optimizers[0], samples.batch, budget=budget,
                                     step=_training_step, precision=precision, device=pl_module.device,
@@ -316,8 +352,7 @@ def _single_loader(loaders: Any, what: str) -> Any:
 
 def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """The validation DataLoader (the first, when there are several), or None without validation."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
+    is_overridden = importlib.import_module(_lightning(trainer).__name__ + ".utilities.model_helpers").is_overridden
     loaders = trainer.val_dataloaders
     if loaders is None or trainer.limit_val_batches == 0 or not is_overridden("validation_step", pl_module):
         return None

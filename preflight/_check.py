@@ -41,6 +41,7 @@ from torch import nn
 
 from preflight._batches import BatchInfo
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
@@ -300,7 +301,9 @@ def predict(
         # After the measured steps the optimizer has state; the measured run's first step had none.
         return {k: v + buckets for k, v in run_estimate(b, _without_state(optimizer)).step_peaks().items()}
 
-    est = run_estimate(batch)
+    talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
+    with progress("tracing the training step on fake tensors", enabled=talk):
+        est = run_estimate(batch)
     if est.device != str(target):
         target = torch.device(est.device)
     breakdown = dict(est.breakdown)
@@ -320,8 +323,9 @@ def predict(
     if options.check_eval and eval_batch is not None:
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est)
-        eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
-                                 resident=resident)
+        with progress("tracing the evaluation step on fake tensors", enabled=talk):
+            eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
+                                     resident=resident)
 
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes
@@ -360,18 +364,26 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and is_rank_zero():
-        report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
-                                          make_batch, report)
+    if report.fits is False and options.suggest and talk:
+        with progress("it does not fit: predicting what to change (about ten traces)"):
+            report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
+                                              make_batch, report)
     return report
 
 
-def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None) -> Report | None:
+# How to have preflight choose the micro-batch, for a loop without a trainer (the adapters name their own way).
+REMEDY_MAX_BATCH_SIZE = ("Or let preflight choose the micro-batch: preflight.max_batch_size(model, optimizer, "
+                         "make_batch, budget=...) gives the largest that fits.")
+
+
+def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None,
+           remedy: str = REMEDY_MAX_BATCH_SIZE) -> Report | None:
     """Agree on the verdict across ranks, write and print the report, then end a dry run or raise/warn.
 
     ``report`` is None on a rank whose prediction failed; that rank still joins the collective, and raises
     with the others if another rank's prediction does not fit. ``emit(report)`` renders extra output (e.g. a
-    trainer's logger) on rank zero.
+    trainer's logger) on rank zero. ``remedy``: a line of the overflow error saying how to have preflight choose
+    the batch size in the caller's setting.
     """
     local_fits = report.fits if report is not None else None
     report, ranks = _agree(report)
@@ -396,7 +408,7 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
         sys.stdout.flush()
         sys.exit(code)
     if fits is False:
-        message = _overflow_message(report, ranks, local_fits)
+        message = _overflow_message(report, ranks, local_fits, remedy)
         if options.on_overflow == "raise":
             raise PreflightError(message, report=report.to_dict() if report is not None else None)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -582,7 +594,8 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
     return (dataclasses.replace(options, **changes) if changes else options), settings
 
 
-def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None) -> str:
+def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None,
+                      remedy: str = REMEDY_MAX_BATCH_SIZE) -> str:
     if report is None or local_fits is not False:  # another rank does not fit: say which, with its numbers
         over = [(i, r) for i, r in enumerate(ranks) if r is not None and r[2] is False]
         lines = [f"preflight: {len(over)} of {len(ranks)} ranks are predicted not to fit, so no rank trains:"]
@@ -612,6 +625,7 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     else:
         lines.append("  What to change: a smaller micro-batch with gradient accumulation, activation checkpointing, "
                      "bf16 mixed precision, an 8-bit optimizer or LoRA; preflight.advise(...) predicts each.")
+    lines.append(f"  {remedy}")
     lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")
     return "\n".join(lines)
 

@@ -1,11 +1,18 @@
-"""Render a `preflight._check.Report` for people: a compact table with rich, plain text without it.
+"""Render a `preflight._check.Report` for people: a compact table with rich, plain text without it; and say what is
+happening while a trace runs (`progress`, shared by the CLI and the callbacks).
 
 Callers print on rank zero only (`preflight._check` does).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import shutil
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from preflight._units import format_bytes
@@ -13,35 +20,156 @@ from preflight._units import format_bytes
 if TYPE_CHECKING:
     from preflight._check import Report
 
-__all__ = ["format_report", "print_report"]
+__all__ = ["format_report", "print_report", "progress"]
 
 _TOP_SUGGESTIONS = 3
+_TICK = 0.2  # seconds between spinner frames on a terminal
+
+
+@contextlib.contextmanager
+def progress(what: str, *, enabled: bool = True) -> Iterator[None]:
+    """Say on stderr what is happening and, when it is done, how long it took; on a terminal, keep the elapsed time
+    ticking meanwhile. ``enabled=False`` (other ranks) prints nothing.
+
+    Example:
+        >>> with progress("tracing the training step on fake tensors"):  # doctest: +SKIP
+        ...     estimate(...)
+    """
+    if not enabled:
+        yield
+        return
+    start = time.perf_counter()
+    done = threading.Event()
+    thread = None
+    if sys.stderr.isatty():
+        def spin() -> None:
+            frames = "|/-\\"
+            i = 0
+            while not done.wait(_TICK):
+                print(f"\rpreflight: {what} {frames[i % 4]} {time.perf_counter() - start:5.1f} s",
+                      end="", file=sys.stderr, flush=True)
+                i += 1
+
+        thread = threading.Thread(target=spin, daemon=True)
+        thread.start()
+    else:
+        print(f"preflight: {what} ...", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join()
+            print("\r\033[K", end="", file=sys.stderr)  # clear the spinner's line
+        print(f"preflight: {what}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def print_report(report: Report, *, verified: bool = False, file: Any = None) -> None:
-    """Print the prediction table, or after verification the measured-vs-predicted lines."""
-    rows = _verification_rows(report) if verified else _rows(report)
-    title = "preflight: measured vs predicted" if verified else "preflight: predicted peak memory"
+    """Print the prediction table, or after verification the measured-vs-predicted lines, for the width of the
+    terminal ``file`` is (values wrap between words, never inside a number, a unit or a bracketed shape; lines carry
+    no trailing spaces); to a file or a pipe each value stays on one line."""
+    file = file or sys.stdout
+    title, rows = _table(report, verified)
+    width = _terminal_width(file)
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(format_report(report, verified=verified), file=file or sys.stdout, flush=True)
+        print(_plain(title, rows, width), file=file, flush=True)
         return
-    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
+    keys = max(len(k) for k, _ in rows)
+    table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False, padding=(0, 1))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(no_wrap=True)  # wrapped here, by `_wrap`, where it does not split a value
     for key, value in rows:
-        table.add_row(key, value)
-    Console(file=file or sys.stdout, soft_wrap=True).print(table)
+        table.add_row(key, "\n".join(_wrap(value, None if width is None else width - keys - 2)))
+    console = Console(file=file, width=_UNLIMITED, soft_wrap=False)
+    with console.capture() as captured:
+        console.print(table)
+    # rich pads every cell to its column's width: drop the padding at the ends of lines (before any style reset)
+    file.write(_TRAILING.sub("", captured.get()))
+    file.flush()
 
 
-def format_report(report: Report, *, verified: bool = False) -> str:
-    """The same content as plain text."""
-    rows = _verification_rows(report) if verified else _rows(report)
-    width = max(len(k) for k, _ in rows)
-    title = "preflight: measured vs predicted" if verified else "preflight: predicted peak memory"
-    return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+def format_report(report: Report, *, verified: bool = False, width: int | None = None) -> str:
+    """The same content as plain text; ``width``: wrap values to fit that many columns (None: one line each)."""
+    return _plain(*_table(report, verified), width)
+
+
+_UNLIMITED = 100_000  # rich's width when preflight wraps the values itself
+_TRAILING = re.compile(r"[ \t]+(?=(?:\x1b\[[0-9;]*m)*$)", re.MULTILINE)
+# Where a value may not be broken: inside brackets or quotes, or between a number and its unit.
+_UNIT = re.compile(r"^(B|KiB|MiB|GiB|TiB|bytes|s|ms|ranks?|%)[,;:)]*$")
+
+
+def _terminal_width(file: Any) -> int | None:
+    """The terminal's columns when ``file`` is one (``COLUMNS`` wins, as for ``shutil.get_terminal_size``)."""
+    isatty = getattr(file, "isatty", None)
+    try:
+        if isatty is None or not isatty():
+            return None
+    except ValueError:  # a closed file
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def _table(report: Report, verified: bool) -> tuple[str, list[tuple[str, str]]]:
+    if verified:
+        return "preflight: measured vs predicted", _verification_rows(report)
+    return "preflight: predicted peak memory", _rows(report)
+
+
+def _plain(title: str, rows: list[tuple[str, str]], width: int | None) -> str:
+    keys = max(len(k) for k, _ in rows)
+    indent = 2 + keys + 2
+    lines = [title]
+    for key, value in rows:
+        wrapped = _wrap(value, None if width is None else width - indent)
+        lines.append(f"  {key:<{keys}}  {wrapped[0]}".rstrip())
+        lines.extend((" " * indent + line).rstrip() for line in wrapped[1:])
+    return "\n".join(lines)
+
+
+def _wrap(value: str, width: int | None) -> list[str]:
+    """``value`` in lines of at most ``width`` columns, broken only at spaces between words or between a mapping's
+    entries: never inside a list (a shape such as ``[16, 256]``), a quoted name, a ``key: value`` pair, or between a
+    number and its unit. A piece longer than ``width`` gets a line of its own, whole."""
+    if width is None or len(value) <= width:
+        return [value]
+    width = max(width, 20)  # a terminal narrower than the keys: still readable, one piece a line at worst
+    pieces: list[str] = []
+    stack: list[str] = []
+    quote, current, previous = "", "", " "
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"" and previous in " ([{:,":  # an apostrophe inside a word opens nothing
+            quote = char
+        elif char in "([{":
+            stack.append(char)
+        elif char in ")]}" and stack:
+            stack.pop()
+        breakable = not quote and "[" not in stack and (not stack or stack[-1] != "{" or previous == ",")
+        if char == " " and breakable:
+            pieces.append(current)
+            current = ""
+        else:
+            current += char
+        previous = char
+    pieces.append(current)
+    joined: list[str] = []
+    for piece in pieces:  # glue a unit to its number
+        if joined and _UNIT.match(piece) and re.search(r"\d$", joined[-1]):
+            joined[-1] += " " + piece
+        else:
+            joined.append(piece)
+    lines = [""]
+    for piece in joined:
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
+            lines.append(piece)
+        else:
+            lines[-1] = f"{lines[-1]} {piece}" if lines[-1] else piece
+    return lines
 
 
 def _rows(r: Report) -> list[tuple[str, str]]:

@@ -94,7 +94,9 @@ def cpu_profiled_peak(fn: Any) -> tuple[int, float]:
     """Run ``fn()`` under the CPU profiler; return the peak of allocated-minus-freed bytes and the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from preflight._quiet import StderrFilter
+
+    with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start

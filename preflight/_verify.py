@@ -22,6 +22,7 @@ follow batch lengths, retained memory does not.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from preflight._device import cuda_peaks, cuda_reset_peaks, live_storage_bytes
 from preflight._measure import profiled_memory_peak
+from preflight._quiet import StderrFilter
 from preflight._units import format_bytes
 
 __all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare", "summary"]
@@ -60,6 +62,7 @@ class StepPeakMeter:
         self._before = 0
         self._allocated_at_start = 0
         self._profiler: Any = None
+        self._quiet: StderrFilter | None = None
         self._running = False
         if self.device.type == "cuda":
             self.method = "cuda-allocator"
@@ -83,8 +86,17 @@ class StepPeakMeter:
         from torch.profiler import ProfilerActivity, profile
 
         self._before = live_storage_bytes(resident, self.device)
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.start()
+        self._quiet = StderrFilter().open()  # the profiler's native log lines (see preflight._quiet)
+        try:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.start()
+        except BaseException:
+            self._profiler = None
+            self._close_quiet()
+            raise
+        # A step that raises out of a trainer without an exception hook (HF) leaves the profiler running, and
+        # torch segfaults at exit with one running: stop it at exit (atexit runs this before the filter's close).
+        atexit.register(self.abort)
         self._running = True
 
     def stop(self, also_resident: Any = None) -> int:
@@ -101,7 +113,10 @@ class StepPeakMeter:
             profiler, self._profiler = self._profiler, None
             if profiler is None:
                 raise RuntimeError("StepPeakMeter.stop() called without start().")
-            profiler.stop()
+            try:
+                profiler.stop()
+            finally:
+                self._close_quiet()
             late = live_storage_bytes(also_resident, self.device) if also_resident is not None else 0
             profiled_peak, retained = profiled_memory_peak(profiler, with_end=True)
             peak = self._before + late + profiled_peak
@@ -113,9 +128,18 @@ class StepPeakMeter:
     def abort(self) -> None:
         """Stop a running profiler without recording (training ended inside a measured step)."""
         profiler, self._profiler = self._profiler, None
-        if profiler is not None:
-            profiler.stop()
+        try:
+            if profiler is not None:
+                profiler.stop()
+        finally:
+            self._close_quiet()
         self._running = False
+
+    def _close_quiet(self) -> None:
+        atexit.unregister(self.abort)
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.close()
 
 
 @dataclasses.dataclass(frozen=True)

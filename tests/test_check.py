@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
+import re
 import sys
 import warnings
 
@@ -137,6 +139,15 @@ def test_overflow_raises_with_numbers_and_warn_mode_warns():
         decide(report, warn_options)
 
 
+def test_the_prediction_says_what_it_is_doing(capsys):
+    """A trace takes seconds: the callbacks say so on stderr (rank zero), as the CLI does."""
+    _check(budget="1GiB")
+    err = capsys.readouterr().err
+    assert "preflight: tracing the training step on fake tensors ..." in err
+    assert "preflight: tracing the training step on fake tensors: done in" in err
+    assert "preflight: tracing the evaluation step on fake tensors: done in" in err
+
+
 def test_no_budget_on_cpu_gives_no_verdict():
     report, options = _check()
     assert report.fits is None and report.usable_bytes is None
@@ -253,6 +264,40 @@ def test_console_and_plot(tmp_path, capsys, monkeypatch):
     print_report(report)  # plain text without rich
     assert "training peak" in capsys.readouterr().out
     warnings.resetwarnings()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("with_rich", [True, False])
+def test_tables_render_for_the_terminal_width(monkeypatch, with_rich):
+    from preflight._console import print_report
+
+    report, _ = _check(budget="1GiB")
+    report.worst_case_batch = {"method": "scanned", "note": "largest 4 of all 24 samples, by total tokens per sample"}
+    report.suggestions = [{"fits": True, "description": "micro-batch 2 with gradient accumulation 2 (global batch "
+                                                        "kept): 123.45 MiB, 48% of usable"}]
+    report.warnings.append("precision '64-true' is traced with the tensors' own dtypes (not modelled) and "
+                           "{'input_ids': [16, 256], 'labels': [16, 256]} is the eval batch")
+    if not with_rich:
+        monkeypatch.setitem(sys.modules, "rich.console", None)
+    monkeypatch.setenv("COLUMNS", "80")
+    terminal = _Terminal()
+    print_report(report, file=terminal)
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in terminal.getvalue().splitlines()]
+    assert lines and all(len(line) <= 80 for line in lines), lines
+    assert not [line for line in lines if line != line.rstrip()], "trailing spaces"
+    text = "\n".join(lines)
+    for whole in ("[16, 256]", "123.45 MiB", "'64-true'", str(report.worst_case_batch_shape["input_ids"])):
+        assert whole in text, (whole, text)  # wrapped between values, never inside one
+    assert len([line for line in lines if line.strip()]) > 10
+
+    piped = io.StringIO()  # not a terminal: every value on one line, however long
+    print_report(report, file=piped)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", piped.getvalue())
+    assert report.warnings[-1] in out and not [line for line in out.splitlines() if line != line.rstrip()]
 
 
 def test_gpu_verdict_uses_the_device_total():

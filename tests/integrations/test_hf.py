@@ -82,6 +82,31 @@ def test_training_sees_the_same_batches_and_weights_with_the_callback(tmp_path):
     assert callback.report.worst_case_batch_shape["input_ids"] == [4, 96]  # the longest sample is the last one
 
 
+@pytest.mark.parametrize("how", ["attach", "callback"])
+def test_the_trainers_log_history_is_unchanged(tmp_path, how):
+    """Logging every step: the Trainer logs the same entries with preflight as without (preflight's own entries
+    aside); before, `attach` dropped the loss of the step where verification ended."""
+    timings = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+    def run(with_preflight):
+        trainer = make_trainer(tmp_path, steps=6, logging_strategy="steps", logging_steps=1)
+        if with_preflight and how == "attach":
+            attach(trainer, verify_steps=3)
+        elif with_preflight:
+            trainer.add_callback(PreflightCallback(verify_steps=3))
+        trainer.train()
+        ours = [e for e in trainer.state.log_history if any(k.startswith("preflight/") for k in e)]
+        theirs = [{k: v for k, v in e.items() if k not in timings} for e in trainer.state.log_history
+                  if e not in ours]
+        return theirs, ours
+
+    plain, _ = run(False)
+    checked, ours = run(True)
+    assert [e["step"] for e in plain if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert checked == plain
+    assert [e["step"] for e in ours] == [0, 3]  # the prediction before step one, the verification after step 3
+
+
 def test_overflow_raises_before_any_optimizer_step(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -140,3 +165,33 @@ def test_autotune_needs_a_budget_on_cpu(tmp_path):
     with pytest.warns(RuntimeWarning, match="autotune failed.*needs a budget"):
         assert autotune(trainer) is None
     assert trainer.args.per_device_train_batch_size == 4
+
+
+def test_auto_find_batch_size_takes_the_batch_from_the_prediction(tmp_path, capsys):
+    """HF's finder retries only on out-of-memory: with auto_find_batch_size the callback steps it down to the largest
+    batch predicted to fit, before any step, instead of ending train() with PreflightError."""
+    data = VariableTokens(fixed=48, key="input_ids")
+    probe = make_trainer(tmp_path)
+    need = {}
+    for b in (4, 16):  # the training peak at two batch sizes, to put the budget between them
+        batch = pad_tokens([data[i] for i in range(b)])
+        need[b] = preflight.estimate(probe.model, torch.optim.AdamW(probe.model.parameters()), batch).peak_bytes
+    budget = int(need[4] * 1.05 / 0.9)  # usable: 5% over batch 4's need, far under batch 16's
+    seen = Seen()
+    trainer = make_trainer(tmp_path, train=data, callbacks=[seen], steps=2, per_device_train_batch_size=16,
+                           auto_find_batch_size=True)
+    callback = attach(trainer, budget=budget, verify_steps=0, suggest=False)
+    trainer.train()
+    chosen = callback.report.autotune["train_batch_size"]
+    assert 4 <= chosen < 16 and callback.report.fits is True
+    assert {b.shape[0] for b in seen.seen} == {chosen} and trainer.state.global_step == 2
+    out = capsys.readouterr().out
+    assert "auto_find_batch_size: per-device batch 16 is predicted to need" in out
+    assert f"training with per-device batch {chosen}" in out
+
+
+def test_the_overflow_error_names_autotune(tmp_path):
+    trainer = make_trainer(tmp_path, steps=1)
+    attach(trainer, budget="2MiB", suggest=False)
+    with pytest.raises(preflight.PreflightError, match=r"hf\.autotune\(trainer\)"):
+        trainer.train()

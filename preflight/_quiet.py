@@ -1,0 +1,104 @@
+"""Keep the CPU profiler's native log lines off the user's terminal while preflight measures.
+
+Measuring on CPU runs ``torch.profiler`` with ``profile_memory=True`` (`preflight._verify.StepPeakMeter`,
+`preflight._measure.cpu_profiled_peak`). Two pieces of C++ then write to file descriptor 2, below Python's
+``sys.stderr``, so neither ``warnings`` filters nor ``contextlib.redirect_stderr`` reach them:
+
+- kineto logs ``USDT: ... SyncActivityProfilerHandler.cpp:52] profiler_start`` (and ``profiler_stop``) at every
+  start and stop. ``KINETO_LOG_LEVEL`` (read once, when kineto is first initialised) would hide them, but only
+  if set before the process first profiles, and it is the user's environment, not ours to change.
+- c10's ``ProfiledCPUMemoryReporter::Delete`` (``c10/core/CPUAllocator.cpp``) logs ``Memory block of unknown
+  size was allocated before the profiling started`` when a tensor allocated before the profiler started is freed
+  during the measured step (every step frees the previous batch), once per 1000 such frees.
+  ``TORCH_CPP_LOG_LEVEL`` hides it only when set before ``import torch``; there is no runtime switch.
+
+So `StderrFilter` points descriptor 2 at a temporary file for the measured window and, when it ends, writes
+back everything captured except those lines: Python's own output (warnings, prints, progress bars) is kept, in
+order, only delayed to the end of the window. A process that exits inside the window gets its captured output
+back from an ``atexit`` handler (tracebacks included); one killed by a signal loses it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import sys
+import tempfile
+import threading
+from typing import IO
+
+__all__ = ["StderrFilter"]
+
+# The lines dropped: nothing else is.
+NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$"
+                   rb"|CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling")
+
+_FD = 2
+_lock = threading.Lock()
+_active: StderrFilter | None = None  # descriptor 2 is process-wide: one filter at a time; nested ones do nothing
+
+
+class StderrFilter:
+    """Capture file descriptor 2 between `open` and `close`, then write it back without `NOISE`.
+
+    Example:
+        >>> quiet = StderrFilter().open()
+        >>> ...  # start the profiler, run a step, stop it
+        >>> quiet.close()
+
+    Known limitations: output written to descriptor 2 inside the window appears when it closes, not as it is
+    written; a filter opened while another is open does nothing (the outer one filters).
+    """
+
+    def __init__(self) -> None:
+        self._saved: int | None = None
+        self._capture: IO[bytes] | None = None
+
+    def open(self) -> StderrFilter:
+        global _active
+        with _lock:
+            if _active is not None:
+                return self
+            _flush_python_stderr()
+            try:
+                saved = os.dup(_FD)
+            except OSError:  # no descriptor 2 (a daemon): nothing reaches a terminal, nothing to filter
+                return self
+            capture = tempfile.TemporaryFile()
+            os.dup2(capture.fileno(), _FD)
+            self._saved, self._capture = saved, capture
+            _active = self
+        atexit.register(self.close)
+        return self
+
+    def close(self) -> None:
+        """Restore descriptor 2 and write back what was captured, less `NOISE` (idempotent)."""
+        global _active
+        with _lock:
+            if self._saved is None or self._capture is None:
+                return
+            _flush_python_stderr()
+            os.dup2(self._saved, _FD)
+            os.close(self._saved)
+            capture, self._saved, self._capture = self._capture, None, None
+            _active = None
+        atexit.unregister(self.close)
+        with capture:
+            capture.seek(0)
+            kept = b"".join(line for line in capture.read().splitlines(keepends=True) if not NOISE.search(line))
+        view = memoryview(kept)
+        while view:
+            view = view[os.write(_FD, view):]
+
+    def __enter__(self) -> StderrFilter:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _flush_python_stderr() -> None:
+    stream = sys.stderr
+    if stream is not None:
+        stream.flush()

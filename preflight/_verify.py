@@ -117,6 +117,7 @@ class StepPeakMeter:
                 profiler.stop()
             finally:
                 self._close_quiet()
+                atexit.unregister(self.abort)
             late = live_storage_bytes(also_resident, self.device) if also_resident is not None else 0
             profiled_peak, retained = profiled_memory_peak(profiler, with_end=True)
             peak = self._before + late + profiled_peak

@@ -13,7 +13,8 @@ trace left alive, preflight.measure (two real CPU steps, peak from the profiler'
 optimizer, then one more real forward and backward whose loss and gradients must be plain tensors.
 
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
-returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed.
+returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed; "real run fails"
+when the model's own training step raises without preflight (`measure`), so there is nothing to compare with.
 
 Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
                                                           about 40 minutes on 2 idle cores; more jobs than free
@@ -692,8 +693,12 @@ def run_case(spec: str) -> dict[str, Any]:
     row.update(estimate=est.peak_bytes, traced=est.coverage.traced and not est.coverage.lower_bound,
                lower_bound=est.coverage.lower_bound, failed_op=est.coverage.failed_op, reason=est.coverage.reason)
     row["fakes_left"] = live_fake_tensors() - fakes_before
-    with contextlib.redirect_stderr(io.StringIO()):  # the profiler's start/stop lines
-        measured = preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the profiler's start/stop lines
+            measured = preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+    except Exception as err:  # noqa: BLE001 - the model cannot train in this configuration, with or without us
+        row["real_run_error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        return row
     row["measured"] = measured.peak_bytes
     row["error"] = (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes
     # The real run after the trace computes on real tensors: loss and every gradient are plain tensors.
@@ -765,6 +770,8 @@ def spawn(spec: str, timeout: float) -> dict[str, Any]:
 
 
 def status(row: dict[str, Any]) -> str:
+    if row.get("real_run_error"):
+        return "real run fails"  # the model's own step raises: nothing to compare with
     if row.get("exception"):
         return "error"
     if row["fakes_left"] or not row["real_after_estimate"]:
@@ -775,14 +782,15 @@ def status(row: dict[str, Any]) -> str:
 def summary_row(label: str, rows: list[dict[str, Any]]) -> str:
     """One line of the summary: counts, cases traced within 0.5% and 1% (of all cases), traced errors, times."""
     n = len(rows)
-    counts = {s: sum(status(r) == s for r in rows) for s in ("traced", "fallback", "error")}
+    counts = {s: sum(status(r) == s for r in rows) for s in ("traced", "fallback", "error", "real run fails")}
     errors = sorted(abs(r["error"]) for r in rows if status(r) == "traced")
     times = [r["estimate_s"] for r in rows if r.get("estimate_s") is not None]
     within = [f"{k} ({k / n:.1%})" for k in (sum(e <= tol for e in errors) for tol in (0.005, 0.01))]
     stats = [f"{statistics.median(errors):.3%}", f"{max(errors):.3%}"] if errors else ["", ""]
     med_time = f"{statistics.median(times):.2f}" if times else ""
     return (f"| {label} | {n} | {len({r['name'] for r in rows})} | {counts['traced']} | {counts['fallback']} | "
-            f"{counts['error']} | {' | '.join(within)} | {' | '.join(stats)} | {med_time} |")
+            f"{counts['error']} | {counts['real run fails']} | {' | '.join(within)} | {' | '.join(stats)} | "
+            f"{med_time} |")
 
 
 def render(rows: list[dict[str, Any]], command: str) -> str:
@@ -794,9 +802,10 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
         f"{os.cpu_count()} CPU cores; batch {B}, {S} tokens, {IMG}px images ({DET_IMG}px for detection), "
         f"{AUDIO}-sample audio; AdamW; each case in its own process)",
         "",
-        "| family | cases | architectures | traced | fallback (lower bound) | error | traced within 0.5% | "
-        "traced within 1% | median abs error (traced) | max abs error (traced) | median estimate s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | cases | architectures | traced | fallback (lower bound) | error | real run fails | "
+        "traced within 0.5% | traced within 1% | median abs error (traced) | max abs error (traced) | "
+        "median estimate s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         summary_row("all", rows),
         *(summary_row(f, [r for r in rows if r["family"] == f]) for f in FAMILIES
           if any(r["family"] == f for r in rows)),
@@ -808,10 +817,11 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     order = {f: i for i, f in enumerate(FAMILIES)}
     for r in sorted(rows, key=lambda r: (order[r["family"]], r["name"], VARIANTS.index(r["variant"]))):
         st = status(r)
-        note = r.get("exception") or ""
+        note = r.get("exception") or r.get("real_run_error") or ""
         if not note and st == "fallback":
             note = f"{r.get('failed_op') or ''}: {r.get('reason') or ''}"
-        if not r.get("exception") and (r["fakes_left"] or not r["real_after_estimate"]):
+        if not r.get("exception") and not r.get("real_run_error") and (r["fakes_left"] or
+                                                                       not r["real_after_estimate"]):
             note = f"FakeTensor check failed: {r['fakes_left']} left alive, real run ok={r['real_after_estimate']}"
         note = note.replace("|", "\\|").replace("\n", " ")[:160]
         mib = (lambda k: f"{r[k] / 2**20:.2f}" if r.get(k) is not None else "")

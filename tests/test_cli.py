@@ -163,3 +163,111 @@ def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys, monkeypa
         code = main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB"])
     assert code == 4
     assert "NO VERDICT" in capsys.readouterr().out
+
+
+# ---- issue 10, item 4: the CLI says what it assumed -----------------------------------------------------------
+
+@pytest.fixture()
+def fp16_config(tmp_path):
+    # Like Llama-2-7B's published config: it names float16, which says how the weights were saved, not how
+    # mixed-precision training keeps them.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "torch_dtype": "float16"}))
+    return str(path)
+
+
+def _tiny_llama_parameters():
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("extra, dtype, itemsize, warns", [
+    (["--precision", "bf16-mixed"], "float32", 4, True),  # mixed precision keeps fp32 master weights
+    ([], "float32", 4, True),
+    (["--precision", "bf16-mixed", "--param-dtype", "float16"], "float16", 2, False),
+    (["--precision", "bf16-true"], "bfloat16", 2, True),
+])
+def test_parameter_dtype_follows_the_precision_not_the_config(fp16_config, tmp_path, capsys, extra, dtype,
+                                                              itemsize, warns):
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", fp16_config, "--batch", "2", "--seq", "32", "--json", str(out)]
+                + extra) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    n = _tiny_llama_parameters()
+    assert report["parameters"] == {"count": n, "trainable": n, "dtypes": {dtype: n}}
+    assert report["inputs"]["param_dtype"] == dtype
+    assert report["breakdown"]["parameters"] == n * itemsize
+    assert f"parameters: {n:,} ({n:,} trainable)" in captured.out
+    assert f"parameters in {dtype}" in captured.out
+    assert ("says dtype float16" in captured.err) == warns
+    assert bool(report["warnings"]) == warns
+
+
+def test_param_dtype_that_contradicts_a_true_precision_is_a_usage_error(config, capsys):
+    code = main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--precision", "bf16-true",
+                 "--param-dtype", "float16"])
+    assert code == 2
+    assert "--param-dtype bfloat16" in capsys.readouterr().err
+
+
+def test_json_records_the_inputs_and_versions(config, tmp_path):
+    import torch
+
+    import preflight
+
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", config, "--batch", "3", "--seq", "16", "--precision", "bf16-mixed",
+                 "--optimizer", "sgd", "--lora-r", "4", "--world-size", "2", "--sharding", "zero2",
+                 "--gpu", "A100-80GB", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    inputs = report["inputs"]
+    assert inputs["hf_config"] == str(pytest.importorskip("pathlib").Path(config).resolve())
+    assert (inputs["batch"], inputs["seq"], inputs["precision"], inputs["optimizer"]) == (3, 16, "bf16-mixed", "sgd")
+    assert inputs["lora"] == {"r": 4, "targets": "all-linear"}
+    assert (inputs["world_size"], inputs["sharding"], inputs["gpu"]) == (2, "zero2", "A100-80GB")
+    assert report["versions"]["preflight"] == preflight.__version__
+    assert report["versions"]["torch"] == torch.__version__
+    assert 0 < report["parameters"]["trainable"] < report["parameters"]["count"]  # LoRA adapters only
+
+
+def test_seq_beyond_the_models_positions_is_rejected(config, capsys):
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "257"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq 257" in err and "max_position_embeddings = 256" in err and "--seq 256 or less" in err
+
+
+def test_version(capsys):
+    import preflight
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"preflight {preflight.__version__}"
+
+
+def test_ranked_suggestions_when_it_does_not_fit_unless_no_suggest(config, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--budget", "4MiB"]
+    assert main(base + ["--json", str(out)]) == 3
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert "what to change (ranked" in printed and report["suggestions"]
+    assert report["suggestions"][0]["description"] in printed
+    assert any(s["fits"] for s in report["suggestions"])
+
+    assert main(base + ["--no-suggest", "--json", str(out)]) == 3
+    assert "what to change" not in capsys.readouterr().out
+    assert json.loads(out.read_text())["suggestions"] == []
+
+
+def test_plot_writes_a_png(config, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--budget", "1GiB",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -90,16 +90,19 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--no-suggest", dest="suggest", action="store_false",
                      help="when it does not fit, skip the ranked suggestions (each is a further trace)")
 
-    chk = sub.add_parser("check", help="dry-run your training script: `preflight check [options] -- python train.py`")
-    _add_plan_options(chk)
+    chk = sub.add_parser("check", help="dry-run your training script: `preflight check [options] -- python train.py`",
+                         description="Options given here win over the same settings written in the script; "
+                                     "options left out leave the script's settings alone.")
+    # None: a headroom written in the script stands unless --headroom is given.
+    _add_plan_options(chk, headroom=None)
     chk.add_argument("script", nargs=argparse.REMAINDER, help="the command after --")
     return parser
 
 
-def _add_plan_options(p: argparse.ArgumentParser) -> None:
+def _add_plan_options(p: argparse.ArgumentParser, headroom: float | None = DEFAULT_HEADROOM) -> None:
     p.add_argument("--gpu", help=f"plan for this GPU: {', '.join(known_gpus())}")
     p.add_argument("--budget", help="memory budget, e.g. 24GiB or 80GB (default: the GPU's memory)")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+    p.add_argument("--headroom", type=float, default=headroom,
                    help=f"fraction of the budget kept free (default {DEFAULT_HEADROOM})")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--sharding", choices=SHARDING_CHOICES, default=None)
@@ -107,7 +110,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
 
 def _budget(args: argparse.Namespace) -> int | None:
     try:
-        check_headroom(args.headroom)
+        check_headroom(DEFAULT_HEADROOM if args.headroom is None else args.headroom)
         return resolve_budget(args.budget, gpu=args.gpu)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -458,7 +461,9 @@ def _check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         report_path = os.path.join(tmp, "report.json")
         env = dict(os.environ, PREFLIGHT_DRY_RUN="1", PREFLIGHT_REPORT=report_path)
-        for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", args.budget),
+        # --gpu plans for that GPU and its memory, replacing a budget= written in the script (--budget narrows it).
+        budget = args.budget if args.budget is not None or args.gpu is None else _budget(args)
+        for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", budget),
                            ("PREFLIGHT_WORLD_SIZE", args.world_size if args.world_size > 1 else None),
                            ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom)):
             if value is not None:
@@ -470,22 +475,77 @@ def _check(args: argparse.Namespace) -> int:
         report = None
         if os.path.exists(report_path):
             with open(report_path) as f:
-                report = json.load(f)
+                try:
+                    report = json.load(f)
+                except json.JSONDecodeError:  # the script died while writing it
+                    print(f"preflight: the report {report_path} is not complete JSON.", file=sys.stderr)
+    return _decide(report, code)
+
+
+def _decide(report: dict[str, Any] | None, child_status: int) -> int:
+    """The exit status from the report the dry run wrote, never from the child's own status.
+
+    A launcher (``accelerate launch``, ``torchrun``) turns a rank's exit 3 into its own failure status, and a script
+    may catch ``SystemExit`` or fail after the report is written: the report is what the prediction said.
+    """
+    status = _status_text(child_status)
     if report is None:
-        if code == 0:
-            print("preflight: the script finished without reaching a preflight check. Add the callback "
-                  "(preflight.integrations.lightning / .hf) or call preflight.check(...) before training.",
-                  file=sys.stderr)
-            return EXIT_USAGE
-        print(f"preflight: the script exited with status {code} before a preflight check reported.",
-              file=sys.stderr)
-        return code
+        print(f"preflight: no preflight report was written: the script {status} without reaching a preflight "
+              "check. Add the callback (preflight.integrations.lightning / .hf) or call preflight.check(...) "
+              "before training; if it crashed, its own output above says why.", file=sys.stderr)
+        return EXIT_USAGE
     fits = report.get("fits")
-    need = report.get("predicted_required_bytes") or report.get("predicted_peak_bytes")
-    word = {True: "FITS", False: "DOES NOT FIT"}.get(fits, "NO VERDICT" if report.get("budget_bytes") else "NO BUDGET")
-    print(f"preflight check: {word}: predicted {format_bytes(need)} against a budget of "
-          f"{format_bytes(report.get('budget_bytes'))}")
+    peaks = report.get("rank_predicted_peak_bytes") or []
+    failed = [rank for rank, peak in enumerate(peaks) if peak is None]
+    if fits is False:
+        word, code = "DOES NOT FIT", EXIT_DOES_NOT_FIT
+    elif failed:
+        word, code = f"NO VERDICT (the prediction failed on rank(s) {', '.join(map(str, failed))})", EXIT_NO_VERDICT
+    elif fits is True:
+        word, code = "FITS", EXIT_FITS
+    elif report.get("budget_bytes") is not None:
+        word, code = "NO VERDICT (the prediction is a lower bound under the budget)", EXIT_NO_VERDICT
+    else:
+        word, code = "NO BUDGET (pass --gpu or --budget)", EXIT_FITS
+    print(f"preflight check: {word}: {_figure_text(report)}")
+    expected = {EXIT_FITS: (0,), EXIT_DOES_NOT_FIT: (EXIT_DOES_NOT_FIT,)}.get(code, ())
+    if child_status not in expected:
+        print(f"preflight: the script {status} after writing its report; the verdict above is the report's.",
+              file=sys.stderr)
     return code
+
+
+def _figure_text(report: dict[str, Any]) -> str:
+    """The figure the verdict compared with the usable budget, named as the report's table names it."""
+    peak = report.get("predicted_peak_bytes")
+    total = report.get("predicted_device_total_bytes")
+    eval_peak = report.get("eval_predicted_peak_bytes")
+    required = report.get("predicted_required_bytes") or (total if total is not None else peak)
+    if eval_peak is not None and required == eval_peak and eval_peak > (total if total is not None else peak or 0):
+        text = f"evaluation peak {format_bytes(eval_peak)} (training peak {format_bytes(peak)})"
+    elif total is not None:
+        text = (f"device total {format_bytes(total)} (reserved + CUDA context + workspaces; allocated peak "
+                f"{format_bytes(peak)})")
+    else:
+        text = f"allocated peak {format_bytes(peak)}"
+    usable, budget = report.get("usable_bytes"), report.get("budget_bytes")
+    if budget is None:
+        return text
+    if usable is None:
+        return f"{text} against a budget of {format_bytes(budget)}"
+    return f"{text} against {format_bytes(usable)} usable ({format_bytes(budget)} budget, " \
+           f"{report.get('headroom', 0):.0%} headroom)"
+
+
+def _status_text(status: int) -> str:
+    if status < 0:  # subprocess reports death by signal N as -N
+        import signal
+
+        try:
+            return f"was killed by signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
 
 
 if __name__ == "__main__":  # pragma: no cover

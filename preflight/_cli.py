@@ -311,8 +311,8 @@ def _config(args: argparse.Namespace) -> Any:
     try:
         import transformers
     except ImportError as err:
-        raise UsageError("`preflight estimate --hf-config` needs transformers: pip install "
-                         "'preflight-memory[hf]'") from err
+        raise UsageError("`preflight estimate --hf-config` needs transformers: pip install transformers "
+                         "(or, in your preflight clone, pip install -e '.[hf]')") from err
     config = _load_config(args.hf_config, transformers)
     _check_seq(args, config)
     return config
@@ -376,7 +376,8 @@ def _lora(model: Any, args: argparse.Namespace) -> Any:
     try:
         import peft
     except ImportError as err:
-        raise UsageError("--lora-r needs peft: pip install 'preflight-memory[hf]'") from err
+        raise UsageError("--lora-r needs peft: pip install peft (or, in your preflight clone, "
+                         "pip install -e '.[hf]')") from err
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     return peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, target_modules=targets))
 
@@ -388,7 +389,8 @@ def _optimizer(name: str, params: list) -> Any:
         try:
             import bitsandbytes as bnb
         except ImportError as err:
-            raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install 'preflight-memory[bnb]'") from err
+            raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes (or, in your "
+                             "preflight clone, pip install -e '.[bnb]')") from err
         return bnb.optim.AdamW8bit(params, lr=1e-4)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)

@@ -1,6 +1,6 @@
 """Render a `preflight._check.Report` as a PNG: the predicted live-memory timeline and the breakdown at the peak.
 
-matplotlib is an optional extra (``pip install 'preflight-memory[plot]'``). Only its object-oriented API is used
+matplotlib is an optional extra (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in a preflight clone). Only its object-oriented API is used
 (``Figure`` with an Agg canvas), so plotting changes no global matplotlib state (backend, pyplot figures).
 """
 
@@ -52,7 +52,8 @@ def _draw(path: str | os.PathLike, points: Any, breakdown: dict[str, int], peak:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(
-            "plot_path needs matplotlib, which is not installed: pip install 'preflight-memory[plot]'"
+            "plotting (plot_path=, --plot) needs matplotlib, which is not installed: pip install matplotlib "
+            "(or, in your preflight clone, pip install -e '.[plot]')"
         ) from err
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")

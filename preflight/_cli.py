@@ -37,7 +37,7 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # The parameter dtype each precision implies. Mixed precision (Lightning's "bf16-mixed", the HF Trainer's
 # bf16=True, accelerate's mixed_precision="bf16") autocasts the compute and keeps fp32 master weights unless the
 # user loads half-precision weights; only the "*-true" precisions cast the parameters themselves.
-_PRECISION_PARAM_DTYPE = {"bf16-true": "bfloat16", "16-true": "float16"}
+_PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-true": "float16"}
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 _TOP_SUGGESTIONS = 5
 
@@ -186,6 +186,8 @@ def _config_dtype_warnings(args: argparse.Namespace, config: Any, param_dtype: s
     named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     named = str(named).removeprefix("torch.") if named is not None else None
     if named is None or named == "auto" or named == param_dtype or args.param_dtype is not None:
+        return []
+    if args.precision in _PRECISION_PARAM_DTYPE:  # the precision casts whatever dtype the weights load in
         return []
     return [f"{args.hf_config} says dtype {named}, but the plan uses {param_dtype} parameters ({reason}). "
             f"If you load the weights in {named} (from_pretrained(..., dtype=torch.{named})), pass "
@@ -510,7 +512,9 @@ def _decide(report: dict[str, Any] | None, child_status: int) -> int:
     else:
         word, code = "NO BUDGET (pass --gpu or --budget)", EXIT_FITS
     print(f"preflight check: {word}: {_figure_text(report)}")
-    expected = {EXIT_FITS: (0,), EXIT_DOES_NOT_FIT: (EXIT_DOES_NOT_FIT,)}.get(code, ())
+    # What a dry run exits with on its own for this verdict (1: a rank's prediction failed).
+    expected = {EXIT_FITS: (EXIT_FITS,), EXIT_DOES_NOT_FIT: (EXIT_DOES_NOT_FIT,),
+                EXIT_NO_VERDICT: (EXIT_NO_VERDICT, 1)}[code]
     if child_status not in expected:
         print(f"preflight: the script {status} after writing its report; the verdict above is the report's.",
               file=sys.stderr)

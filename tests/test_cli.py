@@ -189,7 +189,7 @@ def _tiny_llama_parameters():
     (["--precision", "bf16-mixed"], "float32", 4, True),  # mixed precision keeps fp32 master weights
     ([], "float32", 4, True),
     (["--precision", "bf16-mixed", "--param-dtype", "float16"], "float16", 2, False),
-    (["--precision", "bf16-true"], "bfloat16", 2, True),
+    (["--precision", "bf16-true"], "bfloat16", 2, False),  # it casts whatever the weights load in
 ])
 def test_parameter_dtype_follows_the_precision_not_the_config(fp16_config, tmp_path, capsys, extra, dtype,
                                                               itemsize, warns):

@@ -350,6 +350,27 @@ _HF_CANNOT_RUN = {
 }
 
 
+@pytest.fixture()
+def _bnb_overrides_restored():
+    """HF's create_optimizer registers 32-bit overrides for embeddings in bitsandbytes' process-wide
+    GlobalOptimManager (by module, parameter id and (group, index) position); left there, they would apply to
+    the optimizers of later tests. Restore the manager as it was."""
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except ImportError:
+        yield
+        return
+    mng = GlobalOptimManager.get_instance()
+    saved = (list(mng.module_weight_config_triple), dict(mng.pid2config), dict(mng.index2config))
+    yield
+    mng.module_weight_config_triple[:] = saved[0]
+    mng.pid2config.clear()
+    mng.pid2config.update(saved[1])
+    mng.index2config.clear()
+    mng.index2config.update(saved[2])
+
+
+@pytest.mark.usefixtures("_bnb_overrides_restored")
 @pytest.mark.parametrize("optim", _hf_optimizer_names())
 def test_every_hf_optimizer_choice(optim, tmp_path):
     """issue 10: each TrainingArguments(optim=...) that builds on CPU, as Trainer.create_optimizer() builds it.

@@ -16,7 +16,8 @@ from typing import Any
 try:
     import accelerate
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("preflight.integrations.accelerate needs accelerate: pip install 'preflight-memory[hf]'") from err
+    raise ImportError("preflight.integrations.accelerate needs accelerate: pip install accelerate "
+                      "(or, in your preflight clone, pip install -e '.[hf]')") from err
 
 import torch
 from torch import nn

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -142,6 +143,8 @@ def advise(
       child of the largest ``nn.ModuleList`` (the repeated blocks) runs under ``torch.utils.checkpoint``.
     - ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (``Adam8bit`` for ``torch.optim.Adam``) over the same parameter
       groups and hyperparameters, when the optimizer is torch's AdamW or Adam and bitsandbytes is installed.
+      A bitsandbytes optimizer with 32-bit state (``args.optim_bits == 32``, e.g. HF's ``"paged_adamw_32bit"``)
+      gets the same class with ``optim_bits=8`` instead.
     - ``lora``: LoRA (peft, r=16, all linear layers) for a transformers ``PreTrainedModel`` that is not already
       a PEFT model, with AdamW over the adapters.
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
@@ -309,6 +312,8 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
     optimizer = setup.optimizer
+    if hasattr(getattr(optimizer, "args", None), "optim_bits"):
+        return _bnb_8bit(setup)
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return []
     if any(group.get("amsgrad") for group in optimizer.param_groups):
@@ -335,6 +340,47 @@ def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
     cost = ("a different optimizer: block-wise 8-bit Adam states (Dettmers et al. 2022, arXiv:2110.02861) matched "
             "32-bit Adam in the paper's benchmarks, but check the loss curve; needs bitsandbytes where you train")
     return [("adamw8bit", Suggestion({"optimizer": name}, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost))]
+
+
+def _bnb_8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """A bitsandbytes optimizer with 32-bit state (HF's "paged_adamw_32bit", "lion_32bit", ...): the same class
+    with ``optim_bits=8``. Known by its configuration (``args.optim_bits``), whatever the class is called."""
+    optimizer = setup.optimizer
+    if optimizer.args.optim_bits == 8:
+        return []
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    if "optim_bits" not in accepted:
+        return []
+    kwargs = {k: _plain(v) for k, v in optimizer.defaults.items() if k in accepted}
+    if "is_paged" in accepted:
+        kwargs["is_paged"] = optimizer.is_paged
+    kwargs["optim_bits"] = 8
+    if "args" in accepted:  # bitsandbytes reads the options from args when given: change it there too
+        args = copy.copy(optimizer.args)
+        args.optim_bits = 8
+        kwargs["args"] = args
+    groups = [{**{k: _plain(v) for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+              for g in optimizer.param_groups]
+    try:
+        # Built over the user's parameters outside any trace; it only reads them.
+        new = cls(groups, **kwargs)
+    except ValueError:  # a class fixed at 32 bits (e.g. AdamW32bit) takes no optim_bits=8
+        return []
+    est = setup.trace(optimizer=new)
+    base = setup.baseline
+    if est.peak_bytes >= base.peak_bytes:
+        return []
+    name = f"bitsandbytes.optim.{cls.__name__}"
+    state_before, state_after = base.breakdown.get("optimizer_state", 0), est.breakdown.get("optimizer_state", 0)
+    text = (f"{name} with optim_bits=8 instead of 32 (8-bit state for tensors of {optimizer.args.min_8bit_size} "
+            f"or more elements; optimizer state at the peak {format_bytes(state_before)} -> "
+            f"{format_bytes(state_after)}; the HF Trainer's \"*_8bit\" optim choices): "
+            f"{setup.versus(est.peak_bytes)}")
+    cost = ("8-bit optimizer state: block-wise quantised states (Dettmers et al. 2022, arXiv:2110.02861) matched "
+            "32-bit state in the paper's benchmarks, but check the loss curve")
+    return [("adamw8bit", Suggestion({"optimizer": name, "optim_bits": 8}, text, est.peak_bytes,
+                                     est.peak_bytes <= setup.limit, cost))]
 
 
 def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:

@@ -72,15 +72,19 @@ def _batch_bytes(batch: Any) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None) -> int | None:
     """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know."""
     name = type(optimizer).__name__
-    module = type(optimizer).__module__
+    # bitsandbytes optimizers are known by their configuration (``args.optim_bits``, resolved per parameter by
+    # ``get_config`` with any ``GlobalOptimManager`` override), not by class name: HF's "adamw_bnb_8bit" is
+    # ``bnb.optim.AdamW(..., optim_bits=8)``, not ``AdamW8bit``.
+    bnb_config = getattr(optimizer, "get_config", None) if hasattr(getattr(optimizer, "args", None), "optim_bits") \
+        else None
     total = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+    for gindex, group in enumerate(optimizer.param_groups):
+        for pindex, p in enumerate(group["params"]):
             if not p.requires_grad:
                 continue
             item = param_dtype.itemsize if param_dtype is not None and p.is_floating_point() else p.element_size()
-            if module.startswith("bitsandbytes"):
-                per = _bnb_bytes(optimizer, group, p)
+            if bnb_config is not None:
+                per = _bnb_bytes(optimizer, bnb_config(gindex, pindex, group), p)
                 if per is None:
                     return None
                 total += per
@@ -112,15 +116,23 @@ def _adafactor_bytes(p: torch.Tensor, item: int) -> int:
     return p.numel() * item + 4
 
 
-def _bnb_bytes(optimizer: Any, group: dict, p: torch.Tensor) -> int | None:
-    bits = group.get("optim_bits", getattr(optimizer.args, "optim_bits", 32) if hasattr(optimizer, "args") else 32)
-    min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
-    from bitsandbytes.optim.optimizer import Optimizer2State  # the module is loaded: optimizer is one of its
+def _bnb_bytes(optimizer: Any, config: dict, p: torch.Tensor) -> int | None:
+    # Follows Optimizer1State/Optimizer2State.init_state; AdEMAMix keeps a double-size state1 (two EMAs) and a
+    # (2, blocks) absmax1. ``step`` is a Python int there, so it has no tensor bytes.
+    from bitsandbytes.optim.optimizer import Optimizer1State, Optimizer2State  # loaded: optimizer is one of its
 
-    states = 2 if isinstance(optimizer, Optimizer2State) else 1
+    if isinstance(optimizer, Optimizer2State):
+        states = 2
+    elif isinstance(optimizer, Optimizer1State):
+        states = 1
+    else:
+        return None
+    from bitsandbytes.optim.ademamix import AdEMAMix
+
+    double = isinstance(optimizer, AdEMAMix)
     n = p.numel()
-    if bits == 8 and n >= min_8bit:
+    unorm = 4 if config.get("max_unorm", 0.0) > 0.0 and not double else 0
+    if config["optim_bits"] == 8 and n >= config["min_8bit_size"]:
         blocks = -(-n // _BNB_BLOCK)
-        return states * (n + 4 * blocks)
-    return states * 4 * n
-
+        return (states + double) * (n + 4 * blocks) + unorm
+    return (states + double) * 4 * n + unorm

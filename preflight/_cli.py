@@ -33,6 +33,13 @@ __all__ = ["main"]
 
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "seq2seq-lm", "image-cls")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "adafactor")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+# The parameter dtype each precision implies. Mixed precision (Lightning's "bf16-mixed", the HF Trainer's
+# bf16=True, accelerate's mixed_precision="bf16") autocasts the compute and keeps fp32 master weights unless the
+# user loads half-precision weights; only the "*-true" precisions cast the parameters themselves.
+_PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-true": "float16"}
+_MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+_TOP_SUGGESTIONS = 5
 
 
 class UsageError(Exception):
@@ -52,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from preflight import __version__
+
     parser = argparse.ArgumentParser(prog="preflight", description="Predict the peak GPU memory of training.")
+    parser.add_argument("--version", action="version", version=f"preflight {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     est = sub.add_parser("estimate", help="plan a run of a transformers model from its config (no weights)")
@@ -63,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--task", choices=TASKS, default="causal-lm")
     est.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     est.add_argument("--precision", choices=[p for p in PRECISIONS if p], default=None)
+    est.add_argument("--param-dtype", choices=PARAM_DTYPES, default=None,
+                     help="dtype of the trained parameters (default: float32, or the dtype a *-true precision "
+                          "casts to; mixed precision keeps fp32 master weights). Not read from the config")
     est.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank instead")
     est.add_argument("--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
@@ -71,18 +84,25 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--deepspeed-config", metavar="PATH",
                      help="read the ZeRO stage and offload settings from a DeepSpeed config (JSON)")
-    est.add_argument("--json", metavar="PATH", help="also write the estimate and verdict as JSON")
+    est.add_argument("--json", metavar="PATH", help="also write the estimate, verdict and inputs as JSON")
+    est.add_argument("--plot", metavar="PATH", help="also draw the predicted memory timeline as a PNG "
+                                                   "(needs matplotlib)")
+    est.add_argument("--no-suggest", dest="suggest", action="store_false",
+                     help="when it does not fit, skip the ranked suggestions (each is a further trace)")
 
-    chk = sub.add_parser("check", help="dry-run your training script: `preflight check [options] -- python train.py`")
-    _add_plan_options(chk)
+    chk = sub.add_parser("check", help="dry-run your training script: `preflight check [options] -- python train.py`",
+                         description="Options given here win over the same settings written in the script; "
+                                     "options left out leave the script's settings alone.")
+    # None: a headroom written in the script stands unless --headroom is given.
+    _add_plan_options(chk, headroom=None)
     chk.add_argument("script", nargs=argparse.REMAINDER, help="the command after --")
     return parser
 
 
-def _add_plan_options(p: argparse.ArgumentParser) -> None:
+def _add_plan_options(p: argparse.ArgumentParser, headroom: float | None = DEFAULT_HEADROOM) -> None:
     p.add_argument("--gpu", help=f"plan for this GPU: {', '.join(known_gpus())}")
     p.add_argument("--budget", help="memory budget, e.g. 24GiB or 80GB (default: the GPU's memory)")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+    p.add_argument("--headroom", type=float, default=headroom,
                    help=f"fraction of the budget kept free (default {DEFAULT_HEADROOM})")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--sharding", choices=SHARDING_CHOICES, default=None)
@@ -90,7 +110,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
 
 def _budget(args: argparse.Namespace) -> int | None:
     try:
-        check_headroom(args.headroom)
+        check_headroom(DEFAULT_HEADROOM if args.headroom is None else args.headroom)
         return resolve_budget(args.budget, gpu=args.gpu)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -106,22 +126,153 @@ def _estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size should be at least 1, got {args.world_size}.")
     import preflight
 
+    param_dtype, dtype_reason = _param_dtype(args)
+    config = _config(args)
+    warnings_ = _config_dtype_warnings(args, config, param_dtype, dtype_reason)
     with _progress("building the model on the meta device"):
-        model, optimizer, batch = _build(args)
+        model, optimizer, batch = _build(args, config, param_dtype)
+    for text in warnings_:
+        print(f"preflight: warning: {text}", file=sys.stderr)
     sharding, offload = _sharding(args)
     with _progress("tracing 2 training steps on fake tensors"):
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
                                  sharding=sharding, **offload)
+    params = _parameter_summary(model)
+    print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
     verdict = _verdict(est.required_bytes, budget, args.headroom, lower_bound=est.coverage.lower_bound)
     print(verdict["text"])
+    suggestions: list[dict[str, Any]] = []
+    if verdict["fits"] is False and args.suggest:
+        suggestions, why_none = _suggest(args, model, optimizer, batch, config, budget, sharding, offload)
+        print(_suggestions_text(suggestions, why_none))
     if args.json:
+        out = {**est.to_dict(), **{k: v for k, v in verdict.items() if k != "text"},
+               "parameters": params, "inputs": _inputs(args, param_dtype, sharding, offload),
+               "versions": _versions(), "suggestions": suggestions, "warnings": warnings_}
         with open(args.json, "w") as f:
-            json.dump({**est.to_dict(), **{k: v for k, v in verdict.items() if k != "text"}}, f, indent=2)
+            json.dump(out, f, indent=2)
+    if args.plot:
+        from preflight._plot import plot_estimate
+
+        try:
+            plot_estimate(est, args.plot, budget_bytes=verdict["budget_bytes"], usable_bytes=verdict["usable_bytes"])
+        except ImportError as err:
+            raise UsageError(str(err)) from None
+        print(f"plot: {args.plot}")
     if verdict["fits"] is None:
         return EXIT_NO_VERDICT if budget is not None else EXIT_FITS
     return EXIT_FITS if verdict["fits"] else EXIT_DOES_NOT_FIT
+
+
+def _param_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """The parameter dtype to plan with, and why (said in the output)."""
+    implied = _PRECISION_PARAM_DTYPE.get(args.precision or "")
+    if args.param_dtype is not None:
+        if implied is not None and args.param_dtype != implied:
+            raise UsageError(f"--precision {args.precision} casts the parameters to {implied}, but --param-dtype is "
+                             f"{args.param_dtype}: drop --param-dtype or pass --param-dtype {implied}.")
+        return args.param_dtype, "--param-dtype"
+    if implied is not None:
+        return implied, f"--precision {args.precision} casts the parameters"
+    if args.precision in ("bf16-mixed", "16-mixed"):
+        return "float32", f"--precision {args.precision} keeps fp32 master weights"
+    return "float32", "the default; pass --param-dtype for half-precision weights"
+
+
+def _config_dtype_warnings(args: argparse.Namespace, config: Any, param_dtype: str, reason: str) -> list[str]:
+    """A warning when the config names a dtype other than the one planned with (the config is not obeyed)."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    named = str(named).removeprefix("torch.") if named is not None else None
+    if named is None or named == "auto" or named == param_dtype or args.param_dtype is not None:
+        return []
+    if args.precision in _PRECISION_PARAM_DTYPE:  # the precision casts whatever dtype the weights load in
+        return []
+    return [f"{args.hf_config} says dtype {named}, but the plan uses {param_dtype} parameters ({reason}). "
+            f"If you load the weights in {named} (from_pretrained(..., dtype=torch.{named})), pass "
+            f"--param-dtype {named}."]
+
+
+def _parameter_summary(model: Any) -> dict[str, Any]:
+    """Parameter counts (tied weights once) and the elements per dtype, for the table and the JSON."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    dtypes: dict[str, int] = {}
+    for p in unique:
+        name = str(p.dtype).removeprefix("torch.")
+        dtypes[name] = dtypes.get(name, 0) + p.numel()
+    return {"count": sum(p.numel() for p in unique), "trainable": sum(p.numel() for p in unique if p.requires_grad),
+            "dtypes": dtypes}
+
+
+def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dtype: str, reason: str,
+                      sharding: str | None, offload: dict[str, bool]) -> str:
+    dtypes = ", ".join(f"{name} {n:,}" for name, n in params["dtypes"].items())
+    shape = f"batch {args.batch}" + (f" x seq {args.seq}" if args.seq is not None else "")
+    lora = f"LoRA r={args.lora_r} on {args.lora_targets}" if args.lora_r else "full fine-tuning"
+    plan = f"{args.world_size} rank(s)" + (f", {sharding}" if sharding else "") + \
+        "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
+    return "\n".join([
+        f"parameters: {params['count']:,} ({params['trainable']:,} trainable); dtypes: {dtypes}",
+        f"assumed: parameters in {param_dtype} ({reason}); precision {args.precision or 'as the parameters'}; "
+        f"optimizer {args.optimizer}; {lora}{'; checkpointing' if args.checkpointing else ''}",
+        f"assumed: {args.task}, {shape}, {plan}",
+    ])
+
+
+def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
+             sharding: str | None, offload: dict[str, bool]) -> tuple[list[dict[str, Any]], str | None]:
+    """Ranked changes from `preflight.advise`, as the callbacks print them; or why there are none."""
+    if sharding or any(offload.values()):
+        # advise plans each change from an unsharded trace: its figures would not be this run's.
+        return [], "suggestions are not available with sharding or offload (pass --no-suggest to skip this line)"
+    from preflight._advise import advise
+
+    with _progress("ranking changes that would fit (--no-suggest skips this)"):
+        found = advise(model, optimizer, batch, budget=budget, precision=args.precision,
+                       device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
+                       make_batch=lambda b: _batch(args, config, batch_size=b))
+    return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
+             "change": s.change, "cost": s.cost} for s in found], None
+
+
+def _suggestions_text(suggestions: list[dict[str, Any]], why_none: str | None) -> str:
+    if why_none is not None:
+        return f"what to change: {why_none}"
+    if not suggestions:
+        return "what to change: preflight.advise found no single change that lowers the peak"
+    lines = ["what to change (ranked; predicted peak with the change):"]
+    for i, s in enumerate(suggestions[:_TOP_SUGGESTIONS], 1):
+        lines.append(f"  {i}. {'fits' if s['fits'] else 'still over'}: {s['description']}")
+    return "\n".join(lines)
+
+
+def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
+            offload: dict[str, bool]) -> dict[str, Any]:
+    return {"hf_config": os.path.abspath(args.hf_config), "task": args.task, "batch": args.batch, "seq": args.seq,
+            "precision": args.precision, "param_dtype": param_dtype, "optimizer": args.optimizer,
+            "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
+            "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
+            "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
+            "headroom": args.headroom}
+
+
+def _versions() -> dict[str, str | None]:
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    import preflight
+
+    out: dict[str, str | None] = {"preflight": preflight.__version__, "python": platform.python_version(),
+                                  "torch": torch.__version__}
+    for dist in ("transformers", "peft", "bitsandbytes"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
@@ -158,15 +309,21 @@ def _verdict(required: int, budget: int | None, headroom: float, *, lower_bound:
     return {"fits": fits, "budget_bytes": budget, "usable_bytes": usable, "text": text}
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    import torch
-
+def _config(args: argparse.Namespace) -> Any:
     try:
         import transformers
     except ImportError as err:
-        raise UsageError("`preflight estimate --hf-config` needs transformers: pip install "
-                         "'preflight-memory[hf]'") from err
+        raise UsageError("`preflight estimate --hf-config` needs transformers: pip install transformers "
+                         "(or, in your preflight clone, pip install -e '.[hf]')") from err
     config = _load_config(args.hf_config, transformers)
+    _check_seq(args, config)
+    return config
+
+
+def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any, Any, Any]:
+    import torch
+    import transformers
+
     if args.task == "seq-cls" and getattr(config, "pad_token_id", 0) is None:
         # transformers' classifiers find the last token through the pad token and refuse batches > 1 without one.
         config.pad_token_id = 0
@@ -177,7 +334,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     }
     try:
         with torch.device("meta"):
-            model = classes[args.task].from_config(config)
+            # The dtype is ours to choose, not the config's: see _param_dtype.
+            model = classes[args.task].from_config(config, dtype=getattr(torch, param_dtype))
     except ValueError as err:
         raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {err}".splitlines()[0]) from None
     if args.checkpointing:
@@ -187,6 +345,18 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(args.optimizer, params)
     return model, optimizer, _batch(args, config)
+
+
+def _check_seq(args: argparse.Namespace, config: Any) -> None:
+    if args.seq is None:
+        return
+    if args.seq < 1:
+        raise UsageError(f"--seq should be at least 1, got {args.seq}.")
+    for key in _MAX_POSITION_KEYS:
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0 and args.seq > limit:
+            raise UsageError(f"--seq {args.seq} is beyond the model's maximum positions: {key} = {limit} in "
+                             f"{args.hf_config}. Pass --seq {limit} or less (or a config with a longer context).")
 
 
 def _load_config(path: str, transformers: Any) -> Any:
@@ -208,7 +378,8 @@ def _lora(model: Any, args: argparse.Namespace) -> Any:
     try:
         import peft
     except ImportError as err:
-        raise UsageError("--lora-r needs peft: pip install 'preflight-memory[hf]'") from err
+        raise UsageError("--lora-r needs peft: pip install peft (or, in your preflight clone, "
+                         "pip install -e '.[hf]')") from err
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     return peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, target_modules=targets))
 
@@ -220,7 +391,8 @@ def _optimizer(name: str, params: list) -> Any:
         try:
             import bitsandbytes as bnb
         except ImportError as err:
-            raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install 'preflight-memory[bnb]'") from err
+            raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes (or, in your "
+                             "preflight clone, pip install -e '.[bnb]')") from err
         return bnb.optim.AdamW8bit(params, lr=1e-4)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
@@ -229,10 +401,10 @@ def _optimizer(name: str, params: list) -> Any:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _batch(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None) -> dict[str, Any]:
     import torch
 
-    b = args.batch
+    b = batch_size or args.batch
     if args.task == "image-cls":
         size = getattr(config, "image_size", 224)
         size = size if isinstance(size, int) else size[0]
@@ -293,7 +465,9 @@ def _check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         report_path = os.path.join(tmp, "report.json")
         env = dict(os.environ, PREFLIGHT_DRY_RUN="1", PREFLIGHT_REPORT=report_path)
-        for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", args.budget),
+        # --gpu plans for that GPU and its memory, replacing a budget= written in the script (--budget narrows it).
+        budget = args.budget if args.budget is not None or args.gpu is None else _budget(args)
+        for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", budget),
                            ("PREFLIGHT_WORLD_SIZE", args.world_size if args.world_size > 1 else None),
                            ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom)):
             if value is not None:
@@ -305,22 +479,79 @@ def _check(args: argparse.Namespace) -> int:
         report = None
         if os.path.exists(report_path):
             with open(report_path) as f:
-                report = json.load(f)
+                try:
+                    report = json.load(f)
+                except json.JSONDecodeError:  # the script died while writing it
+                    print(f"preflight: the report {report_path} is not complete JSON.", file=sys.stderr)
+    return _decide(report, code)
+
+
+def _decide(report: dict[str, Any] | None, child_status: int) -> int:
+    """The exit status from the report the dry run wrote, never from the child's own status.
+
+    A launcher (``accelerate launch``, ``torchrun``) turns a rank's exit 3 into its own failure status, and a script
+    may catch ``SystemExit`` or fail after the report is written: the report is what the prediction said.
+    """
+    status = _status_text(child_status)
     if report is None:
-        if code == 0:
-            print("preflight: the script finished without reaching a preflight check. Add the callback "
-                  "(preflight.integrations.lightning / .hf) or call preflight.check(...) before training.",
-                  file=sys.stderr)
-            return EXIT_USAGE
-        print(f"preflight: the script exited with status {code} before a preflight check reported.",
-              file=sys.stderr)
-        return code
+        print(f"preflight: no preflight report was written: the script {status} without reaching a preflight "
+              "check. Add the callback (preflight.integrations.lightning / .hf) or call preflight.check(...) "
+              "before training; if it crashed, its own output above says why.", file=sys.stderr)
+        return EXIT_USAGE
     fits = report.get("fits")
-    need = report.get("predicted_required_bytes") or report.get("predicted_peak_bytes")
-    word = {True: "FITS", False: "DOES NOT FIT"}.get(fits, "NO VERDICT" if report.get("budget_bytes") else "NO BUDGET")
-    print(f"preflight check: {word}: predicted {format_bytes(need)} against a budget of "
-          f"{format_bytes(report.get('budget_bytes'))}")
+    peaks = report.get("rank_predicted_peak_bytes") or []
+    failed = [rank for rank, peak in enumerate(peaks) if peak is None]
+    if fits is False:
+        word, code = "DOES NOT FIT", EXIT_DOES_NOT_FIT
+    elif failed:
+        word, code = f"NO VERDICT (the prediction failed on rank(s) {', '.join(map(str, failed))})", EXIT_NO_VERDICT
+    elif fits is True:
+        word, code = "FITS", EXIT_FITS
+    elif report.get("budget_bytes") is not None:
+        word, code = "NO VERDICT (the prediction is a lower bound under the budget)", EXIT_NO_VERDICT
+    else:
+        word, code = "NO BUDGET (pass --gpu or --budget)", EXIT_FITS
+    print(f"preflight check: {word}: {_figure_text(report)}")
+    # What a dry run exits with on its own for this verdict (1: a rank's prediction failed).
+    expected = {EXIT_FITS: (EXIT_FITS,), EXIT_DOES_NOT_FIT: (EXIT_DOES_NOT_FIT,),
+                EXIT_NO_VERDICT: (EXIT_NO_VERDICT, 1)}[code]
+    if child_status not in expected:
+        print(f"preflight: the script {status} after writing its report; the verdict above is the report's.",
+              file=sys.stderr)
     return code
+
+
+def _figure_text(report: dict[str, Any]) -> str:
+    """The figure the verdict compared with the usable budget, named as the report's table names it."""
+    peak = report.get("predicted_peak_bytes")
+    total = report.get("predicted_device_total_bytes")
+    eval_peak = report.get("eval_predicted_peak_bytes")
+    required = report.get("predicted_required_bytes") or (total if total is not None else peak)
+    if eval_peak is not None and required == eval_peak and eval_peak > (total if total is not None else peak or 0):
+        text = f"evaluation peak {format_bytes(eval_peak)} (training peak {format_bytes(peak)})"
+    elif total is not None:
+        text = (f"device total {format_bytes(total)} (reserved + CUDA context + workspaces; allocated peak "
+                f"{format_bytes(peak)})")
+    else:
+        text = f"allocated peak {format_bytes(peak)}"
+    usable, budget = report.get("usable_bytes"), report.get("budget_bytes")
+    if budget is None:
+        return text
+    if usable is None:
+        return f"{text} against a budget of {format_bytes(budget)}"
+    return f"{text} against {format_bytes(usable)} usable ({format_bytes(budget)} budget, " \
+           f"{report.get('headroom', 0):.0%} headroom)"
+
+
+def _status_text(status: int) -> str:
+    if status < 0:  # subprocess reports death by signal N as -N
+        import signal
+
+        try:
+            return f"was killed by signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -268,3 +268,23 @@ def test_optimizer_offload_suggestion_matches_planning_it():
     planned = preflight.estimate(model, opt, batch, sharding="zero2", offload_optimizer=True)
     assert offload.predicted_peak_bytes == planned.peak_bytes < base.peak_bytes
     assert planned.breakdown["optimizer_state"] == 0
+
+
+@pytest.mark.parametrize("optim_bits", [32, 8])
+def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
+    # issue 10: known by configuration (args.optim_bits), as HF builds it: bnb.optim.AdamW(..., optim_bits=...)
+    bnb = pytest.importorskip("bitsandbytes")
+    model = make_gpt2()
+    opt = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=optim_bits, is_paged=True)
+    batch = lm_batch(2)
+    base = preflight.estimate(model, opt, batch).peak_bytes
+    suggestions = advise(model, opt, batch, budget=base // 2)
+    offered = [s for s in suggestions if s.change.get("optim_bits") == 8]
+    if optim_bits == 8:
+        assert not offered and not any("optimizer" in s.change for s in suggestions)
+        return
+    (s,) = offered
+    assert s.change == {"optimizer": "bitsandbytes.optim.AdamW", "optim_bits": 8}
+    eight = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=8, is_paged=True)
+    assert s.predicted_peak_bytes == preflight.estimate(model, eight, batch).peak_bytes < base
+    assert opt.args.optim_bits == 32  # the user's optimizer is left as it was

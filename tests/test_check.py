@@ -258,7 +258,7 @@ def test_console_and_plot(tmp_path, capsys, monkeypatch):
     plot_report(report, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"pip install 'preflight-memory\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib \(or, in your preflight clone, pip install -e '\.\[plot\]'\)"):
         plot_report(report, tmp_path / "s.png")
     monkeypatch.setitem(sys.modules, "rich.console", None)
     print_report(report)  # plain text without rich

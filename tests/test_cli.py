@@ -163,3 +163,256 @@ def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys, monkeypa
         code = main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB"])
     assert code == 4
     assert "NO VERDICT" in capsys.readouterr().out
+
+
+# ---- issue 10, item 4: the CLI says what it assumed -----------------------------------------------------------
+
+@pytest.fixture()
+def fp16_config(tmp_path):
+    # Like Llama-2-7B's published config: it names float16, which says how the weights were saved, not how
+    # mixed-precision training keeps them.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "torch_dtype": "float16"}))
+    return str(path)
+
+
+def _tiny_llama_parameters():
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("extra, dtype, itemsize, warns", [
+    (["--precision", "bf16-mixed"], "float32", 4, True),  # mixed precision keeps fp32 master weights
+    ([], "float32", 4, True),
+    (["--precision", "bf16-mixed", "--param-dtype", "float16"], "float16", 2, False),
+    (["--precision", "bf16-true"], "bfloat16", 2, False),  # it casts whatever the weights load in
+])
+def test_parameter_dtype_follows_the_precision_not_the_config(fp16_config, tmp_path, capsys, extra, dtype,
+                                                              itemsize, warns):
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", fp16_config, "--batch", "2", "--seq", "32", "--json", str(out)]
+                + extra) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    n = _tiny_llama_parameters()
+    assert report["parameters"] == {"count": n, "trainable": n, "dtypes": {dtype: n}}
+    assert report["inputs"]["param_dtype"] == dtype
+    assert report["breakdown"]["parameters"] == n * itemsize
+    assert f"parameters: {n:,} ({n:,} trainable)" in captured.out
+    assert f"parameters in {dtype}" in captured.out
+    assert ("says dtype float16" in captured.err) == warns
+    assert bool(report["warnings"]) == warns
+
+
+def test_param_dtype_that_contradicts_a_true_precision_is_a_usage_error(config, capsys):
+    code = main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--precision", "bf16-true",
+                 "--param-dtype", "float16"])
+    assert code == 2
+    assert "--param-dtype bfloat16" in capsys.readouterr().err
+
+
+def test_json_records_the_inputs_and_versions(config, tmp_path):
+    import torch
+
+    import preflight
+
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", config, "--batch", "3", "--seq", "16", "--precision", "bf16-mixed",
+                 "--optimizer", "sgd", "--lora-r", "4", "--world-size", "2", "--sharding", "zero2",
+                 "--gpu", "A100-80GB", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    inputs = report["inputs"]
+    assert inputs["hf_config"] == str(pytest.importorskip("pathlib").Path(config).resolve())
+    assert (inputs["batch"], inputs["seq"], inputs["precision"], inputs["optimizer"]) == (3, 16, "bf16-mixed", "sgd")
+    assert inputs["lora"] == {"r": 4, "targets": "all-linear"}
+    assert (inputs["world_size"], inputs["sharding"], inputs["gpu"]) == (2, "zero2", "A100-80GB")
+    assert report["versions"]["preflight"] == preflight.__version__
+    assert report["versions"]["torch"] == torch.__version__
+    assert 0 < report["parameters"]["trainable"] < report["parameters"]["count"]  # LoRA adapters only
+
+
+def test_seq_beyond_the_models_positions_is_rejected(config, capsys):
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "257"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq 257" in err and "max_position_embeddings = 256" in err and "--seq 256 or less" in err
+
+
+def test_version(capsys):
+    import preflight
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"preflight {preflight.__version__}"
+
+
+def test_ranked_suggestions_when_it_does_not_fit_unless_no_suggest(config, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--budget", "4MiB"]
+    assert main(base + ["--json", str(out)]) == 3
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert "what to change (ranked" in printed and report["suggestions"]
+    assert report["suggestions"][0]["description"] in printed
+    assert any(s["fits"] for s in report["suggestions"])
+
+    assert main(base + ["--no-suggest", "--json", str(out)]) == 3
+    assert "what to change" not in capsys.readouterr().out
+    assert json.loads(out.read_text())["suggestions"] == []
+
+
+def test_plot_writes_a_png(config, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--budget", "1GiB",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- issue 10, item 5: `preflight check` decides from the report, not from the child's exit status ----------
+
+# A script that reports like a dry run, then does what the environment says: let the dry run's SystemExit end it
+# ("exit"), catch SystemExit and finish normally ("catch"), or fail after the report ("fail").
+REPORTER = textwrap.dedent("""
+    import os, sys
+    from preflight._dryrun import finish, settings_from_env
+
+    need = int(os.environ.get("NEED", "10"))
+    report = {"fits": need < 100, "predicted_peak_bytes": need, "predicted_required_bytes": need,
+              "budget_bytes": 100, "usable_bytes": 90, "headroom": 0.1}
+    if os.environ.get("TOTAL"):
+        report["predicted_device_total_bytes"] = report["predicted_required_bytes"] = int(os.environ["TOTAL"])
+    rank = int(os.environ.get("RANK", "0"))
+    behaviour = os.environ.get("BEHAVIOUR", "exit")
+    try:
+        if rank == 0:
+            finish(report, need < 100)
+        raise SystemExit(0 if need < 100 else 3)
+    except SystemExit:
+        if behaviour == "exit":
+            raise
+        if behaviour == "fail":
+            raise RuntimeError("the script failed after its report")
+    print("training ran anyway")
+""")
+
+
+def _check_run(tmp_path, *command, cwd=None, **env):
+    import os
+
+    (tmp_path / "reporter.py").write_text(REPORTER)
+    return run_cli("check", "--", *command, env={**os.environ, **env}, cwd=cwd or tmp_path)
+
+
+@pytest.mark.parametrize("behaviour, need, code", [
+    ("catch", 1000, 3),  # caught SystemExit, exited 0: still DOES NOT FIT
+    ("catch", 10, 0),
+    ("fail", 10, 0),  # exited 1 after a report that fits
+    ("fail", 1000, 3),
+    ("exit", 1000, 3),
+])
+def test_check_decides_from_the_report(tmp_path, behaviour, need, code):
+    result = _check_run(tmp_path, sys.executable, "reporter.py", BEHAVIOUR=behaviour, NEED=str(need))
+    assert result.returncode == code, result.stdout + result.stderr
+    assert ("DOES NOT FIT" in result.stdout) == (code == 3)
+    if behaviour == "fail":
+        assert "exited with status 1 after writing its report" in result.stderr
+
+
+def test_check_through_python_dash_m(tmp_path):
+    result = _check_run(tmp_path, sys.executable, "-m", "reporter", NEED="1000", BEHAVIOUR="catch")
+    assert result.returncode == 3, result.stderr
+    assert "DOES NOT FIT" in result.stdout
+
+
+def test_check_without_a_report_shows_the_childs_status(tmp_path, capsys):
+    script = tmp_path / "crash.py"
+    script.write_text("raise SystemExit(7)\n")
+    assert main(["check", "--", sys.executable, str(script)]) == 2
+    assert "no preflight report was written: the script exited with status 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("total, named", [(None, "allocated peak 1000 B"), ("2000", "device total 1.95 KiB")])
+def test_check_summary_names_the_figure_it_compared(tmp_path, total, named):
+    env = {"NEED": "1000"} if total is None else {"NEED": "1000", "TOTAL": total}
+    result = _check_run(tmp_path, sys.executable, "reporter.py", **env)
+    assert result.returncode == 3
+    assert f"DOES NOT FIT: {named}" in result.stdout and "against 90 B usable (100 B budget" in result.stdout
+
+
+def test_check_through_torchrun(tmp_path):
+    # torchrun reports a rank's exit 3 as its own failure (exit 1); the verdict is still the report's.
+    result = _check_run(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "reporter.py", NEED="1000")
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "DOES NOT FIT" in result.stdout
+
+
+def test_check_through_accelerate_launch(tmp_path):
+    pytest.importorskip("accelerate")
+    result = _check_run(tmp_path, sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes",
+                        "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                        "reporter.py", NEED="1000")
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "DOES NOT FIT" in result.stdout
+
+
+def test_gpu_flag_replaces_a_budget_written_in_the_script(tmp_path):
+    script = tmp_path / "budget.py"
+    script.write_text(textwrap.dedent("""
+        from preflight._check import Options, _with_environment
+        options, _ = _with_environment(Options(budget="24GiB", headroom=0.2))
+        print("budget", options.budget, "gpu", options.gpu, "headroom", options.headroom)
+    """))
+    import os
+
+    result = run_cli("check", "--gpu", "H100-80GB", "--", sys.executable, str(script),
+                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    from preflight._gpus import get_gpu
+
+    assert f"budget {get_gpu('H100-80GB').memory_bytes} gpu H100-80GB headroom 0.2" in result.stdout
+
+
+LIGHTNING_DDP = """import torch
+from torch import nn
+import lightning.pytorch as pl
+from preflight.integrations.lightning import PreflightCallback
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+if __name__ == "__main__":
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[PreflightCallback(verify_steps=0)])
+    trainer.fit(Tiny(), loader)
+    print("trained")
+"""
+
+
+def test_check_through_lightnings_multi_process_launch(tmp_path):
+    # Lightning's "ddp" strategy on CPU re-runs the script once per extra rank (its subprocess launcher).
+    pytest.importorskip("lightning")
+    (tmp_path / "lit_ddp.py").write_text(LIGHTNING_DDP)
+    result = run_cli("check", "--budget", "1KiB", "--", sys.executable, "lit_ddp.py", cwd=tmp_path)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "cpu x 2 ranks" in result.stdout and "trained" not in result.stdout
+    table_peak = __import__("re").search(r"training peak\s+([\d.]+ \w+)", result.stdout).group(1)
+    assert f"DOES NOT FIT: allocated peak {table_peak} against" in result.stdout  # the table's figure, named

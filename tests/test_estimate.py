@@ -44,11 +44,18 @@ def test_torch_optimizers_on_gpt2(name):
     assert abs(err) < TRANSFORMER_TOL
 
 
-@pytest.mark.parametrize("cls_name", ["AdamW8bit", "PagedAdamW8bit"])
+# The class names Lightning and accelerate users write, and the configurations HF builds (issue 10: AdamW with
+# optim_bits=8 is 8-bit state whatever the class is called).
+BNB_8BIT = {"AdamW8bit": {}, "PagedAdamW8bit": {}, "AdamW": {"optim_bits": 8},
+            "PagedAdamW": {"optim_bits": 8}}
+
+
+@pytest.mark.parametrize("cls_name", sorted(BNB_8BIT))
 def test_bitsandbytes_8bit(cls_name):
     bnb = pytest.importorskip("bitsandbytes")
     model = make_gpt2()
-    err, est = relative_error(model, getattr(bnb.optim, cls_name)(model.parameters(), lr=1e-3), lm_batch())
+    optimizer = getattr(bnb.optim, cls_name)(model.parameters(), lr=1e-3, **BNB_8BIT[cls_name])
+    err, est = relative_error(model, optimizer, lm_batch())
     assert abs(err) < TRANSFORMER_TOL
     # uint8 state1/state2 + fp32 absmax per 256-element block; fp32 states below 4096 elements; qmaps are
     # built at construction (outside the trace), so the traced state is exactly the per-parameter tensors.
@@ -322,3 +329,71 @@ def test_lower_bound_is_per_rank_when_sharded():
     assert sharded.unsharded_peak_bytes == single.peak_bytes
     assert sharded.breakdown["optimizer_state"] == -(-single.breakdown["optimizer_state"] // 4)
     assert sharded.peak_bytes < single.peak_bytes
+
+
+def _hf_optimizer_names():
+    try:
+        from transformers.training_args import OptimizerNames
+    except ImportError:
+        return []
+    return [name.value for name in OptimizerNames]
+
+
+# HF choices that cannot run here, with why (the rest are skipped only when HF itself says a package is missing).
+_HF_CANNOT_RUN = {
+    "adamw_torch_xla": "needs torch_xla",
+    "adamw_torch_npu_fused": "needs torch_npu (Ascend NPU)",
+    # bitsandbytes' AdEMAMix allocates its paged double buffer with cget_managed_ptr even off CUDA, which the
+    # CPU build of bitsandbytes lacks: measure() cannot run it here (estimate() does).
+    "paged_ademamix_8bit": "bitsandbytes' paged AdEMAMix needs CUDA managed memory, even on CPU",
+    "paged_ademamix_32bit": "bitsandbytes' paged AdEMAMix needs CUDA managed memory, even on CPU",
+}
+
+
+@pytest.fixture()
+def _bnb_overrides_restored():
+    """HF's create_optimizer registers 32-bit overrides for embeddings in bitsandbytes' process-wide
+    GlobalOptimManager (by module, parameter id and (group, index) position); left there, they would apply to
+    the optimizers of later tests. Restore the manager as it was."""
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except ImportError:
+        yield
+        return
+    mng = GlobalOptimManager.get_instance()
+    saved = (list(mng.module_weight_config_triple), dict(mng.pid2config), dict(mng.index2config))
+    yield
+    mng.module_weight_config_triple[:] = saved[0]
+    mng.pid2config.clear()
+    mng.pid2config.update(saved[1])
+    mng.index2config.clear()
+    mng.index2config.update(saved[2])
+
+
+@pytest.mark.usefixtures("_bnb_overrides_restored")
+@pytest.mark.parametrize("optim", _hf_optimizer_names())
+def test_every_hf_optimizer_choice(optim, tmp_path):
+    """issue 10: each TrainingArguments(optim=...) that builds on CPU, as Trainer.create_optimizer() builds it.
+
+    HF's "adamw_bnb_8bit" is ``bnb.optim.AdamW(..., optim_bits=8)``: its 8-bit state must be predicted from that
+    configuration, not from a class name.
+
+    Known limitation, kept out of this comparison by the batch size: bitsandbytes' CPU optimizer kernels are
+    Python functions behind one custom op (``bitsandbytes::optimizer_update_32bit``/``_8bit_blockwise``), so the
+    trace sees the op's fake implementation and not their fp32 copies of each gradient and parameter. On CUDA
+    those kernels are fused and allocate nothing; on CPU a step whose peak is in ``optimizer.step`` is
+    underestimated by up to about two fp32 copies of the largest parameter.
+    """
+    transformers = pytest.importorskip("transformers")
+    if optim in _HF_CANNOT_RUN:
+        pytest.skip(_HF_CANNOT_RUN[optim])
+    model = make_gpt2(n_layer=1)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), optim=optim, report_to=[], use_cpu=True)
+    try:
+        optimizer = transformers.Trainer(model=model, args=args).create_optimizer()
+    except (ImportError, ValueError) as err:
+        if "install" not in str(err).lower() and "import" not in str(err).lower():
+            raise
+        pytest.skip(f"HF cannot build it here: {str(err).splitlines()[0]}")
+    err, _ = relative_error(model, optimizer, lm_batch())
+    assert abs(err) < TRANSFORMER_TOL, f"{optim} ({type(optimizer).__module__}.{type(optimizer).__name__})"

@@ -88,13 +88,39 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *,
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    kwargs.update(_configuration(optimizer, accepted))
     for name in ("params", "self"):
         kwargs.pop(name, None)
     # Constructed outside fake mode: bitsandbytes builds its quantisation maps with data-dependent calls.
     clone = cls(groups, **kwargs)
+    if isinstance(getattr(optimizer, "name2qmap", None), dict):
+        # bitsandbytes' quantisation maps, built at construction when optim_bits=8 reaches Optimizer8bit: share
+        # the user's (constant lookup tables, only read) so the clone has at its first step what the original has.
+        clone.name2qmap = dict(optimizer.name2qmap)
     for p, state in optimizer.state.items():
         clone.state[twins.tensor(p)] = {k: _twin_state(twins, v) for k, v in state.items()}
     return clone
+
+
+def _configuration(optimizer: torch.optim.Optimizer, accepted: Any) -> dict[str, Any]:
+    """Constructor arguments an optimizer keeps outside ``defaults``, read back from the instance.
+
+    bitsandbytes keeps ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and ``skip_zeros`` in ``optimizer.args``
+    and ``is_paged`` on the instance, not in ``defaults``: rebuilt from ``defaults`` alone,
+    ``bnb.optim.AdamW(..., optim_bits=8)`` (what HF's ``optim="adamw_bnb_8bit"`` builds) would get 32-bit state.
+    Passing ``args`` itself keeps every option bitsandbytes reads from it (its ``get_config`` reads ``args``, not
+    the ``optim_bits`` argument, which classes such as ``AdamW8bit`` reject unless left at its default).
+    """
+    found: dict[str, Any] = {}
+    config = getattr(optimizer, "args", None)
+    if hasattr(config, "optim_bits"):
+        if "args" in accepted:
+            found["args"] = config
+        else:  # e.g. AdEMAMix: takes optim_bits and min_8bit_size by name, and no args
+            found.update({k: v for k, v in vars(config).items() if k in accepted})
+    if "is_paged" in accepted and hasattr(optimizer, "is_paged"):
+        found["is_paged"] = optimizer.is_paged
+    return found
 
 
 def _twin_state(twins: TwinMaker, value: Any) -> Any:

@@ -23,7 +23,8 @@ try:
     from transformers import Trainer, TrainerCallback
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "preflight.integrations.hf needs transformers: pip install 'preflight-memory[hf]'"
+        "preflight.integrations.hf needs transformers: pip install transformers (or, in your preflight clone, "
+        "pip install -e '.[hf]')"
     ) from err
 
 import torch

@@ -61,7 +61,8 @@ def _callback_bases() -> tuple[type, ...]:
             continue
     if not bases:
         raise ImportError("preflight.integrations.lightning needs Lightning 2 (the `lightning` or the "
-                          "`pytorch-lightning` package): pip install 'preflight-memory[lightning]'")
+                          "`pytorch-lightning` package): pip install lightning (or, in your preflight clone, "
+                          "pip install -e '.[lightning]')")
     return tuple(bases)
 
 

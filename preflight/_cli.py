@@ -11,18 +11,16 @@ file, unknown option), 1 an unexpected error.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_USAGE
 from preflight._gpus import known_gpus
 from preflight._sharding import SHARDING_CHOICES
@@ -419,35 +417,6 @@ def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None)
     else:
         batch["labels"] = ids
     return batch
-
-
-@contextlib.contextmanager
-def _progress(what: str) -> Iterator[None]:
-    """Say what is happening on stderr; on a terminal, keep the elapsed time ticking."""
-    start = time.perf_counter()
-    done = threading.Event()
-    if sys.stderr.isatty():
-        def spin() -> None:
-            frames = "|/-\\"
-            i = 0
-            while not done.wait(0.2):
-                print(f"\rpreflight: {what} {frames[i % 4]} {time.perf_counter() - start:5.1f} s",
-                      end="", file=sys.stderr, flush=True)
-                i += 1
-
-        thread = threading.Thread(target=spin, daemon=True)
-        thread.start()
-    else:
-        print(f"preflight: {what} ...", file=sys.stderr, flush=True)
-        thread = None
-    try:
-        yield
-    finally:
-        done.set()
-        if thread is not None:
-            thread.join()
-            print("\r", end="", file=sys.stderr)
-        print(f"preflight: {what}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 # ---- preflight check -- python train.py -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes

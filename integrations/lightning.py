@@ -205,12 +205,17 @@ class PreflightCallback(*_callback_bases()):
         # The optimizer stepped in this batch's closure: the last micro-batch of the accumulation, or of the epoch.
         last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or \
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if last and session.step_ended():
+        if not last:
+            return
+        with _quiet_logging(pl_module):  # the last step's end traces the measured batches (`VerifySession`)
+            finished = session.step_ended()
+        if finished:
             _log(trainer, session.report, verified=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
-            self._session.finish()
+            with _quiet_logging(pl_module):
+                self._session.finish()
             _log(trainer, self._session.report, verified=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

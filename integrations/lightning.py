@@ -212,6 +212,20 @@ class PreflightCallback(*_callback_bases()):
         if finished:
             _log(trainer, session.report, verified=True)
 
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        session = self._session
+        if session is None or not session.active or trainer.sanity_checking:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
+        session.eval_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch], batch)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._session is not None:
+            self._session.eval_ended()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
             with _quiet_logging(pl_module):
@@ -239,7 +253,7 @@ class PreflightCallback(*_callback_bases()):
                 schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
-                make_batch=samples.batch,
+                make_batch=samples.batch, eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
             )
         if note:
             report.warnings.append(note)
@@ -327,6 +341,13 @@ def _quiet_logging(module: pl.LightningModule) -> Iterator[None]:
         yield
     finally:
         del module.log, module.log_dict
+
+
+def _frees_gradients_before_eval(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Lightning's fit loop calls ``on_validation_model_zero_grad`` before validating, and its default sets the
+    gradients to None; a module that overrides it may keep them (then they are counted, the worst case)."""
+    is_overridden = importlib.import_module(_lightning(trainer).__name__ + ".utilities.model_helpers").is_overridden
+    return not is_overridden("on_validation_model_zero_grad", pl_module)
 
 
 def _precision(trainer: pl.Trainer) -> tuple[str | None, str | None]:

@@ -155,12 +155,17 @@ class Report:
     predicted_step_peaks: list[int | None] = dataclasses.field(default_factory=list)
     worst_case_headroom: float | None = None
     retained_step_bytes: list[int] = dataclasses.field(default_factory=list)
+    eval_measured_peak_bytes: int | None = None
+    eval_predicted_measured_bytes: int | None = None
+    eval_relative_error: float | None = None
     verify_method: str | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     eval_estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     # step_predictor(batch) -> {step: peak bytes}: the same prediction for another batch (`VerifySession`).
     step_predictor: Callable[[Any], dict[int, int]] | None = dataclasses.field(default=None, repr=False)
+    # eval_predictor(batch) -> bytes: the eval prediction for another eval batch.
+    eval_predictor: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def verdict_bytes(self) -> int:
@@ -175,7 +180,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The JSON report (without the timelines)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("estimate", "eval_estimate", "step_predictor")}
+               if f.name not in ("estimate", "eval_estimate", "step_predictor", "eval_predictor")}
         out["relative_error"] = None if self.relative_error is None else round(self.relative_error, 6)
         if self.worst_case_headroom is not None:
             out["worst_case_headroom"] = round(self.worst_case_headroom, 6)
@@ -263,6 +268,7 @@ def predict(
     eval_batch_info: BatchInfo | None = None,
     ddp_gradient_buckets: bool = False,
     make_batch: Callable[[int], Any] | None = None,
+    eval_frees_gradients: bool = False,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
 
@@ -278,6 +284,9 @@ def predict(
             a flat copy of every gradient for the whole run (`preflight._sharding.shard_breakdown` docs),
             added to both peaks as gradients.
         make_batch: ``make_batch(b)`` builds the worst-case batch at size ``b``, for the suggestions.
+        eval_frees_gradients: the trainer releases the gradients before evaluating (Lightning's default
+            ``on_validation_model_zero_grad``), so a ``"before_backward"`` schedule's gradients are not alive
+            during evaluation.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -319,13 +328,18 @@ def predict(
         breakdown["gradients"] += buckets
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
 
-    eval_est = None
+    eval_est = eval_predictor = None
     if options.check_eval and eval_batch is not None:
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
-                                 ddp_gradient_buckets=ddp_gradient_buckets, estimate=est)
+                                 ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
+                                 frees_gradients=eval_frees_gradients)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
                                      resident=resident)
+
+        def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
+            return estimate_eval(model, b, step=eval_step, precision=precision, device=target,
+                                 resident=resident).peak_bytes
 
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes
@@ -355,6 +369,7 @@ def predict(
         estimate=est,
         eval_estimate=eval_est,
         step_predictor=step_predictor,
+        eval_predictor=eval_predictor,
     )
     if est.coverage.lower_bound:
         report.warnings.append("the training step could not be traced: the prediction is a lower bound "
@@ -448,6 +463,10 @@ class VerifySession:
         self._step_shapes: list[str | None] = []
         self._batches: dict[str, Any] = {}
         self._pending_shape: str | None = None
+        # Evaluation batches run inside the measured window, measured apart: (peak, shape key) each.
+        self._eval_meter: StepPeakMeter | None = None
+        self._eval_peaks: list[tuple[int, str | None]] = []
+        self._eval_shape: str | None = None
         with internal_failures("starting verification"):
             self.meter = StepPeakMeter(device)
         self.method = self.meter.method if self.meter is not None else None
@@ -500,20 +519,25 @@ class VerifySession:
         if self.meter is not None:
             self.meter.abort()
         local = None
+        if self._eval_meter is not None:
+            self._eval_meter.abort()
         if self.meter is not None and self.meter.step_peaks:
             own: list[int | None] = []
             with internal_failures("predicting the measured batches"):
                 own = self._own_predictions()
+            evals = None
+            with internal_failures("predicting the measured evaluation batches"):
+                evals = self._eval_comparison()
             local = ([p + self.extra for p in self.meter.step_peaks], list(self.meter.reserved_peaks), own,
-                     list(self.meter.step_retained))
+                     list(self.meter.step_retained), evals)
         self._batches.clear()
         gathered = [g for g in _all_gather(local) if g is not None]
         report = self.report
         if report is None or not gathered:
             return report
-        report.step_predictor = None  # it holds the model and optimizer; not needed past verification
+        report.step_predictor = report.eval_predictor = None  # they hold the model; not needed past verification
         with internal_failures("comparing with the measurement"):
-            peaks, reserved, own, retained = max(gathered, key=lambda g: max(g[0]))  # the rank with the largest peak
+            peaks, reserved, own, retained, evals = max(gathered, key=lambda g: max(g[0]))  # the largest rank
             result = compare(report.predicted_peak_bytes, peaks, method=self.method, reserved_peaks=reserved,
                              predicted_step_peaks=own, step_retained=retained)
             report.measured_peak_bytes = result.measured_peak_bytes
@@ -524,6 +548,13 @@ class VerifySession:
             report.measured_step_peaks = list(result.step_peaks)
             report.predicted_step_peaks = list(result.predicted_step_peaks)
             report.retained_step_bytes = list(result.step_retained)
+            if evals is not None:
+                measured, predicted = evals
+                report.eval_measured_peak_bytes = measured + self.extra
+                report.eval_predicted_measured_bytes = predicted
+                report.eval_relative_error = (None if not predicted else
+                                              (predicted - report.eval_measured_peak_bytes) /
+                                              report.eval_measured_peak_bytes)
             report.verify_method = result.method
             report.warnings.extend(result.warnings)
             if is_rank_zero():
@@ -533,6 +564,27 @@ class VerifySession:
                 print(summary(report.predicted_peak_bytes, result), flush=True)
         return report
 
+    def eval_started(self, resident: Any, batch: Any) -> None:
+        """An evaluation batch begins inside the measured window (between measured training steps)."""
+        if self.done or self.meter is None or self.meter.running:
+            return
+        ok = False
+        with internal_failures("measuring the evaluation peak"):
+            self._eval_meter = self._eval_meter or StepPeakMeter(self.meter.device)
+            self._eval_shape = self._remember(batch)
+            self._eval_meter.start(resident)
+            ok = True
+        if not ok:
+            self._eval_meter = None
+
+    def eval_ended(self) -> None:
+        """The evaluation batch started by `eval_started` is done."""
+        meter = self._eval_meter
+        if meter is None or not meter.running:
+            return
+        with internal_failures("measuring the evaluation peak"):
+            self._eval_peaks.append((meter.stop(), self._eval_shape))
+
     def _remember(self, batch: Any) -> str | None:
         """The shape key of ``batch``; keep a host copy of the first batch of each shape."""
         if batch is None:
@@ -541,6 +593,15 @@ class VerifySession:
         if key not in self._batches:
             self._batches[key] = map_tensors(lambda t: t.detach().to("cpu", copy=True), batch)
         return key
+
+    def _eval_comparison(self) -> tuple[int, int | None] | None:
+        """The largest measured evaluation batch and the eval prediction for that batch's own shape."""
+        if not self._eval_peaks:
+            return None
+        peak, key = max(self._eval_peaks, key=lambda pair: pair[0])
+        predictor = None if self.report is None else self.report.eval_predictor
+        predicted = predictor(self._batches[key]) if predictor is not None and key is not None else None
+        return peak, predicted
 
     def _own_predictions(self) -> list[int | None]:
         """For each measured step, the prediction for its own batch's shapes: the first step against the traced
@@ -697,10 +758,12 @@ def ddp_bucket_bytes(wrapped: Any) -> int:
 
 
 def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Schedule,
-                  ddp_gradient_buckets: bool = False, estimate: Estimate | None = None) -> dict[str, int]:
+                  ddp_gradient_buckets: bool = False, estimate: Estimate | None = None,
+                  frees_gradients: bool = False) -> dict[str, int]:
     """Training state alive during evaluation inside training: the optimizer state (closed form when the optimizer
     is known, else the traced training breakdown's), the last step's gradients when the trainer frees them only at
-    the next backward (Lightning), and DDP's buckets."""
+    the next backward and not before evaluating (``frees_gradients``: Lightning's default
+    ``on_validation_model_zero_grad`` releases them), and DDP's buckets."""
     from preflight._analytic import optimizer_state_bytes
     from preflight.trace import float_dtype_for
 
@@ -708,7 +771,7 @@ def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precisi
     if state is None:
         state = estimate.breakdown.get("optimizer_state", 0) if estimate is not None else 0
     grads = _gradient_bytes(model, precision)
-    kept = grads if schedule.zero_grad == "before_backward" else 0
+    kept = grads if schedule.zero_grad == "before_backward" and not frees_gradients else 0
     return {"optimizer_state": state, "gradients": kept + (grads if ddp_gradient_buckets else 0)}
 
 

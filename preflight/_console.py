@@ -218,6 +218,10 @@ def _verification_rows(r: Report) -> list[tuple[str, str]]:
     if r.worst_case_headroom is not None and own:
         rows.append(("worst case", f"{format_bytes(r.predicted_peak_bytes)} predicted, "
                      f"{r.worst_case_headroom:+.1%} above the largest measured step"))
+    if r.eval_measured_peak_bytes is not None:
+        predicted = "" if not r.eval_predicted_measured_bytes else \
+            f", predicted {format_bytes(r.eval_predicted_measured_bytes)} ({r.eval_relative_error:+.2%})"
+        rows.append(("eval", f"measured {format_bytes(r.eval_measured_peak_bytes)}{predicted}"))
     if r.measured_reserved_bytes is not None:
         rows.append(("reserved", format_bytes(r.measured_reserved_bytes)))
     rows.append(("per step", ", ".join(format_bytes(p) for p in r.measured_step_peaks)))

@@ -158,7 +158,7 @@ class PreflightCallback(TrainerCallback):
             return
         self._remove_hook()
         batch, self._batch = self._batch, None
-        if session.step_ended(also_resident=batch, batch=batch):
+        if session.step_ended(also_resident=batch, batch=_inputs(batch)):
             self._log(state, session.report, verified=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -210,6 +210,7 @@ class PreflightCallback(TrainerCallback):
         return result.batch_size
 
     def _remember_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # (args, kwargs) of the model's forward: all of it is alive since the step began (`also_resident`).
         if self._batch is None:
             self._batch = (args, kwargs)
 
@@ -394,6 +395,17 @@ def _precision(args: Any) -> str | None:
     if getattr(args, "fp16", False):
         return "16-mixed"
     return None
+
+
+def _inputs(forward_call: Any) -> Any:
+    """The batch as the Trainer collated it, from the ``(args, kwargs)`` its forward received: the Trainer calls
+    ``model(**inputs)`` (plus ``num_items_in_batch`` when the model takes it, which is not part of the batch)."""
+    if forward_call is None:
+        return None
+    args, kwargs = forward_call
+    if args:
+        return None  # not the Trainer's call: no batch to predict from
+    return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
 
 
 def _loss_step(trainer: Trainer | None) -> Any:

@@ -82,6 +82,8 @@ def preflight_check(
         >>> for batch in loader:  # doctest: +SKIP
         ...     with verifier.step(batch):
         ...         accelerator.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
+        >>> with torch.no_grad(), verifier.eval_step(eval_batch):  # doctest: +SKIP
+        ...     model(**eval_batch)
     """
     options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
                       report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest)
@@ -97,7 +99,8 @@ def preflight_check(
 class StepVerifier:
     """Measure the first ``steps`` optimizer steps of a custom loop and fill in ``report``'s measured fields.
 
-    Wrap each loop iteration in ``with verifier.step(batch):``. A window opens at the first micro-batch and closes
+    Wrap each loop iteration in ``with verifier.step(batch):``, and each evaluation batch inside the measured steps
+    in ``with verifier.eval_step(batch):``. A window opens at the first micro-batch and closes
     when ``accelerator.sync_gradients`` is True on exit (the optimizer stepped), so ``accelerator.accumulate``
     loops are measured per optimizer step. After ``steps`` steps (or `finish`) the report is updated, written,
     printed, and warnings are emitted; then the context does nothing.
@@ -130,6 +133,22 @@ class StepVerifier:
         if self.accelerator.sync_gradients:
             self._open = False
             self.session.step_ended()
+
+    @contextlib.contextmanager
+    def eval_step(self, batch: Any) -> Iterator[None]:
+        """Around one evaluation batch that runs while steps are still being measured: it is measured apart and
+        compared with the eval prediction for that batch's shape (``report.eval_relative_error``)."""
+        if not self.session.active or self._open:
+            yield
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        states = [list(s.values()) for s in self.optimizer.state.values()]
+        self.session.eval_started([list(self.model.parameters()), list(self.model.buffers()), grads, states, batch],
+                                  batch)
+        try:
+            yield
+        finally:
+            self.session.eval_ended()
 
     def finish(self) -> Report | None:
         """End verification early (fewer steps than asked); returns the report."""

@@ -99,6 +99,8 @@ class PreflightCallback(TrainerCallback):
         self._session: VerifySession | None = None
         self._batch: Any = None
         self._hook: Any = None
+        self._eval_hook: Any = None  # measures evaluation batches that run inside the verified window
+        self._optimizer: torch.optim.Optimizer | None = None
         self._samples: Any = None  # the train set's scan, for auto_find_batch_size
         self._finder_target: int | None = None  # with auto_find_batch_size: the largest batch predicted to fit
 
@@ -138,6 +140,10 @@ class PreflightCallback(TrainerCallback):
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, _device(model),
                                           extra_resident_bytes=_ddp_bucket_bytes(self.trainer, model, args))
+            # The Trainer has no hook before an evaluation batch: its forward, in eval mode, starts the measurement
+            # and ``on_prediction_step`` (after the batch) ends it.
+            self._optimizer = optimizer
+            self._eval_hook = model.register_forward_pre_hook(self._evaluation_forward, with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                       optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
@@ -161,8 +167,15 @@ class PreflightCallback(TrainerCallback):
         if session.step_ended(also_resident=batch, batch=_inputs(batch)):
             self._log(state, session.report, verified=True)
 
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._session is not None:
+            self._session.eval_ended()
+        if self._session is None or not self._session.active:
+            self._remove_eval_hook()
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hook()
+        self._remove_eval_hook()
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
             self._session.finish()
             self._log(state, self._session.report, verified=True)
@@ -218,6 +231,21 @@ class PreflightCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def _evaluation_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        session = self._session
+        if module.training or session is None or not session.active:
+            return
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        states = [] if self._optimizer is None else [list(s.values()) for s in self._optimizer.state.values()]
+        session.eval_started([list(module.parameters()), list(module.buffers()), grads, states, args, kwargs],
+                             _inputs((args, kwargs)))
+
+    def _remove_eval_hook(self) -> None:
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
+        self._optimizer = None
 
     def _log(self, state: Any, report: Report | None, *, verified: bool = False) -> None:
         if report is None or not is_rank_zero():

@@ -566,7 +566,8 @@ class VerifySession:
 
     def eval_started(self, resident: Any, batch: Any) -> None:
         """An evaluation batch begins inside the measured window (between measured training steps)."""
-        if self.done or self.meter is None or self.meter.running:
+        if self.done or self.meter is None or self.meter.running or \
+                (self._eval_meter is not None and self._eval_meter.running):
             return
         ok = False
         with internal_failures("measuring the evaluation peak"):

@@ -40,3 +40,27 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
             optimizer.zero_grad()
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["steps_measured"] == 2 and abs(data["relative_error"]) < 0.01
+
+
+def test_an_evaluation_batch_between_measured_steps_is_measured_and_compared():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = make_gpt2(n_layer=2, n_embd=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=4)
+    eval_loader = torch.utils.data.DataLoader(Batches(), batch_size=8)
+    model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
+    report = preflight_check(accelerator, model, optimizer, loader, budget="1GiB", eval_dataloader=eval_loader)
+    verifier = StepVerifier(accelerator, model, optimizer, report, steps=3)
+    for i, batch in enumerate(loader):
+        with verifier.step(batch):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if i == 1:  # evaluation after the second of three measured steps
+            model.eval()
+            eval_batch = next(iter(eval_loader))
+            with torch.no_grad(), verifier.eval_step(eval_batch):
+                model(**eval_batch)
+            model.train()
+    assert report.steps_measured == 3
+    assert report.eval_measured_peak_bytes is not None and abs(report.eval_relative_error) < 0.01

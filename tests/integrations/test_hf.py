@@ -197,3 +197,17 @@ def test_the_overflow_error_names_autotune(tmp_path):
     attach(trainer, budget="2MiB", suggest=False)
     with pytest.raises(preflight.PreflightError, match=r"hf\.autotune\(trainer\)"):
         trainer.train()
+
+
+def test_evaluation_inside_the_measured_window_is_measured_and_compared(tmp_path, capsys):
+    # Evaluation after step 2 of 4 measured steps: its batch (8 x 64 tokens) is measured from the model's forward to
+    # the Trainer's on_prediction_step and compared with the eval prediction for that batch's shape.
+    trainer = make_trainer(tmp_path, train=VariableTokens(fixed=48, key="input_ids"), steps=5,
+                           eval_dataset=VariableTokens(8, fixed=64, key="input_ids"), eval_steps=2)
+    callback = attach(trainer, verify_steps=4)
+    trainer.train()
+    report = callback.report
+    assert report.eval_measured_peak_bytes is not None
+    assert abs(report.eval_relative_error) < 0.01
+    assert "eval" in capsys.readouterr().out
+    assert callback._eval_hook is None  # nothing of the measurement stays on the model

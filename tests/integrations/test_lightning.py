@@ -323,3 +323,18 @@ def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     assert "RANK 0 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
     assert "RANK 1 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
     assert "TRAINED" not in out
+
+
+def test_the_lightning_example_runs_with_only_pytorch_lightning(tmp_path):
+    """examples/lightning_gpt.py, as a user with only the standalone pytorch-lightning runs it: predicted, trained,
+    verified."""
+    pytest.importorskip("pytorch_lightning")
+    code = ("import sys, runpy; sys.modules['lightning'] = None; "
+            f"runpy.run_path({str(REPO / 'examples' / 'lightning_gpt.py')!r}, run_name='__main__'); "
+            "assert 'lightning.pytorch' not in sys.modules")
+    env = {k: v for k, v in os.environ.items() if k != "PREFLIGHT_DRY_RUN"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "preflight: verified 3 step(s)" in done.stdout
+    assert json.loads((tmp_path / "out" / "lightning_gpt.json").read_text())["steps_measured"] == 3

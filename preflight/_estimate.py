@@ -163,7 +163,8 @@ def estimate(
 
     scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
     if scratch.skipped:
-        notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} convolution configuration(s)")
+        notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} configuration(s): "
+                     f"{', '.join(scratch.skipped[:3])}")
     categories = result.categories
     events = scratch.events
     managed = 0

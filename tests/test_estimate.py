@@ -397,3 +397,35 @@ def test_every_hf_optimizer_choice(optim, tmp_path):
         pytest.skip(f"HF cannot build it here: {str(err).splitlines()[0]}")
     err, _ = relative_error(model, optimizer, lm_batch())
     assert abs(err) < TRANSFORMER_TOL, f"{optim} ({type(optimizer).__module__}.{type(optimizer).__name__})"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 96), nn.GELU(), nn.Linear(96, 10))
+
+
+def _mlp_step(m, b):
+    return nn.functional.cross_entropy(m(b), torch.zeros(b.shape[0], dtype=torch.long))
+
+
+def test_low_precision_matmul_scratch_is_calibrated_on_cpu(monkeypatch):
+    # oneDNN's bf16 matrix products hold fp32 accumulators and reordered operands beyond their outputs.
+    model, batch = _mlp(), torch.randn(128, 64)
+    err, est = relative_error(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
+                              precision="bf16-mixed")
+    assert abs(err) < 0.005
+    assert any(label.startswith(("addmm", "mm")) for label in est.coverage.calibrated)
+    # The term is real: without it the same prediction is under the measured peak.
+    from preflight import _scratch
+
+    monkeypatch.setattr(_scratch, "MATMUL_OPS", frozenset())
+    uncalibrated = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
+                                      precision="bf16-mixed")
+    assert uncalibrated.peak_bytes < est.peak_bytes
+
+
+def test_fp32_matmuls_are_not_calibrated():
+    model = _mlp()
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(128, 64),
+                             step=_mlp_step)
+    assert not est.coverage.calibrated

@@ -13,6 +13,9 @@ self.classifier.to(self.dtype)``) runs ``Module._apply``, which always swaps fak
 the real run the parameter keeps its identity and takes the converted data (``param.data = ...``); the trace
 does the same to the fake twin, which is what the optimizer and autograd hold (`_fake_swap_tensors`).
 
+A fake tensor handed to NumPy (``np.asarray(t)``, ``t.numpy()``) gives its shadow's values when they are known,
+else zeros of its shape, and the line is named in coverage (`StorageTracker.host_array`).
+
 A 0-dim tensor in an f-string formats as its value in the real run (``f"expert_{idx}"``) but as
 ``FakeTensor(...)`` in the trace; during the trace it formats as its value (`_format_like_a_tensor`).
 """
@@ -31,9 +34,18 @@ __all__ = ["real_run_paths"]
 
 
 @contextlib.contextmanager
-def real_run_paths(notes: list[str]) -> Iterator[None]:
-    """Patch known tracing checks for the duration of a fake trace; appends what it patched to ``notes``."""
+def real_run_paths(notes: list[str], host_array: Callable[[torch.Tensor], Any] | None = None) -> Iterator[None]:
+    """Patch known tracing checks for the duration of a fake trace; appends what it patched to ``notes``.
+
+    ``host_array(fake)``: the NumPy array a fake tensor converts to (``np.asarray(t)``, ``t.numpy()``), from its
+    value shadow or a stated placeholder (`preflight.trace._tracker.StorageTracker.host_array`).
+    """
     patches: list[tuple[Any, str, Any]] = []
+    if host_array is not None:
+        for name in ("__array__", "numpy"):
+            patches.append((FakeTensor, name, FakeTensor.__dict__.get(name, _MISSING)))
+        FakeTensor.__array__ = _to_numpy(host_array, dtype_arg=True)
+        FakeTensor.numpy = _to_numpy(host_array, dtype_arg=False)
     masking = sys.modules.get("transformers.masking_utils")
     if masking is not None and hasattr(masking, "is_tracing"):
         original = masking.is_tracing
@@ -60,6 +72,22 @@ def real_run_paths(notes: list[str]) -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def _to_numpy(host_array: Callable[[torch.Tensor], Any], *, dtype_arg: bool) -> Callable[..., Any]:
+    # A fake tensor refuses `.numpy()` ("not supported for tensor subclasses"); the real run hands the values to
+    # NumPy (scipy's linear_sum_assignment in DETR's Hungarian matcher).
+    if dtype_arg:
+        def __array__(self: torch.Tensor, dtype: Any = None, copy: Any = None) -> Any:
+            array = host_array(self)
+            return array if dtype is None else array.astype(dtype, copy=False)
+
+        return __array__
+
+    def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
+        return host_array(self)
+
+    return numpy
 
 
 def _format_like_a_tensor(self: torch.Tensor, format_spec: str) -> str:

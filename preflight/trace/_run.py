@@ -198,8 +198,8 @@ class FakeRun:
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
-        with preserved_state(model), real_run_paths(self.notes), self.fake_mode, self.tracker, \
-                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+        with preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, \
+                self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
             try:
                 yield
             except LossNotFoundError:

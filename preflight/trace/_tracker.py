@@ -17,9 +17,13 @@ shadowed too; a boolean mask with a shadow can index (``x[mask]``), in forward a
 uniform random operators (``torch.rand([]) < layerdrop``) get a synthetic shadow at the top of their range, so
 the trace takes the worst case for memory (every LayerDrop layer kept); `random_notes` says where that was read.
 
+Two more stated assumptions about values computed from parameters, each named with its line in `random_notes`:
+``x.all()`` over them is True (sanity checks of a healthy run: ``if not torch.isfinite(h).all()``), and handed
+to NumPy they are zeros (DETR's Hungarian matching in scipy: the matches' count, not their values, sizes memory).
+
 Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
-`preflight._scratch` calibrates them. Values computed from parameters are unknown, so data-dependent control
-flow on them stops the trace, except mixture-of-experts routing, which follows a stated assumption
+`preflight._scratch` calibrates them. Other data-dependent control flow on values computed from parameters
+stops the trace, except mixture-of-experts routing, which follows a stated assumption
 (`preflight.trace._routing`); the failing exception then carries the operator and the user's line that asked
 for the value (`failed_op_of`). Normal draws (``randn``) have no top of range and get no synthetic shadow.
 """
@@ -118,6 +122,7 @@ class StorageTracker(TorchDispatchMode):
         self.routing = RoutingShadows(routing, SHADOW_MAX_NUMEL)
         self._drawn: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> site of its random draw
         self._draw_reads: dict[tuple[str, str], int] = {}  # (draw site, read site) -> reads
+        self._host_reads: dict[str, int] = {}  # line -> fake tensors of unknown values read into NumPy there
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -379,6 +384,7 @@ class StorageTracker(TorchDispatchMode):
         ok, real_out = self._run_real(func, args, kwargs)
         if not ok:
             self._forget_mutated(func, args, kwargs)
+            self._assume_check_holds(func, outs)
             return
         reals = [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
         if len(reals) != len(outs):
@@ -458,11 +464,43 @@ class StorageTracker(TorchDispatchMode):
                 self._draw_reads[key] = self._draw_reads.get(key, 0) + 1
                 return
 
+    def host_array(self, fake: torch.Tensor) -> Any:
+        """The NumPy array the real run would make of ``fake``: its shadow's values, else zeros of its shape and
+        dtype (values computed from parameters cannot be known; the line is named in `random_notes`). Zeros keep
+        every shape that does not depend on the values, e.g. the matches of DETR's Hungarian matcher."""
+        import numpy as np
+
+        real = self._shadows.get(fake)
+        if real is not None:
+            with _disable_current_modes():
+                return real.detach().cpu().numpy()
+        line = user_frame() or "an unknown line"
+        self._host_reads[line] = self._host_reads.get(line, 0) + 1
+        dtype = fake.dtype if fake.dtype in _NUMPY_DTYPES else torch.float32
+        with _disable_current_modes():
+            return np.zeros(tuple(fake.shape), dtype=torch.empty((), dtype=dtype).numpy().dtype)
+
+    def _assume_check_holds(self, func: Any, outs: list[torch.Tensor]) -> None:
+        """``x.all()`` over values the trace cannot know is taken as True. Training code reads it for sanity
+        checks that hold in a healthy run (DETR: ``if not torch.isfinite(h).all(): clamp``; the detection loss:
+        ``if not (boxes[:, 2:] >= boxes[:, :2]).all(): raise``), and preflight predicts a healthy run. Each line
+        that read such a value is named in `random_notes`."""
+        if func is not torch.ops.aten.all.default or len(outs) != 1:
+            return
+        with _disable_current_modes():
+            self.shadow(outs[0], torch.ones((), dtype=torch.bool))
+        self._drawn[outs[0]] = _ASSUMED_CHECK
+
     def random_notes(self) -> list[str]:
         """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`)."""
-        return [f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
+        return [f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
+                "a healthy run, e.g. finite values)" if drawn == _ASSUMED_CHECK else
+                f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
                 "at the top of its range (every layer kept: the worst case for memory)"
-                for (drawn, read), n in self._draw_reads.items()]
+                for (drawn, read), n in self._draw_reads.items()] + \
+            [f"host values: a tensor computed from parameters was read into NumPy at {line} ({n} time(s)); its "
+             "values cannot be known in a trace and were taken as zeros (shapes that depend on them would differ)"
+             for line, n in self._host_reads.items()]
 
     # ---- mixture-of-experts routing (preflight.trace._routing) ----------------------------------------------------
 
@@ -512,6 +550,10 @@ def _owned(reals: list[torch.Tensor], args: Any, kwargs: dict) -> list[torch.Ten
 
 # Draws this small or smaller get a synthetic shadow: scalars and per-layer vectors, never activation-sized noise.
 _DRAW_MAX_NUMEL = 64
+_NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool)
+# The "draw site" of a value `_assume_check_holds` gave a synthetic shadow.
+_ASSUMED_CHECK = "<assumed check>"
 
 
 def _top_of_range(func: Any, args: Any, kwargs: dict, dtype: torch.dtype) -> float | int | None:

@@ -243,3 +243,51 @@ def test_switch_transformers_router_cast_traces(monkeypatch):
     monkeypatch.setattr(modeling_switch_transformers, "torch", BalancedTorch())
     measured = preflight.measure(model, optimizer, batch)
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL
+
+
+class MatchedDetector(nn.Module):
+    """DETR's loss in small: a sanity check on values computed from the weights (``.all()``), and a Hungarian
+    matching of queries to targets in scipy on a cost matrix computed from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Linear(16, 4 * 8)
+
+    def forward(self, x, targets):
+        boxes = self.queries(x).view(x.shape[0], 8, 4).sigmoid()
+        if not torch.isfinite(boxes).all():  # DETR's encoder layer: clamp only when something overflowed
+            boxes = boxes.clamp(-1e4, 1e4)
+        cost = torch.cdist(boxes, targets)
+        from scipy.optimize import linear_sum_assignment
+
+        loss = 0
+        for i, c in enumerate(cost.detach().cpu()):
+            rows, cols = linear_sum_assignment(c)
+            rows, cols = torch.as_tensor(rows, dtype=torch.long), torch.as_tensor(cols, dtype=torch.long)
+            loss = loss + (boxes[i, rows] - targets[i, cols]).abs().sum()
+        return loss
+
+
+def test_sanity_checks_and_numpy_matching_on_unknown_values_trace_with_stated_assumptions():
+    pytest.importorskip("scipy")
+    torch.manual_seed(0)
+    model = MatchedDetector()
+    batch = (torch.randn(2, 16), torch.rand(2, 3, 4))
+
+    def step(m, b):
+        return m(*b)
+
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=step)
+    measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=step)
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL
+    check = _line_of(MatchedDetector.forward, ".all()")
+    numpy = _line_of(MatchedDetector.forward, "linear_sum_assignment(c)")
+    notes = " ".join(est.coverage.notes)
+    assert f"`.all()` at test_trace_paths.py:{check} in forward" in notes
+    assert f"read into NumPy at test_trace_paths.py:{numpy} in forward" in notes
+    # The patch is gone after the trace: a fake tensor refuses NumPy again.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="not supported for tensor subclasses"):
+        torch.zeros(2).numpy()

@@ -108,11 +108,12 @@ def estimate(
     Known limitations (blind spots):
         - Memory outside tensor storages: the CUDA context, cuBLAS/cuDNN handles and NCCL buffers are not in
           ``peak_bytes`` (see ``device_total_bytes`` when a GPU target is simulated).
-        - Kernel-internal scratch is measured only for convolutions (``coverage.calibrated``); other custom
-          kernels that allocate internally are unseen.
+        - Kernel-internal scratch is measured only for convolutions and CPU low-precision matrix products
+          (``coverage.calibrated``); other kernels that allocate internally are unseen.
         - Custom CUDA kernels without fake (meta) implementations stop the trace: the result is then a lower bound.
         - Data-dependent control flow on values computed from parameters stops the trace, except for
-          mixture-of-experts routing, which follows ``routing``.
+          mixture-of-experts routing, which follows ``routing``, and two stated assumptions named in the notes
+          (``x.all()`` is True; values handed to NumPy are zeros).
         - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
           lists can differ from CUDA's.
         - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.

@@ -139,11 +139,11 @@ class StepVerifier:
 def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any, dataloader: Any,
              eval_dataloader: Any, options: Options, schedule: Schedule, step: StepFn | None,
              eval_step: EvalStepFn | None, scan_seconds: float) -> Report:
-    samples = scan(dataloader, time_limit=scan_seconds)
+    samples = scan(dataloader, time_limit=scan_seconds, on_error=options.scan_on_error)
     batch, info = samples.worst_case()
     eval_batch = eval_info = None
     if options.check_eval and eval_dataloader is not None:
-        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds).worst_case()
+        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds, on_error=options.scan_on_error).worst_case()
     mixed = str(accelerator.mixed_precision)
     if mixed not in _PRECISIONS:
         raise ValueError(f"mixed_precision={mixed!r} is not modelled (only no, bf16 and fp16)")

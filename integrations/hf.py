@@ -171,13 +171,15 @@ class PreflightCallback(TrainerCallback):
 
     def _predict(self, args: Any, model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: Any,
                  eval_dataloader: Any, options: Options) -> Report:
-        samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds)
+        samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds,
+                                             on_error=options.scan_on_error)
         batch, info = samples.worst_case()
         eval_batch = eval_info = None
         if options.check_eval:
             loader = eval_dataloader if eval_dataloader is not None else _eval_loader(self.trainer, args)
             if loader is not None:
-                eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds).worst_case()
+                eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds,
+                                                  on_error=options.scan_on_error).worst_case()
         return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=options,
                      step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
                      schedule=Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step"),

@@ -239,12 +239,14 @@ class PreflightCallback(*_callback_bases()):
     # ---- translation ------------------------------------------------------------------------------------------
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Report:
-        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
+        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds,
+                       on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
         eval_batch = eval_info = None
         val_loader = _val_loader(trainer, pl_module) if self.options.check_eval else None
         if val_loader is not None:
-            eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds).worst_case()
+            eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds,
+                                           on_error=self.options.scan_on_error).worst_case()
         precision, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(

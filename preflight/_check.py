@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._batches import BatchInfo
+from preflight._batches import BatchInfo, failures_text
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
@@ -110,6 +110,12 @@ class Options:
             from preflight._gpus import get_gpu
 
             get_gpu(self.gpu)  # raises listing the known names
+
+    @property
+    def scan_on_error(self) -> str:
+        """What the dataset scan does with a sample that raises when read: stop the run before step one (the user
+        asked to fail fast: ``on_overflow="raise"``), or leave it out and say so."""
+        return "raise" if self.on_overflow == "raise" else "skip"
 
 
 @dataclasses.dataclass
@@ -371,6 +377,13 @@ def predict(
         step_predictor=step_predictor,
         eval_predictor=eval_predictor,
     )
+    for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
+        if info is not None and info.failed_samples:
+            text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
+                    "out of the worst-case batch, and training will hit them")
+            report.warnings.append(text)
+            if talk:
+                warnings.warn(f"preflight: {text}", RuntimeWarning, stacklevel=2)
     if est.coverage.lower_bound:
         report.warnings.append("the training step could not be traced: the prediction is a lower bound "
                                f"(operator {est.coverage.failed_op}: {est.coverage.reason})")

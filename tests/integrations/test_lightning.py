@@ -192,6 +192,46 @@ def test_internal_failure_warns_and_training_runs(monkeypatch):
     assert trainer.global_step == 2
 
 
+class _FlakyTokens(VariableTokens):
+    """Sample 5 raises on its first read (a flaky record): the scan hits it, training does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def __getitem__(self, i):
+        if i == 5 and not self.failed:
+            self.failed = True
+            raise OSError("record 5: read timed out")
+        return super().__getitem__(i)
+
+
+class _FlakyGPT(GPT):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_FlakyTokens(), batch_size=self.batch_size, shuffle=True,
+                                           collate_fn=pad_tokens)
+
+
+def test_a_sample_that_raises_is_named_and_the_prediction_uses_the_rest():
+    callback = PreflightCallback(budget="1GiB", on_overflow="warn", verify_steps=0)
+    with pytest.warns(RuntimeWarning, match=r"1 sample\(s\) raised when read: #5 \(OSError: record 5: read timed out\)"):
+        trainer = fit(_FlakyGPT(val=False), [callback], steps=2)
+    report = callback.report
+    assert report is not None and report.fits is True  # the guard is still on
+    assert report.worst_case_batch_shape["input_ids"] == [4, 96]  # the longest sample of the rest
+    assert report.worst_case_batch["failed_samples"] == 1 and report.worst_case_batch["failures"] == (
+        (5, "OSError: record 5: read timed out"),)
+    assert any("#5 (OSError: record 5: read timed out)" in w for w in report.warnings)
+    assert trainer.global_step == 2
+
+
+def test_a_sample_that_raises_stops_the_run_when_failing_fast():
+    module = _FlakyGPT(val=False)
+    with pytest.raises(preflight.PreflightError, match="reading sample 5 of the training dataset raised OSError"):
+        fit(module, [PreflightCallback(budget="1GiB")], steps=2)
+    assert module.seen == []
+
+
 def test_options_are_checked_at_construction():
     with pytest.raises(ValueError, match="`on_overflow` should be either of"):
         PreflightCallback(on_overflow="explode")

@@ -33,7 +33,7 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
-                              internal_failures, is_rank_zero, predict)
+                              internal_failures, is_rank_zero, predict, predict_or_lower_bound)
 from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
@@ -112,8 +112,10 @@ class PreflightCallback(TrainerCallback):
             raise _PredictedOutOfMemory(state.train_batch_size, self._finder_target)  # HF's finder steps down
         report = None
         options = dataclasses.replace(self.options, suggest=False) if finder else self.options
-        with internal_failures("the prediction"):
-            report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options)
+        # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
+        report = predict_or_lower_bound(
+            lambda: self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options), _unwrap(model),
+            _unwrap_optimizer(optimizer), options, device=_device(model), precision=_precision(args))
         if finder and report is not None and report.fits is False:
             target = None
             with internal_failures("choosing the batch size for auto_find_batch_size"):

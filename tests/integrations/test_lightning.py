@@ -187,9 +187,25 @@ def test_internal_failure_warns_and_training_runs(monkeypatch):
         raise RuntimeError("trace exploded")
 
     monkeypatch.setattr(_check, "estimate", broken)
+    callback = PreflightCallback(budget="1GiB")
     with pytest.warns(RuntimeWarning, match="the prediction failed and was skipped.*trace exploded"):
-        trainer = fit(GPT(val=False), [PreflightCallback(budget="1MiB")], steps=2)
+        trainer = fit(GPT(val=False), [callback], steps=2)
     assert trainer.global_step == 2
+    # What is known still counts: a lower bound (the model's state), labelled, under the budget: no verdict.
+    report = callback.report
+    assert report.coverage["lower_bound"] is True and report.fits is None
+    assert report.predicted_breakdown["optimizer_state"] >= 2 * report.predicted_breakdown["parameters"] > 0  # AdamW
+    assert "the prediction failed on this rank (RuntimeError: trace exploded)" in report.warnings[0]
+
+
+def test_internal_failure_with_a_lower_bound_over_the_budget_stops_the_run(monkeypatch):
+    from preflight import _check
+
+    monkeypatch.setattr(_check, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("trace exploded")))
+    module = GPT(val=False)
+    with pytest.raises(preflight.PreflightError, match="over the usable 921.60 KiB"):
+        fit(module, [PreflightCallback(budget="1MiB", suggest=False)], steps=2)
+    assert module.seen == []
 
 
 class _FlakyTokens(VariableTokens):
@@ -363,3 +379,56 @@ def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     assert "RANK 0 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
     assert "RANK 1 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
     assert "TRAINED" not in out
+
+
+DDP_FAILING_RANK_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+import lightning.pytorch as pl
+import preflight
+from preflight import _check
+from test_lightning import GPT
+from preflight.integrations.lightning import PreflightCallback
+rank = int(os.environ.get("LOCAL_RANK", 0))
+if rank == 1:  # preflight fails inside on this rank only
+    def broken(*args, **kwargs):
+        raise RuntimeError("trace exploded on rank 1")
+    _check.estimate = broken
+callback = PreflightCallback(budget="1GiB", suggest=False, verify_steps=2)
+module = GPT(val=False)
+trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, callbacks=[callback])
+trainer.fit(module)
+r = callback.report
+open(f"rank{{rank}}.json", "w").write(json.dumps({{"rank": rank, "steps": trainer.global_step, "fits": r.fits,
+      "lower_bound": r.rank_lower_bound, "predicted": r.rank_predicted_peak_bytes,
+      "measured": r.rank_measured_peak_bytes, "errors": r.rank_relative_errors, "error": r.relative_error,
+      "measured_peak": r.measured_peak_bytes, "warnings": r.warnings}}))
+"""
+
+
+@pytest.mark.slow
+def test_ddp_a_rank_whose_prediction_fails_is_a_lower_bound_and_each_rank_checks_its_own(tmp_path):
+    script = tmp_path / "ddp_failing.py"
+    script.write_text(DDP_FAILING_RANK_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    rows = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)
+            if (tmp_path / f"rank{rank}.json").exists()}
+    assert set(rows) == {0, 1}, (done.stdout, done.stderr[-3000:])
+    for r in rows.values():
+        # The verdict comes from rank 0, which predicted: the guard stays on for both ranks.
+        assert r["fits"] is True and r["steps"] == 3
+        assert r["lower_bound"] == [False, True]
+        predicted, measured, errors = r["predicted"], r["measured"], r["errors"]
+        assert predicted[1] < predicted[0]  # rank 1's lower bound has no activations
+        # Each rank's measurement against its own prediction (rank 1's lower bound is far under its measurement).
+        assert errors[0] > -0.2 and errors[1] < -0.5
+        # The headline is rank 0's (it predicted), not rank 1's measurement against rank 0's prediction.
+        assert r["error"] == errors[0] and r["measured_peak"] == measured[0]
+    assert any("the prediction failed on this rank (RuntimeError: trace exploded on rank 1)" in w
+               for w in rows[1]["warnings"])
+    assert any("rank(s) 1: the figure is a lower bound" in w for w in rows[0]["warnings"])

@@ -9,7 +9,10 @@ Policies:
 
 - **Verdict**: the larger of the training and evaluation peaks is compared with ``budget * (1 - headroom)``
   (`preflight._budget.usable_bytes`). Under ``torch.distributed`` the maximum over ranks decides, on every rank
-  alike, so all ranks raise (or continue) together and none is left waiting in a collective.
+  alike, so all ranks raise (or continue) together and none is left waiting in a collective. A rank whose
+  prediction failed takes part with a labelled lower bound (`predict_or_lower_bound`): the ranks that predicted
+  decide, and its lower bound stops the run if it alone is over the budget. After the measured steps, each rank
+  compares its own measurement with its own prediction.
 - **Overflow**: ``on_overflow="raise"`` raises `preflight.PreflightError` before any optimizer step, with the
   numbers and what to change (top suggestions of `preflight._advise.advise` when it can run); ``"warn"`` warns.
 - **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
@@ -71,7 +74,9 @@ class Options:
         budget: bytes the run may use per device: an int, or a size such as ``"24GiB"`` or ``"80GB"``. None:
             ``gpu``'s memory if given, else the CUDA device's capacity; on CPU there is no budget unless given.
         headroom: fraction of the budget kept free (see `preflight._budget.DEFAULT_HEADROOM` for why 0.10).
-        on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget.
+        on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget. ``"raise"`` (fail
+            fast) also stops the run before step one when a dataset sample raises as the scan reads it; ``"warn"``
+            leaves that sample out and names it (`scan_on_error`).
         verify_steps: optimizer steps measured at the start of training to check the prediction; 0 disables.
         report_path: where to write the JSON report (rank zero), or None.
         plot_path: where to write a PNG of the predicted timeline and breakdown (needs matplotlib), or None.

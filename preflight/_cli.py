@@ -136,8 +136,6 @@ def _estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch should be at least 1, got {args.batch}.")
     if args.world_size < 1:
         raise UsageError(f"--world-size should be at least 1, got {args.world_size}.")
-    if args.timeout is not None and not 0 < args.timeout < float("inf"):
-        raise UsageError(f"--timeout should be a positive number of seconds, got {args.timeout}.")
     import preflight
 
     param_dtype, dtype_reason = _param_dtype(args)

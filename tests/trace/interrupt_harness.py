@@ -139,14 +139,15 @@ def lightning(attempts: int) -> None:
         try:
             trainer.fit(module, loader)
             status = 0
-        except SystemExit as exit_:
+            if "timer" in timing:
+                timing["timer"].join()
+            time.sleep(0.2)  # a signal sent after fit returned surfaces here
+        except SystemExit as exit_:  # Lightning's answer to a KeyboardInterrupt
             status = exit_.code
-        if "timer" in timing:
-            timing["timer"].join()
-        try:
-            time.sleep(0.2)
         except KeyboardInterrupt:
             status = "late"
+        if "timer" in timing:
+            timing["timer"].join()
         report = callback.report
         return status, None if report is None else report.predicted_peak_bytes
 

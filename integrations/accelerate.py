@@ -24,8 +24,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
-                              predict)
+from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide,
+                              predict, predict_or_lower_bound)
 from preflight._eval import EvalStepFn
 from preflight._steps import Schedule, StepFn
 
@@ -89,10 +89,11 @@ def preflight_check(
                       report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest)
     schedule = Schedule(accumulate=accelerator.gradient_accumulation_steps, zero_grad=zero_grad)  # validates
     check_scan_seconds(scan_seconds)
-    report = None
-    with internal_failures("the prediction"):
-        report = _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, schedule, step,
-                          eval_step, scan_seconds)
+    # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
+    report = predict_or_lower_bound(
+        lambda: _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, schedule, step, eval_step,
+                         scan_seconds), accelerator.unwrap_model(model), optimizer, options,
+        device=accelerator.device, precision=_PRECISIONS.get(str(accelerator.mixed_precision)))
     return decide(report, options)
 
 
@@ -158,11 +159,11 @@ class StepVerifier:
 def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any, dataloader: Any,
              eval_dataloader: Any, options: Options, schedule: Schedule, step: StepFn | None,
              eval_step: EvalStepFn | None, scan_seconds: float) -> Report:
-    samples = scan(dataloader, time_limit=scan_seconds)
+    samples = scan(dataloader, time_limit=scan_seconds, on_error=options.scan_on_error)
     batch, info = samples.worst_case()
     eval_batch = eval_info = None
     if options.check_eval and eval_dataloader is not None:
-        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds).worst_case()
+        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds, on_error=options.scan_on_error).worst_case()
     mixed = str(accelerator.mixed_precision)
     if mixed not in _PRECISIONS:
         raise ValueError(f"mixed_precision={mixed!r} is not modelled (only no, bf16 and fp16)")

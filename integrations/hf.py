@@ -33,7 +33,7 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
-                              internal_failures, is_rank_zero, predict)
+                              internal_failures, is_rank_zero, predict, predict_or_lower_bound)
 from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
@@ -114,8 +114,10 @@ class PreflightCallback(TrainerCallback):
             raise _PredictedOutOfMemory(state.train_batch_size, self._finder_target)  # HF's finder steps down
         report = None
         options = dataclasses.replace(self.options, suggest=False) if finder else self.options
-        with internal_failures("the prediction"):
-            report = self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options)
+        # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
+        report = predict_or_lower_bound(
+            lambda: self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options), _unwrap(model),
+            _unwrap_optimizer(optimizer), options, device=_device(model), precision=_precision(args))
         if finder and report is not None and report.fits is False:
             target = None
             with internal_failures("choosing the batch size for auto_find_batch_size"):
@@ -184,13 +186,15 @@ class PreflightCallback(TrainerCallback):
 
     def _predict(self, args: Any, model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: Any,
                  eval_dataloader: Any, options: Options) -> Report:
-        samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds)
+        samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds,
+                                             on_error=options.scan_on_error)
         batch, info = samples.worst_case()
         eval_batch = eval_info = None
         if options.check_eval:
             loader = eval_dataloader if eval_dataloader is not None else _eval_loader(self.trainer, args)
             if loader is not None:
-                eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds).worst_case()
+                eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds,
+                                                  on_error=options.scan_on_error).worst_case()
         return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=options,
                      step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
                      schedule=Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step"),

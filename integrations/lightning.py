@@ -35,7 +35,7 @@ import torch
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
-                              is_rank_zero, predict)
+                              is_rank_zero, predict, predict_or_lower_bound)
 from preflight._console import progress
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
@@ -177,8 +177,9 @@ class PreflightCallback(*_callback_bases()):
             if is_rank_zero():
                 warnings.warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning, stacklevel=2)
             return
-        with internal_failures("the prediction"):
-            report = self._predict(trainer, pl_module)
+        # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
+        report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module), pl_module, trainer.optimizers[0],
+                                        self.options, device=pl_module.device, precision=_precision(trainer)[0])
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
@@ -239,12 +240,14 @@ class PreflightCallback(*_callback_bases()):
     # ---- translation ------------------------------------------------------------------------------------------
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Report:
-        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
+        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds,
+                       on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
         eval_batch = eval_info = None
         val_loader = _val_loader(trainer, pl_module) if self.options.check_eval else None
         if val_loader is not None:
-            eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds).worst_case()
+            eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds,
+                                           on_error=self.options.scan_on_error).worst_case()
         precision, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(

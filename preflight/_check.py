@@ -9,7 +9,10 @@ Policies:
 
 - **Verdict**: the larger of the training and evaluation peaks is compared with ``budget * (1 - headroom)``
   (`preflight._budget.usable_bytes`). Under ``torch.distributed`` the maximum over ranks decides, on every rank
-  alike, so all ranks raise (or continue) together and none is left waiting in a collective.
+  alike, so all ranks raise (or continue) together and none is left waiting in a collective. A rank whose
+  prediction failed takes part with a labelled lower bound (`predict_or_lower_bound`): the ranks that predicted
+  decide, and its lower bound stops the run if it alone is over the budget. After the measured steps, each rank
+  compares its own measurement with its own prediction.
 - **Overflow**: ``on_overflow="raise"`` raises `preflight.PreflightError` before any optimizer step, with the
   numbers and what to change (top suggestions of `preflight._advise.advise` when it can run); ``"warn"`` warns.
 - **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._batches import BatchInfo
+from preflight._batches import BatchInfo, failures_text
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
@@ -54,7 +57,8 @@ from preflight._verify import StepPeakMeter, compare, summary
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
-    "check", "decide", "eval_resident", "internal_failures", "is_rank_zero", "predict",
+    "check", "decide", "eval_resident", "internal_failures", "is_rank_zero", "lower_bound_report", "predict",
+    "predict_or_lower_bound",
 ]
 
 ON_OVERFLOW_CHOICES = ("raise", "warn")
@@ -70,7 +74,9 @@ class Options:
         budget: bytes the run may use per device: an int, or a size such as ``"24GiB"`` or ``"80GB"``. None:
             ``gpu``'s memory if given, else the CUDA device's capacity; on CPU there is no budget unless given.
         headroom: fraction of the budget kept free (see `preflight._budget.DEFAULT_HEADROOM` for why 0.10).
-        on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget.
+        on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget. ``"raise"`` (fail
+            fast) also stops the run before step one when a dataset sample raises as the scan reads it; ``"warn"``
+            leaves that sample out and names it (`scan_on_error`).
         verify_steps: optimizer steps measured at the start of training to check the prediction; 0 disables.
         report_path: where to write the JSON report (rank zero), or None.
         plot_path: where to write a PNG of the predicted timeline and breakdown (needs matplotlib), or None.
@@ -111,6 +117,12 @@ class Options:
 
             get_gpu(self.gpu)  # raises listing the known names
 
+    @property
+    def scan_on_error(self) -> str:
+        """What the dataset scan does with a sample that raises when read: stop the run before step one (the user
+        asked to fail fast: ``on_overflow="raise"``), or leave it out and say so."""
+        return "raise" if self.on_overflow == "raise" else "skip"
+
 
 @dataclasses.dataclass
 class Report:
@@ -145,6 +157,11 @@ class Report:
     predicted_device_total_bytes: int | None = None
     world_size: int = 1
     rank_predicted_peak_bytes: list[int | None] | None = None
+    # Per rank under torch.distributed: whose figure is only a lower bound (its prediction failed), and each rank's
+    # own measurement and its error against that rank's own prediction.
+    rank_lower_bound: list[bool | None] | None = None
+    rank_measured_peak_bytes: list[int | None] | None = None
+    rank_relative_errors: list[float | None] | None = None
     suggestions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     autotune: dict[str, Any] | None = None
     measured_peak_bytes: int | None = None
@@ -371,6 +388,13 @@ def predict(
         step_predictor=step_predictor,
         eval_predictor=eval_predictor,
     )
+    for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
+        if info is not None and info.failed_samples:
+            text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
+                    "out of the worst-case batch, and training will hit them")
+            report.warnings.append(text)
+            if talk:
+                warnings.warn(f"preflight: {text}", RuntimeWarning, stacklevel=2)
     if est.coverage.lower_bound:
         report.warnings.append("the training step could not be traced: the prediction is a lower bound "
                                f"(operator {est.coverage.failed_op}: {est.coverage.reason})")
@@ -409,7 +433,8 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
             if emit is not None:
                 emit(report)
     failed = any(v == "failed" for v in verdicts)
-    fits = False if False in verdicts else (None if None in verdicts or failed else True)
+    # A rank with only a lower bound under the budget (None) is covered by a rank that predicted (True): `_agree`.
+    fits = False if False in verdicts else (True if True in verdicts and not failed else None)
     lower_bound = fits is None and report is not None and report.budget_bytes is not None
     if settings_from_env().dry_run:
         code = EXIT_DOES_NOT_FIT if fits is False else (_EXIT_PREDICTION_FAILED if failed else
@@ -531,15 +556,28 @@ class VerifySession:
             local = ([p + self.extra for p in self.meter.step_peaks], list(self.meter.reserved_peaks), own,
                      list(self.meter.step_retained), evals)
         self._batches.clear()
-        gathered = [g for g in _all_gather(local) if g is not None]
         report = self.report
+        # Each rank compares its own measurement with its own prediction (ranks can differ: a rank whose prediction
+        # failed has a lower bound), then the comparisons are gathered.
+        mine = None
+        if report is not None and local is not None:
+            with internal_failures("comparing with the measurement"):
+                peaks, reserved, own, retained, evals = local
+                predicted = self._own_prediction(report)
+                result = compare(predicted, peaks, method=self.method, reserved_peaks=reserved,
+                                 predicted_step_peaks=own, step_retained=retained)
+                mine = (result, evals, bool(report.coverage.get("lower_bound")), predicted)
+        everyone = _all_gather(mine)
+        gathered = [g for g in everyone if g is not None]
         if report is None or not gathered:
             return report
         report.step_predictor = report.eval_predictor = None  # they hold the model; not needed past verification
         with internal_failures("comparing with the measurement"):
-            peaks, reserved, own, retained, evals = max(gathered, key=lambda g: max(g[0]))  # the largest rank
-            result = compare(report.predicted_peak_bytes, peaks, method=self.method, reserved_peaks=reserved,
-                             predicted_step_peaks=own, step_retained=retained)
+            # The headline: the rank with the largest measured peak among those that predicted (not a lower bound).
+            result, evals, _, predicted = max(gathered, key=lambda g: (not g[2], g[0].measured_peak_bytes))
+            if len(everyone) > 1:
+                report.rank_measured_peak_bytes = [None if g is None else g[0].measured_peak_bytes for g in everyone]
+                report.rank_relative_errors = [None if g is None else g[0].relative_error for g in everyone]
             report.measured_peak_bytes = result.measured_peak_bytes
             report.measured_reserved_bytes = result.measured_reserved_bytes
             report.relative_error = result.relative_error
@@ -549,11 +587,11 @@ class VerifySession:
             report.predicted_step_peaks = list(result.predicted_step_peaks)
             report.retained_step_bytes = list(result.step_retained)
             if evals is not None:
-                measured, predicted = evals
-                report.eval_measured_peak_bytes = measured + self.extra
-                report.eval_predicted_measured_bytes = predicted
-                report.eval_relative_error = (None if not predicted else
-                                              (predicted - report.eval_measured_peak_bytes) /
+                eval_measured, eval_predicted = evals
+                report.eval_measured_peak_bytes = eval_measured + self.extra
+                report.eval_predicted_measured_bytes = eval_predicted
+                report.eval_relative_error = (None if not eval_predicted else
+                                              (eval_predicted - report.eval_measured_peak_bytes) /
                                               report.eval_measured_peak_bytes)
             report.verify_method = result.method
             report.warnings.extend(result.warnings)
@@ -561,8 +599,15 @@ class VerifySession:
                 for message in result.warnings:
                     warnings.warn(f"preflight: {message}", RuntimeWarning, stacklevel=2)
                 _emit(report, self.options, verified=True)
-                print(summary(report.predicted_peak_bytes, result), flush=True)
+                print(summary(predicted, result), flush=True)
         return report
+
+    @staticmethod
+    def _own_prediction(report: Report) -> int:
+        """This rank's own predicted peak (the report's headline is the maximum over ranks)."""
+        peaks = report.rank_predicted_peak_bytes
+        own = peaks[_rank()] if peaks and len(peaks) == _world_size() else None
+        return report.predicted_peak_bytes if own is None else own
 
     def eval_started(self, resident: Any, batch: Any) -> None:
         """An evaluation batch begins inside the measured window (between measured training steps)."""
@@ -630,17 +675,62 @@ class VerifySession:
 
 
 @contextlib.contextmanager
-def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
+                      reasons: list[str] | None = None) -> Iterator[None]:
     """Turn an exception inside preflight (not a `PreflightError`, nor one of ``reraise``) into a warning: training
-    must not stop for us."""
+    must not stop for us. ``reasons``, when given, gets the failure's one-line reason."""
     try:
         yield
     except (PreflightError, *reraise):
         raise
     except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+        if reasons is not None:
+            reasons.append(reason)
         warnings.warn(f"preflight: {what} failed and was skipped; training proceeds. Reason: {reason}",
                       RuntimeWarning, stacklevel=3)
+
+
+def predict_or_lower_bound(run: Callable[[], Report], model: nn.Module, optimizer: torch.optim.Optimizer,
+                           options: Options, *, device: torch.device, precision: str | None) -> Report | None:
+    """``run()`` (an adapter's prediction); if it fails inside preflight, a warning and `lower_bound_report`
+    instead, so that under ``torch.distributed`` this rank still takes part in the verdict (as a labelled lower
+    bound) and measures its own steps. None only if the lower bound fails too."""
+    reasons: list[str] = []
+    with internal_failures("the prediction", reasons=reasons):
+        return run()
+    with internal_failures("the lower bound after a failed prediction"):
+        return lower_bound_report(model, optimizer, options, device=device, precision=precision, reason=reasons[0])
+    return None
+
+
+def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, *, device: torch.device,
+                       precision: str | None, reason: str) -> Report:
+    """The report of a rank whose prediction failed: parameters + buffers + gradients + optimizer state in closed
+    form (`preflight._analytic.model_state`), labelled a lower bound (``coverage.lower_bound``), with the reason."""
+    import preflight
+    from preflight._analytic import model_state
+    from preflight.trace import float_dtype_for
+
+    options, _ = _with_environment(options)
+    target = resolve_device(device, model)
+    budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
+    usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
+    state = model_state(model, optimizer, None, target, param_dtype=float_dtype_for(precision))
+    breakdown = {"parameters": state.parameters, "buffers": state.buffers, "gradients": state.gradients,
+                 "optimizer_state": state.optimizer_state or 0}
+    peak = sum(breakdown.values())
+    report = Report(
+        version=preflight.__version__, device=str(target), budget_bytes=budget_bytes, headroom=options.headroom,
+        usable_bytes=usable, predicted_peak_bytes=peak, predicted_breakdown=breakdown, peak_phase="unknown",
+        eval_predicted_peak_bytes=None, eval_peak_phase=None, worst_case_batch_shape=None, worst_case_batch=None,
+        eval_batch_shape=None, fits=None if usable is None or peak <= usable else False,
+        coverage={"traced": False, "lower_bound": True, "failed_op": None, "reason": f"the prediction failed: {reason}",
+                  "notes": []},
+        precision=precision, schedule={})
+    report.warnings.append(f"the prediction failed on this rank ({reason}): its figure is a lower bound (parameters, "
+                           "buffers, gradients and optimizer state, without activations or the batch)")
+    return report
 
 
 def _with_environment(options: Options) -> tuple[Options, Any]:
@@ -819,10 +909,12 @@ def _all_gather(value: Any) -> list[Any]:
 
 
 def _agree(report: Report | None) -> tuple[Report | None, list[tuple | None]]:
-    """Every rank's ``(peak, eval peak, fits, usable)`` (None where the prediction failed); the report updated
-    with the maximum over ranks, and ``fits`` False if any rank does not fit."""
+    """Every rank's ``(peak, eval peak, fits, usable, lower bound)`` (None where even the lower bound failed); the
+    report updated with the maximum over ranks. ``fits``: False if any rank does not fit (a lower bound over the
+    budget included), else True if a rank that predicted fits (a rank whose prediction failed, with a lower bound
+    under the budget, runs the same model on the same worst-case batch), else None."""
     local = None if report is None else (report.predicted_peak_bytes, report.eval_predicted_peak_bytes, report.fits,
-                                         report.usable_bytes)
+                                         report.usable_bytes, bool(report.coverage.get("lower_bound")))
     gathered = _all_gather(local)
     verdicts = [g[2] if g is not None else "failed" for g in gathered]
     if report is not None and len(gathered) > 1:
@@ -830,9 +922,16 @@ def _agree(report: Report | None) -> tuple[Report | None, list[tuple | None]]:
         eval_peaks = [g[1] for g in gathered if g is not None and g[1] is not None]
         report.world_size = len(gathered)
         report.rank_predicted_peak_bytes = peaks
+        report.rank_lower_bound = [g[4] if g is not None else None for g in gathered]
         report.predicted_peak_bytes = max(p for p in peaks if p is not None)
         if eval_peaks:
             report.eval_predicted_peak_bytes = max(eval_peaks)
         if report.usable_bytes is not None:
-            report.fits = report.verdict_bytes <= report.usable_bytes and False not in verdicts
+            over = report.verdict_bytes > report.usable_bytes or False in verdicts
+            report.fits = False if over else (True if True in verdicts else None)
+        bounded = [i for i, g in enumerate(gathered) if g is not None and g[4]]
+        if bounded and len(bounded) < len(gathered):
+            report.warnings.append(f"rank(s) {', '.join(map(str, bounded))}: the figure is a lower bound (the "
+                                   "prediction failed there, or could not trace); the verdict uses the ranks that "
+                                   "predicted")
     return report, gathered

@@ -5,7 +5,8 @@
 
 Exit status: 0 the run fits (or there is no budget to compare with), 3 it does not, 4 no verdict (the model
 could not be traced and its lower bound is under the budget), 2 bad input (unknown GPU, malformed size, missing
-file, unknown option), 1 an unexpected error.
+file, unknown option), 1 an unexpected error; for ``check``, 124 when ``--timeout`` stopped the script, and
+128 + N when signal N (SIGINT, SIGTERM, SIGHUP) was passed on to the script's process group.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,11 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 _PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-true": "float16"}
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 _TOP_SUGGESTIONS = 5
+EXIT_TIMEOUT = 124  # the `timeout` command's status when it stops the command
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_SIGNAL_EXITS = tuple(128 + sig for sig in _FORWARDED)  # the shell's convention for "ended by signal N"
+# How long the script's group has to exit after SIGTERM/SIGINT (a trainer's shutdown) before SIGKILL.
+_GRACE_SECONDS = 10.0
 
 
 class UsageError(Exception):
@@ -93,7 +100,14 @@ def _parser() -> argparse.ArgumentParser:
                                      "options left out leave the script's settings alone.")
     # None: a headroom written in the script stands unless --headroom is given.
     _add_plan_options(chk, headroom=None)
+    chk.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help=f"stop the script (its whole process group) if it has not finished after SECONDS; exit "
+                          f"status {EXIT_TIMEOUT}")
     chk.add_argument("script", nargs=argparse.REMAINDER, help="the command after --")
+    chk.epilog = (f"Exit status: {EXIT_FITS} fits (or no budget), {EXIT_DOES_NOT_FIT} does not fit, "
+                  f"{EXIT_NO_VERDICT} no verdict, {EXIT_USAGE} no report or bad input, {EXIT_TIMEOUT} --timeout "
+                  "reached; SIGINT/SIGTERM are passed on to the script's process group, and `check` then exits "
+                  "128 + the signal's number (130, 143).")
     return parser
 
 
@@ -431,6 +445,8 @@ def _check(args: argparse.Namespace) -> int:
     _budget(args)  # validate the sizes and GPU name before starting anything
     if args.world_size < 1:
         raise UsageError(f"--world-size should be at least 1, got {args.world_size}.")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout should be a positive number of seconds, got {args.timeout}.")
     with tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         report_path = os.path.join(tmp, "report.json")
         env = dict(os.environ, PREFLIGHT_DRY_RUN="1", PREFLIGHT_REPORT=report_path)
@@ -441,10 +457,9 @@ def _check(args: argparse.Namespace) -> int:
                            ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom)):
             if value is not None:
                 env[key] = str(value)
-        try:
-            code = subprocess.call(command, env=env)
-        except FileNotFoundError:
-            raise UsageError(f"command not found: {command[0]!r}") from None
+        code = _run_child(command, env, args.timeout)
+        if code in (EXIT_TIMEOUT, *_SIGNAL_EXITS):
+            return code
         report = None
         if os.path.exists(report_path):
             with open(report_path) as f:
@@ -453,6 +468,57 @@ def _check(args: argparse.Namespace) -> int:
                 except json.JSONDecodeError:  # the script died while writing it
                     print(f"preflight: the report {report_path} is not complete JSON.", file=sys.stderr)
     return _decide(report, code)
+
+
+def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -> int:
+    """Run the user's script in its own session (so its process group is its own: a launcher's workers too) and
+    return its exit status; SIGINT, SIGTERM and SIGHUP sent to ``preflight check`` are passed on to that group.
+    After a passed-on signal, or past ``timeout`` (then SIGTERM), the group gets `_GRACE_SECONDS` to exit before
+    SIGKILL, and the status returned is 128 + the signal's number, or `EXIT_TIMEOUT`."""
+    try:
+        child = subprocess.Popen(command, env=env, start_new_session=True)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {command[0]!r}") from None
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        _signal_group(child.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"preflight check: the script did not finish within --timeout {timeout:g} s; stopping it "
+                  f"(exit status {EXIT_TIMEOUT}).", file=sys.stderr, flush=True)
+            _stop_group(child, signal.SIGTERM)
+            return EXIT_TIMEOUT
+        if received:
+            _stop_group(child, received[0])
+            return 128 + received[0]
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_group(child: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to the child's group, give it `_GRACE_SECONDS`, then SIGKILL whatever of the group is left."""
+    _signal_group(child.pid, signum)
+    try:
+        child.wait(timeout=_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
 
 
 def _decide(report: dict[str, Any] | None, child_status: int) -> int:

@@ -128,3 +128,80 @@ def test_sample_size():
     assert sample_size({"input_ids": [1, 2, 3], "labels": [1, 2, 3]}) == 6
     assert sample_size((torch.zeros(3, 4), torch.tensor(1))) == 13
     assert sample_size("abcd") == 4
+
+
+class Flaky(Tokens):
+    """Raises on some indices, as a corrupt record would."""
+
+    def __init__(self, bad: set[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.bad:
+            raise KeyError(f"record {i} is corrupt")
+        return super().__getitem__(i)
+
+
+def test_a_sample_that_raises_is_reported_and_the_rest_still_decide():
+    loader = DataLoader(Flaky({3, 17}), batch_size=4, collate_fn=pad)
+    batch, info = worst_case_batch(loader)
+    assert info.shape == {"input_ids": [4, 90], "attention_mask": [4, 90]}  # the longest (index 39) still found
+    assert info.method == "scanned" and info.samples_scanned == 40
+    assert info.failed_samples == 2
+    assert sorted(info.failures) == [(3, "KeyError: 'record 3 is corrupt'"), (17, "KeyError: 'record 17 is corrupt'")]
+    assert "2 sample(s) raised when read: #" in info.note and "#17 (KeyError: 'record 17 is corrupt')" in info.note
+
+
+def test_a_sample_that_raises_stops_the_scan_when_asked_to_fail_fast():
+    from preflight import PreflightError
+
+    loader = DataLoader(Flaky({17}), batch_size=4, collate_fn=pad)
+    with pytest.raises(PreflightError, match=r"reading sample 17 of the training dataset raised KeyError: 'record 17 "
+                                             r"is corrupt'\. Training would stop there too") as err:
+        scan(loader, on_error="raise")
+    assert isinstance(err.value.__cause__, KeyError)
+    with pytest.raises(ValueError, match="`on_error` should be either of"):
+        scan(loader, on_error="ignore")
+
+
+def test_a_dataset_whose_every_sample_raises_says_so():
+    loader = DataLoader(Flaky(set(range(5)), n=5), batch_size=2, collate_fn=pad)
+    with pytest.raises(ValueError, match=r"Every sample of the training dataset read so far \(5\) raised, e.g. sample"):
+        scan(loader)
+
+
+def test_the_time_limit_holds_for_the_whole_scan_and_says_how_far_it_got():
+    # A fake clock: each sample read takes one "second"; the limit is 10. The scan stops itself (ranking included,
+    # no full sort after the deadline), says it was cut short, and how many samples it looked at.
+    now = [0.0]
+
+    class Slow(Tokens):
+        def __getitem__(self, i):
+            now[0] += 1.0
+            return super().__getitem__(i)
+
+    loader = DataLoader(Slow(n=10_000_000), batch_size=4, collate_fn=pad)
+    samples = scan(loader, time_limit=10, clock=lambda: now[0])
+    assert samples.method == "sampled" and samples.scanned == 10 and samples.seconds == 10.0
+    assert len(samples.ranked) == 10 and samples.ranked[0][0] == max(s for s, _ in samples.ranked)
+    batch, info = samples.worst_case()
+    assert info.samples_scanned == 10 and info.dataset_size == 10_000_000
+    assert "of 10 randomly sampled samples out of 10000000 (time limit reached)" in info.note
+
+
+def test_ranking_orders_by_size_then_index():
+    class Sized(Dataset):
+        def __init__(self, lengths):
+            self.lengths = lengths
+
+        def __len__(self):
+            return len(self.lengths)
+
+        def __getitem__(self, i):
+            return {"input_ids": [1] * self.lengths[i]}
+
+    lengths = [5, 9, 9, 1, 7, 9, 2] * 30
+    samples = scan(DataLoader(Sized(lengths), batch_size=3, collate_fn=pad))
+    expected = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda p: (-p[0], p[1]))
+    assert list(samples.ranked) == expected

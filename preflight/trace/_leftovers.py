@@ -42,6 +42,8 @@ from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from preflight.trace import _interrupts as interrupts
+
 __all__ = ["Sweep", "clear_traceback_frames", "swept"]
 
 # Containers that only ever hold what they were built with: walk past them to whatever holds them.
@@ -236,15 +238,19 @@ def swept(trace: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(trace)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        sweep = Sweep()
-        try:
-            result = trace(*args, sweep=sweep, **kwargs)
-        except BaseException as err:
-            clear_traceback_frames(err)
-            _run_or_warn(sweep)
-            raise
-        clear_traceback_frames(result.error)
-        result.notes.extend(_run_or_warn(sweep))
+        # Ctrl-C waits for a safe point (`preflight.trace._interrupts`); an interrupted trace returns nothing.
+        with interrupts.deferred_interrupts():
+            sweep = Sweep()
+            try:
+                result = trace(*args, sweep=sweep, **kwargs)
+            except BaseException as err:
+                clear_traceback_frames(err)
+                with interrupts.finishing():
+                    _run_or_warn(sweep)
+                raise
+            clear_traceback_frames(result.error)
+            with interrupts.finishing():
+                result.notes.extend(_run_or_warn(sweep))
         return result
 
     return wrapper

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
 from preflight._device import iter_tensors
+from preflight.trace import _interrupts as interrupts
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
@@ -198,14 +199,18 @@ class FakeRun:
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
-        with preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, \
-                self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+        # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back.
+        with interrupts.finishing(begun=False) as finishing, preserved_state(model), \
+                real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, self.tracker, \
+                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
             try:
                 yield
             except LossNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
                 self.error, self.failed_op = err, failed_op_of(err)
+            finally:
+                finishing()
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
+from preflight.trace import _interrupts as interrupts
 from preflight.trace._fake_kernels import FAKE_KERNELS
 from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._layouts import LayoutCalibration
@@ -314,6 +315,11 @@ class StorageTracker(TorchDispatchMode):
     # ---- dispatch -------------------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if interrupts.requested() and _computes(func):
+            # A safe point for a deferred Ctrl-C (`preflight.trace._interrupts`): before an operator that computes
+            # a tensor. Not before a metadata query (``prim.device``, ``sym_size``): C++ asks those from accessors
+            # that cannot carry an exception (raising there aborts the process).
+            interrupts.check()
         kwargs = kwargs or {}
         index = self.num_ops
         self.num_ops += 1
@@ -514,6 +520,18 @@ class StorageTracker(TorchDispatchMode):
 
     def _has_shadow(self, t: torch.Tensor) -> bool:
         return t in self._shadows
+
+
+def _computes(func: Any) -> bool:
+    """Whether ``func`` returns a tensor (a computation), as opposed to metadata (a device, a size, a flag)."""
+    known = _COMPUTES.get(func)
+    if known is None:
+        known = _COMPUTES[func] = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+                                      and "Tensor" in str(r.type) for r in func._schema.returns)
+    return known
+
+
+_COMPUTES: dict[Any, bool] = {}
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -187,9 +187,65 @@ def test_internal_failure_warns_and_training_runs(monkeypatch):
         raise RuntimeError("trace exploded")
 
     monkeypatch.setattr(_check, "estimate", broken)
+    callback = PreflightCallback(budget="1GiB")
     with pytest.warns(RuntimeWarning, match="the prediction failed and was skipped.*trace exploded"):
-        trainer = fit(GPT(val=False), [PreflightCallback(budget="1MiB")], steps=2)
+        trainer = fit(GPT(val=False), [callback], steps=2)
     assert trainer.global_step == 2
+    # What is known still counts: a lower bound (the model's state), labelled, under the budget: no verdict.
+    report = callback.report
+    assert report.coverage["lower_bound"] is True and report.fits is None
+    assert report.predicted_breakdown["optimizer_state"] >= 2 * report.predicted_breakdown["parameters"] > 0  # AdamW
+    assert "the prediction failed on this rank (RuntimeError: trace exploded)" in report.warnings[0]
+
+
+def test_internal_failure_with_a_lower_bound_over_the_budget_stops_the_run(monkeypatch):
+    from preflight import _check
+
+    monkeypatch.setattr(_check, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("trace exploded")))
+    module = GPT(val=False)
+    with pytest.raises(preflight.PreflightError, match="over the usable 921.60 KiB"):
+        fit(module, [PreflightCallback(budget="1MiB", suggest=False)], steps=2)
+    assert module.seen == []
+
+
+class _FlakyTokens(VariableTokens):
+    """Sample 5 raises on its first read (a flaky record): the scan hits it, training does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def __getitem__(self, i):
+        if i == 5 and not self.failed:
+            self.failed = True
+            raise OSError("record 5: read timed out")
+        return super().__getitem__(i)
+
+
+class _FlakyGPT(GPT):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_FlakyTokens(), batch_size=self.batch_size, shuffle=True,
+                                           collate_fn=pad_tokens)
+
+
+def test_a_sample_that_raises_is_named_and_the_prediction_uses_the_rest():
+    callback = PreflightCallback(budget="1GiB", on_overflow="warn", verify_steps=0)
+    with pytest.warns(RuntimeWarning, match=r"1 sample\(s\) raised when read: #5 \(OSError: record 5: read timed out\)"):
+        trainer = fit(_FlakyGPT(val=False), [callback], steps=2)
+    report = callback.report
+    assert report is not None and report.fits is True  # the guard is still on
+    assert report.worst_case_batch_shape["input_ids"] == [4, 96]  # the longest sample of the rest
+    assert report.worst_case_batch["failed_samples"] == 1 and report.worst_case_batch["failures"] == (
+        (5, "OSError: record 5: read timed out"),)
+    assert any("#5 (OSError: record 5: read timed out)" in w for w in report.warnings)
+    assert trainer.global_step == 2
+
+
+def test_a_sample_that_raises_stops_the_run_when_failing_fast():
+    module = _FlakyGPT(val=False)
+    with pytest.raises(preflight.PreflightError, match="reading sample 5 of the training dataset raised OSError"):
+        fit(module, [PreflightCallback(budget="1GiB")], steps=2)
+    assert module.seen == []
 
 
 def test_options_are_checked_at_construction():
@@ -338,3 +394,56 @@ def test_the_lightning_example_runs_with_only_pytorch_lightning(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "preflight: verified 3 step(s)" in done.stdout
     assert json.loads((tmp_path / "out" / "lightning_gpt.json").read_text())["steps_measured"] == 3
+
+
+DDP_FAILING_RANK_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+import lightning.pytorch as pl
+import preflight
+from preflight import _check
+from test_lightning import GPT
+from preflight.integrations.lightning import PreflightCallback
+rank = int(os.environ.get("LOCAL_RANK", 0))
+if rank == 1:  # preflight fails inside on this rank only
+    def broken(*args, **kwargs):
+        raise RuntimeError("trace exploded on rank 1")
+    _check.estimate = broken
+callback = PreflightCallback(budget="1GiB", suggest=False, verify_steps=2)
+module = GPT(val=False)
+trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, callbacks=[callback])
+trainer.fit(module)
+r = callback.report
+open(f"rank{{rank}}.json", "w").write(json.dumps({{"rank": rank, "steps": trainer.global_step, "fits": r.fits,
+      "lower_bound": r.rank_lower_bound, "predicted": r.rank_predicted_peak_bytes,
+      "measured": r.rank_measured_peak_bytes, "errors": r.rank_relative_errors, "error": r.relative_error,
+      "measured_peak": r.measured_peak_bytes, "warnings": r.warnings}}))
+"""
+
+
+@pytest.mark.slow
+def test_ddp_a_rank_whose_prediction_fails_is_a_lower_bound_and_each_rank_checks_its_own(tmp_path):
+    script = tmp_path / "ddp_failing.py"
+    script.write_text(DDP_FAILING_RANK_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    rows = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)
+            if (tmp_path / f"rank{rank}.json").exists()}
+    assert set(rows) == {0, 1}, (done.stdout, done.stderr[-3000:])
+    for r in rows.values():
+        # The verdict comes from rank 0, which predicted: the guard stays on for both ranks.
+        assert r["fits"] is True and r["steps"] == 3
+        assert r["lower_bound"] == [False, True]
+        predicted, measured, errors = r["predicted"], r["measured"], r["errors"]
+        assert predicted[1] < predicted[0]  # rank 1's lower bound has no activations
+        # Each rank's measurement against its own prediction (rank 1's lower bound is far under its measurement).
+        assert errors[0] > -0.2 and errors[1] < -0.5
+        # The headline is rank 0's (it predicted), not rank 1's measurement against rank 0's prediction.
+        assert r["error"] == errors[0] and r["measured_peak"] == measured[0]
+    assert any("the prediction failed on this rank (RuntimeError: trace exploded on rank 1)" in w
+               for w in rows[1]["warnings"])
+    assert any("rank(s) 1: the figure is a lower bound" in w for w in rows[0]["warnings"])

@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
+from preflight.trace._compiled import compiled_notes, dynamo_kept_out
 from preflight._device import iter_tensors
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
@@ -198,14 +199,16 @@ class FakeRun:
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
-        with preserved_state(model), real_run_paths(self.notes), self.fake_mode, self.tracker, \
-                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+        # Dynamo is kept out first and restored last: no frame of the user's is seen by it under the tracker.
+        with dynamo_kept_out(model) as compiled, preserved_state(model), real_run_paths(self.notes), \
+                self.fake_mode, self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
             try:
                 yield
             except LossNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
                 self.error, self.failed_op = err, failed_op_of(err)
+        self.notes.extend(compiled_notes(compiled))
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

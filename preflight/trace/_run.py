@@ -22,7 +22,9 @@ from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
 from preflight.trace._compiled import compiled_notes, dynamo_kept_out
-from preflight._device import iter_tensors
+from preflight.trace._step_checks import kernel_dtype_error
+from preflight._device import iter_tensors, named_tensors
+from preflight._errors import StepWouldFailError
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
@@ -188,10 +190,13 @@ class FakeRun:
         self.failed_op: str | None = None
         for name, _ in model.named_parameters():
             self.tracker.register(self.state[name], Category.PARAMETERS)
+            self.tracker.names[self.state[name]] = f"parameter '{name}'"
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
-        for real, fake in zip(iter_tensors(batch), iter_tensors(self.batch)):
+            self.tracker.names[self.state[name]] = f"buffer '{name}'"
+        for (path, real), fake in zip(named_tensors(batch), iter_tensors(self.batch)):
             self.tracker.register(fake, Category.INPUTS)
+            self.tracker.names[fake] = f"the batch{path}"
             if can_shadow(real):
                 # A copy: the model may write into its batch (labels[mask] = -100), and the shadow runs it for real.
                 self.tracker.shadow(fake, real.detach().to("cpu", copy=True))
@@ -204,9 +209,13 @@ class FakeRun:
                 self.fake_mode, self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
             try:
                 yield
-            except LossNotFoundError:
+            except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
+                if kernel_dtype_error(err):  # torch's own check, made before dispatch: the real step raises it too
+                    raise StepWouldFailError(f"The training step would fail at its first step: {err} ("
+                                             f"{failed_op_of(err)}). Fix: cast one to the other's dtype. No memory "
+                                             "was predicted: a step that fails has no peak.") from err
                 self.error, self.failed_op = err, failed_op_of(err)
         self.notes.extend(compiled_notes(compiled))
 

@@ -34,6 +34,19 @@ class CompiledRegions:
     they were found (a module's qualified name, or ``"function"`` for compiled functions called from forward)."""
 
     backends: dict[str, str] = dataclasses.field(default_factory=dict)
+    modules: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
+    partitioned: set[str] = dataclasses.field(default_factory=set)  # traced as AOTAutograd partitions them
+    eager: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why its graph could not be captured
+
+    def capturing_failed(self, name: str, err: BaseException) -> bool:
+        """Record that ``name``'s graph could not be captured; False when ``err`` is not a capture failure (the
+        step's own error, or preflight's: raised as it is)."""
+        from preflight._errors import StepWouldFailError
+
+        if isinstance(err, StepWouldFailError) or name in self.partitioned:
+            return False  # a graph that ran once is captured: a later error is the step's
+        self.eager[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        return True
 
 
 def compiled_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -84,7 +97,9 @@ def dynamo_kept_out(model: nn.Module) -> Iterator[CompiledRegions]:
 
     modules = compiled_modules(model)
     for name, module in modules.items():
-        regions.backends[name or type(getattr(module, "_orig_mod", module)).__name__] = backend_name(module)
+        name = name or type(getattr(module, "_orig_mod", module)).__name__
+        regions.backends[name] = backend_name(module)
+        regions.modules[name] = module
     known = {id(getattr(getattr(m, "dynamo_ctx", None), "callback", None)) for m in modules.values()}
     original = getattr(eval_frame, "_callback_from_stance", None)
 
@@ -105,11 +120,240 @@ def dynamo_kept_out(model: nn.Module) -> Iterator[CompiledRegions]:
 
 
 def compiled_notes(regions: CompiledRegions) -> list[str]:
-    """Coverage notes for the compiled regions a trace ran eagerly."""
-    if not regions.backends:
-        return []
-    where = ", ".join(f"{name} ({backend})" for name, backend in sorted(regions.backends.items()))
-    if all(backend == "eager" for backend in regions.backends.values()):
-        return [f"compiled with torch.compile: {where}; the eager backend runs the same kernels, traced eagerly"]
-    return [f"compiled with torch.compile: {where}; traced eagerly, so the figure is the eager peak, an upper "
-            "bound for activations (a compiled run saves fewer tensors for backward and fuses temporaries)"]
+    """Coverage notes: which compiled regions were traced as compiled, and which eagerly (and why)."""
+    notes = []
+    partitioned = sorted(regions.partitioned)
+    if partitioned:
+        notes.append(f"compiled with torch.compile: {', '.join(f'{n} (inductor)' for n in partitioned)} traced as "
+                     "inductor's partitioner splits it (the tensors saved for backward are the compiled run's); "
+                     "inside a graph, inductor's fusion is approximated (pointwise operators read only by pointwise "
+                     "operators and reductions are not stored) and its buffer reuse is not modelled")
+    eager = {n: b for n, b in regions.backends.items() if n not in regions.partitioned}
+    if not eager:
+        return notes
+    where = ", ".join(f"{name} ({backend}{': ' + regions.eager[name] if name in regions.eager else ''})"
+                      for name, backend in sorted(eager.items()))
+    if all(backend == "eager" for backend in eager.values()):
+        notes.append(f"compiled with torch.compile: {where}; the eager backend runs the same kernels, traced eagerly")
+    else:
+        notes.append(f"compiled with torch.compile: {where}; traced eagerly, so the figure is the eager peak, an "
+                     "upper bound for activations (a compiled run saves fewer tensors for backward and fuses "
+                     "temporaries)")
+    return notes
+
+
+@contextlib.contextmanager
+def partitioned_forwards(regions: CompiledRegions, tracker: Any) -> Iterator[None]:
+    """Run each inductor-compiled module as the compiled run does: its forward and backward graphs as
+    AOTAutograd's min-cut partitioner splits them (inductor's own partition function), so the tensors saved for
+    backward are the compiled run's, not eager's.
+
+    The graphs are captured with ``tracker`` paused (capturing allocates nothing real) and with
+    ``torch.compiler.is_compiling()`` true (libraries take the paths they take under Dynamo), then run under the
+    tracker operator by operator (`run_graph`): each value is dropped after its last use, and the outputs of
+    pointwise operators inductor would fuse into their consumers are not recorded (`fused_nodes`). Inductor's
+    buffer reuse within a graph is not modelled. A module whose graph cannot be captured (data-dependent control
+    flow, where Dynamo would break the graph; an output that is not a pytree of tensors, such as transformers'
+    ``DynamicCache``) runs eagerly, and the note says so. Modules are put back by `restored_module` (the caller's).
+    """
+    for name, module in regions.modules.items():
+        inner = any(other is not module and any(m is module for m in other.modules())
+                    for other in regions.modules.values())  # captured as part of the outer graph
+        if regions.backends.get(name) == "inductor" and hasattr(module, "_orig_mod") and not inner:
+            module.forward = _PartitionedForward(name, module._orig_mod, tracker, regions)
+    yield
+
+
+class _PartitionedForward:
+    def __init__(self, name: str, module: nn.Module, tracker: Any, regions: CompiledRegions) -> None:
+        self.name, self.module, self.tracker, self.regions = name, module, tracker, regions
+        self.compiled: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        if self.name in self.regions.eager:
+            return self.module(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        key = (spec, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), tuple(
+            (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
+            for x in flat if isinstance(x, (torch.Tensor, int, float, bool, str, type(None)))))
+        state = {**dict(self.module.named_parameters()),  # one name per tied tensor: functional_call reties them
+                 **dict(self.module.named_buffers())}
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+        def call(params: dict, *inputs: torch.Tensor) -> Any:
+            values = list(flat)
+            for i, t in zip(positions, inputs):
+                values[i] = t
+            a, k = tree_unflatten(values, spec)
+            return torch.func.functional_call(self.module, params, a, k)
+
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.compiled[key] = self._compile(call, len(state))
+        paused, compiling = self.tracker.paused, torch.compiler._is_compiling_flag
+        self.tracker.paused = True  # the first call captures the graphs; the forward graph itself runs unpaused
+        # Libraries take their compile-friendly paths under Dynamo (`torch.compiler.is_compiling()`: transformers
+        # skips data-dependent mask checks); the capture takes them too, as the compiled run did.
+        torch.compiler._is_compiling_flag = True
+        try:
+            out = compiled(state, *tensors)
+        except Exception as err:  # noqa: BLE001 - a graph AOTAutograd cannot capture runs eagerly, with a note
+            if not self.regions.capturing_failed(self.name, err):
+                raise
+            out = None
+        finally:
+            self.tracker.paused, torch.compiler._is_compiling_flag = paused, compiling
+        if self.name in self.regions.eager:
+            return self.module(*args, **kwargs)
+        self.regions.partitioned.add(self.name)
+        return out
+
+    def _compile(self, fn: Any, num_params_buffers: int) -> Any:
+        from torch._functorch.aot_autograd import aot_function
+
+        tracker = self.tracker
+
+        def compiler(gm: Any, example_inputs: Any) -> Any:
+            fused = fused_nodes(gm.graph)
+
+            def run(args: list) -> Any:
+                paused = tracker.paused
+                tracker.paused = False
+                try:
+                    return run_graph(gm, args, fused, tracker)
+                finally:
+                    tracker.paused = paused
+
+            run._boxed_call = True
+            return run
+
+        partition, decompositions = _inductor_partitioning()
+        return aot_function(fn, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
+                            decompositions=decompositions, num_params_buffers=num_params_buffers)
+
+
+def _inductor_partitioning() -> tuple[Any, Any]:
+    """Inductor's partition function (its joint-graph passes, then the min-cut partitioner) and decompositions, as
+    ``torch._inductor.compile_fx`` hands them to AOTAutograd; the plain min-cut partitioner where they are missing."""
+    try:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.virtualized import V
+
+        def partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+            with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # inductor's passes read it, as under compile_fx
+                return partition_fn(gm, joint_inputs, **kwargs)
+
+        return partition, select_decomp_table()
+    except ImportError:
+        import functools
+
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        return functools.partial(min_cut_rematerialization_partition, compiler="inductor"), None
+
+
+# Reductions inductor fuses its pointwise producers into (their own outputs are buffers).
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod", "any", "all", "argmax",
+               "argmin", "logsumexp"}
+# A pointwise buffer read by more consumers than this is stored (inductor's `realize_reads_threshold`).
+_MAX_INLINED_READS = 4
+
+
+def _is_op(node: Any) -> bool:
+    import torch
+
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+
+
+def _pointwise(node: Any) -> bool:
+    import torch
+
+    return _is_op(node) and torch.Tag.pointwise in node.target.tags
+
+
+def _view(node: Any) -> bool:
+    return _is_op(node) and node.target.is_view
+
+
+def fused_nodes(graph: Any) -> set[Any]:
+    """The nodes of an AOTAutograd graph whose outputs inductor never stores: pointwise operators read only by
+    pointwise operators and reductions of the same graph (directly or through views), at most
+    `_MAX_INLINED_READS` times, and not graph outputs. Inductor generates them inside their consumers' kernels.
+    Everything else (graph inputs and outputs, matmuls, convolutions and other library kernels, and what they
+    read) is a buffer. An approximation of inductor's scheduler: it may also store a buffer this leaves fused."""
+    from torch.utils._pytree import tree_flatten
+
+    output = next(n for n in graph.nodes if n.op == "output")
+    returned = {n for n in tree_flatten(output.args)[0] if hasattr(n, "users")}
+
+    def readers(node: Any) -> list[Any] | None:
+        found = []
+        for user in node.users:
+            if user is output or user in returned:
+                return None
+            if _view(user):
+                more = readers(user)
+                if more is None:
+                    return None
+                found.extend(more)
+            else:
+                found.append(user)
+        return found
+
+    fused = set()
+    for node in graph.nodes:
+        if not _pointwise(node) or node in returned:
+            continue
+        users = readers(node)
+        if users is not None and len(users) <= _MAX_INLINED_READS and all(
+                _pointwise(u) or (_is_op(u) and u.target.overloadpacket.__name__ in _REDUCTIONS) for u in users):
+            fused.add(node)
+    return fused
+
+
+def run_graph(gm: Any, args: list, fused: set[Any], tracker: Any) -> Any:
+    """Run ``gm``'s graph operator by operator as inductor's generated code holds buffers: inputs are taken from
+    the boxed ``args`` (cleared, as a compiled graph does) and every value is dropped after its last use; the
+    outputs of ``fused`` nodes are not recorded (``tracker.unrecorded``), as they never exist in the compiled run."""
+    from torch.utils._pytree import tree_map
+
+    nodes = list(gm.graph.nodes)
+    last_use: dict[Any, Any] = {}
+    for node in reversed(nodes):
+        for used in node.all_input_nodes:
+            last_use.setdefault(used, node)
+    inputs = list(args)
+    args.clear()
+    inputs.reverse()
+    env: dict[Any, Any] = {}
+
+    def load(x: Any) -> Any:
+        return tree_map(lambda v: env[v] if v in env else v, x)
+
+    for node in nodes:
+        if node.op == "placeholder":
+            env[node] = inputs.pop()
+        elif node.op == "output":
+            return load(node.args[0])
+        elif node.op == "get_attr":
+            value = gm
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            env[node] = value
+        else:
+            tracker.unrecorded = node in fused
+            try:
+                target = node.target if node.op == "call_function" else getattr(gm, node.target)
+                env[node] = target(*load(node.args), **load(node.kwargs))
+            finally:
+                tracker.unrecorded = False
+        for used in node.all_input_nodes:
+            if last_use.get(used) is node:
+                env.pop(used, None)
+    return None

@@ -21,7 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
-from preflight.trace._compiled import compiled_notes, dynamo_kept_out
+from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
 from preflight.trace._step_checks import kernel_dtype_error
 from preflight._device import iter_tensors, named_tensors
 from preflight._errors import StepWouldFailError
@@ -206,7 +206,8 @@ class FakeRun:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
         # Dynamo is kept out first and restored last: no frame of the user's is seen by it under the tracker.
         with dynamo_kept_out(model) as compiled, preserved_state(model), real_run_paths(self.notes), \
-                self.fake_mode, self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+                self.fake_mode, self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
+                partitioned_forwards(compiled, self.tracker):
             try:
                 yield
             except (LossNotFoundError, StepWouldFailError):

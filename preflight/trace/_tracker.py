@@ -122,6 +122,8 @@ class StorageTracker(TorchDispatchMode):
         self._draw_reads: dict[tuple[str, str], int] = {}  # (draw site, read site) -> reads
         # What the user calls the tensors that exist before the step ("parameter 'lm_head.weight'"): error messages.
         self.names: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.paused = False  # pass operators through unrecorded: capturing a compiled graph allocates nothing real
+        self.unrecorded = False  # the running operator's outputs never exist in the real run (fused by inductor)
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -314,6 +316,8 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.paused:  # a graph being captured (`preflight.trace._compiled`), not a step running
+            return func(*args, **kwargs)
         index = self.num_ops
         self.num_ops += 1
         self.last_op = str(func)
@@ -325,7 +329,9 @@ class StorageTracker(TorchDispatchMode):
             self.failed_op = self.failed_op or str(func)
             _mark_failure(exc, func, self.phase)
             raise
-        if not (self._between_nodes and self._accumulate_in_place(func, args, out, index)):
+        if self.unrecorded:
+            pass
+        elif not (self._between_nodes and self._accumulate_in_place(func, args, out, index)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, self.phase_category, index)

@@ -101,6 +101,9 @@ def estimate(
     Raises:
         ValueError: a wrong argument (unknown precision, steps < 1, accumulate < 1, unknown zero_grad, no loss found
             in the model's output).
+        StepWouldFailError: the real step would raise at step one: operands of different dtypes or devices, or
+            indices out of range (token ids >= the vocabulary, sequences longer than the position table, labels
+            beyond the classes); the message has the real kernel's error, the operator, the line and the tensors.
 
     Example:
         >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
@@ -117,6 +120,10 @@ def estimate(
         - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
           lists can differ from CUDA's.
         - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
+        - ``torch.compile``: modules compiled with inductor are traced as AOTAutograd and inductor's partitioner
+          split them, with inductor's fusion approximated; other backends and graphs that cannot be captured are
+          traced eagerly (the eager peak, an upper bound for activations), as ``coverage.notes`` says. Dynamo is
+          kept out of the trace, so nothing about the user's compilation changes.
     """
     precision = check_precision(precision)
     routing = check_routing(routing)

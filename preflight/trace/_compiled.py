@@ -13,6 +13,12 @@ frames run as plain Python, nothing is marked) under the ``"force_eager"`` stanc
 stance for the duration of the trace only (``torch.compiler.set_stance``, restored on exit), so compiled modules
 and functions run their original Python code, Dynamo's caches are neither read nor written, and nothing is reset.
 It also records which compiled regions the trace entered, to say so in the estimate's coverage.
+
+Modules compiled with inductor are then traced as the compiled run executes them (`partitioned_forwards`): their
+forward and backward graphs as AOTAutograd and inductor's partition function split them, so the tensors saved for
+backward are the compiled run's, with inductor's fusion approximated (`fused_nodes`). Other backends, and graphs
+that cannot be captured, run their Python code eagerly: the figure is then the eager peak, an upper bound for
+activations, and the note says so.
 """
 
 from __future__ import annotations
@@ -128,7 +134,9 @@ def compiled_notes(regions: CompiledRegions) -> list[str]:
                      "inductor's partitioner splits it (the tensors saved for backward are the compiled run's); "
                      "inside a graph, inductor's fusion is approximated (pointwise operators read only by pointwise "
                      "operators and reductions are not stored) and its buffer reuse is not modelled")
-    eager = {n: b for n, b in regions.backends.items() if n not in regions.partitioned}
+    within = {n for n, m in regions.modules.items() for p in regions.partitioned
+              if any(sub is m for sub in regions.modules[p].modules())}  # captured inside a partitioned graph
+    eager = {n: b for n, b in regions.backends.items() if n not in regions.partitioned and n not in within}
     if not eager:
         return notes
     where = ", ".join(f"{name} ({backend}{': ' + regions.eager[name] if name in regions.eager else ''})"

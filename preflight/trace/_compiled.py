@@ -43,6 +43,7 @@ class CompiledRegions:
     modules: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
     partitioned: set[str] = dataclasses.field(default_factory=set)  # traced as AOTAutograd partitions them
     eager: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why its graph could not be captured
+    not_kept_out: bool = False  # torch < 2.6: Dynamo saw the trace (and may skip these frames from now on)
 
     def capturing_failed(self, name: str, err: BaseException) -> bool:
         """Record that ``name``'s graph could not be captured; False when ``err`` is not a capture failure (the
@@ -115,6 +116,10 @@ def dynamo_kept_out(model: nn.Module) -> Iterator[CompiledRegions]:
             regions.backends.setdefault("function", _name_of(eval_frame.innermost_backend(callback)))
         return original(callback)
 
+    if not hasattr(torch.compiler, "set_stance"):  # torch < 2.6: no stance to keep Dynamo out with
+        regions.not_kept_out = True
+        yield regions
+        return
     with torch.compiler.set_stance("force_eager"):
         if original is not None:
             eval_frame._callback_from_stance = recording
@@ -128,6 +133,9 @@ def dynamo_kept_out(model: nn.Module) -> Iterator[CompiledRegions]:
 def compiled_notes(regions: CompiledRegions) -> list[str]:
     """Coverage notes: which compiled regions were traced as compiled, and which eagerly (and why)."""
     notes = []
+    if regions.not_kept_out:
+        notes.append("torch < 2.6 has no torch.compiler.set_stance: Dynamo was not kept out of the trace, and may "
+                     "skip the traced compiled code from now on (torch._dynamo.reset() compiles it again)")
     partitioned = sorted(regions.partitioned)
     if partitioned:
         notes.append(f"compiled with torch.compile: {', '.join(f'{n} (inductor)' for n in partitioned)} traced as "
@@ -202,11 +210,12 @@ class _PartitionedForward:
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.compiled[key] = self._compile(call, len(state))
-        paused, compiling = self.tracker.paused, torch.compiler._is_compiling_flag
+        paused, compiling = self.tracker.paused, getattr(torch.compiler, "_is_compiling_flag", None)
         self.tracker.paused = True  # the first call captures the graphs; the forward graph itself runs unpaused
         # Libraries take their compile-friendly paths under Dynamo (`torch.compiler.is_compiling()`: transformers
         # skips data-dependent mask checks); the capture takes them too, as the compiled run did.
-        torch.compiler._is_compiling_flag = True
+        if compiling is not None:
+            torch.compiler._is_compiling_flag = True
         try:
             out = compiled(state, *tensors)
         except Exception as err:  # noqa: BLE001 - a graph AOTAutograd cannot capture runs eagerly, with a note
@@ -214,7 +223,9 @@ class _PartitionedForward:
                 raise
             out = None
         finally:
-            self.tracker.paused, torch.compiler._is_compiling_flag = paused, compiling
+            self.tracker.paused = paused
+            if compiling is not None:
+                torch.compiler._is_compiling_flag = compiling
         if self.name in self.regions.eager:
             return self.module(*args, **kwargs)
         self.regions.partitioned.add(self.name)

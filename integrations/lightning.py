@@ -243,11 +243,15 @@ class PreflightCallback(*_callback_bases()):
         samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds,
                        on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
+        # The loops convert each batch with the precision plugin before `training_step` (64-true: floats to double).
+        convert = trainer.precision_plugin.convert_input
+        batch = convert(batch)
         eval_batch = eval_info = None
         val_loader = _val_loader(trainer, pl_module) if self.options.check_eval else None
         if val_loader is not None:
             eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds,
                                            on_error=self.options.scan_on_error).worst_case()
+            eval_batch = convert(eval_batch)
         precision, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(
@@ -256,7 +260,7 @@ class PreflightCallback(*_callback_bases()):
                 schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
-                make_batch=samples.batch, eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
+                make_batch=lambda b: convert(samples.batch(b)), eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
             )
         if note:
             report.warnings.append(note)
@@ -298,7 +302,9 @@ class PreflightCallback(*_callback_bases()):
         with _quiet_logging(pl_module), progress("autotune: finding the largest micro-batch that fits",
                                                   enabled=is_rank_zero()):
             # Traced with accumulation: any micro-batch below the global batch will accumulate.
-            result = max_batch_size(pl_module, trainer.optimizers[0], samples.batch, budget=budget,
+            convert = trainer.precision_plugin.convert_input  # as the loop does before `training_step`
+            result = max_batch_size(pl_module, trainer.optimizers[0], lambda b: convert(samples.batch(b)),
+                                    budget=budget,
                                     step=_training_step, precision=precision, device=pl_module.device,
                                     max_batch=min(global_batch, self.max_batch_size or global_batch),
                                     multiple_of=self.multiple_of, headroom=self.options.headroom,

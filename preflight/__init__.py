@@ -4,7 +4,7 @@ from preflight._advise import Suggestion, advise, resize_batch
 from preflight._autotune import BatchSizeResult, GlobalBatchPlan, max_batch_size, split_global_batch
 from preflight._batches import worst_case_batch
 from preflight._check import Report, check
-from preflight._errors import PreflightError
+from preflight._errors import PreflightError, StepWouldFailError
 from preflight._eval import estimate_eval
 from preflight._estimate import estimate
 from preflight._gpus import GPU, get_gpu, known_gpus
@@ -35,6 +35,7 @@ __all__ = [
     "GPU",
     "Measurement",
     "PreflightError",
+    "StepWouldFailError",
     "TimelinePoint",
     "estimate",
     "format_bytes",

@@ -18,13 +18,15 @@ Policies:
 - **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
   ``PREFLIGHT_DRY_RUN=1`` the process ends after the report with exit status 0 when the run fits (or there is no
   budget to compare with), 3 (`EXIT_DOES_NOT_FIT`) when it does not, 4 (`EXIT_NO_VERDICT`) when the model could
-  not be traced and its lower bound is under the budget, and 1 when the prediction itself failed, so a job script
+  not be traced and its lower bound is under the budget, 5 (`EXIT_STEP_FAILS`) when the step would raise at step
+  one (`preflight.StepWouldFailError`), and 1 when the prediction itself failed, so a job script
   can run the real training script once and stop before step one. ``PREFLIGHT_REPORT``,
   ``PREFLIGHT_BUDGET``, ``PREFLIGHT_GPU``, ``PREFLIGHT_HEADROOM``, ``PREFLIGHT_WORLD_SIZE`` and
   ``PREFLIGHT_SHARDING`` override the callback's options.
 - **Internal failures**: any exception inside preflight that is not a `PreflightError` (a model the trace
   cannot run, a profiler already in use, a bug of ours) becomes a ``RuntimeWarning`` with the reason, and
-  training proceeds without the prediction or the verification.
+  training proceeds without the prediction or the verification. A `StepWouldFailError` is not ours: the real step
+  would raise it at step one, so it is raised before it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from preflight._batches import BatchInfo, failures_text
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
-from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
-from preflight._errors import PreflightError
+from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
+from preflight._errors import PreflightError, StepWouldFailError
 from preflight._estimate import estimate
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
@@ -681,6 +683,9 @@ def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
     must not stop for us. ``reasons``, when given, gets the failure's one-line reason."""
     try:
         yield
+    except StepWouldFailError as err:  # the real step would raise too: say why, before it (a dry run exits 5)
+        finish_failed_step(str(err))
+        raise
     except (PreflightError, *reraise):
         raise
     except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure

@@ -4,9 +4,10 @@
     preflight check --gpu A100-80GB -- python train.py --lr 3e-4 && sbatch job.sh
 
 Exit status: 0 the run fits (or there is no budget to compare with), 3 it does not, 4 no verdict (the model
-could not be traced and its lower bound is under the budget), 2 bad input (unknown GPU, malformed size, missing
-file, unknown option), 1 an unexpected error; for ``check``, 124 when ``--timeout`` stopped the script, and
-128 + N when signal N (SIGINT, SIGTERM, SIGHUP) was passed on to the script's process group.
+could not be traced and its lower bound is under the budget), 5 the training step would fail at step one (check:
+the script's step raised `preflight.StepWouldFailError`, e.g. token ids beyond the vocabulary), 2 bad input (unknown
+GPU, malformed size, missing file, unknown option), 1 an unexpected error; for ``check``, 124 when ``--timeout``
+stopped the script, and 128 + N when signal N (SIGINT, SIGTERM, SIGHUP) was passed on to the script's process group.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress as _progress
-from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_USAGE
+from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_STEP_FAILS, EXIT_USAGE
 from preflight._gpus import known_gpus
 from preflight._sharding import SHARDING_CHOICES
 from preflight._steps import PRECISIONS
@@ -533,6 +534,9 @@ def _decide(report: dict[str, Any] | None, child_status: int) -> int:
               "check. Add the callback (preflight.integrations.lightning / .hf) or call preflight.check(...) "
               "before training; if it crashed, its own output above says why.", file=sys.stderr)
         return EXIT_USAGE
+    if report.get("step_would_fail"):
+        print(f"preflight: THE STEP WOULD FAIL (the script {status}): {report['step_would_fail']}", file=sys.stderr)
+        return EXIT_STEP_FAILS
     fits = report.get("fits")
     peaks = report.get("rank_predicted_peak_bytes") or []
     failed = [rank for rank, peak in enumerate(peaks) if peak is None]

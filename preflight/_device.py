@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = [
     "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
-    "map_tensors", "model_device", "resolve_device", "trace_device_for",
+    "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
 ]
 
 
@@ -99,6 +99,18 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from iter_tensors(value)
+
+
+def named_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_tensors` with each tensor's path in ``obj`` (``"['input_ids']"``, ``"[0]"``; ``""`` for ``obj``)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from named_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from named_tensors(value, f"{path}[{i}]")
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

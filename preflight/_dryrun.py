@@ -4,7 +4,7 @@
 callbacks, ``preflight.check``) predicts, writes its report, and ends the process before step one:
 
 =======================  =========================================================================
-``PREFLIGHT_DRY_RUN=1``   stop after the prediction: exit 0 if the run fits, 3 if it does not
+``PREFLIGHT_DRY_RUN=1``   stop after the prediction: exit 0 if the run fits, 3 if it does not, 5 if the step fails
 ``PREFLIGHT_REPORT``      where to write the JSON report (the ``check`` command reads it back)
 ``PREFLIGHT_GPU``         plan for this catalog GPU instead of the local device
 ``PREFLIGHT_BUDGET``      plan against this many bytes ("80GB", "24GiB") instead of the device's capacity
@@ -22,8 +22,8 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["EXIT_FITS", "EXIT_DOES_NOT_FIT", "EXIT_NO_VERDICT", "EXIT_USAGE", "DryRunSettings", "settings_from_env",
-           "finish"]
+__all__ = ["EXIT_FITS", "EXIT_DOES_NOT_FIT", "EXIT_NO_VERDICT", "EXIT_STEP_FAILS", "EXIT_USAGE", "DryRunSettings",
+           "settings_from_env", "finish", "finish_failed_step"]
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 3  # not 1: a crash of the script itself exits 1, and must not read as "does not fit"
@@ -31,6 +31,9 @@ EXIT_USAGE = 2  # argparse's convention for bad input
 # The model could not be traced and its lower bound is under the budget: nothing is known either way, and a job
 # script must not read that as "fits".
 EXIT_NO_VERDICT = 4
+# The training step would raise at step one (`preflight.StepWouldFailError`: a dtype or device mismatch, an index out
+# of range): there is no peak to compare, and the real run would crash.
+EXIT_STEP_FAILS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +89,17 @@ def finish(report: dict[str, Any], fits: bool, settings: DryRunSettings | None =
     sys.stdout.flush()
     # os._exit would skip the user's atexit handlers and buffered output; SystemExit unwinds normally.
     raise SystemExit(EXIT_FITS if fits else EXIT_DOES_NOT_FIT)
+
+
+def finish_failed_step(message: str, settings: DryRunSettings | None = None) -> None:
+    """End a dry run whose step would fail (`preflight.StepWouldFailError`): write ``{"step_would_fail": message}``
+    where ``PREFLIGHT_REPORT`` says, then exit 5. Does nothing unless a dry run was requested."""
+    settings = settings or settings_from_env()
+    if not settings.dry_run:
+        return
+    if settings.report_path:
+        with open(settings.report_path, "w") as f:
+            json.dump({"step_would_fail": message}, f, indent=2)
+    print(f"preflight: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    raise SystemExit(EXIT_STEP_FAILS)

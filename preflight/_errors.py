@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PreflightError"]
+__all__ = ["PreflightError", "StepWouldFailError"]
 
 
 class PreflightError(RuntimeError):
@@ -15,3 +15,13 @@ class PreflightError(RuntimeError):
     def __init__(self, message: str, report: dict | None = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class StepWouldFailError(RuntimeError):
+    """The training step would raise at its first step (a dtype or device mismatch, an index out of range), so
+    there is no peak to predict.
+
+    The message holds the real kernel's error, the operator, the user's line and the tensors involved, and how to
+    fix it; ``__cause__`` is the error the real run raises (e.g. ``IndexError('index out of range in self')``).
+    Raised by `preflight.estimate` and the checks built on it, before any number is reported.
+    """

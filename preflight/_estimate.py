@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
-from preflight._device import resolve_device, trace_device_for
+from preflight._device import model_device, resolve_device, trace_device_for
+from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
@@ -20,7 +21,7 @@ from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
                                shard_events)
 from preflight.allocator import AllocatorConfig
-from preflight.trace import check_routing, float_dtype_for, trace_steps
+from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_steps
 
 __all__ = ["estimate", "summarize_events"]
 
@@ -100,6 +101,9 @@ def estimate(
     Raises:
         ValueError: a wrong argument (unknown precision, steps < 1, accumulate < 1, unknown zero_grad, no loss found
             in the model's output).
+        StepWouldFailError: the real step would raise at step one: operands of different dtypes or devices, or
+            indices out of range (token ids >= the vocabulary, sequences longer than the position table, labels
+            beyond the classes); the message has the real kernel's error, the operator, the line and the tensors.
 
     Example:
         >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
@@ -117,6 +121,10 @@ def estimate(
         - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
           lists can differ from CUDA's.
         - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
+        - ``torch.compile``: modules compiled with inductor are traced as AOTAutograd and inductor's partitioner
+          split them, with inductor's fusion approximated; other backends and graphs that cannot be captured are
+          traced eagerly (the eager peak, an upper bound for activations), as ``coverage.notes`` says. Dynamo is
+          kept out of the trace, so nothing about the user's compilation changes.
     """
     precision = check_precision(precision)
     routing = check_routing(routing)
@@ -158,6 +166,12 @@ def estimate(
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
     paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
 
+    if result.error is not None and device_mismatch(result.error) and model_device(model) == target == trace_device:
+        # The model's own tensors are where the real run has them: operands on two devices fail there too.
+        raise StepWouldFailError(
+            f"The training step would fail at its first step: {result.error} (in {result.failed_op}). Fix: create "
+            "tensors in the step on the device of the tensors they meet (e.g. `device=x.device`), or move them "
+            "with `.to(...)`. No memory was predicted: a step that fails has no peak.") from result.error
     if result.error is not None:
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
                          gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)

@@ -14,6 +14,7 @@ from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import NotRestoredError, isolated_rng, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
 from preflight.trace._run import FakeRun, TensorSpec, TraceResult, trace_steps
+from preflight.trace._step_checks import device_mismatch
 from preflight.trace._twin import float_dtype_for
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "TensorSpec",
     "TraceResult",
     "check_routing",
+    "device_mismatch",
     "float_dtype_for",
     "isolated_rng",
     "restored_module",

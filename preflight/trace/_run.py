@@ -21,8 +21,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
-from preflight._device import iter_tensors
+from preflight._device import iter_tensors, named_tensors
+from preflight._errors import StepWouldFailError
 from preflight.trace import _interrupts as interrupts
+from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
+from preflight.trace._step_checks import kernel_dtype_error
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
@@ -188,10 +191,13 @@ class FakeRun:
         self.failed_op: str | None = None
         for name, _ in model.named_parameters():
             self.tracker.register(self.state[name], Category.PARAMETERS)
+            self.tracker.names[self.state[name]] = f"parameter '{name}'"
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
-        for real, fake in zip(iter_tensors(batch), iter_tensors(self.batch)):
+            self.tracker.names[self.state[name]] = f"buffer '{name}'"
+        for (path, real), fake in zip(named_tensors(batch), iter_tensors(self.batch)):
             self.tracker.register(fake, Category.INPUTS)
+            self.tracker.names[fake] = f"the batch{path}"
             if can_shadow(real):
                 # A copy: the model may write into its batch (labels[mask] = -100), and the shadow runs it for real.
                 self.tracker.shadow(fake, real.detach().to("cpu", copy=True))
@@ -199,18 +205,25 @@ class FakeRun:
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
-        # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back.
-        with interrupts.finishing(begun=False) as finishing, preserved_state(model), \
-                real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, self.tracker, \
-                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+        # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
+        # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.
+        with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
+                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, \
+                self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
+                partitioned_forwards(compiled, self.tracker):
             try:
                 yield
-            except LossNotFoundError:
+            except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
+                if kernel_dtype_error(err):  # torch's own check, made before dispatch: the real step raises it too
+                    raise StepWouldFailError(f"The training step would fail at its first step: {err} ("
+                                             f"{failed_op_of(err)}). Fix: cast one to the other's dtype. No memory "
+                                             "was predicted: a step that fails has no peak.") from err
                 self.error, self.failed_op = err, failed_op_of(err)
             finally:
                 finishing()
+        self.notes.extend(compiled_notes(compiled))
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

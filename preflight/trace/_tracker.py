@@ -43,10 +43,12 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
 from preflight.trace import _interrupts as interrupts
 from preflight.trace._fake_kernels import FAKE_KERNELS
+from preflight._errors import StepWouldFailError
 from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._layouts import LayoutCalibration
 from preflight._result import Category, Event
 from preflight.trace._routing import RoutingShadows
+from preflight.trace._step_checks import STEP_CHECKS
 
 __all__ = ["StorageTracker", "SHADOW_MAX_NUMEL", "failed_op_of"]
 
@@ -124,6 +126,10 @@ class StorageTracker(TorchDispatchMode):
         self._drawn: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> site of its random draw
         self._draw_reads: dict[tuple[str, str], int] = {}  # (draw site, read site) -> reads
         self._host_reads: dict[str, int] = {}  # line -> fake tensors of unknown values read into NumPy there
+        # What the user calls the tensors that exist before the step ("parameter 'lm_head.weight'"): error messages.
+        self.names: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.paused = False  # pass operators through unrecorded: capturing a compiled graph allocates nothing real
+        self.unrecorded = False  # the running operator's outputs never exist in the real run (fused by inductor)
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -321,6 +327,8 @@ class StorageTracker(TorchDispatchMode):
             # that cannot carry an exception (raising there aborts the process).
             interrupts.check()
         kwargs = kwargs or {}
+        if self.paused:  # a graph being captured (`preflight.trace._compiled`), not a step running
+            return func(*args, **kwargs)
         index = self.num_ops
         self.num_ops += 1
         self.last_op = str(func)
@@ -332,7 +340,9 @@ class StorageTracker(TorchDispatchMode):
             self.failed_op = self.failed_op or str(func)
             _mark_failure(exc, func, self.phase)
             raise
-        if not (self._between_nodes and self._accumulate_in_place(func, args, out, index)):
+        if self.unrecorded:
+            pass
+        elif not (self._between_nodes and self._accumulate_in_place(func, args, out, index)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, self.phase_category, index)
@@ -341,6 +351,10 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
+        check = STEP_CHECKS.get(func)
+        if check is not None:
+            with _disable_current_modes():  # the checks compute on real shadows and stand-ins
+                check(self, func, args, kwargs)  # raises StepWouldFailError where the real kernel would raise
         if func is torch.ops.aten.index.Tensor:
             args = self._expand_mask_indices(args)
         if func is torch.ops.aten._ctc_loss.Tensor and args[3] in self._shadows:
@@ -408,6 +422,36 @@ class StorageTracker(TorchDispatchMode):
         if func._schema.is_mutable:
             for a in _written(func, args, kwargs or {}):
                 self._shadows.pop(a, None)
+
+    # ---- checks the real kernels make (preflight.trace._step_checks) -------------------------------------------
+
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The real values of ``t``, if it has a shadow."""
+        return self._shadows.get(t) if _is_fake(t) else None
+
+    def fail(self, func: Any, real: BaseException, operands: dict[str, torch.Tensor], fix: str) -> None:
+        """Raise `StepWouldFailError` for ``func``, which the real run would stop at with ``real``."""
+        site = user_frame()
+        where = f"{func} at {site}" if site else str(func)
+        described = "; ".join(f"{name}: {self.describe(t)}" for name, t in operands.items())
+        raise StepWouldFailError(
+            f"The training step would fail at its first step: {type(real).__name__}: {real} (in {where}, "
+            f"{self.phase}). {described}. Fix: {fix}. No memory was predicted: a step that fails has no peak."
+        ) from real
+
+    def from_batch(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a batch tensor or a view of one."""
+        return any(x is not None and self.names.get(x, "").startswith("the batch") for x in (t, t._base))
+
+    def describe(self, t: torch.Tensor) -> str:
+        """``t`` as the user knows it: a parameter or batch tensor by name, else its dtype and shape."""
+        name = self.names.get(t)
+        if name is None and t._base is not None:
+            name = self.names.get(t._base)
+            name = None if name is None else f"a view of {name}"
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        what = f"{str(t.dtype).removeprefix('torch.')} {shape}"
+        return f"{name} ({what})" if name else f"a tensor ({what}) computed in the step"
 
     # ---- boolean masks, random draws ------------------------------------------------------------------------
 

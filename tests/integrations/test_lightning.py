@@ -447,3 +447,42 @@ def test_ddp_a_rank_whose_prediction_fails_is_a_lower_bound_and_each_rank_checks
     assert any("the prediction failed on this rank (RuntimeError: trace exploded on rank 1)" in w
                for w in rows[1]["warnings"])
     assert any("rank(s) 1: the figure is a lower bound" in w for w in rows[0]["warnings"])
+
+
+def test_compiled_submodules_stay_compiled_and_64_true_batches_are_converted():
+    # `self.block = torch.compile(block)` inside a LightningModule: the callback's trace must not turn its
+    # compilation off (before: Dynamo marked Block.forward "skip" for the process, and training ran eagerly).
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Compiled(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.compile(Block(), backend=counting)
+
+        def training_step(self, batch, batch_idx):
+            return self.block(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # float32 batches: under 64-true the loop converts them to double
+            return torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+
+    module = Compiled()
+    callback = PreflightCallback(budget="1GiB", verify_steps=0)
+    fit(module, [callback], steps=2, precision="64-true")
+    coverage = callback.report.coverage
+    assert coverage["traced"] and any("block (counting)" in n for n in coverage["notes"]), coverage
+    assert graphs  # compiled during training

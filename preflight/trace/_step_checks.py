@@ -1,0 +1,203 @@
+"""Checks the real kernels make and fake kernels do not: a step that would fail at step one is an error, not a peak.
+
+Fake (meta) kernels compute output shapes and dtypes only. They accept a float64 batch into a float32 ``Linear``,
+token ids beyond the embedding table and sequences longer than the position table, all of which make the real
+step raise at its first operator. `StorageTracker` runs these checks before each operator they name, on what the
+kernel actually receives (after autocast's casts and the autograd decompositions), and raises
+`preflight.StepWouldFailError` with the real kernel's message, the operator, the user's line and the tensors
+involved.
+
+- Dtype agreement (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``,
+  ``convolution``, ``native_layer_norm``): when the floating operands' dtypes differ, the real CPU kernel is run on tiny stand-ins
+  (every dimension 1, the same dtypes); its error, if it raises one, is the step's. The rules are the CPU
+  kernels' (a CUDA kernel accepting a combination the CPU one rejects would be reported wrongly; none is known
+  for these operators).
+- Index ranges, on the value shadows of the indices (token ids from the batch, positions made with ``arange``):
+  ``embedding`` and ``index_select`` (``IndexError: index out of range in self``), ``gather`` and ``index`` (``index
+  i is out of bounds for dimension d with size n``), ``nll_loss`` (``Target t is out of bounds.``, ignoring
+  ``ignore_index``). Indices without a shadow (computed from parameters) are not checked.
+- Dtype checks torch makes itself before dispatch (``conv2d``'s "Input type (double) and bias type (float) should
+  be the same") raise under fake tensors as in the real run; `kernel_dtype_error` recognises them.
+
+Device agreement is left to the fake mode, which checks it (`device_mismatch`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["STEP_CHECKS", "StepContext", "device_mismatch", "kernel_dtype_error"]
+
+_aten = torch.ops.aten
+
+
+class StepContext(Protocol):
+    """What a check needs from the tracker."""
+
+    def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None: ...
+
+    def fail(self, func: Any, real: BaseException, operands: dict[str, torch.Tensor], fix: str) -> None: ...
+
+    def from_batch(self, t: torch.Tensor) -> bool: ...
+
+
+def _dtype_check(positions: tuple[int, ...], names: tuple[str, ...]) -> Callable[..., None]:
+    def check(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+        operands = {n: args[i] for n, i in zip(names, positions)
+                    if i < len(args) and isinstance(args[i], torch.Tensor)}
+        dtypes = {t.dtype for t in operands.values() if t.is_floating_point() or t.is_complex()}
+        if len(dtypes) < 2:
+            return
+        error = _probe(func, args, kwargs)
+        if error is not None:
+            ctx.fail(func, error, operands, "cast one to the other's dtype (e.g. the batch with "
+                     "`.to(model.dtype)`), or run under autocast (precision='bf16-mixed'), which casts both")
+
+    return check
+
+
+def _probe(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
+    """The error the real CPU kernel raises for these dtypes, on stand-ins of size 1 in every dimension."""
+    def tiny(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.ones([1] * x.dim(), dtype=x.dtype)
+        return x
+
+    with _disable_current_modes():  # real tensors, made and run outside the trace's modes
+        real_args = [tiny(a) for a in args]
+        if func is _aten.native_layer_norm.default:
+            real_args[1] = [1] * len(args[1])
+        if func is _aten.convolution.default:
+            # Unit stride, no padding, one group: on 1-sized stand-ins only the dtypes can fail.
+            n = len(args[3])
+            real_args[3:9] = [[1] * n, [0] * n, [1] * n, args[6], [0] * n, 1]
+        try:
+            func(*real_args, **{k: tiny(v) for k, v in kwargs.items()})
+        except (RuntimeError, TypeError) as err:
+            return err
+    return None
+
+
+def _values(ctx: StepContext, index: Any) -> torch.Tensor | None:
+    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
+        return None
+    real = ctx.shadow_of(index)
+    return None if real is None or real.numel() == 0 else real
+
+
+def _embedding(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    weight, indices = args[0], args[1]
+    real = _values(ctx, indices)
+    if real is None:
+        return
+    rows = weight.size(0)
+    lo, hi = int(real.min()), int(real.max())
+    if lo < 0 or hi >= rows:
+        bad = hi if hi >= rows else lo
+        if ctx.from_batch(indices):  # token ids
+            fix = (f"the batch holds id {bad}, and the table has {rows} rows (ids 0 to {rows - 1}): make the "
+                   "tokenizer and the model's vocab_size agree (model.resize_token_embeddings(len(tokenizer)))")
+        else:  # computed from the batch's shape: positions
+            fix = (f"the step computed index {bad}, and the table has {rows} rows: if these are positions, the "
+                   f"sequence is longer than the model's position table; truncate sequences to {rows} tokens")
+        ctx.fail(func, IndexError("index out of range in self"), {"weight": weight, "indices": indices}, fix)
+
+
+def _index_select(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    self_, dim, index = args[0], args[1], args[2]
+    real = _values(ctx, index)
+    if real is None:
+        return
+    size = self_.size(dim) if self_.dim() else 1
+    lo, hi = int(real.min()), int(real.max())
+    if lo < 0 or hi >= size:
+        ctx.fail(func, IndexError("index out of range in self"), {"self": self_, "index": index},
+                 f"the indices reach {hi if hi >= size else lo}, and dimension {dim} has size {size}")
+
+
+def _gather(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    self_, dim, index = args[0], args[1], args[2]
+    real = _values(ctx, index)
+    if real is None:
+        return
+    dim = dim % max(self_.dim(), 1)
+    size = self_.size(dim) if self_.dim() else 1
+    lo, hi = int(real.min()), int(real.max())
+    if lo < 0 or hi >= size:
+        bad = hi if hi >= size else lo
+        ctx.fail(func, RuntimeError(f"index {bad} is out of bounds for dimension {dim} with size {size}"),
+                 {"self": self_, "index": index}, f"indices along dimension {dim} must be in 0..{size - 1}")
+
+
+def _index(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    self_, indices = args[0], args[1]
+    for dim, index in enumerate(indices):
+        real = _values(ctx, index)
+        if real is None or dim >= self_.dim():
+            continue
+        size = self_.size(dim)
+        lo, hi = int(real.min()), int(real.max())
+        if lo < -size or hi >= size:  # negative indices count from the end
+            bad = hi if hi >= size else lo
+            ctx.fail(func, IndexError(f"index {bad} is out of bounds for dimension {dim} with size {size}"),
+                     {"self": self_, "index": index}, f"indices along dimension {dim} must be in -{size}..{size - 1}")
+
+
+def _nll_loss(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    self_, target = args[0], args[1]
+    ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    real = _values(ctx, target)
+    if real is None:
+        return
+    classes = self_.size(1) if self_.dim() >= 2 else self_.size(0)
+    with _disable_current_modes():
+        bad = real[(real != ignore_index) & ((real < 0) | (real >= classes))]
+        first = int(bad.flatten()[0]) if bad.numel() else None
+    if first is not None:
+        ctx.fail(func, IndexError(f"Target {first} is out of bounds."), {"input": self_, "target": target},
+                 f"targets must be class indices in 0..{classes - 1} or ignore_index ({ignore_index}): labels "
+                 "beyond the model's classes or vocabulary")
+
+
+STEP_CHECKS: dict[Any, Callable[..., None]] = {
+    _aten.mm.default: _dtype_check((0, 1), ("mat1", "mat2")),
+    _aten.addmm.default: _dtype_check((0, 1, 2), ("bias", "mat1", "mat2")),
+    _aten.bmm.default: _dtype_check((0, 1), ("batch1", "batch2")),
+    _aten.baddbmm.default: _dtype_check((0, 1, 2), ("input", "batch1", "batch2")),
+    _aten.addbmm.default: _dtype_check((0, 1, 2), ("input", "batch1", "batch2")),
+    _aten.mv.default: _dtype_check((0, 1), ("mat", "vec")),
+    _aten.addmv.default: _dtype_check((0, 1, 2), ("input", "mat", "vec")),
+    _aten.dot.default: _dtype_check((0, 1), ("input", "other")),
+    _aten.convolution.default: _dtype_check((0, 1, 2), ("input", "weight", "bias")),
+    _aten.native_layer_norm.default: _dtype_check((0, 2, 3), ("input", "weight", "bias")),
+    _aten.embedding.default: _embedding,
+    _aten.index_select.default: _index_select,
+    _aten.gather.default: _gather,
+    _aten.index.Tensor: _index,
+    _aten.nll_loss_forward.default: _nll_loss,
+    _aten.nll_loss2d_forward.default: _nll_loss,
+}
+
+
+# Dtype checks torch makes before dispatch (in composite operators such as ``conv2d``): under fake tensors they raise
+# exactly as in the real run, since the twins have the real dtypes.
+_KERNEL_DTYPE_ERRORS = re.compile(r"Input type \(.+\) and (weight|bias) type \(.+\) should be the same"
+                                  r"|must have the same dtype|expected scalar type \w+ but found \w+")
+
+
+def kernel_dtype_error(err: BaseException) -> bool:
+    """Whether ``err``, raised while tracing, is torch's own dtype check, which the real step raises too."""
+    return type(err) is RuntimeError and _KERNEL_DTYPE_ERRORS.search(str(err)) is not None
+
+
+def device_mismatch(err: BaseException) -> bool:
+    """Whether ``err`` is the fake mode's report of operands on different devices (what the real kernel raises as
+    "Expected all tensors to be on the same device")."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("FakeTensor Device Propagation" in text
+                                              or "Expected all tensors to be on the same device" in text)

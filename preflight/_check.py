@@ -335,11 +335,11 @@ def predict(
                                  frees_gradients=eval_frees_gradients)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
-                                     resident=resident)
+                                     resident=resident, gpu=options.gpu)
 
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
             return estimate_eval(model, b, step=eval_step, precision=precision, device=target,
-                                 resident=resident).peak_bytes
+                                 resident=resident, gpu=options.gpu).peak_bytes
 
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes

@@ -20,6 +20,7 @@ from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
                                shard_events)
 from preflight.allocator import AllocatorConfig
+from preflight.cuda import CudaTarget
 from preflight.trace import check_routing, float_dtype_for, trace_steps
 
 __all__ = ["estimate", "summarize_events"]
@@ -150,7 +151,7 @@ def estimate(
     trace_device = trace_device_for(target)
     result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
                          target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op,
-                         routing=routing)
+                         routing=routing, cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     notes = list(result.notes)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")

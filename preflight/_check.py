@@ -303,7 +303,8 @@ def predict(
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
         return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
-                        zero_grad=schedule.zero_grad, device=None if options.gpu else target, gpu=options.gpu,
+                        zero_grad=schedule.zero_grad, max_grad_norm=schedule.max_grad_norm,
+                        grad_scaler=schedule.grad_scaler, device=None if options.gpu else target, gpu=options.gpu,
                         world_size=settings.world_size or 1, sharding=settings.sharding)
 
     def step_predictor(b: Any) -> dict[int, int]:

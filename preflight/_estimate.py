@@ -39,6 +39,8 @@ def estimate(
     steps: int = 2,
     accumulate: int = 1,
     zero_grad: str = "after_step",
+    max_grad_norm: float | None = None,
+    grad_scaler: bool = False,
     gpu: str | None = None,
     world_size: int = 1,
     sharding: str | None = None,
@@ -74,6 +76,10 @@ def estimate(
             The gradients of earlier micro-batches are alive during the next one's forward and backward.
         zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops) or
             ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward).
+        max_grad_norm: gradient clipping as the trainer does it (``torch.nn.utils.clip_grad_norm_`` before each
+            optimizer step; the HF Trainer's default is 1.0); None: no clipping.
+        grad_scaler: a loss scaler around the step, as fp16 mixed precision on CUDA uses (``torch.amp.GradScaler``:
+            scaled loss, in-place unscale and inf check, scale update).
         gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
@@ -114,9 +120,8 @@ def estimate(
         - Custom CUDA kernels without fake (meta) implementations stop the trace: the result is then a lower bound.
         - Data-dependent control flow on values computed from parameters stops the trace, except for
           mixture-of-experts routing, which follows ``routing``.
-        - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
-          lists can differ from CUDA's.
-        - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
+        - Planning for CUDA from a CPU-only machine applies CUDA's autocast lists, attention-kernel choice and
+          fused dropout (`preflight.cuda`); other kernels keep the fake (meta) implementations' outputs.
     """
     precision = check_precision(precision)
     routing = check_routing(routing)
@@ -131,7 +136,8 @@ def estimate(
         raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
     if step is not None and not callable(step):
         raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
+                        grad_scaler=grad_scaler)
     sharding = check_sharding(world_size, sharding)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
     if any(offload.values()) and world_size == 1 and sharding is None:

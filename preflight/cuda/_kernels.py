@@ -9,7 +9,8 @@ when the runtime cuDNN is newer than 9.15 on sm_90 / sm_100, ``check_prefer_cudn
   sm_120/121 when training head dim <= 192 (or > 224 without dropout), ``is_causal`` only with equal sequence
   lengths, 4-D inputs with unit last stride, equal batch sizes and head counts (or a GQA multiple);
 - memory-efficient: sm_50..sm_121, fp16/fp32 (and bf16 from sm_80), head dims multiples of the GEMM alignment
-  (sm_80+: 8 for 16-bit, 4 for fp32; sm_70/75: 8 for fp16, 1 for fp32), storage offsets aligned on sm_80+;
+  (sm_80+: 8 for 16-bit, 4 for fp32; sm_70/75: 8 for fp16, 1 for fp32), storage offsets aligned on sm_80+,
+  equal head counts (no grouped-query attention in this torch's kernel);
 - cuDNN (only when preferred): sm_80..sm_121, fp16/bf16, head dims multiples of 8 and <= 128, dropout a multiple
   of 1/16, key length > 1, q/k/v in the (B, S, H, D) layout;
 - math otherwise.
@@ -132,7 +133,9 @@ def _why_not_efficient(cc: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v:
         align_bytes = align * q.element_size()
         if any(t.numel() and (t.storage_offset() * t.element_size()) % align_bytes for t in (q, k, v)):
             return f"storage offsets are not aligned to {align_bytes} bytes"
-    reason = _common(q, k, v, enable_gqa)
+    # Same head counts: the installed torch's memory-efficient kernel has no grouped-query support (its backward's
+    # fake implementation returns key/value gradients with the query's heads); newer sources list GQA for it.
+    reason = _common(q, k, v, False)
     if reason:
         return reason
     if not _last_stride_one((q, k, v), ignore_singleton=False):

@@ -8,7 +8,7 @@ import preflight
 from preflight._steps import Schedule
 from preflight.cuda import CudaTarget
 from preflight.trace import trace_steps
-from conftest import lm_batch, make_gpt2
+from conftest import lm_batch, make_gpt2, make_llama
 
 
 class _Attention(torch.nn.Module):
@@ -60,3 +60,12 @@ def test_user_model_is_untouched_and_cpu_autocast_restored():
     x = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.softmax(x @ x, -1).dtype == torch.bfloat16
+
+
+def test_grouped_query_attention_traces_for_every_catalog_architecture():
+    model = make_llama()  # 4 query heads, 2 key/value heads, sdpa
+    opt = torch.optim.AdamW(model.parameters())
+    for gpu in ("V100-16GB", "A100-80GB", "H100-80GB"):
+        for precision in (None, "bf16-mixed"):
+            est = preflight.estimate(model, opt, lm_batch(2, 32), precision=precision, gpu=gpu)
+            assert not est.coverage.lower_bound, (gpu, precision, est.coverage.reason)

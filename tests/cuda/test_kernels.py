@@ -46,6 +46,8 @@ def test_filters():
     kv = torch.empty(B, 2, L, D, dtype=torch.float16)
     assert choose_sdpa_backend((8, 0), q16, kv, kv).backend == "math"  # head counts differ without enable_gqa
     assert choose_sdpa_backend((8, 0), q16, kv, kv, enable_gqa=True).backend == "flash"
+    q32, kv32 = q16.float(), kv.float()
+    assert choose_sdpa_backend((8, 0), q32, kv32, kv32, enable_gqa=True).backend == "math"  # efficient: no GQA
     # cuDNN first only where torch prefers it (runtime cuDNN > 9.15 on sm_90), and only in (B, S, H, D) layout
     bshd = torch.empty(B, L, H, D, dtype=torch.float16).transpose(1, 2)
     assert choose_sdpa_backend((9, 0), bshd, bshd, bshd, cudnn_version=91501).backend == "cudnn"

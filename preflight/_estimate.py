@@ -17,8 +17,8 @@ from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
-from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
-                               shard_events)
+from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
+                               round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget
 from preflight.trace import check_routing, float_dtype_for, trace_steps
@@ -187,6 +187,8 @@ def estimate(
         notes.append(note)
     reserved = total = None
     if target.type == "cuda":
+        events, note = add_workspaces(events, gpu_info)
+        notes.append(note)
         events = round_events(events)
         terms = cuda_terms(events, gpu_info, allocator)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes

@@ -179,6 +179,9 @@ def estimate(
         managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
         events = [e for e in events if e.uid not in managed_uids]
         notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+    if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
+        events, note = add_workspaces(events, gpu_info)
+        notes.append(note)
     unsharded = None
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
@@ -187,8 +190,6 @@ def estimate(
         notes.append(note)
     reserved = total = None
     if target.type == "cuda":
-        events, note = add_workspaces(events, gpu_info)
-        notes.append(note)
         events = round_events(events)
         terms = cuda_terms(events, gpu_info, allocator)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
@@ -275,6 +276,9 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
                      optimizer_state=state.optimizer_state or 0, inputs=state.inputs)
     if state.optimizer_state is None:
         notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
+    if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
+        events, note = add_workspaces(events, gpu_info)
+        notes.append(note)
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())

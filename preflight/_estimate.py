@@ -276,9 +276,6 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
                      optimizer_state=state.optimizer_state or 0, inputs=state.inputs)
     if state.optimizer_state is None:
         notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
-    if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
-        events, note = add_workspaces(events, gpu_info)
-        notes.append(note)
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())

@@ -41,7 +41,7 @@ from torch import nn
 from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
 from preflight._result import Category, Event
-from preflight.cuda._workspace import cublas_workspace_bytes, with_workspaces
+from preflight.cuda import cublas_workspace_bytes, with_workspaces
 from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 

@@ -6,7 +6,7 @@ import torch
 from conftest import lm_batch, make_gpt2
 
 import preflight
-from preflight.cuda._workspace import WORKSPACE_UIDS, cublas_workspace_bytes
+from preflight.cuda import WORKSPACE_UIDS, cublas_workspace_bytes
 
 
 def test_size_per_architecture_and_environment():

@@ -197,7 +197,7 @@ class PreflightCallback(TrainerCallback):
                                                   on_error=options.scan_on_error).worst_case()
         return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=options,
                      step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
-                     schedule=Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step"),
+                     schedule=_schedule(self.trainer, args),
                      batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
                      ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
                      make_batch=samples.batch)
@@ -427,6 +427,17 @@ def _precision(args: Any) -> str | None:
     if getattr(args, "fp16", False):
         return "16-mixed"
     return None
+
+
+def _schedule(trainer: Trainer | None, args: Any) -> Schedule:
+    """The Trainer's step: accumulation, gradients freed after the step, clipping at ``max_grad_norm`` (1.0 by
+    default; ``<= 0`` or None turns it off, as in ``Trainer._inner_training_loop``), and accelerate's GradScaler
+    when it made one (fp16 mixed precision)."""
+    norm = getattr(args, "max_grad_norm", None)
+    accelerator = getattr(trainer, "accelerator", None) if trainer is not None else None
+    scaler = getattr(accelerator, "scaler", None) is not None
+    return Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step",
+                    max_grad_norm=float(norm) if norm is not None and norm > 0 else None, grad_scaler=scaler)
 
 
 def _inputs(forward_call: Any) -> Any:

@@ -257,7 +257,7 @@ class PreflightCallback(*_callback_bases()):
             report = predict(
                 pl_module, trainer.optimizers[0], batch, options=self.options, step=_training_step,
                 precision=precision, device=pl_module.device,
-                schedule=Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward"),
+                schedule=_schedule(trainer),
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=lambda b: convert(samples.batch(b)), eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
@@ -366,6 +366,17 @@ def _precision(trainer: pl.Trainer) -> tuple[str | None, str | None]:
     if precision == "64-true":  # the module is already double: trace the tensors as they are
         return None, None
     return None, f"precision {precision!r} is traced with the tensors' own dtypes (not modelled)"
+
+
+def _schedule(trainer: pl.Trainer) -> Schedule:
+    """Lightning's automatic-optimization step: zero_grad before backward, accumulation, clipping by norm when
+    ``gradient_clip_val`` is set with the "norm" algorithm (value clipping allocates nothing), and the precision
+    plugin's GradScaler when it has one (``16-mixed``)."""
+    clip = trainer.gradient_clip_val
+    by_norm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower().endswith("norm")
+    return Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
+                    max_grad_norm=float(clip) if clip and by_norm else None,
+                    grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None)
 
 
 def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

@@ -322,7 +322,8 @@ def predict(
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
         return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
-                        zero_grad=schedule.zero_grad, device=None if options.gpu else target, gpu=options.gpu,
+                        zero_grad=schedule.zero_grad, max_grad_norm=schedule.max_grad_norm,
+                        grad_scaler=schedule.grad_scaler, device=None if options.gpu else target, gpu=options.gpu,
                         world_size=settings.world_size or 1, sharding=settings.sharding)
 
     def step_predictor(b: Any) -> dict[int, int]:
@@ -354,11 +355,11 @@ def predict(
                                  frees_gradients=eval_frees_gradients)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
-                                     resident=resident)
+                                     resident=resident, gpu=options.gpu)
 
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
             return estimate_eval(model, b, step=eval_step, precision=precision, device=target,
-                                 resident=resident).peak_bytes
+                                 resident=resident, gpu=options.gpu).peak_bytes
 
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes

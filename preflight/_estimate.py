@@ -18,9 +18,10 @@ from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision
-from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
-                               shard_events)
+from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
+                               round_events, shard_events)
 from preflight.allocator import AllocatorConfig
+from preflight.cuda import CudaTarget
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_steps
 
 __all__ = ["estimate", "summarize_events"]
@@ -39,6 +40,8 @@ def estimate(
     steps: int = 2,
     accumulate: int = 1,
     zero_grad: str = "after_step",
+    max_grad_norm: float | None = None,
+    grad_scaler: bool = False,
     gpu: str | None = None,
     world_size: int = 1,
     sharding: str | None = None,
@@ -74,6 +77,10 @@ def estimate(
             The gradients of earlier micro-batches are alive during the next one's forward and backward.
         zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops) or
             ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward).
+        max_grad_norm: gradient clipping as the trainer does it (``torch.nn.utils.clip_grad_norm_`` before each
+            optimizer step; the HF Trainer's default is 1.0); None: no clipping.
+        grad_scaler: a loss scaler around the step, as fp16 mixed precision on CUDA uses (``torch.amp.GradScaler``:
+            scaled loss, in-place unscale and inf check, scale update).
         gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
@@ -118,9 +125,8 @@ def estimate(
         - Data-dependent control flow on values computed from parameters stops the trace, except for
           mixture-of-experts routing, which follows ``routing``, and two stated assumptions named in the notes
           (``x.all()`` is True; values handed to NumPy are zeros).
-        - Planning for CUDA from a CPU-only machine traces CPU kernels: the attention kernel and autocast op
-          lists can differ from CUDA's.
-        - A ``GradScaler`` (fp16 training) and gradient clipping are not part of the default step.
+        - Planning for CUDA from a CPU-only machine applies CUDA's autocast lists, attention-kernel choice and
+          fused dropout (`preflight.cuda`); other kernels keep the fake (meta) implementations' outputs.
         - ``torch.compile``: modules compiled with inductor are traced as AOTAutograd and inductor's partitioner
           split them, with inductor's fusion approximated; other backends and graphs that cannot be captured are
           traced eagerly (the eager peak, an upper bound for activations), as ``coverage.notes`` says. Dynamo is
@@ -139,7 +145,8 @@ def estimate(
         raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
     if step is not None and not callable(step):
         raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
+                        grad_scaler=grad_scaler)
     sharding = check_sharding(world_size, sharding)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
     if any(offload.values()) and world_size == 1 and sharding is None:
@@ -159,7 +166,7 @@ def estimate(
     trace_device = trace_device_for(target)
     result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
                          target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op,
-                         routing=routing)
+                         routing=routing, cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     notes = list(result.notes)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
@@ -188,6 +195,9 @@ def estimate(
         managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
         events = [e for e in events if e.uid not in managed_uids]
         notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+    if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
+        events, note = add_workspaces(events, gpu_info)
+        notes.append(note)
     unsharded = None
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]

@@ -18,8 +18,10 @@ from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
 from preflight._estimate import summarize_events
+from preflight._gpus import get_gpu
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision
+from preflight.cuda import CudaTarget
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
 __all__ = ["EvalStepFn", "estimate_eval"]
@@ -35,6 +37,7 @@ def estimate_eval(
     precision: str | None = None,
     device: str | torch.device | None = None,
     resident: Mapping[str, int] | None = None,
+    gpu: str | None = None,
 ) -> Estimate:
     """Predict the peak of one evaluation step of ``model`` on ``batch`` without running it.
 
@@ -48,6 +51,7 @@ def estimate_eval(
         device: the device planned for; default the model's.
         resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
             (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
+        gpu: the catalog name of the GPU a CUDA target stands for (its attention kernels); None: an unnamed one.
 
     Returns:
         An `Estimate` with ``steps=1`` and phases ``eval/forward``. When the forward cannot be traced, a lower
@@ -66,8 +70,9 @@ def estimate_eval(
                          f"got {sorted(unknown)}.")
     target = resolve_device(device, model)
     trace_device = trace_device_for(target)
+    cuda = CudaTarget.of(get_gpu(gpu) if gpu else None) if target.type == "cuda" and trace_device.type != "cuda" else None
     result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
-                         layouts=target.type == trace_device.type == "cpu")
+                         layouts=target.type == trace_device.type == "cpu", cuda=cuda)
     notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
@@ -92,10 +97,11 @@ def estimate_eval(
 
 @swept
 def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
-                trace_device: torch.device, layouts: bool, sweep: Sweep) -> TraceResult:
+                trace_device: torch.device, layouts: bool, cuda: CudaTarget | None, sweep: Sweep) -> TraceResult:
     """Trace one evaluation forward on fake tensors (the eval twin of `preflight.trace._run.trace_steps`)."""
     start = time.perf_counter()
-    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts)
+    run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts,
+                  cuda=cuda)
     tracker = run.tracker
     tracker.phase, tracker.phase_category = "eval/forward", Category.ACTIVATIONS
     with run.active(model):

@@ -27,6 +27,8 @@ def measure(
     steps: int = 2,
     accumulate: int = 1,
     zero_grad: str = "after_step",
+    max_grad_norm: float | None = None,
+    grad_scaler: bool = False,
 ) -> Measurement:
     """Run ``steps`` real training steps and measure their peak memory.
 
@@ -41,7 +43,8 @@ def measure(
       alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch).
 
     Args:
-        model, optimizer, batch, step, precision, steps, accumulate, zero_grad: as for `preflight.estimate`.
+        model, optimizer, batch, step, precision, steps, accumulate, zero_grad, max_grad_norm, grad_scaler: as
+            for `preflight.estimate`.
 
     Returns:
         A `Measurement`.
@@ -51,7 +54,8 @@ def measure(
         >>> m.peak_bytes  # doctest: +SKIP
     """
     precision = check_precision(precision)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
+    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
+                        grad_scaler=grad_scaler)
     if steps < 1:
         raise ValueError(f"`steps` should be at least 1, got {steps}.")
     device = model_device(model)

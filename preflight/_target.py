@@ -1,19 +1,23 @@
 """Turn a traced single-device peak into what a CUDA target and a sharded rank would see.
 
-CUDA target (``device="cuda"`` or ``gpu=...``), applied to the traced event list:
+CUDA target (``device="cuda"`` or ``gpu=...``). On a CPU host the trace itself already runs with CUDA's
+semantics (`preflight.cuda`): CUDA's autocast op lists and weight cast cache, the attention kernel the target GPU
+would pick with its saved tensors, the fused dropout with boolean masks, and the foreach optimizer torch picks for
+CUDA tensors (see `preflight.trace._run`). Then, on the event list:
+    - the two cuBLAS workspaces a training step holds in the caching allocator (forward thread and autograd
+      thread; `preflight.cuda._workspace`) are added where the first forward and the first backward start;
     - every storage rounds up to 512 bytes (the caching allocator's ``kMinBlockSize``), so ``peak_bytes`` is
       what ``torch.cuda.max_memory_allocated()`` reports;
     - `preflight.allocator.simulate` replays the events for ``peak_reserved_bytes`` (segments held from the
       driver, ``torch.cuda.max_memory_reserved()``);
-    - ``device_total_bytes`` adds the CUDA context and the cuBLAS workspace of the GPU generation
-      (`preflight._gpus`), which is roughly what ``nvidia-smi`` shows for the process.
-    Optimizers are traced with the foreach implementation torch picks for CUDA tensors (see `_trace`).
+    - ``device_total_bytes`` adds the CUDA context of the GPU generation (`preflight._gpus`), which is roughly
+      what ``nvidia-smi`` shows for the process.
 
-Not modelled when tracing a CUDA target on a CPU-only host: CUDA's autocast op lists (CPU's are used), the
-CUDA attention kernel's saved tensors (CPU flash attention saves the output and log-sum-exp like CUDA's flash
-and memory-efficient kernels, so the difference is small; the math fallback saves far more), cuDNN
-convolution workspaces (listed as not calibrated), and Adam's ``step`` counters, which live on the CPU for a
-CUDA target but are counted here (4 bytes per parameter tensor).
+Not modelled when tracing a CUDA target on a CPU-only host: cuDNN convolution workspaces (listed as not
+calibrated), the runtime cuDNN version's preference for cuDNN attention (its saved tensors have flash's sizes),
+kernels whose fake implementation keeps other tensors than the CUDA kernel, and Adam's ``step`` counters, which
+live on the CPU for a CUDA target but are counted here (4 bytes per parameter tensor). None of the CUDA terms has
+been measured on a GPU in this repository yet (``benchmarks/gpu_validation.py`` is the harness that does).
 
 Sharding (`shard_events`): every allocation of the traced run is rescaled to what one rank holds, by its
 category, and the per-rank peak is read from the rescaled timeline (so it can fall in another phase than the
@@ -37,11 +41,12 @@ from torch import nn
 from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
 from preflight._result import Category, Event
+from preflight.cuda import cublas_workspace_bytes, with_workspaces
 from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 
-__all__ = ["CudaTerms", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu", "round_events",
-           "shard_events"]
+__all__ = ["CudaTerms", "add_workspaces", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu",
+           "round_events", "shard_events"]
 
 _BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
@@ -61,6 +66,14 @@ def resolve_gpu(gpu: str | None, device: torch.device) -> GPU | None:
 def round_events(events: Sequence[Event]) -> list[Event]:
     """Events with every size rounded up to the allocator's 512-byte blocks."""
     return [dataclasses.replace(e, nbytes=_round(e.nbytes)) for e in events]
+
+
+def add_workspaces(events: Sequence[Event], gpu: GPU | None) -> tuple[list[Event], str]:
+    """``events`` with the step's two cuBLAS workspaces (`preflight.cuda._workspace`), and a note saying so."""
+    cc = gpu.compute_capability if gpu is not None else (8, 0)  # preflight.cuda's assumption for an unnamed GPU
+    nbytes = cublas_workspace_bytes(cc)
+    return with_workspaces(events, nbytes), (f"two cuBLAS workspaces of {nbytes:,} B (forward and autograd "
+                                             "threads) counted as allocated, as the caching allocator holds them")
 
 
 def _round(nbytes: int) -> int:
@@ -84,9 +97,9 @@ def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorCon
              f"({sim.num_segments} segments, {sim.fragmentation:.1%} fragmentation at the peak)"]
     total = None
     if gpu is not None:
-        total = sim.peak_reserved_bytes + gpu.context_bytes + gpu.cublas_workspace_bytes
-        notes.append(f"device total adds the CUDA context (~{gpu.context_bytes >> 20} MiB, approximate) and "
-                     f"the cuBLAS workspace ({gpu.cublas_workspace_bytes >> 20} MiB) of a {gpu.name}")
+        total = sim.peak_reserved_bytes + gpu.context_bytes  # cuBLAS workspaces are in the events already
+        notes.append(f"device total adds the CUDA context (~{gpu.context_bytes >> 20} MiB, approximate) of a "
+                     f"{gpu.name}")
     return CudaTerms(sim.peak_reserved_bytes, total, sim.fragmentation, tuple(notes))
 
 

@@ -23,7 +23,9 @@ def test_cuda_target_rounds_every_storage_to_512_bytes(gpt2_cpu_and_cuda):
     _, cpu, cuda = gpt2_cpu_and_cuda
     assert cuda.device == "cuda" and cuda.gpu == "H100-80GB"
     assert all(e.nbytes % 512 == 0 for e in cuda.events)
-    assert cuda.peak_bytes >= cpu.peak_bytes
+    # Not comparable with the CPU peak byte for byte: the CUDA target keeps bool dropout masks and the fused
+    # attention kernel's tensors (tests/cuda/), the CPU trace fp32 masks and the CPU kernel's.
+    assert cuda.peak_bytes % 512 == 0 and cpu.peak_bytes % 512 != 0
     assert sum(cuda.breakdown.values()) == cuda.peak_bytes
 
 
@@ -32,7 +34,7 @@ def test_cuda_target_simulates_reserved_and_device_total(gpt2_cpu_and_cuda):
     sim = allocator.simulate(cuda.events)
     assert cuda.peak_reserved_bytes == sim.peak_reserved_bytes >= cuda.peak_bytes
     gpu = preflight.get_gpu("H100-80GB")
-    assert cuda.device_total_bytes == cuda.peak_reserved_bytes + gpu.context_bytes + gpu.cublas_workspace_bytes
+    assert cuda.device_total_bytes == cuda.peak_reserved_bytes + gpu.context_bytes  # workspaces are allocated
     assert cuda.required_bytes == cuda.device_total_bytes
 
 

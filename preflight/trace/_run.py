@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
+from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.trace._compat import real_run_paths
 from preflight._device import iter_tensors, named_tensors
 from preflight._errors import StepWouldFailError
@@ -79,6 +80,7 @@ def trace_steps(
     schedule: Schedule = Schedule(),
     record_op: Callable[[Any], bool] | None = None,
     routing: str = "balanced",
+    cuda: CudaTarget | None = None,
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight.trace._leftovers`:
@@ -90,6 +92,9 @@ def trace_steps(
             scratch memory); tensors are logged as `TensorSpec`.
         routing: the mixture-of-experts routing assumed where a per-expert loop needs the router's choices
             (`preflight.trace._routing`).
+        cuda: the CUDA device a CPU trace stands for (`preflight.cuda`): its autocast lists, attention and
+            dropout kernels are applied. Default: when ``target_device`` is CUDA and ``trace_device`` is not, an
+            unnamed one (`CudaTarget.of(None)`).
 
     Raises:
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
@@ -103,8 +108,11 @@ def trace_steps(
             op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
                            tree_map(TensorSpec.of, kwargs)))
 
+    if cuda is None and target_device.type == "cuda" and trace_device.type != "cuda":
+        cuda = CudaTarget.of(None)
     run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, routing=routing,
-                  sweep=sweep, layouts=target_device.type == trace_device.type == "cpu")
+                  sweep=sweep, layouts=target_device.type == trace_device.type == "cpu",
+                  cuda=cuda if trace_device.type != "cuda" else None)
     tracker, fake_mode = run.tracker, run.fake_mode
     # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
     foreach = True if target_device.type == "cuda" else None
@@ -179,7 +187,7 @@ class FakeRun:
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
                  sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced",
-                 layouts: bool = False) -> None:
+                 layouts: bool = False, cuda: CudaTarget | None = None) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts)
         sweep.watch(self.tracker.tensors)
@@ -187,6 +195,7 @@ class FakeRun:
         self.state = self.twins.module_state(model)
         self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)
         self.notes: list[str] = []
+        self.cuda = cuda
         self.error: BaseException | None = None
         self.failed_op: str | None = None
         for name, _ in model.named_parameters():
@@ -204,12 +213,16 @@ class FakeRun:
 
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
-        """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
+        """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker (and
+        the CUDA target's semantics when ``cuda`` is set)."""
+        emulation = emulate_cuda(self.cuda) if self.cuda is not None else contextlib.nullcontext()
+        emulated = None
         # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
         # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
-                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), self.fake_mode, \
-                self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
+                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), emulation as emulated, \
+                self.fake_mode, self.tracker, \
+                _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
             try:
                 yield
@@ -223,6 +236,8 @@ class FakeRun:
                 self.error, self.failed_op = err, failed_op_of(err)
             finally:
                 finishing()
+                if emulated is not None:
+                    self.notes.append(emulated.note())
         self.notes.extend(compiled_notes(compiled))
 
     def finish(self) -> None:

@@ -29,7 +29,8 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
     loader = torch.utils.data.DataLoader(Batches(), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     report = preflight_check(accelerator, model, optimizer, loader, budget="1GiB", eval_dataloader=loader)
-    assert report.fits is True and report.schedule == {"accumulate": 2, "zero_grad": "after_step"}
+    assert report.fits is True and report.schedule == {"accumulate": 2, "zero_grad": "after_step",
+                                                     "max_grad_norm": None, "grad_scaler": False}
     assert report.eval_predicted_peak_bytes is not None
 
     verifier = StepVerifier(accelerator, model, optimizer, report, steps=2, report_path=str(tmp_path / "r.json"))

@@ -1,0 +1,17 @@
+"""The CUDA target's semantics, applied to a trace that runs on a CPU host.
+
+Users plan GPU jobs from laptops and login nodes, where a CUDA target is traced on CPU fake tensors. What a GPU
+would do differently is reproduced here, each piece from the installed torch's own rules: CUDA's autocast op lists
+and weight cast cache (`_autocast`), the attention kernel `scaled_dot_product_attention` picks for the target GPU
+and the fused dropout kernel CUDA uses (`_kernels`). `emulate_cuda` switches all of it on for one trace. Nothing
+here knows about traces, estimates or trainers; `preflight.trace` calls in.
+"""
+
+from preflight.cuda._autocast import CUDA_POLICIES, cuda_autocast
+from preflight.cuda._emulate import CudaTarget, Emulation, emulate_cuda
+from preflight.cuda._kernels import SDPA_BACKENDS, SdpaChoices, choose_sdpa_backend, cuda_kernels
+from preflight.cuda._workspace import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
+
+__all__ = ["CUDA_POLICIES", "SDPA_BACKENDS", "WORKSPACE_UIDS", "CudaTarget", "Emulation", "SdpaChoices",
+           "choose_sdpa_backend", "cublas_workspace_bytes", "cuda_autocast", "cuda_kernels", "emulate_cuda",
+           "with_workspaces"]

@@ -1,0 +1,304 @@
+"""The kernels a CUDA device picks where CPU kernels would differ: attention and dropout.
+
+**Attention.** ``scaled_dot_product_attention`` is a composite that asks ``_fused_sdp_choice`` for a backend and
+calls it. On CUDA the choice follows ``select_sdp_backend`` (``aten/src/ATen/native/transformers/cuda/
+sdp_utils.cpp``): the first of the priority order (``Context.h``: flash, memory-efficient, math, cuDNN; cuDNN first
+when the runtime cuDNN is newer than 9.15 on sm_90 / sm_100, ``check_prefer_cudnn_attention``) whose filters pass:
+
+- flash: sm_80..sm_121, fp16/bf16, no ``attn_mask``, q/k/v head dims equal and <= 256, on sm_86..sm_89 and
+  sm_120/121 when training head dim <= 192 (or > 224 without dropout), ``is_causal`` only with equal sequence
+  lengths, 4-D inputs with unit last stride, equal batch sizes and head counts (or a GQA multiple);
+- memory-efficient: sm_50..sm_121, fp16/fp32 (and bf16 from sm_80), head dims multiples of the GEMM alignment
+  (sm_80+: 8 for 16-bit, 4 for fp32; sm_70/75: 8 for fp16, 1 for fp32), storage offsets aligned on sm_80+,
+  equal head counts (no grouped-query attention in this torch's kernel);
+- cuDNN (only when preferred): sm_80..sm_121, fp16/bf16, head dims multiples of 8 and <= 128, dropout a multiple
+  of 1/16, key length > 1, q/k/v in the (B, S, H, D) layout;
+- math otherwise.
+
+Each backend's saved tensors differ, and the trace takes them from the kernel's own fake (meta) implementation:
+flash saves the output and an fp32 log-sum-exp (B, H, L) plus the philox seed and offset; memory-efficient an fp32
+log-sum-exp padded to a multiple of 32 queries, and a float bias made from a boolean mask, padded to 16 keys;
+cuDNN an fp32 log-sum-exp (B, H, L, 1); math decomposes into matmul, softmax (in fp32: it upcasts 16-bit inputs)
+and dropout, saving the (B, H, L, S) probabilities.
+
+**Dropout.** ``torch.dropout`` runs the fused ``native_dropout`` on CUDA tensors (``is_fused_kernel_acceptable``
+in ``aten/src/ATen/native/Dropout.cpp``), which keeps a boolean mask (1 byte per element) for the backward; on
+CPU it draws a mask of the input's dtype (2 or 4 bytes per element).
+
+`cuda_kernels` registers, for one trace, ``AutogradCPU`` kernels for ``scaled_dot_product_attention`` and
+``dropout`` that do what CUDA would, on the CPU fake tensors that stand for CUDA ones. `choose_sdpa_backend` is
+the choice alone, for tests and reports.
+
+Known limitations: the runtime cuDNN version is not known on a CPU host (cuDNN is assumed not preferred unless
+``cudnn_version`` says otherwise: its saved tensors have the sizes of flash's); nested tensors are not handled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["SDPA_BACKENDS", "SdpaChoices", "choose_sdpa_backend", "cuda_kernels"]
+
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
+_DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # Context.h sdp_priority_order
+_CUDNN_ORDER = ("cudnn", "flash", "efficient", "math")  # sdp_utils.cpp priority_order() when cuDNN is preferred
+
+
+def _is_16bit(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def _in_range(cc: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
+    return low <= cc <= high
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> str | None:
+    """check_tensor_shapes, check_batch_size_and_num_heads_dense, check_nonzero_sequence_lengths_dense."""
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return "inputs are not 4-D"
+    if not (q.size(0) == k.size(0) == v.size(0)):
+        return "batch sizes differ"
+    qh, kh, vh = q.size(1), k.size(1), v.size(1)
+    if enable_gqa:
+        if kh != vh or qh % kh:
+            return "grouped-query head counts do not divide"
+    elif not (qh == kh == vh):
+        return "head counts differ"
+    if 0 in (q.size(2), k.size(2)):
+        return "a sequence length is 0"
+    return None
+
+
+def _last_stride_one(ts: tuple[torch.Tensor, ...], ignore_singleton: bool) -> bool:
+    return all(t.stride(-1) == 1 or (ignore_singleton and t.size(-1) == 1) for t in ts)
+
+
+def _gemm_alignment(cc: tuple[int, int], dtype: torch.dtype) -> int:
+    """minimum_gemm_alignment in sdp_utils.cpp."""
+    half = _is_16bit(dtype)
+    tensor_cores = cc[0] >= 8 or (cc[0] >= 7 and half)
+    alignment = 4 if cc[0] >= 8 else 1
+    if tensor_cores:
+        alignment = max(alignment, 128 // (16 if half else 32))
+    return alignment
+
+
+def _why_not_flash(cc: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                   dropout_p: float, is_causal: bool, enable_gqa: bool, training: bool) -> str | None:
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return "disabled at runtime"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "inputs are not 4-D"
+    if mask is not None:
+        return "an attn_mask is given"
+    d = q.size(-1)
+    if not (d == k.size(-1) == v.size(-1) and d <= 256):
+        return f"head dims {q.size(-1)}/{k.size(-1)}/{v.size(-1)} are not equal and <= 256"
+    if not _in_range(cc, (8, 0), (12, 1)):
+        return f"sm_{cc[0]}{cc[1]} is outside [sm_80, sm_121]"
+    if training and (_in_range(cc, (8, 6), (8, 9)) or _in_range(cc, (12, 0), (12, 1))):
+        if not (d <= 192 or (dropout_p == 0 and d > 224)):
+            return f"training with head dim {d} is not supported on sm_{cc[0]}{cc[1]}"
+    if is_causal and q.size(-2) != k.size(-2):
+        return "is_causal with different query and key lengths"
+    if not _is_16bit(q.dtype):
+        return f"dtype {q.dtype} is not float16/bfloat16"
+    reason = _common(q, k, v, enable_gqa)
+    if reason:
+        return reason
+    if not _last_stride_one((q, k, v), ignore_singleton=True):
+        return "last dimension is not contiguous"
+    return None
+
+
+def _why_not_efficient(cc: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       enable_gqa: bool) -> str | None:
+    if not torch.backends.cuda.mem_efficient_sdp_enabled():
+        return "disabled at runtime"
+    if not _in_range(cc, (5, 0), (12, 1)):
+        return f"sm_{cc[0]}{cc[1]} is outside [sm_50, sm_121]"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "inputs are not 4-D"
+    align = _gemm_alignment(cc, q.dtype)
+    dq, dk, dv = q.size(-1), k.size(-1), v.size(-1)
+    if not (dq == dk and dq % align == 0 and dv % align == 0 and dq > 0 and dv > 0):
+        return f"head dims {dq}/{dk}/{dv} are not multiples of {align}"
+    if cc[0] >= 8:
+        align_bytes = align * q.element_size()
+        if any(t.numel() and (t.storage_offset() * t.element_size()) % align_bytes for t in (q, k, v)):
+            return f"storage offsets are not aligned to {align_bytes} bytes"
+    # Same head counts: the installed torch's memory-efficient kernel has no grouped-query support (its backward's
+    # fake implementation returns key/value gradients with the query's heads); newer sources list GQA for it.
+    reason = _common(q, k, v, False)
+    if reason:
+        return reason
+    if not _last_stride_one((q, k, v), ignore_singleton=False):
+        return "last dimension is not contiguous"
+    dtypes = (torch.float16, torch.float32, torch.bfloat16) if cc[0] >= 8 else (torch.float16, torch.float32)
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} is not one of {dtypes} on sm_{cc[0]}{cc[1]}"
+    return None
+
+
+def _why_not_cudnn(cc: tuple[int, int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                   dropout_p: float, enable_gqa: bool) -> str | None:
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return "disabled at runtime"
+    if not _in_range(cc, (8, 0), (12, 1)):
+        return f"sm_{cc[0]}{cc[1]} is outside [sm_80, sm_121]"
+    if not _is_16bit(q.dtype):
+        return f"dtype {q.dtype} is not float16/bfloat16"
+    if dropout_p * 16 != math.floor(dropout_p * 16):
+        return "dropout is not a multiple of 1/16"
+    reason = _common(q, k, v, True)
+    if reason:
+        return reason
+    dq, dv = q.size(-1), v.size(-1)
+    if dq > 128 or dv > 128 or dq % 8 or dv % 8:
+        return f"head dims {dq}/{dv} are not multiples of 8 up to 128"
+    if k.size(2) == 1:
+        return "key length 1"
+    for t in (q, k, v):
+        h, s, d = t.size(1), t.size(2), t.size(3)
+        if t.stride() != (s * h * d, d, h * d, 1):
+            return "q/k/v are not in the (batch, seq, heads, dim) layout"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaChoices:
+    """What `choose_sdpa_backend` decided: the backend and why each earlier one in the order was passed over."""
+
+    backend: str
+    passed_over: tuple[tuple[str, str], ...]
+
+
+def choose_sdpa_backend(compute_capability: tuple[int, int], query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        is_causal: bool = False, enable_gqa: bool = False, *,
+                        cudnn_version: int | None = None) -> SdpaChoices:
+    """The backend CUDA's ``select_sdp_backend`` picks for this call on a GPU of ``compute_capability``.
+
+    Only shapes, dtypes, strides, ``requires_grad`` and the grad mode are read, so fake tensors do.
+
+    Args:
+        cudnn_version: the runtime cuDNN version as ``torch.backends.cudnn.version()`` gives it (e.g. 91501);
+            None when unknown (then cuDNN attention is not preferred).
+
+    Returns:
+        `SdpaChoices` with the backend (one of `SDPA_BACKENDS`).
+
+    Example:
+        >>> q = torch.empty(1, 8, 128, 64, dtype=torch.float16)
+        >>> choose_sdpa_backend((7, 0), q, q, q).backend
+        'efficient'
+    """
+    cc = tuple(compute_capability)
+    prefer_cudnn = (cudnn_version is not None and cudnn_version > 91500 and cc[0] in (9, 10)
+                    and cc[1] in (0, 3))
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    passed: list[tuple[str, str]] = []
+    for backend in _CUDNN_ORDER if prefer_cudnn else _DEFAULT_ORDER:
+        if backend == "flash":
+            reason = _why_not_flash(cc, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, training)
+        elif backend == "efficient":
+            reason = _why_not_efficient(cc, query, key, value, enable_gqa)
+        elif backend == "cudnn":
+            reason = _why_not_cudnn(cc, query, key, value, attn_mask, dropout_p, enable_gqa)
+        else:
+            reason = None if torch.backends.cuda.math_sdp_enabled() else "disabled at runtime"
+        if reason is None:
+            return SdpaChoices(backend, tuple(passed))
+        passed.append((backend, reason))
+    raise RuntimeError(f"No available kernel for scaled_dot_product_attention on sm_{cc[0]}{cc[1]}: "
+                       + "; ".join(f"{b}: {r}" for b, r in passed))
+
+
+def _bool_mask_to_float(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """convert_boolean_attn_mask (attention.cpp): True keeps, False becomes -inf, in the query's dtype."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.size(-1) % multiple
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
+def _efficient_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """preprocess_mask (attention.cpp): expand to (B, H, L, S), pad the keys to 16 (pad_bias), else make the
+    strides 16-aligned."""
+    bias = mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+    if bias.size(-1) % 16:
+        pad = 16 - bias.size(-1) % 16
+        return torch.nn.functional.pad(bias, (0, pad))[..., :bias.size(-1)]
+    if any(s % 16 for s in bias.stride()[:3]):
+        return bias.contiguous()
+    return bias
+
+
+class _Sdpa:
+    """The ``scaled_dot_product_attention`` composite as it runs on a CUDA device of ``compute_capability``."""
+
+    def __init__(self, compute_capability: tuple[int, int], cudnn_version: int | None) -> None:
+        self.cc = compute_capability
+        self.cudnn_version = cudnn_version
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False, *,
+                 scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        backend = choose_sdpa_backend(self.cc, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                                      cudnn_version=self.cudnn_version).backend
+        self.calls[backend] = self.calls.get(backend, 0) + 1
+        aten = torch.ops.aten
+        if scale is None:
+            scale = 1.0 / math.sqrt(query.size(-1))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if backend == "flash":
+            d = query.size(-1)
+            q, k, v = (_pad_last(t, 8) for t in (query, key, value))  # pad_last_dim<8> before the kernel
+            out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            return out[..., :d] if out.size(-1) != d else out
+        if backend == "cudnn":
+            mask = _bool_mask_to_float(attn_mask, query.dtype)
+            return aten._scaled_dot_product_cudnn_attention(query, key, value, mask, grad, dropout_p, is_causal,
+                                                            False, scale=scale)[0]
+        mask = _bool_mask_to_float(attn_mask, query.dtype)
+        if backend == "efficient":
+            if mask is not None:
+                mask = _efficient_bias(mask, query, key)
+            return aten._scaled_dot_product_efficient_attention(query, key, value, mask, grad, dropout_p,
+                                                                is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
+                                                       scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``at::dropout`` for a CUDA tensor (Dropout.cpp): the fused kernel, else ``_dropout<false>``."""
+    if train and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, train)[0]
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    return input * torch.zeros((), dtype=input.dtype, device=input.device)  # p == 1
+
+
+@contextlib.contextmanager
+def cuda_kernels(compute_capability: tuple[int, int], *, cudnn_version: int | None = None) -> Iterator[_Sdpa]:
+    """While the block runs, CPU tensors take CUDA's attention backend (for ``compute_capability``) and CUDA's
+    fused dropout (module docstring). Yields the attention stand-in, whose ``calls`` counts backends used."""
+    sdpa = _Sdpa(tuple(compute_capability), cudnn_version)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+        lib.impl("dropout", _cuda_dropout, "AutogradCPU")
+        yield sdpa
+    finally:
+        lib._destroy()

@@ -1,0 +1,65 @@
+"""The cuBLAS workspaces a CUDA training step holds in the caching allocator.
+
+torch gives every cuBLAS handle a workspace per (handle, stream), allocated from the CUDA caching allocator the
+first time the handle runs a GEMM on that stream (``getCurrentCUDABlasHandle`` and ``getNewWorkspace`` in
+``aten/src/ATen/cuda/CublasHandlePool.cpp``; ROCm was brought in line with "cublas behavior with respect to setting
+the workspace to an allocation from the caching allocator", pytorch/pytorch#138791), so it counts in
+``torch.cuda.memory_allocated()``: a single ``nn.Linear(1, 1)`` forward on an A10G left 8,519,680 B allocated
+(pytorch/pytorch#95668, torch 2.0). Handles are per thread (``DeviceThreadHandlePool``), and the backward runs on
+the autograd engine's device thread, so a training step holds two: one from the first forward GEMM, one from the
+first backward GEMM. The cuBLASLt workspace shares the cuBLAS one on open-source CUDA builds
+(``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, the note in ``torch.backends.cuda.blas_workspace_size``'s docstring, torch
+2.13), so it adds nothing.
+
+Size: ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` pairs, summed, as ``parseChosenWorkspaceSize``
+reads it), else torch's default for the architecture (`preflight._gpus`: 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B;
+32 MiB from Hopper on, pytorch/pytorch#120925).
+
+Known limitations: a workspace set at run time with ``torch.backends.cuda.cublas_workspace_size`` is not seen;
+extra streams (``torch.cuda.Stream``) or threads add workspaces; cuDNN convolution workspaces (per call, sized by
+the algorithm cuDNN picks, larger with ``cudnn.benchmark``) are not modelled from a CPU host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+from preflight._result import Event
+
+__all__ = ["WORKSPACE_UIDS", "cublas_workspace_bytes", "with_workspaces"]
+
+_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B
+_HOPPER = 4096 * 8 * 1024  # 33,554,432 B
+
+# uids of the two workspaces (the tracker's uids are >= 0; calibrated scratch and sharding use other negatives).
+WORKSPACE_UIDS = (-(2**62) + 16, -(2**62) + 17)
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """One cuBLAS workspace's size on a GPU of ``compute_capability``, under ``env`` (default ``os.environ``).
+
+    Example:
+        >>> cublas_workspace_bytes((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+        33554432
+    """
+    env = os.environ if env is None else env
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if pairs:
+            return sum(int(size) * int(count) for size, count in pairs) * 1024
+    return _HOPPER if compute_capability[0] >= 9 else _DEFAULT
+
+
+def with_workspaces(events: Sequence[Event], nbytes: int) -> list[Event]:
+    """``events`` with one workspace allocated where the first forward phase starts and one where the first backward
+    phase starts (both held to the end: the allocator keeps them for the life of the handle)."""
+    out = list(events)
+    for uid, suffix in zip(WORKSPACE_UIDS, ("/forward", "/backward")):
+        at = next((i for i, e in enumerate(out) if e.phase.endswith(suffix) and e.op >= 0), None)
+        if at is None:
+            continue
+        out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
+    return out

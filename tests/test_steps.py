@@ -1,0 +1,54 @@
+"""The step's trainer additions: gradient clipping and a loss scaler, traced as they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import lm_batch, make_gpt2
+
+import preflight
+from preflight._steps import Schedule
+from preflight.trace import trace_steps
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "1"])
+def test_max_grad_norm_is_checked(bad):
+    with pytest.raises(ValueError, match=f"`max_grad_norm` should be a positive number.*got {bad!r}"):
+        Schedule(max_grad_norm=bad)
+
+
+def _ops(schedule: Schedule, target: str = "cpu") -> list[str]:
+    model = make_gpt2(n_layer=1)
+    names = ("_foreach_norm", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_",
+             "_amp_update_scale_", "_foreach_mul_")
+    result = trace_steps(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), step=None, precision=None,
+                         trace_device=torch.device("cpu"), target_device=torch.device(target), steps=1,
+                         schedule=schedule, record_op=lambda f: f.__name__.split(".")[0] in names)
+    assert result.error is None
+    return [func.__name__.split(".")[0] for _, _, func, _, _ in result.op_log]
+
+
+def test_clipping_and_scaler_run_torch_ops_in_order():
+    assert _ops(Schedule()) == []
+    n_params = len(list(make_gpt2(n_layer=1).parameters()))
+    assert _ops(Schedule(max_grad_norm=1.0)) == ["_foreach_norm", "linalg_vector_norm", "_foreach_mul_"]
+    ops = _ops(Schedule(max_grad_norm=1.0, grad_scaler=True))
+    assert ops == ["_amp_foreach_non_finite_check_and_unscale_", "_foreach_norm", "linalg_vector_norm",
+                   "_foreach_mul_", "_amp_update_scale_"]
+    assert n_params > 1
+
+
+@pytest.mark.parametrize("kw", [{"max_grad_norm": 1.0}, {"grad_scaler": True},
+                                {"max_grad_norm": 0.5, "grad_scaler": True, "accumulate": 2}])
+def test_prediction_matches_measurement_with_clipping_and_scaler(kw):
+    model = make_gpt2(n_layer=2)
+    batch = lm_batch(2, 32)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, **kw)
+    plain = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                               accumulate=kw.get("accumulate", 1))
+    m = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, **kw)
+    # Within a few fp32 scalars: the measured CPU run keeps 4 B (clipping), 8 B (scaler) and 48 B (both, with
+    # accumulation) more into step 2's backward than the trace. Cause not found; without them the two agree to
+    # the byte (tests/test_estimate.py).
+    assert 0 <= m.peak_bytes - est.peak_bytes <= 64
+    assert est.peak_bytes >= plain.peak_bytes

@@ -27,6 +27,7 @@ from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               predict)
 from preflight._eval import EvalStepFn
+from preflight._guard import untouched
 from preflight._steps import Schedule, StepFn
 
 __all__ = ["StepVerifier", "preflight_check"]
@@ -34,6 +35,7 @@ __all__ = ["StepVerifier", "preflight_check"]
 _PRECISIONS = {"no": None, "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
+@untouched()
 def preflight_check(
     accelerator: accelerate.Accelerator,
     model: nn.Module,
@@ -123,14 +125,17 @@ class StepVerifier:
         if not self._open:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             states = [list(s.values()) for s in self.optimizer.state.values()]
-            self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads, states,
-                                       batch], batch=batch)
+            with untouched():  # preflight's part only: the loop's own step below consumes its RNG as without us
+                self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads,
+                                           states, batch], batch=batch)
             self._open = True
         yield
         if self.accelerator.sync_gradients:
             self._open = False
-            self.session.step_ended()
+            with untouched():
+                self.session.step_ended()
 
+    @untouched()
     def finish(self) -> Report | None:
         """End verification early (fewer steps than asked); returns the report."""
         return self.session.finish()

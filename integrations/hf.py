@@ -35,6 +35,7 @@ from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict)
 from preflight._console import progress
+from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
 from preflight._units import format_bytes
@@ -104,6 +105,7 @@ class PreflightCallback(TrainerCallback):
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
+    @untouched()
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: torch.optim.Optimizer | None = None, train_dataloader: Any = None,
                        eval_dataloader: Any = None, **kwargs: Any) -> None:
@@ -139,6 +141,7 @@ class PreflightCallback(TrainerCallback):
             self._session = VerifySession(self.report, self.options, _device(model),
                                           extra_resident_bytes=_ddp_bucket_bytes(self.trainer, model, args))
 
+    @untouched()
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                       optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         session = self._session
@@ -152,6 +155,7 @@ class PreflightCallback(TrainerCallback):
         self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
         session.step_started([list(model.parameters()), list(model.buffers()), grads, states])
 
+    @untouched()
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self._session
         if session is None or not session.active:
@@ -161,6 +165,7 @@ class PreflightCallback(TrainerCallback):
         if session.step_ended(also_resident=batch, batch=_inputs(batch)):
             self._log(state, session.report, verified=True)
 
+    @untouched()
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hook()
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
@@ -266,6 +271,7 @@ def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
     return callback
 
 
+@untouched()
 def autotune(
     trainer: Trainer,
     budget: int | float | str | None = None,

@@ -22,6 +22,10 @@ Policies:
 - **Internal failures**: any exception inside preflight that is not a `PreflightError` (a model the trace
   cannot run, a profiler already in use, a bug of ours) becomes a ``RuntimeWarning`` with the reason, and
   training proceeds without the prediction or the verification.
+- **The user's errors**: an exception the user's own code raised inside the traced step (``ValueError`` in a
+  forward, a batch of the wrong type; `preflight.trace._blame` gives the rule) is re-raised as it is, with a note
+  saying it happened in preflight's trace and where: the real first step would raise it too, so swallowing it into
+  a warning would only delay it.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
 from preflight._estimate import estimate
+from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
-from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision
+from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
 from preflight._units import format_bytes, parse_bytes
 from preflight._verify import StepPeakMeter, compare, summary
+from preflight.trace import blamed_on_user
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
@@ -197,6 +203,7 @@ class Report:
             f.write("\n")
 
 
+@untouched()
 def check(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -244,6 +251,8 @@ def check(
                       report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     check_precision(precision)
+    check_step(step)
+    check_step(eval_step, "eval_step")
     report = None
     # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
     with internal_failures("the prediction", reraise=(LossNotFoundError,)):
@@ -631,12 +640,15 @@ class VerifySession:
 @contextlib.contextmanager
 def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """Turn an exception inside preflight (not a `PreflightError`, nor one of ``reraise``) into a warning: training
-    must not stop for us."""
+    must not stop for us. An exception of the user's own code that a trace re-raised as such
+    (`preflight.trace.blamed_on_user`) is re-raised: not ours to swallow, and the real first step raises it too."""
     try:
         yield
     except (PreflightError, *reraise):
         raise
     except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure
+        if blamed_on_user(err):
+            raise
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
         warnings.warn(f"preflight: {what} failed and was skipped; training proceeds. Reason: {reason}",
                       RuntimeWarning, stacklevel=3)

@@ -23,6 +23,7 @@ from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, 
 from preflight._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_USAGE
 from preflight._gpus import known_gpus
+from preflight._guard import untouched
 from preflight._sharding import SHARDING_CHOICES
 from preflight._steps import PRECISIONS
 from preflight._units import format_bytes
@@ -44,6 +45,7 @@ class UsageError(Exception):
     """Bad input: reported in one line, exit status 2."""
 
 
+@untouched()
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits 2 on unknown options, with argparse's message

@@ -13,10 +13,11 @@ from torch import nn
 from preflight._analytic import model_state
 from preflight._device import resolve_device, trace_device_for
 from preflight._gpus import GPU
+from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
-from preflight._steps import Schedule, StepFn, check_precision
+from preflight._steps import Schedule, StepFn, check_precision, check_step
 from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
                                shard_events)
 from preflight.allocator import AllocatorConfig
@@ -27,6 +28,7 @@ __all__ = ["estimate", "summarize_events"]
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
 
+@untouched()
 def estimate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -128,8 +130,7 @@ def estimate(
         )
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
-    if step is not None and not callable(step):
-        raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
+    check_step(step)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     sharding = check_sharding(world_size, sharding)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
@@ -277,7 +278,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
         "lower bound: parameters + gradients + optimizer state + batch, without activations.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,  # _fallback, estimate, its `untouched` wrapper, the caller
     )
     return Estimate(
         peak_bytes=sum(breakdown.values()),

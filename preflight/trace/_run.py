@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_map
 
 from preflight.trace._compat import real_run_paths
 from preflight._device import iter_tensors
+from preflight._quiet import handled_fake_tensor_errors
+from preflight.trace._blame import is_user_error, mark_user_error
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
@@ -89,6 +91,7 @@ def trace_steps(
 
     Raises:
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
+        Exception: the user's own exception from their step, with a note (`preflight.trace._blame`).
     """
     start = time.perf_counter()
     op_log: list[tuple[int, int, Any, Any, Any]] = []
@@ -168,9 +171,10 @@ class FakeRun:
     shadow of their values).
 
     Use: build it, make any other twins (an optimizer, outside fake mode), run the user's code inside
-    ``with run.active(model):`` (errors from the user's code are kept in ``error`` / ``failed_op``, except
-    `LossNotFoundError`, which is the caller's mistake), then `finish`. Every fake tensor of the run is watched
-    by ``sweep``, which repairs whatever still holds one once the tracing function has returned.
+    ``with run.active(model):`` (errors the trace cannot get past are kept in ``error`` / ``failed_op``; the user's
+    own errors, `preflight.trace._blame.is_user_error`, and `LossNotFoundError` are raised), then `finish`. Every
+    fake tensor of the run is watched by ``sweep``, which repairs whatever still holds one once the tracing function
+    has returned.
     """
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
@@ -198,14 +202,20 @@ class FakeRun:
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker."""
-        with preserved_state(model), real_run_paths(self.notes), self.fake_mode, self.tracker, \
-                _reparametrize_module(model, self.state, tie_weights=True, strict=False):
+        user_error = None
+        with preserved_state(model), real_run_paths(self.notes), handled_fake_tensor_errors(), self.fake_mode, \
+                self.tracker, _reparametrize_module(model, self.state, tie_weights=True, strict=False):
             try:
                 yield
             except LossNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the user's code under fake tensors is reported
-                self.error, self.failed_op = err, failed_op_of(err)
+                if is_user_error(err):  # the real step raises it too: the user's, not a limit of the trace
+                    user_error = err
+                else:
+                    self.error, self.failed_op = err, failed_op_of(err)
+        if user_error is not None:  # raised once the model is restored (which would undo a note on its objects)
+            raise mark_user_error(user_error)
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

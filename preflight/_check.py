@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from preflight._batches import BatchInfo
-from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._budget import DEFAULT_HEADROOM, check_budget, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
@@ -54,7 +54,7 @@ from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
 from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
-from preflight._units import format_bytes, parse_bytes
+from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.trace import blamed_on_user
 
@@ -98,7 +98,7 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.budget is not None:
-            parse_bytes(self.budget)  # raises with the accepted forms
+            check_budget(self.budget)  # raises with the accepted forms
         check_headroom(self.headroom)
         if self.on_overflow not in ON_OVERFLOW_CHOICES:
             raise ValueError(f"`on_overflow` should be either of {ON_OVERFLOW_CHOICES}, got {self.on_overflow!r}.")

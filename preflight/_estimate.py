@@ -17,13 +17,13 @@ from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
-from preflight._steps import Schedule, StepFn, check_precision, check_step
+from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu, round_events,
                                shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.trace import check_routing, float_dtype_for, trace_steps
 
-__all__ = ["estimate", "summarize_events"]
+__all__ = ["check_plan", "estimate", "summarize_events"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -128,17 +128,11 @@ def estimate(
             f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "
             "Pass the optimizer you will train with, built over the model's parameters."
         )
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
+    steps = check_steps(steps)
     check_step(step)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
-    sharding = check_sharding(world_size, sharding)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
-    if any(offload.values()) and world_size == 1 and sharding is None:
-        sharding = "zero3" if offload_params else "zero2"  # offloading is a ZeRO / FSDP feature
-    if sharding is not None:
-        shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding,
-                        **offload)  # checks the combination before tracing
+    sharding = check_plan(world_size, sharding, **offload)
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
         device = "cuda"
@@ -206,6 +200,19 @@ def estimate(
         events=tuple(events),
         categories=categories,
     )
+
+
+def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool = False,
+               offload_params: bool = False) -> str | None:
+    """The sharding a plan uses (offloading alone implies ZeRO), or a ValueError for a combination that does not
+    exist (``offload_params`` with ZeRO-1, an unknown sharding, ``world_size < 1``); checked before any trace."""
+    sharding = check_sharding(world_size, sharding)
+    offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
+    if any(offload.values()) and world_size == 1 and sharding is None:
+        sharding = "zero3" if offload_params else "zero2"  # offloading is a ZeRO / FSDP feature
+    if sharding is not None:
+        shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding, **offload)
+    return sharding
 
 
 def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfig | None:

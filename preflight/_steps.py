@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,8 +29,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "check_step", "autocast_for",
-    "compute_loss", "run_steps",
+    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "check_step", "check_steps",
+    "autocast_for", "compute_loss", "run_steps",
 ]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -79,6 +80,16 @@ def check_precision(precision: Any) -> str | None:
     if precision not in PRECISIONS:
         raise ValueError(f"`precision` should be one of {PRECISIONS}, got {precision!r}.")
     return precision
+
+
+def check_steps(steps: Any) -> int:
+    """``steps`` as an int, or a ValueError/TypeError naming it: a positive integer (numpy integers too)."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(f"`steps` should be a positive integer (the training steps to run), got "
+                        f"{type(steps).__name__} {steps!r}.")
+    if steps < 1:
+        raise ValueError(f"`steps` should be at least 1, got {steps!r}.")
+    return int(steps)
 
 
 def check_step(step: Any, name: str = "step") -> None:

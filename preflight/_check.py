@@ -243,6 +243,9 @@ def check(
     Raises:
         preflight.PreflightError: it does not fit and ``on_overflow="raise"``.
         ValueError: a bad option (raised before anything is traced), or a step that yields no loss.
+        TypeError: a ``step`` or ``eval_step`` that cannot be called as ``step(model, batch)``.
+        Exception: an exception of the user's own code in the traced step, re-raised with a note (see
+            `preflight.estimate`); any other failure of the prediction is a warning and None.
 
     Example:
         >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP

@@ -102,6 +102,10 @@ def estimate(
     Raises:
         ValueError: a wrong argument (unknown precision, steps < 1, accumulate < 1, unknown zero_grad, no loss found
             in the model's output).
+        TypeError: ``steps`` not an integer, a ``step`` that cannot be called as ``step(model, batch)``.
+        Exception: an exception of the user's own code in the step (``raise ValueError`` in ``forward``, a batch of
+            the wrong type), re-raised as it is with a note naming the line: the real step raises it too. Only
+            what the trace itself cannot do gives the lower bound (`preflight.trace._blame` states the rule).
 
     Example:
         >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP

@@ -125,15 +125,13 @@ class StepVerifier:
         if not self._open:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             states = [list(s.values()) for s in self.optimizer.state.values()]
-            with untouched():  # preflight's part only: the loop's own step below consumes its RNG as without us
-                self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads,
-                                           states, batch], batch=batch)
+            self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads, states,
+                                       batch], batch=batch)
             self._open = True
         yield
         if self.accelerator.sync_gradients:
             self._open = False
-            with untouched():
-                self.session.step_ended()
+            self.session.step_ended()  # its finishing work (traces, the printed report) is guarded
 
     @untouched()
     def finish(self) -> Report | None:

@@ -141,7 +141,6 @@ class PreflightCallback(TrainerCallback):
             self._session = VerifySession(self.report, self.options, _device(model),
                                           extra_resident_bytes=_ddp_bucket_bytes(self.trainer, model, args))
 
-    @untouched()
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                       optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         session = self._session
@@ -155,7 +154,6 @@ class PreflightCallback(TrainerCallback):
         self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
         session.step_started([list(model.parameters()), list(model.buffers()), grads, states])
 
-    @untouched()
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self._session
         if session is None or not session.active:

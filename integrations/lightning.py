@@ -192,7 +192,6 @@ class PreflightCallback(*_callback_bases()):
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer))
 
-    @untouched()
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         session = self._session
@@ -203,7 +202,6 @@ class PreflightCallback(*_callback_bases()):
         session.step_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch],
                              batch=batch)
 
-    @untouched()
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         session = self._session
@@ -219,7 +217,6 @@ class PreflightCallback(*_callback_bases()):
         if finished:
             _log(trainer, session.report, verified=True)
 
-    @untouched()
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         session = self._session
@@ -229,7 +226,6 @@ class PreflightCallback(*_callback_bases()):
         states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
         session.eval_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch], batch)
 
-    @untouched()
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._session is not None:

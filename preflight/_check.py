@@ -523,6 +523,7 @@ class VerifySession:
             return True
         return False
 
+    @untouched()  # after the measured window: the guard's own snapshot must not be inside it
     def finish(self) -> Report | None:
         """Agree on the measured peaks across ranks and update, write and print the report (once)."""
         if self._finished:

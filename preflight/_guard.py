@@ -15,7 +15,9 @@ is loaded), torch's CPU generator and, where CUDA is initialised, every CUDA dev
 `CudaRng`, replaceable for tests), torch's grad mode and default dtype, ``warnings.filters``, and for the root
 logger and every logger that existed before: its level, handlers, filters, ``propagate`` and ``disabled``, plus
 ``logging.disable``'s level. It guards preflight's work only: the callbacks wrap their own hooks, never the user's
-training step that runs between them.
+training step that runs between them. The per-step verification hooks that open and close a measured window are
+not wrapped (the guard's own snapshot would be an allocation inside the window); the work they finish with
+(`preflight._check.VerifySession.finish`: traces, the printed report) is.
 
 Known limitations: loggers first created inside the window (by a library's import) keep the configuration their
 library gave them; "once" warning registries are not restored (a warning preflight triggered may not repeat).
@@ -83,7 +85,9 @@ def untouched() -> Iterator[None]:
         torch.set_default_dtype(saved_dtype)
         if warnings.filters != saved_filters:
             warnings.filters[:] = saved_filters
-            warnings._filters_mutated()  # what warnings.catch_warnings does on exit: drop cached decisions
+            mutated = getattr(warnings, "_filters_mutated", None)  # what catch_warnings calls on exit (3.8-3.13)
+            if mutated is not None:
+                mutated()  # drop the decisions cached under the filters preflight's window had
         _restore_logging(saved_logging)
 
 

@@ -27,6 +27,7 @@ from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide,
                               predict, predict_or_lower_bound)
 from preflight._eval import EvalStepFn
+from preflight._guard import untouched
 from preflight._steps import Schedule, StepFn
 
 __all__ = ["StepVerifier", "preflight_check"]
@@ -34,6 +35,7 @@ __all__ = ["StepVerifier", "preflight_check"]
 _PRECISIONS = {"no": None, "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
+@untouched()
 def preflight_check(
     accelerator: accelerate.Accelerator,
     model: nn.Module,
@@ -133,7 +135,7 @@ class StepVerifier:
         yield
         if self.accelerator.sync_gradients:
             self._open = False
-            self.session.step_ended()
+            self.session.step_ended()  # its finishing work (traces, the printed report) is guarded
 
     @contextlib.contextmanager
     def eval_step(self, batch: Any) -> Iterator[None]:
@@ -151,6 +153,7 @@ class StepVerifier:
         finally:
             self.session.eval_ended()
 
+    @untouched()
     def finish(self) -> Report | None:
         """End verification early (fewer steps than asked); returns the report."""
         return self.session.finish()

@@ -35,6 +35,7 @@ from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, predict, predict_or_lower_bound)
 from preflight._console import progress
+from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
 from preflight._units import format_bytes
@@ -106,6 +107,7 @@ class PreflightCallback(TrainerCallback):
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
+    @untouched()
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: torch.optim.Optimizer | None = None, train_dataloader: Any = None,
                        eval_dataloader: Any = None, **kwargs: Any) -> None:
@@ -175,6 +177,7 @@ class PreflightCallback(TrainerCallback):
         if self._session is None or not self._session.active:
             self._remove_eval_hook()
 
+    @untouched()
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hook()
         self._remove_eval_hook()
@@ -298,6 +301,7 @@ def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
     return callback
 
 
+@untouched()
 def autotune(
     trainer: Trainer,
     budget: int | float | str | None = None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
@@ -37,6 +38,7 @@ from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
                               is_rank_zero, predict, predict_or_lower_bound)
 from preflight._console import progress
+from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
 
@@ -154,6 +156,7 @@ class PreflightCallback(*_callback_bases()):
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
+    @untouched()
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.autotune and stage == "fit":
             if trainer.world_size > 1:
@@ -165,11 +168,13 @@ class PreflightCallback(*_callback_bases()):
                                  "`.fit()`. Please disable autotune or build the dataloader in your LightningModule "
                                  "or LightningDataModule from a `batch_size` attribute.")
 
+    @untouched()
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report, self._session, self._autotuned = None, None, None
         if self.autotune:
             self._autotune(trainer, pl_module)
 
+    @untouched()
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report = None
         supported = _unsupported_reason(trainer, pl_module)
@@ -227,12 +232,14 @@ class PreflightCallback(*_callback_bases()):
         if self._session is not None:
             self._session.eval_ended()
 
+    @untouched()
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
             with _quiet_logging(pl_module):
                 self._session.finish()
             _log(trainer, self._session.report, verified=True)
 
+    @untouched()
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._session is not None and self._session.meter is not None:
             self._session.meter.abort()
@@ -329,11 +336,22 @@ class PreflightCallback(*_callback_bases()):
 
 
 def _training_step(module: pl.LightningModule, batch: Any) -> Any:
-    return module.training_step(batch, 0)
+    return module.training_step(*_step_args(module.training_step, batch))
 
 
 def _validation_step(module: pl.LightningModule, batch: Any) -> Any:
-    return module.validation_step(batch, 0)
+    return module.validation_step(*_step_args(module.validation_step, batch))
+
+
+def _step_args(hook: Any, batch: Any) -> tuple[Any, ...]:
+    """What Lightning's loops pass to a step hook: ``batch_idx`` only when the hook takes it (a parameter of that
+    name, ``*args``, or a second parameter; `lightning.pytorch.utilities.signature_utils.is_param_in_hook_signature`
+    as ``training_epoch_loop._build_kwargs`` calls it), so the trace calls the user's step as the real run does."""
+    fn = getattr(hook, "__wrapped__", hook)
+    spec = inspect.getfullargspec(fn)
+    args = spec.args[1:]  # without self
+    takes_index = "batch_idx" in args or spec.varargs is not None or len(args) >= 2
+    return (batch, 0) if takes_index else (batch,)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

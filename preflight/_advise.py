@@ -24,6 +24,7 @@ from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
 from preflight._estimate import estimate, summarize_events
+from preflight._guard import untouched
 from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import round_events, shard_events
@@ -113,6 +114,7 @@ class _Setup:
         return f"predicted peak {format_bytes(peak)}, {change} vs {format_bytes(base)} now; {verdict}"
 
 
+@untouched()
 def advise(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

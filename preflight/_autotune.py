@@ -23,6 +23,7 @@ from torch import nn
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import model_device
 from preflight._estimate import estimate
+from preflight._guard import untouched
 from preflight._result import Estimate, Event
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._units import format_bytes
@@ -217,6 +218,7 @@ class _Tracer:
             self.progress(f"preflight: {message}")
 
 
+@untouched()
 def max_batch_size(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

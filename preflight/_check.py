@@ -27,6 +27,10 @@ Policies:
   cannot run, a profiler already in use, a bug of ours) becomes a ``RuntimeWarning`` with the reason, and
   training proceeds without the prediction or the verification. A `StepWouldFailError` is not ours: the real step
   would raise it at step one, so it is raised before it.
+- **The user's errors**: an exception the user's own code raised inside the traced step (``ValueError`` in a
+  forward, a batch of the wrong type; `preflight.trace._blame` gives the rule) is re-raised as it is, with a note
+  saying it happened in preflight's trace and where: the real first step would raise it too, so swallowing it into
+  a warning would only delay it.
 """
 
 from __future__ import annotations
@@ -45,17 +49,19 @@ import torch
 from torch import nn
 
 from preflight._batches import BatchInfo, failures_text
-from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
+from preflight._budget import DEFAULT_HEADROOM, check_budget, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight._estimate import estimate
+from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Estimate
-from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision
-from preflight._units import format_bytes, parse_bytes
+from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
+from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
+from preflight.trace import blamed_on_user
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
@@ -100,7 +106,7 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.budget is not None:
-            parse_bytes(self.budget)  # raises with the accepted forms
+            check_budget(self.budget)  # raises with the accepted forms
         check_headroom(self.headroom)
         if self.on_overflow not in ON_OVERFLOW_CHOICES:
             raise ValueError(f"`on_overflow` should be either of {ON_OVERFLOW_CHOICES}, got {self.on_overflow!r}.")
@@ -216,6 +222,7 @@ class Report:
             f.write("\n")
 
 
+@untouched()
 def check(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -255,6 +262,9 @@ def check(
     Raises:
         preflight.PreflightError: it does not fit and ``on_overflow="raise"``.
         ValueError: a bad option (raised before anything is traced), or a step that yields no loss.
+        TypeError: a ``step`` or ``eval_step`` that cannot be called as ``step(model, batch)``.
+        Exception: an exception of the user's own code in the traced step, re-raised with a note (see
+            `preflight.estimate`); any other failure of the prediction is a warning and None.
 
     Example:
         >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP
@@ -263,6 +273,8 @@ def check(
                       report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     check_precision(precision)
+    check_step(step)
+    check_step(eval_step, "eval_step")
     report = None
     # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
     with internal_failures("the prediction", reraise=(LossNotFoundError,)):
@@ -539,6 +551,7 @@ class VerifySession:
             return True
         return False
 
+    @untouched()  # after the measured window: the guard's own snapshot must not be inside it
     def finish(self) -> Report | None:
         """Agree on the measured peaks across ranks and update, write and print the report (once)."""
         if self._finished:
@@ -681,7 +694,9 @@ class VerifySession:
 def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
                       reasons: list[str] | None = None) -> Iterator[None]:
     """Turn an exception inside preflight (not a `PreflightError`, nor one of ``reraise``) into a warning: training
-    must not stop for us. ``reasons``, when given, gets the failure's one-line reason."""
+    must not stop for us. ``reasons``, when given, gets the failure's one-line reason. An exception of the user's own
+    code that a trace re-raised as such (`preflight.trace.blamed_on_user`) is re-raised: not ours to swallow, and the
+    real first step raises it too."""
     try:
         yield
     except StepWouldFailError as err:  # the real step would raise too: say why, before it (a dry run exits 5)
@@ -690,6 +705,8 @@ def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
     except (PreflightError, *reraise):
         raise
     except Exception as err:  # noqa: BLE001 - the policy: preflight never breaks a training run by its own failure
+        if blamed_on_user(err):
+            raise
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
         if reasons is not None:
             reasons.append(reason)

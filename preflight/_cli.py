@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, 
 from preflight._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_STEP_FAILS, EXIT_USAGE
 from preflight._gpus import known_gpus
+from preflight._guard import untouched
 from preflight._sharding import SHARDING_CHOICES
 from preflight._steps import PRECISIONS
 from preflight._units import format_bytes
@@ -52,6 +54,7 @@ class UsageError(Exception):
     """Bad input: reported in one line, exit status 2."""
 
 
+@untouched()
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits 2 on unknown options, with argparse's message
@@ -126,7 +129,7 @@ def _budget(args: argparse.Namespace) -> int | None:
         check_headroom(DEFAULT_HEADROOM if args.headroom is None else args.headroom)
         return resolve_budget(args.budget, gpu=args.gpu)
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(str(err).replace("`budget`", "--budget").replace("`headroom`", "--headroom")) from None
 
 
 # ---- preflight estimate ---------------------------------------------------------------------------------------
@@ -137,6 +140,13 @@ def _estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch should be at least 1, got {args.batch}.")
     if args.world_size < 1:
         raise UsageError(f"--world-size should be at least 1, got {args.world_size}.")
+    if args.lora_r is not None and args.lora_r < 1:
+        raise UsageError(f"--lora-r should be a positive LoRA rank (8 and 16 are common), got {args.lora_r}; "
+                         "leave it out for full fine-tuning.")
+    # Before the trace: a file that cannot be written would otherwise lose the verdict after minutes of work.
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        _check_writable(option, path)
+    sharding, offload = _sharding(args)
     import preflight
 
     param_dtype, dtype_reason = _param_dtype(args)
@@ -146,7 +156,6 @@ def _estimate(args: argparse.Namespace) -> int:
         model, optimizer, batch = _build(args, config, param_dtype)
     for text in warnings_:
         print(f"preflight: warning: {text}", file=sys.stderr)
-    sharding, offload = _sharding(args)
     with _progress("tracing 2 training steps on fake tensors"):
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
@@ -303,7 +312,39 @@ def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
             raise UsageError(f"cannot read the DeepSpeed config {args.deepspeed_config!r}: {err}") from None
         sharding = sharding or ds["sharding"]
         offload = {k: offload[k] or ds[k] for k in offload}
+    from preflight._estimate import check_plan
+
+    try:
+        check_plan(args.world_size, sharding, **offload)
+    except ValueError as err:
+        text = str(err)  # in the options' own words
+        for name in ("offload_params", "offload_optimizer", "world_size", "sharding"):
+            flag = f"--{name.replace('_', '-')}"
+            text = text.replace(f"set {name}=False", f"drop {flag}").replace(f"{name}=True", flag)
+            text = text.replace(f"`{name}`", flag).replace(f"{name}=", f"{flag} ")
+        raise UsageError(text) from None
     return sharding, offload
+
+
+def _check_writable(option: str, path: str | None) -> None:
+    """Raise a UsageError when ``path`` cannot be written (a missing folder, no permission, a folder itself)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path!r} is a folder; give a file path, e.g. "
+                         f"{os.path.join(path, 'estimate.json')!r}.")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path!r}: the folder {folder!r} does not exist. Create it first, or write "
+                         "elsewhere.")
+    existed = os.path.exists(path)
+    try:  # the real test: permissions, read-only or special file systems (os.access says yes to root everywhere)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{option} {path!r} cannot be written: {err.strerror or err}. Choose another path.") from None
+    if not existed:
+        os.remove(path)  # written for real after the trace; nothing is left if the trace fails
 
 
 def _verdict(required: int, budget: int | None, headroom: float, *, lower_bound: bool) -> dict[str, Any]:
@@ -376,15 +417,54 @@ def _load_config(path: str, transformers: Any) -> Any:
     if not os.path.exists(path):
         raise UsageError(f"config not found: {path!r} (pass a local config.json or a folder holding one)")
     try:
-        if os.path.isdir(path):
-            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        with open(path) as f:
+        folder = os.path.isdir(path)
+        if folder and not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"{path!r} is a folder without a config.json; pass the config file itself.")
+        with open(os.path.join(path, "config.json") if folder else path) as f:
             data = json.load(f)
-        if "model_type" not in data:
+        if not isinstance(data, dict) or "model_type" not in data:
             raise UsageError(f"{path} has no `model_type`; transformers needs it to pick the model class")
-        return transformers.AutoConfig.for_model(**data)
+        _check_model_type(path, data["model_type"], transformers)
+        if folder:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        else:
+            config = transformers.AutoConfig.for_model(**data)
     except (OSError, ValueError, json.JSONDecodeError) as err:
         raise UsageError(f"cannot read the config {path!r}: {err}".splitlines()[0]) from None
+    _check_sizes(path, config)
+    return config
+
+
+def _check_model_type(path: str, model_type: Any, transformers: Any) -> None:
+    """An unknown ``model_type``: the closest names transformers knows, not all of them."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    known = list(CONFIG_MAPPING_NAMES)
+    if model_type in known:
+        return
+    close = difflib.get_close_matches(str(model_type), known, n=5, cutoff=0.5)
+    hint = f"the closest it knows: {', '.join(close)}" if close else \
+        f"it knows {len(known)} types, e.g. llama, gpt2, bert, t5, mistral"
+    raise UsageError(f"{path}: model_type {model_type!r} is not a model type transformers "
+                     f"{transformers.__version__} knows; {hint}.")
+
+
+# Config sizes that must be positive (counts of layers may be 0, never negative).
+_POSITIVE = re.compile(r"^(.*_size|.*_dim|d_model|d_ff|d_kv|n_embd|n_head|n_inner|n_positions|n_ctx|"
+                       r"num_attention_heads|num_key_value_heads|num_heads|max_position_embeddings)$")
+_COUNTS = re.compile(r"^(num_.*layers|n_layers?|num_layers|encoder_layers|decoder_layers)$")
+
+
+def _check_sizes(path: str, config: Any) -> None:
+    """A size or layer count in the config that no model can have (``n_layer=-1``, ``hidden_size=0``)."""
+    for key, value in sorted(config.to_dict().items()):
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if (_POSITIVE.match(key) and value < 1) or (_COUNTS.match(key) and value < 0):
+            least = 1 if _POSITIVE.match(key) else 0
+            raise UsageError(f"{path}: {key} = {value}, but it should be at least {least}. Fix the config.")
 
 
 def _lora(model: Any, args: argparse.Namespace) -> Any:
@@ -393,7 +473,17 @@ def _lora(model: Any, args: argparse.Namespace) -> Any:
     except ImportError as err:
         raise UsageError("--lora-r needs peft: pip install peft (or, in your preflight clone, "
                          "pip install -e '.[hf]')") from err
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    targets = args.lora_targets if args.lora_targets == "all-linear" else \
+        [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if targets != "all-linear":
+        import torch
+
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        unknown = ", ".join(t for t in targets if t not in names)
+        if unknown or not targets:
+            raise UsageError(f"--lora-targets {args.lora_targets!r}: no linear layer named {unknown or 'so'} in "
+                             f"this model. Its linear layers: {', '.join(names)} (or use all-linear).")
     return peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, target_modules=targets))
 
 
@@ -480,6 +570,13 @@ def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -
         child = subprocess.Popen(command, env=env, start_new_session=True)
     except FileNotFoundError:
         raise UsageError(f"command not found: {command[0]!r}") from None
+    except PermissionError:
+        raise UsageError(f"cannot run {command[0]!r}: permission denied (it is not executable). Make it "
+                         f"executable (chmod +x {command[0]}) or run it through its interpreter, e.g. "
+                         f"`preflight check -- python {command[0]}`.") from None
+    except OSError as err:
+        raise UsageError(f"cannot run {command[0]!r}: {err.strerror or err}. Run it through its interpreter, "
+                         f"e.g. `preflight check -- python {command[0]}`.") from None
     received: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:

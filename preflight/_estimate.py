@@ -14,21 +14,23 @@ from preflight._analytic import model_state
 from preflight._device import model_device, resolve_device, trace_device_for
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
+from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import calibrate, is_scratch_op
 from preflight._sharding import shard_breakdown
-from preflight._steps import Schedule, StepFn, check_precision
+from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_steps
 
-__all__ = ["estimate", "summarize_events"]
+__all__ = ["check_plan", "estimate", "summarize_events"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
 
+@untouched()
 def estimate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -111,6 +113,10 @@ def estimate(
         StepWouldFailError: the real step would raise at step one: operands of different dtypes or devices, or
             indices out of range (token ids >= the vocabulary, sequences longer than the position table, labels
             beyond the classes); the message has the real kernel's error, the operator, the line and the tensors.
+        TypeError: ``steps`` not an integer, a ``step`` that cannot be called as ``step(model, batch)``.
+        Exception: an exception of the user's own code in the step (``raise ValueError`` in ``forward``, a batch of
+            the wrong type), re-raised as it is with a note naming the line: the real step raises it too. Only
+            what the trace itself cannot do gives the lower bound (`preflight.trace._blame` states the rule).
 
     Example:
         >>> est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
@@ -141,19 +147,12 @@ def estimate(
             f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "
             "Pass the optimizer you will train with, built over the model's parameters."
         )
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` should be a positive integer, got {steps!r}.")
-    if step is not None and not callable(step):
-        raise TypeError(f"`step` should be a callable step(model, batch) -> loss, got {type(step).__name__}.")
+    steps = check_steps(steps)
+    check_step(step)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
                         grad_scaler=grad_scaler)
-    sharding = check_sharding(world_size, sharding)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
-    if any(offload.values()) and world_size == 1 and sharding is None:
-        sharding = "zero3" if offload_params else "zero2"  # offloading is a ZeRO / FSDP feature
-    if sharding is not None:
-        shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding,
-                        **offload)  # checks the combination before tracing
+    sharding = check_plan(world_size, sharding, **offload)
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
         device = "cuda"
@@ -233,6 +232,19 @@ def estimate(
     )
 
 
+def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool = False,
+               offload_params: bool = False) -> str | None:
+    """The sharding a plan uses (offloading alone implies ZeRO), or a ValueError for a combination that does not
+    exist (``offload_params`` with ZeRO-1, an unknown sharding, ``world_size < 1``); checked before any trace."""
+    sharding = check_sharding(world_size, sharding)
+    offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
+    if any(offload.values()) and world_size == 1 and sharding is None:
+        sharding = "zero3" if offload_params else "zero2"  # offloading is a ZeRO / FSDP feature
+    if sharding is not None:
+        shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding, **offload)
+    return sharding
+
+
 def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfig | None:
     if isinstance(allocator, AllocatorConfig):
         return allocator
@@ -303,7 +315,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
         "lower bound: parameters + gradients + optimizer state + batch, without activations.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,  # _fallback, estimate, its `untouched` wrapper, the caller
     )
     return Estimate(
         peak_bytes=sum(breakdown.values()),

@@ -19,8 +19,9 @@ from torch import nn
 from preflight._device import iter_tensors, resolve_device, trace_device_for
 from preflight._estimate import summarize_events
 from preflight._gpus import get_gpu
+from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._steps import autocast_for, check_precision
+from preflight._steps import autocast_for, check_precision, check_step
 from preflight.cuda import CudaTarget
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
@@ -29,6 +30,7 @@ __all__ = ["EvalStepFn", "estimate_eval"]
 EvalStepFn = Any  # eval_step(model, batch) -> anything (outputs are kept alive until the step returns)
 
 
+@untouched()
 def estimate_eval(
     model: nn.Module,
     batch: Any,
@@ -63,6 +65,7 @@ def estimate_eval(
     precision = check_precision(precision)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    check_step(step)
     resident = {k: int(v) for k, v in (resident or {}).items() if v}
     unknown = set(resident) - {c.value for c in Category}
     if unknown:
@@ -140,7 +143,7 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     warnings.warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
                   "estimate is a lower bound: parameters + buffers + batch, without activations.",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)  # _lower_bound, estimate_eval, its `untouched` wrapper, the caller
     return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",
                     device=str(target), coverage=Coverage(traced=False, lower_bound=True, failed_op=failed_op,
                                                           reason=reason, notes=tuple(notes)),

@@ -11,7 +11,7 @@ from torch import nn
 from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storage_bytes, map_tensors,
                                model_device)
 from preflight._result import Measurement
-from preflight._steps import Schedule, StepFn, check_precision, run_steps
+from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak"]
@@ -56,8 +56,8 @@ def measure(
     precision = check_precision(precision)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
                         grad_scaler=grad_scaler)
-    if steps < 1:
-        raise ValueError(f"`steps` should be at least 1, got {steps}.")
+    steps = check_steps(steps)
+    check_step(step)
     device = model_device(model)
     if device.type == "meta":
         raise ValueError("Cannot measure a model on the meta device: it has no memory. Use `preflight.estimate`.")

@@ -1,4 +1,6 @@
-"""Keep the CPU profiler's native log lines off the user's terminal while preflight measures.
+"""Keep torch's noise about preflight's own work off the user's terminal: the CPU profiler's native log lines while
+preflight measures (`StderrFilter`), and the fake-tensor tracebacks logged during a trace whose failure preflight
+reports itself (`handled_fake_tensor_errors`).
 
 Measuring on CPU runs ``torch.profiler`` with ``profile_memory=True`` (`preflight._verify.StepPeakMeter`,
 `preflight._measure.cpu_profiled_peak`). Two pieces of C++ then write to file descriptor 2, below Python's
@@ -21,14 +23,17 @@ back from an ``atexit`` handler (tracebacks included); one killed by a signal lo
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
 import re
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["StderrFilter"]
+__all__ = ["StderrFilter", "handled_fake_tensor_errors"]
 
 # The lines dropped: nothing else is.
 NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$"
@@ -102,3 +107,30 @@ def _flush_python_stderr() -> None:
     stream = sys.stderr
     if stream is not None:
         stream.flush()
+
+
+# torch/_subclasses/fake_tensor.py logs these with log.exception (20 to 34 lines of traceback) and then re-raises the
+# same exception: the exception itself reaches preflight, which reports it (a labelled lower bound with the operator
+# and the model's line, or the user's own error re-raised).
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+_HANDLED = frozenset({"failed while attempting to run meta for %s", "fake tensor raised TypeError"})
+
+
+def _not_handled(record: logging.LogRecord) -> bool:
+    return record.msg not in _HANDLED
+
+
+@contextlib.contextmanager
+def handled_fake_tensor_errors() -> Iterator[None]:
+    """Drop the two fake-tensor ERROR records above while a trace runs (they accompany an exception preflight
+    handles); every other record, and every record outside the trace, is kept. The logger's filters are as before
+    on exit.
+
+    Known limitation: a record of that logger from another thread during the trace is dropped too.
+    """
+    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
+    logger.addFilter(_not_handled)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_handled)

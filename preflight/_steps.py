@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,8 +40,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "autocast_for", "compute_loss",
-    "run_steps",
+    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "check_step", "check_steps",
+    "autocast_for", "compute_loss", "run_steps",
 ]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -98,6 +100,35 @@ def check_precision(precision: Any) -> str | None:
     if precision not in PRECISIONS:
         raise ValueError(f"`precision` should be one of {PRECISIONS}, got {precision!r}.")
     return precision
+
+
+def check_steps(steps: Any) -> int:
+    """``steps`` as an int, or a ValueError/TypeError naming it: a positive integer (numpy integers too)."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(f"`steps` should be a positive integer (the training steps to run), got "
+                        f"{type(steps).__name__} {steps!r}.")
+    if steps < 1:
+        raise ValueError(f"`steps` should be at least 1, got {steps!r}.")
+    return int(steps)
+
+
+def check_step(step: Any, name: str = "step") -> None:
+    """Raise a TypeError naming ``name`` when ``step`` is given but is not a callable taking ``(model, batch)``
+    (checked on its signature, before anything runs; a callable without one is taken as it is)."""
+    if step is None:
+        return
+    if not callable(step):
+        raise TypeError(f"`{name}` should be a callable {name}(model, batch), got {type(step).__name__}: {step!r}.")
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        raise TypeError(f"`{name}` is called as {name}(model, batch), but its signature is {signature} ({err}). "
+                        f"Give it two positional parameters, e.g. `lambda model, batch: model(**batch).loss`.") \
+            from None
 
 
 def autocast_for(precision: str | None, device_type: str) -> contextlib.AbstractContextManager:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import re
+from fractions import Fraction
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["MAX_BYTES", "parse_bytes", "format_bytes"]
+
+MAX_BYTES = 2**64  # a 64-bit address space: no device holds more, and every size here fits a float exactly enough
+_MAX_DIGITS = 40  # digits a size may have (2**64 has 20): longer strings are rejected before any arithmetic
 
 _UNITS = {
     "": 1, "b": 1,
@@ -14,29 +21,49 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, *, name: str | None = None) -> int:
     """Return ``value`` as a whole number of bytes.
 
-    Accepts an int, a float, or a string with an optional SI (kB, MB, GB, TB: powers of 1000) or binary
-    (KiB, MiB, GiB, TiB: powers of 1024) unit, case-insensitive: ``parse_bytes("24GiB") == 24 * 2**30``.
+    Accepts an int (numpy integers too), a float, or a string with an optional SI (kB, MB, GB, TB: powers of 1000)
+    or binary (KiB, MiB, GiB, TiB: powers of 1024) unit, case-insensitive: ``parse_bytes("24GiB") == 24 * 2**30``.
+    ``name`` (e.g. ``"budget"``) is the argument the value came from, named in the error.
 
     Raises:
-        ValueError: the value is negative, or a string that is not a size, with the accepted forms.
+        ValueError: the value is negative, not finite, more than `MAX_BYTES`, or a string that is not a size, with
+            the accepted forms.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"Expected a size in bytes, got {value!r}.")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"A size cannot be negative, got {value!r}.")
-        return int(value)
-    if isinstance(value, str):
+    prefix = f"`{name}`: " if name else ""  # the messages below read as sentences after it, or alone
+    number: Fraction | None = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = Fraction(operator.index(value))
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{prefix}A size should be a finite number of bytes, got {value!r}. Pass e.g. 24GiB "
+                             "or 80GB.")
+        number = Fraction(float(value))
+    elif isinstance(value, str):
         match = _SIZE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(
-        f"Cannot read {value!r} as a size. Use a number of bytes or a number with a unit, "
-        "e.g. 24GiB, 80GB, 512MiB (GB = 10^9 bytes, GiB = 2^30 bytes)."
-    )
+        if match and match.group(2).lower() in _UNITS and len(match.group(1)) <= _MAX_DIGITS:
+            number = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
+        elif match and match.group(2).lower() in _UNITS:
+            number = Fraction(10) ** len(match.group(1))  # too many digits to be a size: rejected just below
+    if number is None:
+        raise ValueError(
+            f"{prefix}Cannot read {_shown(value)} as a size. Use a number of bytes or a number with a unit, "
+            "e.g. 24GiB, 80GB, 512MiB (GB = 10^9 bytes, GiB = 2^30 bytes)."
+        )
+    if number < 0:
+        raise ValueError(f"{prefix}A size cannot be negative, got {_shown(value)}.")
+    if number > MAX_BYTES:
+        raise ValueError(f"{prefix}{_shown(value)} is more than any memory (a 64-bit address space is 16 EiB). Pass "
+                         "the device's memory, e.g. 24GiB or 80GB.")
+    return int(number)
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message, shortened when it is a very long number or string."""
+    text = repr(value) if not isinstance(value, numbers.Integral) or isinstance(value, bool) else str(int(value))
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -315,3 +315,33 @@ def test_check_raises_for_a_step_without_a_loss():
     model = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match="step="):
         check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8), budget="1GiB")
+
+
+@pytest.mark.parametrize("budget, error, message", [
+    (float("nan"), ValueError, "`budget`: A size should be a finite number of bytes, got nan"),
+    (float("inf"), ValueError, "`budget`: A size should be a finite number of bytes, got inf"),
+    pytest.param(10**400, ValueError, "`budget`: 1000.*more than any memory", id="400-digits"),
+    (0, ValueError, "`budget` should be more than 0 bytes, got 0"),
+])
+def test_an_unusable_budget_is_an_error_naming_budget(budget, error, message):
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=message):
+        check(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), budget=budget)
+    with pytest.raises(error, match=message):
+        preflight.advise(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), budget=budget)
+
+
+def test_a_numpy_integer_budget_is_accepted():
+    np = pytest.importorskip("numpy")
+    model = torch.nn.Linear(8, 1)
+    report = check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
+                   step=lambda m, b: m(b).sum(), budget=np.int64(2**30), suggest=False)
+    assert report.budget_bytes == 2**30 and report.fits is True
+
+
+def test_measure_with_steps_of_the_wrong_type_is_a_clear_type_error():
+    model = torch.nn.Linear(8, 1)
+    with pytest.raises(TypeError, match="`steps` should be a positive integer .*got str '2'"):
+        preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
+                          step=lambda m, b: m(b).sum(), steps="2")

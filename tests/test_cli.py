@@ -416,3 +416,50 @@ def test_check_through_lightnings_multi_process_launch(tmp_path):
     assert "cpu x 2 ranks" in result.stdout and "trained" not in result.stdout
     table_peak = __import__("re").search(r"training peak\s+([\d.]+ \w+)", result.stdout).group(1)
     assert f"DOES NOT FIT: allocated peak {table_peak} against" in result.stdout  # the table's figure, named
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "-1"], "--seq should be at least 1, got -1"),
+    (["--seq", "0"], "--seq should be at least 1, got 0"),
+    pytest.param(["--budget", "1" + "0" * 400], "--budget: '10000.*more than any memory", id="400-digits"),
+    (["--budget", "0"], "--budget should be more than 0 bytes"),
+    (["--budget", "nan"], "--budget: Cannot read 'nan'"),
+    (["--sharding", "zero1", "--world-size", "2", "--offload-params"],
+     "--offload-params needs full parameter sharding, got --sharding 'zero1'"),
+    (["--lora-r", "-4"], "--lora-r should be a positive LoRA rank.*got -4"),
+    (["--lora-r", "0"], "--lora-r should be a positive LoRA rank.*got 0"),
+    (["--lora-r", "4", "--lora-targets", "q_proj,nope"], "no linear layer named nope.*Its linear layers: .*q_proj"),
+    (["--json", "/no/such/folder/out.json"], "--json '/no/such/folder/out.json': the folder '/no/such/folder' does"),
+    (["--plot", "/proc/plot.png"], "--plot '/proc/plot.png' cannot be written"),
+])
+def test_every_bad_input_is_a_clear_error_before_any_trace(config, capsys, args, message):
+    if "--lora-r" in args and args[args.index("--lora-r") + 1] == "4":
+        pytest.importorskip("peft")
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert pytest.importorskip("re").search(message, err), err
+    assert "Traceback" not in err and "tracing 2 training steps" not in err  # refused before the trace
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "llamaa"}, "model_type 'llamaa' is not a model type transformers .* knows; the closest it knows: "
+                               "llama, "),
+    ({"num_hidden_layers": -1}, "num_hidden_layers = -1, but it should be at least 0"),
+    ({"intermediate_size": 0}, "intermediate_size = 0, but it should be at least 1"),
+])
+def test_a_config_no_model_can_have_is_refused_with_the_closest_names(tmp_path, capsys, change, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, **change}))
+    assert main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "64"]) == 2
+    err = capsys.readouterr().err
+    assert pytest.importorskip("re").search(message, err), err
+    assert len(err) < 400  # the closest names, not every model type transformers knows
+
+
+def test_check_of_a_script_that_is_not_executable_exits_2(tmp_path, capsys):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\necho hello\n")
+    script.chmod(0o644)
+    assert main(["check", "--", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "permission denied (it is not executable)" in err and f"chmod +x {script}" in err

@@ -23,3 +23,24 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(12) == "12 B"
     assert format_bytes(None) == "unknown"
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "`budget`: A size should be a finite number of bytes, got nan"),
+    (float("inf"), "`budget`: A size should be a finite number of bytes, got inf"),
+    pytest.param(10**400, r"`budget`: 10000000000000000000\.\.\.00000000 \(401 characters\) is more than any memory",
+                 id="400-digits"),
+    pytest.param("1" + "0" * 400 + "GiB", r"`budget`: '1000.*\(406 characters\) is more than any memory",
+                 id="400-digits-GiB"),
+    (-1, "`budget`: A size cannot be negative, got -1"),
+])
+def test_an_unusable_size_names_the_argument_and_the_value(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(value, name="budget")
+
+
+def test_numpy_numbers_are_sizes():
+    np = pytest.importorskip("numpy")
+    assert parse_bytes(np.int64(2**30)) == 2**30
+    assert parse_bytes(np.float32(1024.0)) == 1024
+    assert parse_bytes(2**64) == 2**64  # the largest accepted: a 64-bit address space

@@ -6,10 +6,12 @@ top (`_tracker`), which records allocation events and answers data-dependent que
 stated assumptions where no value exists (mixture-of-experts routing: `_routing`; random branches), kernels
 whose fake implementations disagree with the real ones (`_fake_kernels`, `_layouts`) and libraries' real-run code
 paths (`_compat`). Afterwards the model is put back exactly (`_restore`) and whatever the user's code kept of the
-trace is repaired (`_leftovers`). Nothing here knows about estimates, budgets or trainers: `preflight._estimate`
+trace is repaired (`_leftovers`). An exception of the user's own code is re-raised, not reported as a limit of
+the trace (`_blame`). Nothing here knows about estimates, budgets or trainers: `preflight._estimate`
 and `preflight._eval` turn a `TraceResult` into a prediction.
 """
 
+from preflight.trace._blame import blamed_on_user, is_user_error, mark_user_error
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import NotRestoredError, isolated_rng, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
@@ -24,10 +26,13 @@ __all__ = [
     "Sweep",
     "TensorSpec",
     "TraceResult",
+    "blamed_on_user",
     "check_routing",
     "device_mismatch",
     "float_dtype_for",
+    "is_user_error",
     "isolated_rng",
+    "mark_user_error",
     "restored_module",
     "swept",
     "trace_steps",

@@ -24,7 +24,9 @@ from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.trace._compat import real_run_paths
 from preflight._device import iter_tensors, named_tensors
 from preflight._errors import StepWouldFailError
+from preflight._quiet import handled_fake_tensor_errors
 from preflight.trace import _interrupts as interrupts
+from preflight.trace._blame import is_user_error, mark_user_error
 from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
 from preflight.trace._step_checks import kernel_dtype_error
 from preflight.trace._leftovers import Sweep, swept
@@ -98,6 +100,7 @@ def trace_steps(
 
     Raises:
         LossNotFoundError: the step produced no loss (a wrong argument, not a tracing limitation).
+        Exception: the user's own exception from their step, with a note (`preflight.trace._blame`).
     """
     start = time.perf_counter()
     op_log: list[tuple[int, int, Any, Any, Any]] = []
@@ -180,9 +183,10 @@ class FakeRun:
     shadow of their values).
 
     Use: build it, make any other twins (an optimizer, outside fake mode), run the user's code inside
-    ``with run.active(model):`` (errors from the user's code are kept in ``error`` / ``failed_op``, except
-    `LossNotFoundError`, which is the caller's mistake), then `finish`. Every fake tensor of the run is watched
-    by ``sweep``, which repairs whatever still holds one once the tracing function has returned.
+    ``with run.active(model):`` (errors the trace cannot get past are kept in ``error`` / ``failed_op``; the user's
+    own errors, `preflight.trace._blame.is_user_error`, and `LossNotFoundError` are raised), then `finish`. Every
+    fake tensor of the run is watched by ``sweep``, which repairs whatever still holds one once the tracing function
+    has returned.
     """
 
     def __init__(self, model: nn.Module, batch: Any, *, precision: str | None, trace_device: torch.device,
@@ -216,12 +220,12 @@ class FakeRun:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker (and
         the CUDA target's semantics when ``cuda`` is set)."""
         emulation = emulate_cuda(self.cuda) if self.cuda is not None else contextlib.nullcontext()
-        emulated = None
+        emulated = user_error = None
         # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
         # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
-                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), emulation as emulated, \
-                self.fake_mode, self.tracker, \
+                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), \
+                handled_fake_tensor_errors(), emulation as emulated, self.fake_mode, self.tracker, \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
             try:
@@ -233,12 +237,17 @@ class FakeRun:
                     raise StepWouldFailError(f"The training step would fail at its first step: {err} ("
                                              f"{failed_op_of(err)}). Fix: cast one to the other's dtype. No memory "
                                              "was predicted: a step that fails has no peak.") from err
-                self.error, self.failed_op = err, failed_op_of(err)
+                if is_user_error(err):  # the real step raises it too: the user's, not a limit of the trace
+                    user_error = err
+                else:
+                    self.error, self.failed_op = err, failed_op_of(err)
             finally:
                 finishing()
                 if emulated is not None:
                     self.notes.append(emulated.note())
         self.notes.extend(compiled_notes(compiled))
+        if user_error is not None:  # raised once the model is restored (which would undo a note on its objects)
+            raise mark_user_error(user_error)
 
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""

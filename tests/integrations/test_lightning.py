@@ -487,3 +487,23 @@ def test_compiled_submodules_stay_compiled_and_64_true_batches_are_converted():
     coverage = callback.report.coverage
     assert coverage["traced"] and any("block (counting)" in n for n in coverage["notes"]), coverage
     assert graphs  # compiled during training
+
+
+def test_an_error_of_the_users_training_step_is_raised_not_swallowed_into_a_warning():
+    class Buggy(GPT):
+        def training_step(self, batch, batch_idx):
+            raise ValueError("user bug")
+
+    with pytest.raises(ValueError, match="user bug") as caught:
+        fit(Buggy(val=False), [PreflightCallback(budget="1GiB", verify_steps=0)], steps=1)
+    assert any("preflight" in note for note in caught.value.__notes__)  # raised inside preflight's trace
+
+
+def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it():
+    class NoIndex(GPT):
+        def training_step(self, batch):  # Lightning passes batch_idx only to steps that take it
+            return self.model(**batch).loss
+
+    callback = PreflightCallback(budget="1GiB", verify_steps=0, suggest=False)
+    fit(NoIndex(val=False), [callback], steps=1)
+    assert callback.report is not None and not callback.report.coverage.get("lower_bound")

@@ -1,0 +1,103 @@
+"""User errors are the user's: an exception of the user's own code inside the trace is re-raised (with a note naming
+the line), and only what the trace itself cannot do becomes a labelled lower bound."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import preflight
+
+
+class Raises(nn.Module):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.error = error
+
+    def forward(self, x):
+        y = self.lin(x)
+        raise self.error
+
+
+class ReadsAParameterValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.sum() if y.sum() > 0 else y.mean()  # data-dependent branch on fake values
+
+
+class CallsNumpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return torch.from_numpy(self.lin(x).detach().numpy()).sum() + self.lin(x).sum()
+
+
+def _line(fn, text: str) -> str:
+    lines, start = inspect.getsourcelines(fn)
+    return f"test_blame.py:{start + next(i for i, line in enumerate(lines) if text in line)}"
+
+
+def _estimate(model, batch, step=lambda m, b: m(b)):
+    return preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=step)
+
+
+@pytest.mark.parametrize("error", [ValueError("user bug"), RuntimeError("user runtime bug"), KeyError("input_ids"),
+                                   AssertionError("shape check")])
+def test_an_exception_raised_by_the_users_forward_is_reraised_with_a_note(error):
+    with pytest.raises(type(error)) as caught:
+        _estimate(Raises(error), torch.randn(4, 8))
+    assert caught.value is error
+    note = "\n".join(caught.value.__notes__)
+    assert "preflight" in note and "real training step raises it too" in note
+    assert _line(Raises.forward, "raise self.error") in note
+
+
+def test_a_batch_of_the_wrong_type_raises_the_users_type_error():
+    model = nn.Linear(8, 1)
+    with pytest.raises(TypeError, match="must be Tensor, not list") as caught:
+        _estimate(model, [1.0, 2.0], step=None)
+    assert "preflight" in caught.value.__notes__[0]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+        _estimate(model, {"x": torch.randn(4, 8)}, step=None)
+
+
+def test_a_step_with_the_wrong_arity_is_a_clear_type_error_before_tracing():
+    with pytest.raises(TypeError, match=r"`step` is called as step\(model, batch\), but its signature is \(m\)"):
+        _estimate(nn.Linear(8, 1), torch.randn(4, 8), step=lambda m: m.weight.sum())
+    with pytest.raises(TypeError, match="`step` should be a callable"):
+        _estimate(nn.Linear(8, 1), torch.randn(4, 8), step="m(b)")
+
+
+@pytest.mark.parametrize("model, batch, failed", [
+    (ReadsAParameterValue(), torch.randn(4, 8), "aten._local_scalar_dense"),
+    (CallsNumpy(), torch.randn(4, 8), "RuntimeError at test_blame.py"),
+    (nn.Sequential(nn.Linear(8, 8), nn.Linear(7, 1)), torch.randn(4, 8), "aten.addmm"),  # a fake kernel's check
+])
+def test_what_the_trace_cannot_do_stays_a_labelled_lower_bound(model, batch, failed):
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        est = _estimate(model, batch, step=lambda m, b: m(b).sum())
+    assert est.coverage.lower_bound and failed in est.coverage.failed_op
+
+
+def test_check_reraises_the_users_error_instead_of_returning_no_verdict():
+    model = Raises(ValueError("user bug"))
+    with pytest.raises(ValueError, match="user bug"):
+        preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
+                        step=lambda m, b: m(b), budget="1GiB")
+
+
+def test_check_rejects_a_step_of_the_wrong_arity_before_tracing():
+    model = nn.Linear(8, 1)
+    with pytest.raises(TypeError, match="`eval_step` is called as eval_step"):
+        preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
+                        step=lambda m, b: m(b).sum(), eval_step=lambda m, b, extra: None, budget="1GiB")

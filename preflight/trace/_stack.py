@@ -65,7 +65,7 @@ def find_stack(model: nn.Module, optimizer: torch.optim.Optimizer, *, min_period
     children = list(container._modules.values())
     if any(child is None for child in children):
         return f"{name or 'the model'} holds None entries"
-    signatures = [_signature(child) for child in children]
+    signatures = [_signature(child, i) for i, child in enumerate(children)]
     configs = _configs(model)
     per_layer = [values for config in configs for values in _per_layer(config, len(children)).values()]
     rows = [(sig, tuple(values[i] for values in per_layer)) for i, sig in enumerate(signatures)]
@@ -124,10 +124,16 @@ def optimizer_without(optimizer: torch.optim.Optimizer, dropped: set[int]) -> to
     return view
 
 
-def _signature(block: nn.Module) -> tuple:
+def _signature(block: nn.Module, index: int) -> tuple:
+    """What must agree between blocks of one period position; strings naming the block's own path (PEFT's
+    ``target_name``, ``model.layers.3.self_attn.q_proj``) have the block's index replaced."""
+    def plain(value: Any) -> Any:
+        value = _plain(value)
+        return _without_index(value, f".{index}.") if index >= 0 else value
+
     modules = []
     for name, module in block.named_modules(remove_duplicate=False):
-        attrs = tuple(sorted((k, _plain(v)) for k, v in vars(module).items()
+        attrs = tuple(sorted((k, plain(v)) for k, v in vars(module).items()
                              if not k.startswith("_") and not _is_index(k)
                              and not isinstance(v, (nn.Module, torch.Tensor))))
         hooks = tuple(len(getattr(module, table, {})) for table in
@@ -138,6 +144,14 @@ def _signature(block: nn.Module) -> tuple:
     buffers = tuple((n, tuple(b.shape), tuple(b.stride()), b.dtype)
                     for n, b in block.named_buffers(remove_duplicate=False))
     return tuple(modules), params, buffers
+
+
+def _without_index(value: Any, mark: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(mark, ".#.")
+    if isinstance(value, tuple):
+        return tuple(_without_index(v, mark) for v in value)
+    return value
 
 
 def _is_index(key: str) -> bool:

@@ -59,10 +59,10 @@ def one(shape: str, fast: bool) -> dict:
     """Plan one configuration in this process; its numbers as a dict."""
     model, build = _model(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     est = preflight.estimate(model, optimizer, _batch(), precision="bf16-true", gpu="H100-80GB", fast=fast)
-    seconds = time.perf_counter() - start
-    return {"shape": shape, "fast": fast, "build_s": build, "seconds": seconds,
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"shape": shape, "fast": fast, "build_s": build, "seconds": seconds, "cpu": cpu,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
             "params": sum(p.numel() for p in model.parameters()), "peak": est.peak_bytes,
             "breakdown": est.breakdown, "reserved": est.peak_reserved_bytes, "phase": est.peak_phase,
@@ -103,10 +103,11 @@ def part2() -> str:
         fast = _run(shape, True, FULL_LIMIT_S)
         full = _run(shape, False, FULL_LIMIT_S)
         layers = SHAPES[shape][2]
-        fast_cell = "not run" if fast is None else (f"{fast['seconds']:.1f} s, {fast['rss'] / 2**30:.2f} GiB"
+        fast_cell = "not run" if fast is None else (f"{fast['seconds']:.1f} s ({fast['cpu']:.1f} s CPU), "
+                                                     f"{fast['rss'] / 2**30:.2f} GiB"
                                                      + ("" if fast["composed"] else " (traced in full)"))
         full_cell = (f"over {FULL_LIMIT_S} s" if full is None
-                     else f"{full['seconds']:.1f} s, {full['rss'] / 2**30:.2f} GiB")
+                     else f"{full['seconds']:.1f} s ({full['cpu']:.1f} s CPU), {full['rss'] / 2**30:.2f} GiB")
         if fast is not None and full is not None:
             same = ("yes" if (fast["peak"], fast["breakdown"], fast["reserved"]) ==
                     (full["peak"], full["breakdown"], full["reserved"]) else "**no**")
@@ -116,12 +117,21 @@ def part2() -> str:
         rows.append(f"| {shape} | {layers} | {ref['params'] / 1e9:.2f} B | {fast_cell} | {full_cell} | "
                     f"{preflight.format_bytes(ref['peak'])} | {preflight.format_bytes(ref['reserved'])} | "
                     f"{ref['phase']} | {same} |")
-    header = ("| shape | layers | parameters | fast=True: time, peak RSS | full trace: time, peak RSS | "
+    header = ("| shape | layers | parameters | fast=True: wall (CPU) time, peak RSS | full trace: wall (CPU) time, "
+              "peak RSS | "
               "predicted peak | predicted reserved | phase | composed = full (peak, breakdown, reserved) |\n"
               "|---|---|---|---|---|---|---|---|---|")
     return ("Llama shapes, bf16-true AdamW, batch 1 x 2048, H100-80GB target; each run in its own process "
-            "(time = the `estimate` call; RSS = the process's peak, model construction included)\n\n"
+            "(time = the `estimate` call, wall clock and the process's CPU time; RSS = the process's peak, model "
+            f"construction included; {os.cpu_count()} CPU cores{_load()})\n\n"
             f"{header}\n" + "\n".join(rows) + "\n")
+
+
+def _load() -> str:
+    try:
+        return f", load average {os.getloadavg()[0]:.1f} at the end"
+    except OSError:
+        return ""
 
 
 def main() -> None:

@@ -192,3 +192,17 @@ def test_an_optimizer_not_in_block_order_is_traced_in_full():
     optimizer = torch.optim.AdamW([p for _, p in params])
     found = find_stack(model, optimizer, min_periods=2)
     assert isinstance(found, str) and ("block order" in found or "mixes" in found), found
+
+
+def test_max_batch_size_with_fast_traces_matches_full_traces():
+    model = _llama(6)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def make_batch(b):
+        return _batch(b, 16)
+
+    budget = preflight.estimate(model, optimizer, make_batch(5)).peak_bytes
+    fast = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8, fast=True)
+    full = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8)
+    assert int(fast) == int(full) == 5
+    assert fast.predicted_peak_bytes == full.predicted_peak_bytes

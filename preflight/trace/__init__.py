@@ -7,8 +7,8 @@ stated assumptions where no value exists (mixture-of-experts routing: `_routing`
 whose fake implementations disagree with the real ones (`_fake_kernels`, `_layouts`) and libraries' real-run code
 paths (`_compat`). Afterwards the model is put back exactly (`_restore`) and whatever the user's code kept of the
 trace is repaired (`_leftovers`). `trace_composed` gives a deep stack's trace composed from traces of its first
-blocks (`_stack` finds the stack, `_compose` composes). Nothing here knows about estimates, budgets or trainers: `preflight._estimate`
-and `preflight._eval` turn a `TraceResult` into a prediction.
+blocks (`_stack` finds the stack, `_compose` composes). Nothing here knows about estimates, budgets or trainers:
+`preflight._estimate` and `preflight._eval` turn a `TraceResult` into a prediction.
 """
 
 from preflight.trace._compose import trace_composed

@@ -206,3 +206,36 @@ def test_max_batch_size_with_fast_traces_matches_full_traces():
     full = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8)
     assert int(fast) == int(full) == 5
     assert fast.predicted_peak_bytes == full.predicted_peak_bytes
+
+
+def test_mixture_of_experts_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
+
+
+def test_hybrid_mamba_attention_pattern_jamba_composes_its_trace():
+    """Jamba alternates Mamba and attention layers, and dense and expert MLPs: period 2. Its Mamba convolution
+    makes `estimate` calibrate kernel scratch, which is not composed, so the trace is compared here."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    model = JambaForCausalLM(JambaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = dict(step=None, precision=None, trace_device=torch.device("cpu"), target_device=torch.device("cuda"),
+                   steps=2)
+    composed, note = trace_composed(model, optimizer, _batch(), **options)
+    full = trace_steps(model, optimizer, _batch(), **options)
+    assert note.startswith("depth-independent trace: the 10 blocks of model.layers (period 2) composed from "
+                           "traces of 4, 6, 8 blocks"), note
+    assert _canonical(composed.events, composed.categories) == _canonical(full.events, full.categories)
+    fast = preflight.estimate(model, optimizer, _batch(), fast=True)
+    assert any(n == "traced in full (fast=True): model.layers's shallow traces did not compose: kernel scratch "
+               "calibration (convolutions) is not composed" for n in fast.coverage.notes), fast.coverage.notes

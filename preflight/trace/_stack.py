@@ -16,6 +16,7 @@ which catches a branch taken at those depths but not one taken only deeper in th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -118,9 +119,7 @@ def optimizer_without(optimizer: torch.optim.Optimizer, dropped: set[int]) -> to
     view = copy.copy(optimizer)
     view.param_groups = [{**group, "params": [p for p in group["params"] if id(p) not in dropped]}
                          for group in optimizer.param_groups]
-    state = type(optimizer.state)() if isinstance(optimizer.state, dict) else {}
-    state.update({p: s for p, s in optimizer.state.items() if id(p) not in dropped})
-    view.state = state
+    view.state = collections.defaultdict(dict, {p: s for p, s in optimizer.state.items() if id(p) not in dropped})
     return view
 
 

@@ -8,6 +8,8 @@ Part 2 (depth-independent traces, ``fast=True``): Llama-3.2-1B, Llama-2-7B, Llam
 same batch and precision, H100-80GB target; each configuration runs in its own process so that its peak RSS is
 its own. The full trace runs too where it finishes within `FULL_LIMIT_S`, and the predictions are compared.
 
+Part 3: `advise(..., fast=True)` on the 7B and 70B shapes (80 GiB budget): time for all suggestions.
+
 Run: python benchmarks/scale.py   (several minutes on 2 CPU cores)
 Writes benchmarks/results/scale.md and prints the same tables.
 """
@@ -78,6 +80,33 @@ def _run(shape: str, fast: bool, timeout: float) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def advise_one(shape: str) -> dict:
+    """`advise(..., fast=True)` on one shape in this process: time and suggestions."""
+    model, _ = _model(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    start, cpu = time.perf_counter(), time.process_time()
+    suggestions = preflight.advise(model, optimizer, _batch(), budget="80GiB", device="cuda", precision="bf16-true",
+                                   fast=True)
+    return {"shape": shape, "seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu,
+            "suggestions": [s.change for s in suggestions]}
+
+
+def part3() -> str:
+    rows = []
+    for shape in ("7B", "70B"):
+        cmd = [sys.executable, __file__, "--advise", shape]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=FULL_LIMIT_S, check=True)
+            found = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(f"| {shape} | {found['seconds']:.1f} s ({found['cpu']:.1f} s CPU) | "
+                        f"{len(found['suggestions'])} | {', '.join(map(str, found['suggestions']))} |")
+        except subprocess.TimeoutExpired:
+            rows.append(f"| {shape} | over {FULL_LIMIT_S} s | | |")
+    return ("`advise(..., budget=\"80GiB\", device=\"cuda\", precision=\"bf16-true\", fast=True)`, every suggestion "
+            "traced (time = the whole call, wall clock and CPU)\n\n| shape | advise time | suggestions | changes |\n"
+            "|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def part1() -> str:
     model, build = _model("7B")
     params = sum(p.numel() for p in model.parameters())
@@ -135,7 +164,7 @@ def _load() -> str:
 
 
 def main() -> None:
-    text = part1() + "\n" + part2()
+    text = part1() + "\n" + part2() + "\n" + part3()
     print(text)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
@@ -145,5 +174,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--one":
         print(json.dumps(one(sys.argv[2], sys.argv[3] == "fast")))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--advise":
+        print(json.dumps(advise_one(sys.argv[2]), default=str))
     else:
         main()

@@ -101,6 +101,7 @@ def test_gemma2_alternating_sliding_and_global_attention_has_period_two():
     stack = find_stack(model, optimizer, min_periods=1)
     assert (stack.name, stack.blocks, stack.period) == ("model.layers", 10, 2)
     _same(*_both(model, optimizer, _batch(), gpu="H100-80GB"))
+    assert model.config.num_hidden_layers == 10 and len(model.config.layer_types) == 10  # put back
 
 
 def test_gradient_checkpointing():
@@ -147,6 +148,7 @@ def test_the_model_is_left_as_it_was():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     preflight.estimate(model, optimizer, _batch(), fast=True)
     assert list(model.model.layers) == layers and len(model.model.layers) == 6
+    assert model.config.num_hidden_layers == 6
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert optimizer.state == {} or len(optimizer.state) == 0
     assert len(optimizer.param_groups[0]["params"]) == len(before)

@@ -89,6 +89,7 @@ class _Setup:
     make_batch: Callable[[int], Any] | None
     baseline: Estimate
     schedule: Schedule
+    fast: bool = False
 
     def trace(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
               batch: Any = None, step: StepFn | None = None, precision: Any = ...,
@@ -100,7 +101,7 @@ class _Setup:
                        step=step if step is not None else self.step,
                        precision=self.precision if precision is ... else precision,
                        device=self.device, accumulate=accumulate or self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad)
+                       zero_grad=self.schedule.zero_grad, fast=self.fast)
         if est.coverage.lower_bound:
             raise RuntimeError(f"the trace failed at operator {est.coverage.failed_op}: {est.coverage.reason}")
         return est
@@ -129,6 +130,7 @@ def advise(
     headroom: float = 0.0,  # 0: the budget as given; DEFAULT_HEADROOM (0.10) keeps room for the allocator
     accumulate: int = 1,
     zero_grad: str = "after_step",
+    fast: bool = False,
 ) -> list[Suggestion]:
     """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
 
@@ -163,6 +165,8 @@ def advise(
         headroom: the fraction of ``budget`` kept free, in [0, 1).
         accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`; ``batch`` is one
             micro-batch, so the global batch the micro-batch option keeps is ``batch size * accumulate``.
+        fast: every trace (the current set-up and each option) is a depth-independent one
+            (``preflight.estimate(..., fast=True)``).
 
     Returns:
         Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
@@ -206,7 +210,7 @@ def advise(
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
     baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target,
-                        accumulate=accumulate, zero_grad=zero_grad)
+                        accumulate=accumulate, zero_grad=zero_grad, fast=fast)
     if baseline.coverage.lower_bound:
         raise RuntimeError(
             f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
@@ -214,7 +218,7 @@ def advise(
             "traces."
         )
     setup = _Setup(model, optimizer, batch, step, precision, target, budget_bytes,
-                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule)
+                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule, fast)
     options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
         ("micro-batch", _micro_batch),
         ("activation checkpointing", _checkpointing),
@@ -253,7 +257,8 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     make = setup.make_batch or (lambda b: resize_batch(setup.batch, b))
     result = max_batch_size(setup.model, setup.optimizer, make, budget=setup.budget_bytes, step=setup.step,
                             precision=setup.precision, device=setup.device, max_batch=micro - 1,
-                            headroom=setup.headroom, accumulate=2, zero_grad=setup.schedule.zero_grad)
+                            headroom=setup.headroom, accumulate=2, zero_grad=setup.schedule.zero_grad,
+                            fast=setup.fast)
     cost_micro = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, "
                   "lower throughput when the full batch kept the GPU busy")
     if result.batch_size == 0:

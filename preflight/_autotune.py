@@ -188,8 +188,9 @@ class _Tracer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], Any],
                  step: StepFn | None, precision: str | None, device: Any, progress: Callable[[str], None] | None,
-                 limit: int, schedule: Schedule) -> None:
+                 limit: int, schedule: Schedule, fast: bool = False) -> None:
         self.model, self.optimizer, self.make_batch = model, optimizer, make_batch
+        self.fast = fast
         self.step, self.precision, self.device, self.schedule = step, precision, device, schedule
         self.progress = progress
         self.limit = limit
@@ -201,7 +202,7 @@ class _Tracer:
         self._say(f"tracing batch size {batch_size} (trace {self.count})")
         est = estimate(self.model, self.optimizer, self.make_batch(batch_size), step=self.step,
                        precision=self.precision, device=self.device, accumulate=self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad)
+                       zero_grad=self.schedule.zero_grad, fast=self.fast)
         _require_traced(est, "training", batch_size)
         self.peaks[batch_size] = est.peak_bytes
         verdict = "fits" if est.peak_bytes <= self.limit else "does not fit"
@@ -234,6 +235,7 @@ def max_batch_size(
     accumulate: int = 1,
     zero_grad: str = "after_step",
     progress: Callable[[str], None] | None = None,
+    fast: bool = False,
 ) -> BatchSizeResult:
     """The largest micro-batch whose predicted training peak fits ``budget``, from at most a few fake traces.
 
@@ -260,6 +262,7 @@ def max_batch_size(
             (or more) when the micro-batch will be accumulated into a larger global batch: the earlier
             micro-batches' gradients are alive during the next one's forward and backward.
         progress: optional ``progress(message)`` called before and after each trace.
+        fast: each trace is a depth-independent one (``preflight.estimate(..., fast=True)``).
 
     Returns:
         A `BatchSizeResult`; ``int(result)`` is the batch size. ``batch_size`` is 0 when not even the smallest
@@ -309,7 +312,7 @@ def max_batch_size(
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
     limit = usable_bytes(budget_bytes, headroom)
-    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule)
+    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule, fast)
     notes: list[str] = []
     if schedule.accumulate > 1:
         notes.append("traced with gradient accumulation (the accumulated gradients are alive)")

@@ -23,7 +23,7 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget
-from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_steps
+from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "summarize_events"]
 
@@ -51,6 +51,7 @@ def estimate(
     offload_params: bool = False,
     allocator: AllocatorConfig | str | None = None,
     routing: str = "balanced",
+    fast: bool = False,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -99,6 +100,10 @@ def estimate(
             losses train routers towards) or ``"skewed"`` (every token to the same top_k experts, a worst case).
             Reported in ``coverage.notes`` when it decided a shape; grouped kernels (transformers 5's default)
             do not depend on it.
+        fast: trace a model with a repeated stack of blocks (a transformer's layers, or a short period of them)
+            at three shallow depths and compose the full depth's event timeline from them, exactly
+            (`preflight.trace._compose`): the trace's cost no longer grows with depth. Models without such a stack,
+            shallow ones, or whose shallow traces do not compose are traced in full; ``coverage.notes`` says which.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -163,10 +168,17 @@ def estimate(
     if gpu_info is None:
         gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)
-    result = trace_steps(model, optimizer, batch, step=step, precision=precision, trace_device=trace_device,
-                         target_device=target, steps=steps, schedule=schedule, record_op=is_scratch_op,
-                         routing=routing, cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
-    notes = list(result.notes)
+    if not isinstance(fast, bool):
+        raise TypeError(f"`fast` should be True or False, got {fast!r}.")
+    options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
+                   schedule=schedule, record_op=is_scratch_op, routing=routing,
+                   cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
+    composed_note = None
+    if fast:
+        result, composed_note = trace_composed(model, optimizer, batch, **options)
+    else:
+        result = trace_steps(model, optimizer, batch, **options)
+    notes = list(result.notes) + ([composed_note] if composed_note else [])
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.

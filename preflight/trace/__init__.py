@@ -7,11 +7,13 @@ stated assumptions where no value exists (mixture-of-experts routing: `_routing`
 whose fake implementations disagree with the real ones (`_fake_kernels`, `_layouts`) and libraries' real-run code
 paths (`_compat`). Afterwards the model is put back exactly (`_restore`) and whatever the user's code kept of the
 trace is repaired (`_leftovers`). An exception of the user's own code is re-raised, not reported as a limit of
-the trace (`_blame`). Nothing here knows about estimates, budgets or trainers: `preflight._estimate`
-and `preflight._eval` turn a `TraceResult` into a prediction.
+the trace (`_blame`). `trace_composed` gives a deep stack's trace composed from traces of its first blocks
+(`_stack` finds the stack, `_compose` composes). Nothing here knows about estimates, budgets or trainers:
+`preflight._estimate` and `preflight._eval` turn a `TraceResult` into a prediction.
 """
 
 from preflight.trace._blame import blamed_on_user, is_user_error, mark_user_error
+from preflight.trace._compose import trace_composed
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import NotRestoredError, isolated_rng, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
@@ -35,5 +37,6 @@ __all__ = [
     "mark_user_error",
     "restored_module",
     "swept",
+    "trace_composed",
     "trace_steps",
 ]

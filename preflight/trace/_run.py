@@ -166,7 +166,7 @@ def trace_steps(
         run.notes.append(tracker.layouts.note())
     run.finish()
     return TraceResult(
-        events=tracker.events,
+        events=settled_frees(tracker.events, tracker.categories),
         categories=tracker.categories,
         num_ops=tracker.num_ops,
         seconds=time.perf_counter() - start,
@@ -175,6 +175,40 @@ def trace_steps(
         op_log=op_log,
         notes=run.notes,
     )
+
+
+def settled_frees(events: list[Event], categories: dict[int, Category]) -> list[Event]:
+    """``events`` with equal frees settled: within each run of consecutive frees at one operator, the storages of
+    one size and category are released in the order they were allocated, in the slots where that size was freed.
+
+    Storages released together (an autocast weight cache cleared) are freed in the order of a hash map keyed by
+    address, which varies between runs. Which of two equal storages goes first changes no peak and nothing live
+    at it; a fixed choice makes the trace reproducible event for event. The sequence of sizes is kept as it
+    happened: it follows the objects' destruction order (a list of layers freed layer by layer).
+    """
+    born: dict[int, int] = {}
+    out: list[Event] = []
+    run: list[Event] = []  # consecutive frees at one operator
+
+    def flush() -> None:
+        slots: dict[tuple, list[Event]] = {}
+        for f in run:
+            slots.setdefault((f.nbytes, categories.get(f.uid)), []).append(f)
+        ordered = {key: iter(sorted(fs, key=lambda f: born.get(f.uid, -1))) for key, fs in slots.items()}
+        out.extend(next(ordered[(f.nbytes, categories.get(f.uid))]) for f in run)
+        run.clear()
+
+    for i, e in enumerate(events):
+        if e.nbytes < 0:
+            if run and (run[0].op, run[0].phase) != (e.op, e.phase):
+                flush()
+            run.append(e)
+        else:
+            flush()
+            born[e.uid] = i
+            out.append(e)
+    flush()
+    return out
 
 
 class FakeRun:

@@ -1,0 +1,243 @@
+"""Depth-independent traces: the timeline composed from three shallow traces equals the full trace, event for event
+(sizes, order, operators, phases, categories, which allocation each free releases), so peak, breakdown, reserved
+memory and sharded figures agree to the byte; anything else is traced in full and says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import preflight
+from preflight.trace import trace_composed, trace_steps
+from preflight.trace import _compose
+from preflight.trace._stack import find_stack
+
+VOCAB = 1000
+
+
+@pytest.fixture(autouse=True)
+def _compose_small_models(monkeypatch):
+    # The tests' models have 6 to 10 blocks; production composes from 10 periods, where it saves time.
+    monkeypatch.setattr(_compose, "MIN_PERIODS", 5)
+
+
+def _llama(layers: int = 6, **kwargs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, **kwargs)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2(layers: int = 6):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128))
+
+
+def _gemma2(layers: int = 10):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=128,
+                       sliding_window=16, query_pre_attn_scalar=16)
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(cfg)
+
+
+def _batch(batch_size: int = 2, seq: int = 32) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (batch_size, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _canonical(events, categories):
+    """Events with uids replaced by the position of their allocation."""
+    where, out = {}, []
+    for i, e in enumerate(events):
+        if e.nbytes >= 0:
+            where[e.uid] = i
+            out.append((e.nbytes, e.op, e.phase, categories.get(e.uid), -1))
+        else:
+            out.append((e.nbytes, e.op, e.phase, categories.get(e.uid), where[e.uid]))
+    return out
+
+
+def _same(fast: preflight.Estimate, full: preflight.Estimate) -> None:
+    assert any(n.startswith("depth-independent trace") for n in fast.coverage.notes), fast.coverage.notes
+    assert fast.peak_bytes == full.peak_bytes
+    assert fast.breakdown == full.breakdown
+    assert fast.peak_phase == full.peak_phase
+    assert fast.peak_reserved_bytes == full.peak_reserved_bytes
+    assert fast.timeline == full.timeline
+    assert fast.num_ops == full.num_ops
+    assert _canonical(fast.events, fast.categories) == _canonical(full.events, full.categories)
+
+
+def _both(model, optimizer, batch, **kwargs):
+    fast = preflight.estimate(model, optimizer, batch, fast=True, **kwargs)
+    full = preflight.estimate(model, optimizer, batch, **kwargs)
+    return fast, full
+
+
+def test_llama_foreach_adamw_h100_composes_to_the_byte():
+    model = _llama(7)
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), precision="bf16-true",
+                       gpu="H100-80GB")
+    _same(fast, full)
+    assert "model.layers" in fast.coverage.notes[-1] or any("model.layers" in n for n in fast.coverage.notes)
+
+
+def test_gpt2_for_loop_adamw_on_cpu():
+    model = _gpt2(6)
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch()))
+
+
+def test_gemma2_alternating_sliding_and_global_attention_has_period_two():
+    model = _gemma2(10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    stack = find_stack(model, optimizer, min_periods=1)
+    assert (stack.name, stack.blocks, stack.period) == ("model.layers", 10, 2)
+    _same(*_both(model, optimizer, _batch(), gpu="H100-80GB"))
+    assert model.config.num_hidden_layers == 10 and len(model.config.layer_types) == 10  # put back
+
+
+def test_gradient_checkpointing():
+    model = _llama(6)
+    model.gradient_checkpointing_enable()
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
+
+
+def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    _same(*_both(model, optimizer, _batch(), precision="bf16-mixed", accumulate=2, zero_grad="before_backward",
+                 gpu="H100-80GB"))
+
+
+def test_sharded_rank_and_hf_style_parameter_groups():
+    model = _llama(6)
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    _same(*_both(model, optimizer, _batch(), precision="bf16-true", gpu="H100-80GB", world_size=4,
+                 sharding="zero3"))
+
+
+def test_composed_deeper_than_the_traced_depths():
+    """Compose 10 blocks from traces of 2, 3 and 4 and compare with the 10-block trace."""
+    model = _llama(10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options = dict(step=None, precision=None, trace_device=torch.device("cpu"), target_device=torch.device("cuda"),
+                   steps=2)
+    composed, note = trace_composed(model, optimizer, _batch(), **options)
+    full = trace_steps(model, optimizer, _batch(), **options)
+    assert note.startswith("depth-independent trace: the 10 blocks of model.layers (period 1) composed from "
+                           "traces of 2, 3, 4 blocks"), note
+    assert _canonical(composed.events, composed.categories) == _canonical(full.events, full.categories)
+    assert composed.num_ops == full.num_ops
+
+
+def test_the_model_is_left_as_it_was():
+    model = _llama(6)
+    optimizer = torch.optim.AdamW(model.parameters())
+    layers = list(model.model.layers)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    preflight.estimate(model, optimizer, _batch(), fast=True)
+    assert list(model.model.layers) == layers and len(model.model.layers) == 6
+    assert model.config.num_hidden_layers == 6
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert optimizer.state == {} or len(optimizer.state) == 0
+    assert len(optimizer.param_groups[0]["params"]) == len(before)
+
+
+class _Funnel(nn.Module):
+    """Not a repetition: each layer narrower than the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(64 - 4 * i, 60 - 4 * i) for i in range(12)])
+
+    def forward(self, x):
+        return self.layers(x).sum()
+
+
+def test_a_model_without_a_repeated_stack_is_traced_in_full_and_says_so():
+    model = _Funnel()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fast = preflight.estimate(model, optimizer, torch.randn(8, 64), fast=True)
+    full = preflight.estimate(model, optimizer, torch.randn(8, 64))
+    assert fast.peak_bytes == full.peak_bytes
+    assert [n for n in fast.coverage.notes if n.startswith("traced in full (fast=True)")] == [
+        "traced in full (fast=True): layers has 12 blocks repeating with a period of 12: fewer than 5 periods, a "
+        "full trace costs less"]
+
+
+def test_blocks_that_differ_in_an_attribute_are_not_one_period():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Qwen2 uses sliding attention from layer 4 on: the blocks differ in `sliding_window`, so no short period.
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, use_sliding_window=True, sliding_window=16,
+                      max_window_layers=4)
+    model = Qwen2ForCausalLM(cfg)
+    found = find_stack(model, torch.optim.AdamW(model.parameters()), min_periods=2)
+    assert isinstance(found, str) and "period of 8" in found, found
+
+
+def test_an_optimizer_not_in_block_order_is_traced_in_full():
+    model = _llama(6)
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0].split(".")[-2:])  # grouped by kind, not block
+    optimizer = torch.optim.AdamW([p for _, p in params])
+    found = find_stack(model, optimizer, min_periods=2)
+    assert isinstance(found, str) and ("block order" in found or "mixes" in found), found
+
+
+def test_max_batch_size_with_fast_traces_matches_full_traces():
+    model = _llama(6)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def make_batch(b):
+        return _batch(b, 16)
+
+    budget = preflight.estimate(model, optimizer, make_batch(5)).peak_bytes
+    fast = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8, fast=True)
+    full = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8)
+    assert int(fast) == int(full) == 5
+    assert fast.predicted_peak_bytes == full.predicted_peak_bytes
+
+
+def test_mixture_of_experts_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
+
+
+def test_hybrid_mamba_attention_pattern_jamba_composes_its_trace():
+    """Jamba alternates Mamba and attention layers, and dense and expert MLPs: period 2. Its Mamba convolution
+    makes `estimate` calibrate kernel scratch, which is not composed, so the trace is compared here."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    model = JambaForCausalLM(JambaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = dict(step=None, precision=None, trace_device=torch.device("cpu"), target_device=torch.device("cuda"),
+                   steps=2)
+    composed, note = trace_composed(model, optimizer, _batch(), **options)
+    full = trace_steps(model, optimizer, _batch(), **options)
+    assert note.startswith("depth-independent trace: the 10 blocks of model.layers (period 2) composed from "
+                           "traces of 4, 6, 8 blocks"), note
+    assert _canonical(composed.events, composed.categories) == _canonical(full.events, full.categories)
+    fast = preflight.estimate(model, optimizer, _batch(), fast=True)
+    assert any(n == "traced in full (fast=True): model.layers's shallow traces did not compose: kernel scratch "
+               "calibration (convolutions) is not composed" for n in fast.coverage.notes), fast.coverage.notes

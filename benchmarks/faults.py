@@ -275,6 +275,7 @@ def dataset_raises_at_one_index() -> Result:
             ok = "3" in str(err) and "corrupt sample" in str(err)
             return (CLEAR if ok else UNCLEAR), f"{type(err).__name__}: {err}"
     said = [str(w.message) for w in caught if "3" in str(w.message)]
+    said += [f"batch info: {i} raised {e}" for i, e in getattr(info, "failures", ()) if i == 3]
     return (CORRECT, f"batch {tuple(batch.shape)}; {said[0]}") if said else (UNCLEAR, "no word of index 3")
 
 

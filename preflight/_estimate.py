@@ -16,7 +16,7 @@ from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._scratch import calibrate, is_scratch_op
+from preflight._scratch import calibrate, scratch_ops
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
@@ -171,7 +171,7 @@ def estimate(
     if not isinstance(fast, bool):
         raise TypeError(f"`fast` should be True or False, got {fast!r}.")
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
-                   schedule=schedule, record_op=is_scratch_op, routing=routing,
+                   schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     composed_note = None
     if fast:

@@ -20,6 +20,7 @@ inserted into the event list as a transient allocation at that operator.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Event
 
-__all__ = ["SCRATCH_OPS", "is_scratch_op", "calibrate", "ScratchResult"]
+__all__ = ["SCRATCH_OPS", "scratch_ops", "calibrate", "ScratchResult"]
 
 # Operator -> positions of its arguments that carry the batch dimension (the rest are weights and options).
 SCRATCH_OPS = {torch.ops.aten.convolution.default: (0,), torch.ops.aten.convolution_backward.default: (0, 1)}
@@ -41,8 +42,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _EXACT_LIMIT = 256 * 2**20
 
 
-def is_scratch_op(func: Any) -> bool:
-    return func in SCRATCH_OPS or func in MATMUL_OPS
+def scratch_ops(device: torch.device) -> Callable[[Any, Any], bool]:
+    """``record_op(func, args)`` for a trace: whether an operator call needs its scratch calibrated on ``device``."""
+    def record_op(func: Any, args: Any) -> bool:
+        return (func in SCRATCH_OPS or func in MATMUL_OPS) and _needs_calibration(func, args, device)
+
+    return record_op
 
 
 def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:

@@ -112,7 +112,7 @@ def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: A
         if result.error is not None:
             return traces, f"the {k}-block trace failed ({type(result.error).__name__})"
         if result.op_log:
-            return traces, "kernel scratch calibration (convolutions) is not composed"
+            return traces, "kernel scratch calibration (convolutions, low-precision CPU matmuls) is not composed"
         traces.append(result)
     return traces, None
 

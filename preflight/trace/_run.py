@@ -80,7 +80,7 @@ def trace_steps(
     target_device: torch.device,
     steps: int,
     schedule: Schedule = Schedule(),
-    record_op: Callable[[Any], bool] | None = None,
+    record_op: Callable[[Any, Any], bool] | None = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
     sweep: Sweep,
@@ -89,7 +89,7 @@ def trace_steps(
     ``sweep`` is supplied by the decorator).
 
     Args:
-        record_op: ``record_op(func) -> bool``; operators for which it is true are logged with their fake
+        record_op: ``record_op(func, args) -> bool``; operators for which it is true are logged with their fake
             arguments in ``op_log`` as ``(op_index, event_index, func, args, kwargs)`` (used to calibrate kernel
             scratch memory); tensors are logged as `TensorSpec`.
         routing: the mixture-of-experts routing assumed where a per-expert loop needs the router's choices
@@ -106,7 +106,7 @@ def trace_steps(
     op_log: list[tuple[int, int, Any, Any, Any]] = []
 
     def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if record_op is not None and record_op(func):
+        if record_op is not None and record_op(func, args):
             # Shapes only: holding the fake tensors would keep their storages alive and change the trace.
             op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
                            tree_map(TensorSpec.of, kwargs)))

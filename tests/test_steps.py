@@ -23,7 +23,7 @@ def _ops(schedule: Schedule, target: str = "cpu") -> list[str]:
              "_amp_update_scale_", "_foreach_mul_")
     result = trace_steps(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), step=None, precision=None,
                          trace_device=torch.device("cpu"), target_device=torch.device(target), steps=1,
-                         schedule=schedule, record_op=lambda f: f.__name__.split(".")[0] in names)
+                         schedule=schedule, record_op=lambda f, args: f.__name__.split(".")[0] in names)
     assert result.error is None
     return [func.__name__.split(".")[0] for _, _, func, _, _ in result.op_log]
 

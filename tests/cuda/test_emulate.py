@@ -29,7 +29,7 @@ def _softmax_backward_dtypes(cuda: CudaTarget | None, target: str) -> set[torch.
     result = trace_steps(model, torch.optim.AdamW(model.parameters()), torch.randn(2, 16, 32), step=None,
                          precision="16-mixed", trace_device=torch.device("cpu"),
                          target_device=torch.device(target), steps=1, schedule=Schedule(),
-                         record_op=lambda f: f is torch.ops.aten._softmax_backward_data.default, cuda=cuda)
+                         record_op=lambda f, args: f is torch.ops.aten._softmax_backward_data.default, cuda=cuda)
     assert result.error is None
     return {args[1].dtype for _, _, _, args, _ in result.op_log}  # (grad_output, output, dim, input_dtype)
 

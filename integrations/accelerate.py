@@ -55,6 +55,7 @@ def preflight_check(
     gpu: str | None = None,
     suggest: bool = True,
     scan_seconds: float = DEFAULT_TIME_LIMIT,
+    fast: bool = True,
 ) -> Report | None:
     """Predict the peak of the loop's training (and eval) step on the worst-case batch; raise if it will not fit.
 
@@ -63,7 +64,7 @@ def preflight_check(
     Args:
         accelerator: the ``Accelerator`` (precision and gradient accumulation are read from it).
         model, optimizer, dataloader: as returned by ``accelerator.prepare``.
-        budget, headroom, on_overflow, report_path, plot_path, check_eval, gpu, suggest: see
+        budget, headroom, on_overflow, report_path, plot_path, check_eval, gpu, suggest, fast: see
             `preflight._check.Options`.
         eval_dataloader: the evaluation dataloader, to predict the no-grad eval step.
         step: ``step(model, batch) -> loss`` if the loop does more than ``model(**batch).loss``.
@@ -88,7 +89,8 @@ def preflight_check(
         ...     model(**eval_batch)
     """
     options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
-                      report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest)
+                      report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest,
+                      fast=fast)
     schedule = Schedule(accumulate=accelerator.gradient_accumulation_steps, zero_grad=zero_grad)  # validates
     check_scan_seconds(scan_seconds)
     # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.

@@ -48,8 +48,8 @@ class PreflightCallback(TrainerCallback):
     steps.
 
     Args:
-        budget, headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, gpu, suggest: as for the
-            Lightning callback (`preflight._check.Options`).
+        budget, headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, gpu, suggest, fast: as for
+            the Lightning callback (`preflight._check.Options`).
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Example:
@@ -89,10 +89,11 @@ class PreflightCallback(TrainerCallback):
         gpu: str | None = None,
         suggest: bool = True,
         scan_seconds: float = DEFAULT_TIME_LIMIT,
+        fast: bool = True,
     ) -> None:
         self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
                                report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
-                               suggest=suggest)
+                               suggest=suggest, fast=fast)
         self.scan_seconds = check_scan_seconds(scan_seconds)
         self.trainer: Trainer | None = None  # set by attach() / autotune()
         self.report: Report | None = None
@@ -219,7 +220,8 @@ class PreflightCallback(TrainerCallback):
             result = max_batch_size(_unwrap(model), _unwrap_optimizer(optimizer), self._samples.batch,
                                     budget=report.budget_bytes, step=_loss_step(self.trainer),
                                     precision=_precision(args), device=_device(model), max_batch=current - 1,
-                                    headroom=self.options.headroom, accumulate=args.gradient_accumulation_steps)
+                                    headroom=self.options.headroom, accumulate=args.gradient_accumulation_steps,
+                                    fast=self.options.fast)
         if not result.batch_size:
             return None
         if is_rank_zero():
@@ -311,6 +313,7 @@ def autotune(
     multiple_of: int = 1,
     gpu: str | None = None,
     scan_seconds: float = DEFAULT_TIME_LIMIT,
+    fast: bool = True,
 ) -> dict[str, Any] | None:
     """Before ``trainer.train()``: set the largest micro-batch that fits, keeping the global batch.
 
@@ -329,6 +332,7 @@ def autotune(
         multiple_of: chosen batch sizes are multiples of this.
         gpu: plan for this GPU model's memory.
         scan_seconds: time limit for scanning each dataset.
+        fast: compose a deep stack of blocks from shallow traces (see `preflight._check.Options`).
 
     Returns:
         The chosen values and predicted peaks (also printed on rank zero), or None when tuning failed: then the
@@ -338,7 +342,7 @@ def autotune(
     after this runs: enable it on the model first for it to count. The optimizer is built with
     ``trainer.create_optimizer()`` when the Trainer has none yet, then dropped again.
     """
-    options = Options(budget=budget, headroom=headroom, gpu=gpu)  # validates
+    options = Options(budget=budget, headroom=headroom, gpu=gpu, fast=fast)  # validates
     args = trainer.args
     saved = (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size,
              trainer._train_batch_size)
@@ -385,7 +389,8 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
         result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
                                step=_loss_step(trainer), precision=precision, device=device,
                                max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
-                               headroom=options.headroom, accumulate=2 if global_batch > 1 else 1)
+                               headroom=options.headroom, accumulate=2 if global_batch > 1 else 1,
+                               fast=options.fast)
     if result.batch_size == 0:
         raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
     plan = split_global_batch(global_batch, result.batch_size)

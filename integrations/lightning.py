@@ -101,6 +101,8 @@ class PreflightCallback(*_callback_bases()):
         gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
         suggest: when the run does not fit, rank what to change (traces each option: ~10 more traces).
         scan_seconds: time limit for scanning the dataset for its largest samples.
+        fast: trace a deep stack of repeated blocks from its first few and compose the rest: the same bytes in
+            seconds (`preflight._check.Options`); False traces every block.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[PreflightCallback(budget="24GiB")])  # doctest: +SKIP
@@ -134,10 +136,11 @@ class PreflightCallback(*_callback_bases()):
         gpu: str | None = None,
         suggest: bool = True,
         scan_seconds: float = DEFAULT_TIME_LIMIT,
+        fast: bool = True,
     ) -> None:
         self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
                                report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
-                               suggest=suggest)
+                               suggest=suggest, fast=fast)
         if not isinstance(autotune, bool):
             raise ValueError(f"`autotune` should be True or False, got {autotune!r}.")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
@@ -315,7 +318,8 @@ class PreflightCallback(*_callback_bases()):
                                     step=_training_step, precision=precision, device=pl_module.device,
                                     max_batch=min(global_batch, self.max_batch_size or global_batch),
                                     multiple_of=self.multiple_of, headroom=self.options.headroom,
-                                    accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward")
+                                    accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward",
+                                    fast=self.options.fast)
         if result.batch_size == 0:
             raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
         plan = split_global_batch(global_batch, result.batch_size)

@@ -92,6 +92,10 @@ class Options:
         gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
         suggest: when the run does not fit, rank what to change with `preflight._advise.advise` (rank zero; it
             traces each option, about ten more traces).
+        fast: trace a deep repeated stack of blocks from its first few and compose the rest
+            (``preflight.estimate(..., fast=True)``): the same bytes in seconds, whatever the depth. A model that is
+            not such a stack, or whose shallow traces do not compose, is traced in full; the report's coverage
+            notes say which. The suggestions and the micro-batch search trace the same way.
     """
 
     budget: int | float | str | None = None
@@ -103,6 +107,7 @@ class Options:
     check_eval: bool = True
     gpu: str | None = None
     suggest: bool = True
+    fast: bool = True
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -117,7 +122,7 @@ class Options:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"`{name}` should be a file path or None, got {value!r}.")
-        for name in ("check_eval", "suggest"):
+        for name in ("check_eval", "suggest", "fast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
         if self.gpu is not None:
@@ -242,6 +247,7 @@ def check(
     zero_grad: str = "after_step",
     gpu: str | None = None,
     suggest: bool = True,
+    fast: bool = True,
 ) -> Report | None:
     """Check before training that a run fits: predict, report, and raise (or warn, or end a dry run).
 
@@ -251,7 +257,7 @@ def check(
 
     Args:
         model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
-        budget, headroom, on_overflow, report_path, plot_path, gpu, suggest: see `Options`.
+        budget, headroom, on_overflow, report_path, plot_path, gpu, suggest, fast: see `Options`.
         eval_batch, eval_step: an evaluation batch and step, to predict the no-grad eval peak too.
         accumulate: gradient-accumulation micro-batches per optimizer step.
         zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop frees gradients.
@@ -270,7 +276,7 @@ def check(
         >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP
     """
     options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
-                      report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest)
+                      report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest, fast=fast)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
     check_precision(precision)
     check_step(step)
@@ -336,7 +342,7 @@ def predict(
         return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
                         zero_grad=schedule.zero_grad, max_grad_norm=schedule.max_grad_norm,
                         grad_scaler=schedule.grad_scaler, device=None if options.gpu else target, gpu=options.gpu,
-                        world_size=settings.world_size or 1, sharding=settings.sharding)
+                        world_size=settings.world_size or 1, sharding=settings.sharding, fast=options.fast)
 
     def step_predictor(b: Any) -> dict[int, int]:
         # After the measured steps the optimizer has state; the measured run's first step had none.
@@ -766,6 +772,8 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
         changes["gpu"] = settings.gpu
     if settings.headroom is not None:
         changes["headroom"] = settings.headroom
+    if settings.fast is not None:
+        changes["fast"] = settings.fast
     return (dataclasses.replace(options, **changes) if changes else options), settings
 
 
@@ -818,7 +826,7 @@ def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             found = advise(model, optimizer, batch, budget=report.budget_bytes, step=step,
                            precision=precision, device=device, world_size=_world_size(),
                            make_batch=make_batch, headroom=options.headroom, accumulate=schedule.accumulate,
-                           zero_grad=schedule.zero_grad)
+                           zero_grad=schedule.zero_grad, fast=options.fast)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
         return []

@@ -122,6 +122,9 @@ def _add_plan_options(p: argparse.ArgumentParser, headroom: float | None = DEFAU
                    help=f"fraction of the budget kept free (default {DEFAULT_HEADROOM})")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--sharding", choices=SHARDING_CHOICES, default=None)
+    p.add_argument("--full", dest="fast", action="store_false",
+                   help="trace every block of a deep model (slower). By default a repeated stack of blocks is traced "
+                        "from its first few and composed: the same bytes, in seconds whatever the depth")
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -159,7 +162,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with _progress("tracing 2 training steps on fake tensors"):
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
-                                 sharding=sharding, **offload)
+                                 sharding=sharding, fast=args.fast, **offload)
     params = _parameter_summary(model)
     print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
@@ -253,7 +256,7 @@ def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, c
     with _progress("ranking changes that would fit (--no-suggest skips this)"):
         found = advise(model, optimizer, batch, budget=budget, precision=args.precision,
                        device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
-                       make_batch=lambda b: _batch(args, config, batch_size=b))
+                       make_batch=lambda b: _batch(args, config, batch_size=b), fast=args.fast)
     return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
              "change": s.change, "cost": s.cost} for s in found], None
 
@@ -276,7 +279,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
-            "headroom": args.headroom}
+            "headroom": args.headroom, "fast": args.fast}
 
 
 def _versions() -> dict[str, str | None]:
@@ -545,7 +548,8 @@ def _check(args: argparse.Namespace) -> int:
         budget = args.budget if args.budget is not None or args.gpu is None else _budget(args)
         for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", budget),
                            ("PREFLIGHT_WORLD_SIZE", args.world_size if args.world_size > 1 else None),
-                           ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom)):
+                           ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom),
+                           ("PREFLIGHT_FAST", None if args.fast else "0")):
             if value is not None:
                 env[key] = str(value)
         code = _run_child(command, env, args.timeout)

@@ -47,6 +47,7 @@ class DryRunSettings:
     world_size: int | None = None
     sharding: str | None = None
     headroom: float | None = None
+    fast: bool | None = None  # `preflight check --full`: False
 
 
 def settings_from_env(environ: dict[str, str] | None = None) -> DryRunSettings:
@@ -72,6 +73,7 @@ def settings_from_env(environ: dict[str, str] | None = None) -> DryRunSettings:
         world_size=int(world) if world else None,
         sharding=env.get("PREFLIGHT_SHARDING") or None,
         headroom=headroom_value,
+        fast={"0": False, "1": True}.get(env.get("PREFLIGHT_FAST", "")),
     )
 
 

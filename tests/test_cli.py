@@ -463,3 +463,34 @@ def test_check_of_a_script_that_is_not_executable_exits_2(tmp_path, capsys):
     assert main(["check", "--", str(script)]) == 2
     err = capsys.readouterr().err
     assert "permission denied (it is not executable)" in err and f"chmod +x {script}" in err
+
+
+def test_a_deep_model_is_composed_by_default_and_full_traces_every_block(tmp_path):
+    # 12 identical decoder layers: composed from 2-, 3- and 4-layer traces unless --full; the bytes agree.
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 12}))
+    reports = {}
+    for flag in ([], ["--full"]):
+        out = tmp_path / f"est{len(flag)}.json"
+        assert main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "32", "--gpu", "A100-80GB",
+                     "--json", str(out), *flag]) == 0
+        reports[bool(flag)] = json.loads(out.read_text())
+    fast, full = reports[False], reports[True]
+    assert (fast["inputs"]["fast"], full["inputs"]["fast"]) == (True, False)
+    assert any(n.startswith("depth-independent trace: the 12 blocks") for n in fast["coverage"]["notes"])
+    assert not any("depth-independent" in n or "fast=True" in n for n in full["coverage"]["notes"])
+    for key in ("peak_bytes", "breakdown", "peak_reserved_bytes", "peak_phase"):
+        assert fast[key] == full[key], key
+
+
+def test_check_full_reaches_the_script_as_an_environment_variable(tmp_path):
+    seen = tmp_path / "seen.txt"
+    script = tmp_path / "train.py"
+    script.write_text(f"import os\nopen({str(seen)!r}, 'a').write(repr(os.environ.get('PREFLIGHT_FAST')) + ' ')\n")
+    for flag in (["--full"], []):
+        main(["check", *flag, "--", sys.executable, str(script)])  # no report: the verdict is not the point here
+    assert seen.read_text().split() == ["'0'", "None"]
+    from preflight._dryrun import settings_from_env
+
+    assert settings_from_env({"PREFLIGHT_FAST": "0"}).fast is False
+    assert settings_from_env({}).fast is None

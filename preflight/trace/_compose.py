@@ -174,13 +174,63 @@ def _timeline(result: TraceResult, vocab: _Vocabulary) -> _Timeline:
                      np.asarray(steps, dtype=np.int64), runs)
 
 
+# ---- sizes that grow with depth ---------------------------------------------------------------------------------
+
+
+def _scaled_sizes(lines: list[_Timeline], vocab: _Vocabulary) -> dict[int, tuple[int, int]]:
+    """Find the events whose size grows with depth and give them depth-free tokens, in place.
+
+    A few storages hold something per parameter of the whole model: gradient clipping stacks one norm per
+    gradient (``torch.stack`` of ``_foreach_norm``'s outputs), a flat buffer concatenates every gradient. Their
+    size is ``base + periods * slope``, so their token differs at each traced depth and no other token equals
+    it. Such tokens are paired in order across the three timelines, phase by phase (the same kind, category,
+    phase and operator flag, sizes in arithmetic progression), and each pair becomes a token of its own whose
+    bytes at depth ``a + c`` are ``base + c * slope``. Where the unmatched tokens do not pair up like this,
+    nothing is rewritten and the alignment reports the mismatch.
+
+    Returns:
+        ``{token id: (bytes at the shallowest depth, bytes added per period)}`` for the new tokens.
+    """
+    if len(lines) != 3 or any([r[0] for r in line.runs] != [r[0] for r in lines[0].runs] for line in lines):
+        return {}
+    tokens = vocab.tokens
+    pairs: list[list[int]] = []  # per scaled event: its position in each timeline
+    for p in range(len(lines[0].runs)):
+        spans = [line.keys[line.runs[p][1]:line.runs[p][2]] for line in lines]
+        seen = [set(span.tolist()) for span in spans]
+        odd = [[i for i, key in enumerate(span.tolist()) if not any(key in seen[j] for j in range(3) if j != k)]
+               for k, span in enumerate(spans)]
+        if not any(odd):
+            continue
+        if len({len(o) for o in odd}) != 1:
+            return {}
+        for positions in zip(*odd):
+            found = [tokens[int(spans[k][i])] for k, i in enumerate(positions)]
+            kinds = {(t[0], t[2], t[3], t[4]) for t in found}
+            sizes = [t[1] for t in found]
+            if len(kinds) != 1 or sizes[1] - sizes[0] != sizes[2] - sizes[1]:
+                return {}
+            pairs.append([line.runs[p][1] + i for line, i in zip(lines, positions)])
+    scaled: dict[int, tuple[int, int]] = {}
+    for n, positions in enumerate(pairs):
+        first = tokens[int(lines[0].keys[positions[0]])]
+        second = tokens[int(lines[1].keys[positions[1]])]
+        key = vocab.id((first[0], ("grows with depth", n), *first[2:]))
+        scaled[key] = (first[1], second[1] - first[1])
+        for line, i in zip(lines, positions):
+            line.keys[i] = key
+    return scaled
+
+
 # ---- alignment --------------------------------------------------------------------------------------------------
 
 
-def _embed(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
+def _embed(a: np.ndarray, b: np.ndarray, late: bool = True) -> list[tuple[int, int]]:
     """Embed ``a`` in ``b`` with the fewest contiguous insertions: ``[(position in a, inserted length)]``.
 
     Dynamic program over (tokens of ``a`` matched, tokens of ``b`` inserted so far); rows are numpy vectors.
+    Among equally few insertions, ``late`` prefers matching tokens of ``a`` as late as possible in ``b`` (each
+    insertion as early as possible), else as early as possible.
     """
     n, m = len(a), len(b)
     extra = m - n
@@ -198,7 +248,7 @@ def _embed(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
         gapped = np.full(extra + 1, inf, dtype=np.int64)
         gapped[1:] = running[:-1] + 1
         best = np.minimum(matched, gapped)
-        from_gap[i] = gapped < matched
+        from_gap[i] = gapped < matched if late else gapped <= matched
         gap_start[i, 1:] = at[:-1]
         if i == n:
             break
@@ -227,23 +277,78 @@ class _Gap:
     chunk: np.ndarray  # one copy's tokens
 
 
-def _align(base: _Timeline, deeper: _Timeline) -> list[_Gap]:
-    if [r[0] for r in base.runs] != [r[0] for r in deeper.runs]:
+def _align(base: _Timeline, deeper: _Timeline, deepest: _Timeline) -> list[_Gap]:
+    """The insertions that turn ``base`` into ``deeper``, phase by phase. Where several placements need equally
+    few insertions (a shared tensor of the same size as a block's, next to the stack), the placement whose
+    insertions, made twice, give ``deepest`` is taken."""
+    if not [r[0] for r in base.runs] == [r[0] for r in deeper.runs] == [r[0] for r in deepest.runs]:
         raise CompositionError("the phases of the shallow traces differ")
     gaps: list[_Gap] = []
-    for (_, s, e), (_, s2, e2) in zip(base.runs, deeper.runs):
-        a, b = base.keys[s:e], deeper.keys[s2:e2]
-        found = _embed(a, b)
-        inserted = 0
-        placed: list[tuple[int, np.ndarray]] = []
-        for n, (i, length) in enumerate(found):
-            chunk = b[i + inserted:i + inserted + length]
-            inserted += length
-            low = placed[-1][0] + 1 if placed else 0
-            high = found[n + 1][0] - 1 if n + 1 < len(found) else len(a)
-            placed.append(_centre(a, i, chunk, low, high))
+    for (_, s, e), (_, s2, e2), (_, s3, e3) in zip(base.runs, deeper.runs, deepest.runs):
+        a, b, c = base.keys[s:e], deeper.keys[s2:e2], deepest.keys[s3:e3]
+        candidates = [_place(a, b, late) for late in (True, False)]
+        placed = next((p for p in candidates if np.array_equal(_inserted(a, p, 2), c)), None)
+        if placed is None:
+            placed = _split_at_junctions(a, candidates[0], c)
         gaps.extend(_Gap(s + i, chunk) for i, chunk in placed)
     return gaps
+
+
+def _split_at_junctions(a: np.ndarray, placed: list[tuple[int, np.ndarray]],
+                        c: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Where two repeated stretches meet (the optimizer's first parameter group ends with the last block's weights
+    and the second starts with the first block's biases), one insertion ``u v`` at the junction explains one more
+    period as well as two, but two more periods are ``u u v v``, not ``u v u v``. Split such insertions, left to
+    right, where that makes the two-period timeline ``c`` come out; leave the rest (the caller's check fails).
+    Each part is then slid to the middle of its own stretch, so that its copies stand for the middle blocks of
+    that stretch, as the other phases' copies do."""
+    placed = list(placed)
+    r = 0
+    while r < len(placed):
+        at, chunk = placed[r]
+        options = [[(at, chunk)]] + [[(at, chunk[:j]), (at, chunk[j:])] for j in range(1, len(chunk))]
+        for option in options:
+            trial = placed[:r] + option + placed[r + 1:]
+            end = int(at + sum(2 * len(w) for _, w in trial[:r + len(option)]))  # the junction's end in ``c``
+            x = _inserted(a, trial, 2)
+            if len(x) == len(c) and np.array_equal(x[:end], c[:end]):
+                if len(option) == 2:
+                    low = placed[r - 1][0] + 1 if r else 0
+                    high = placed[r + 1][0] - 1 if r + 1 < len(placed) else len(a)
+                    option = [_centre(a, at, option[0][1], low, at), _centre(a, at, option[1][1], at, high)]
+                    trial = placed[:r] + option + placed[r + 1:]
+                    if not np.array_equal(_inserted(a, trial, 2)[:end], c[:end]):
+                        return placed
+                placed = trial
+                r += len(option)
+                break
+        else:
+            return placed
+    return placed
+
+
+def _place(a: np.ndarray, b: np.ndarray, late: bool) -> list[tuple[int, np.ndarray]]:
+    """`_embed`'s insertions as (position in ``a``, one copy's tokens), each slid to the middle of its stretch."""
+    found = _embed(a, b, late)
+    inserted = 0
+    placed: list[tuple[int, np.ndarray]] = []
+    for n, (i, length) in enumerate(found):
+        chunk = b[i + inserted:i + inserted + length]
+        inserted += length
+        low = placed[-1][0] + 1 if placed else 0
+        high = found[n + 1][0] - 1 if n + 1 < len(found) else len(a)
+        placed.append(_centre(a, i, chunk, low, high))
+    return placed
+
+
+def _inserted(a: np.ndarray, placed: list[tuple[int, np.ndarray]], copies: int) -> np.ndarray:
+    """``a`` with each insertion made ``copies`` times."""
+    pieces, previous = [], 0
+    for at, chunk in placed:
+        pieces += [a[previous:at], np.tile(chunk, copies)]
+        previous = at
+    pieces.append(a[previous:])
+    return np.concatenate(pieces) if pieces else a
 
 
 def _centre(a: np.ndarray, at: int, chunk: np.ndarray, low: int, high: int) -> tuple[int, np.ndarray]:
@@ -381,7 +486,8 @@ def compose(traces: Sequence[TraceResult], copies: int) -> tuple[list[Event], di
     """
     vocab = _Vocabulary()
     lines = [_timeline(t, vocab) for t in traces]
-    gaps = _align(lines[0], lines[1])
+    scaled = _scaled_sizes(lines, vocab)
+    gaps = _align(*lines)
     template = _Template(lines[0], gaps)
     for extra, line in ((1, lines[1]), (2, lines[2])):
         elements, _, _, _ = template.layout(extra)
@@ -401,7 +507,8 @@ def compose(traces: Sequence[TraceResult], copies: int) -> tuple[list[Event], di
             raise CompositionError(f"operator numbering for the {extra + 1}-trace depth differs from its trace")
     refs = _compose_refs(template, rules, copies)
     elements, _, _, _ = template.layout(copies)
-    events, categories = _events(vocab, template.keys[elements], refs, _compose_steps(template, lines, copies))
+    events, categories = _events(vocab, template.keys[elements], refs, _compose_steps(template, lines, copies),
+                                 {key: base + copies * slope for key, (base, slope) in scaled.items()})
     return events, categories, steps[0] + copies * (steps[1] - steps[0])
 
 
@@ -465,16 +572,19 @@ def _compose_refs(template: _Template, rules: dict[int, list[_Rule]], copies: in
     return refs
 
 
-def _events(vocab: _Vocabulary, keys: np.ndarray, refs: np.ndarray,
-            steps: np.ndarray) -> tuple[list[Event], dict[int, Category]]:
+def _events(vocab: _Vocabulary, keys: np.ndarray, refs: np.ndarray, steps: np.ndarray,
+            sizes: dict[int, int]) -> tuple[list[Event], dict[int, Category]]:
+    """The composed events; ``sizes`` gives the bytes of the depth-scaled tokens (`_scaled_sizes`)."""
     events: list[Event] = []
     categories: dict[int, Category] = {}
     uids = np.full(len(keys), -1, dtype=np.int64)
     freed = np.zeros(len(keys), dtype=bool)
+    nbytes_of = [sizes.get(key, token[1]) for key, token in enumerate(vocab.tokens)]
     op = -1
     tokens = vocab.tokens
     for x, (key, step) in enumerate(zip(keys.tolist(), steps.tolist())):
-        is_alloc, nbytes, category, phase, _ = tokens[key]
+        is_alloc, _, category, phase, _ = tokens[key]
+        nbytes = nbytes_of[key]
         op += step
         if is_alloc:
             uid = len(categories)
@@ -483,7 +593,7 @@ def _events(vocab: _Vocabulary, keys: np.ndarray, refs: np.ndarray,
             events.append(Event(uid, nbytes, op, phase))
             continue
         y = int(refs[x])
-        if not 0 <= y < x or uids[y] < 0 or freed[y] or tokens[keys[y]][1] != nbytes:
+        if not 0 <= y < x or uids[y] < 0 or freed[y] or nbytes_of[keys[y]] != nbytes:
             raise CompositionError("a composed free does not match its allocation")
         freed[y] = True
         events.append(Event(int(uids[y]), -nbytes, op, phase))

@@ -38,13 +38,13 @@ class Seen(TrainerCallback):
         model.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def make_trainer(tmp_path, *, train=None, eval_dataset=None, callbacks=(), steps=3, **args):
+def make_trainer(tmp_path, *, train=None, eval_dataset=None, callbacks=(), steps=3, model=None, **args):
     defaults = dict(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4, report_to=[],
                     use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
                     eval_strategy="steps" if eval_dataset is not None else "no", eval_steps=1000,
                     per_device_eval_batch_size=8)
     defaults.update(args)
-    return Trainer(model=make_gpt2(n_layer=2, n_embd=64), args=TrainingArguments(**defaults),
+    return Trainer(model=model or make_gpt2(n_layer=2, n_embd=64), args=TrainingArguments(**defaults),
                    train_dataset=train if train is not None else VariableTokens(key="input_ids"),
                    eval_dataset=eval_dataset, data_collator=pad_tokens, callbacks=list(callbacks))
 
@@ -67,6 +67,24 @@ def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes", "preflight/relative_error"} <= logged
     assert callback.report.fits is True
+
+
+def test_a_deep_model_is_composed_and_verified_and_fast_false_traces_it_in_full(tmp_path):
+    # 12 identical GPT-2 blocks: by default the callback composes them from 2-, 3- and 4-block traces; the
+    # measured steps check that prediction, and fast=False (every block traced) predicts the same bytes.
+    reports = {}
+    for fast in (True, False):
+        trainer = make_trainer(tmp_path, train=VariableTokens(fixed=32, key="input_ids"), steps=2,
+                               model=make_gpt2(n_layer=12, n_embd=32))
+        attach(trainer, budget="1GiB", report_path=str(tmp_path / f"r{fast}.json"), verify_steps=2, fast=fast)
+        trainer.train()
+        reports[fast] = json.loads((tmp_path / f"r{fast}.json").read_text())
+    composed = [n for n in reports[True]["coverage"]["notes"] if n.startswith("depth-independent trace")]
+    assert composed and "the 12 blocks" in composed[0]
+    assert not any("depth-independent" in n for n in reports[False]["coverage"]["notes"])
+    assert reports[True]["predicted_peak_bytes"] == reports[False]["predicted_peak_bytes"]
+    assert reports[True]["predicted_breakdown"] == reports[False]["predicted_breakdown"]
+    assert reports[True]["steps_measured"] == 2 and abs(reports[True]["relative_error"]) < 0.01
 
 
 def test_training_sees_the_same_batches_and_weights_with_the_callback(tmp_path):

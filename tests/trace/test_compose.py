@@ -118,6 +118,30 @@ def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
                  gpu="H100-80GB"))
 
 
+@pytest.mark.parametrize("target", [{}, {"gpu": "H100-80GB", "precision": "16-mixed", "grad_scaler": True}])
+def test_gradient_clipping_whose_norms_grow_with_depth(target):
+    # clip_grad_norm_ stacks one norm per gradient: a storage whose size grows with the number of blocks. At 12
+    # blocks it is 148 x 4 B (1,024 B in 512-byte CUDA blocks); at the traced depths of 2 to 4, 112 to 208 B.
+    model = _gpt2(12)
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), max_grad_norm=1.0, **target)
+    _same(fast, full)
+    stacked = 4 * sum(1 for p in model.parameters())
+    assert stacked == 592
+    if not target:  # (a CUDA target's events are in 512-byte blocks; `_same` compares them with the full trace)
+        assert any(e.nbytes == stacked and "optimizer" in e.phase for e in fast.events)
+
+
+def test_parameter_groups_whose_stretches_meet_in_zero_grad():
+    # The HF Trainer's groups: weights with decay, then biases and LayerNorm without. zero_grad frees the last
+    # block's weight gradients and then the first block's bias gradients: one insertion at that junction would
+    # explain one more block but interleave two; it is split in two and each part composed on its own.
+    model = _gpt2(7)
+    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "ln" in n]
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "ln" in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    _same(*_both(model, optimizer, _batch(), max_grad_norm=1.0))
+
+
 def test_sharded_rank_and_hf_style_parameter_groups():
     model = _llama(6)
     decay = [p for n, p in model.named_parameters() if "norm" not in n]

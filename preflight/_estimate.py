@@ -16,7 +16,7 @@ from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._scratch import calibrate, scratch_ops
+from preflight._scratch import ScratchResult, calibrate, scratch_ops
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
@@ -174,8 +174,15 @@ def estimate(
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     composed_note = None
+    can_run = trace_device == target
+    measured: dict[Any, int | None] = {}  # kernel scratch by operator configuration, shared by shallow traces
+
+    def settle(shallow: Any) -> tuple[list[Any], list[str], list[str]]:
+        found = calibrate(shallow.events, shallow.op_log, target, can_run=can_run, configs=measured)
+        return found.events, found.calibrated, found.skipped
+
     if fast:
-        result, composed_note = trace_composed(model, optimizer, batch, **options)
+        result, composed_note = trace_composed(model, optimizer, batch, scratch=settle, **options)
     else:
         result = trace_steps(model, optimizer, batch, **options)
     notes = list(result.notes) + ([composed_note] if composed_note else [])
@@ -194,7 +201,10 @@ def estimate(
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
                          gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
 
-    scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
+    if result.calibrated is not None:  # a composed trace: each shallow trace was calibrated before composing
+        scratch = ScratchResult(result.events, *result.calibrated)
+    else:
+        scratch = calibrate(result.events, result.op_log, target, can_run=can_run, configs=measured)
     if scratch.skipped:
         notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} configuration(s): "
                      f"{', '.join(scratch.skipped[:3])}")

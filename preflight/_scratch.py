@@ -64,26 +64,29 @@ class ScratchResult:
 
 
 def calibrate(events: list[Event], op_log: list[tuple[int, int, Any, Any, Any]], device: torch.device,
-              can_run: bool) -> ScratchResult:
+              can_run: bool, configs: dict[Any, int | None] | None = None) -> ScratchResult:
     """Insert each logged operator's measured scratch into ``events``.
 
     Args:
         op_log: ``(op_index, event_index, func, args, kwargs)`` with tensors as `TensorSpec`.
         device: the target device.
         can_run: whether real kernels can run on ``device`` here (False: planning for CUDA without a GPU).
+        configs: measurements by operator configuration, shared between calls for traces of one model (the
+            shallow traces of a composed one); filled in.
     """
     if not op_log:
         return ScratchResult(events, [], [])
-    configs: dict[Any, int | None] = {}
+    configs = {} if configs is None else configs
+    seen: set[Any] = set()
     calibrated: list[str] = []
     skipped: list[str] = []
     inserts: list[tuple[int, int, int]] = []  # (event_index, op_index, bytes)
     for op_index, event_index, func, args, kwargs in op_log:
-        if not _needs_calibration(func, args, device):
-            continue
         key = (func, _freeze(args), _freeze(kwargs))
         if key not in configs:
             configs[key] = _measure_scratch(func, args, kwargs, device) if can_run else None
+        if key not in seen:
+            seen.add(key)
             label = f"{func.overloadpacket.__name__}{_shape_label(args)}"
             (calibrated if configs[key] is not None else skipped).append(label)
         extra = configs[key]

@@ -229,7 +229,7 @@ def trace_fsdp2(
             tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
 
         emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
-        watched = watched_fsdp2(tracker, gloo=cuda is None)  # a CPU run's collectives are gloo's
+        watched = watched_fsdp2(tracker, gloo=cuda is None)  # a CPU run's collectives are gloo's (NCCL's are not tensors)
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
                 fake_mode, tracker, watched as settle:
             try:
@@ -274,11 +274,17 @@ class _ShardedParams:
 
 
 class _GlooScratch:
-    """gloo's collectives on CPU tensors allocate a working copy of the full buffer (measured with the profiler on 2
-    processes: ``all_gather_into_tensor`` the size of its output, ``reduce_scatter_tensor`` the size of its input),
-    and free it from gloo's worker thread, at times after the call has returned (seen still allocated after the
-    call in 1 of 8 calls). The trace allocates it at each collective and, as the worst case, keeps it until the
-    next collective starts or the phase ends (`settle`)."""
+    """gloo's side of a collective on CPU tensors. Measured with the profiler on 2 and 4 processes (torch 2.13):
+
+    - during the call, gloo's worker thread allocates a working copy of the full buffer (``all_gather_into_tensor``:
+      the size of its output; ``reduce_scatter_tensor``: the size of its input) and frees it when done;
+    - the call's own full-size buffer (the all-gather output, the reduce-scatter input) is referenced by gloo's
+      work object, which the worker thread releases after the call has returned: one such buffer outlives FSDP2's
+      own reference in most runs, and on a busy CPU several do (up to 6 at once on 4 processes sharing 2 cores).
+
+    The trace allocates one full-size buffer at each collective and keeps it until the next collective starts or
+    the phase ends (`settle`): the working copy, then the buffer gloo holds on to. A run whose worker threads lag
+    further behind holds more (benchmarks/distributed.py reports the spread)."""
 
     def __init__(self) -> None:
         self.live: list[torch.Tensor] = []

@@ -229,7 +229,8 @@ def trace_fsdp2(
             tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
 
         emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
-        watched = watched_fsdp2(tracker, gloo=cuda is None)  # a CPU run's collectives are gloo's (NCCL's are not tensors)
+        # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
+        watched = watched_fsdp2(tracker, gloo=cuda is None)
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
                 fake_mode, tracker, watched as settle:
             try:

@@ -158,7 +158,8 @@ def test_plan_options_are_checked_and_passed_through():
 
 # ---- a real 2-process run with gloo ----------------------------------------------------------------------------
 
-DEEP, NARROW, ROWS = 16, 128, 4096  # small units, large activations: gloo's late releases (a unit's buffer each) stay far below 3%
+# Small units, large activations: gloo's late releases (a unit's buffer each) stay far below 3% of the peak.
+DEEP, NARROW, ROWS = 16, 128, 4096
 
 
 def _deep_setup():

@@ -210,10 +210,7 @@ def trace_fsdp2(
                 tracker.shadow(fake, real.detach().to("cpu", copy=True))
         fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
 
-        settle: Callable[[], None] = lambda: None
-
         def on_phase(i: int, phase: str) -> None:
-            settle()  # gloo's scratch of the phase's last collective is gone by the next phase
             if phase == "optimizer":
                 for p in fake_params:
                     if p.grad is not None:
@@ -232,7 +229,7 @@ def trace_fsdp2(
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
         watched = watched_fsdp2(tracker, gloo=cuda is None)
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched as settle:
+                fake_mode, tracker, watched:
             try:
                 replica.train()
                 run_steps(replica, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
@@ -275,32 +272,20 @@ class _ShardedParams:
 
 
 class _GlooScratch:
-    """gloo's side of a collective on CPU tensors. Measured with the profiler on 2 and 4 processes (torch 2.13):
-
-    - during the call, gloo's worker thread allocates a working copy of the full buffer (``all_gather_into_tensor``:
-      the size of its output; ``reduce_scatter_tensor``: the size of its input) and frees it when done;
-    - the call's own full-size buffer (the all-gather output, the reduce-scatter input) is referenced by gloo's
-      work object, which the worker thread releases after the call has returned: one such buffer outlives FSDP2's
-      own reference in most runs, and on a busy CPU several do (up to 6 at once on 4 processes sharing 2 cores).
-
-    The trace allocates one full-size buffer at each collective and keeps it until the next collective starts or
-    the phase ends (`settle`): the working copy, then the buffer gloo holds on to. A run whose worker threads lag
-    further behind holds more (benchmarks/distributed.py reports the spread)."""
-
-    def __init__(self) -> None:
-        self.live: list[torch.Tensor] = []
+    """gloo's working copy of a collective on CPU tensors. Measured with the profiler on 2 processes (torch 2.13):
+    during the call, gloo's worker thread allocates a copy of the full buffer (``all_gather_into_tensor``: the size
+    of its output; ``reduce_scatter_tensor``: the size of its input) and frees it before the call returns. The
+    trace allocates the same block for the duration of each collective."""
 
     def wrap(self, collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            self.settle()
             buffer = kwargs[size_of] if size_of in kwargs else args[0 if size_of == "output" else 1]
-            self.live.append(torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8,
-                                         device=buffer.device))
-            return collective(*args, **kwargs)
+            scratch = torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8, device=buffer.device)
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                del scratch
         return run
-
-    def settle(self) -> None:
-        self.live.clear()
 
 
 class _Collectives:
@@ -317,11 +302,10 @@ class _Collectives:
 
 
 @contextlib.contextmanager
-def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[Callable[[], None]]:
+def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     """For the block, report FSDP2's in-place storage resizes to ``tracker`` and put what its collectives allocate in
-    `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's scratch at each collective
-    (`_GlooScratch`). Yields the function that frees lingering scratch (call it when a phase ends). Put back on
-    exit."""
+    `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's working copy at each collective
+    (`_GlooScratch`). Put back on exit."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -376,8 +360,7 @@ def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[Callable[[
     try:
         for module, name, fn in patches:
             setattr(module, name, fn)
-        yield scratch.settle
+        yield
     finally:
-        scratch.settle()
         for module, name, fn in saved:
             setattr(module, name, fn)

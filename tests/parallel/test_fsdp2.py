@@ -189,7 +189,8 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
         before = live_storage_bytes([[p.to_local() for p in model.parameters()], batch], torch.device("cpu"))
         dist.barrier()
         peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=lambda m, b: m(b),
-                                                      precision=None, device_type="cpu", steps=2))
+                                                      precision=None, device_type="cpu", steps=2),
+                                  repair_lost_frees=True)
         queue.put((rank, before + peak))
     finally:
         dist.destroy_process_group()

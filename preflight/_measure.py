@@ -14,7 +14,7 @@ from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps, run_steps
 from preflight.trace import float_dtype_for
 
-__all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak", "repaired_memory_peak"]
+__all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak", "repaired_memory_peak", "replayed_peak"]
 
 
 def measure(
@@ -132,11 +132,17 @@ def repaired_memory_peak(prof: Any) -> int:
             allocations.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr))
         stack.extend(node.children)
     allocations.sort(key=lambda a: a[0])
+    return replayed_peak([(nbytes, ptr) for _, nbytes, ptr in allocations])
+
+
+def replayed_peak(events: list[tuple[int, int]]) -> int:
+    """The peak of live bytes over ``(nbytes, address)`` allocation (> 0) and free (< 0) events in time order, where
+    an allocation at an address still live frees the block there first (its free was not recorded)."""
     live = peak = 0
     sizes: dict[int, int] = {}  # address -> bytes of the block live there
-    for _, nbytes, ptr in allocations:
+    for nbytes, ptr in events:
         if nbytes > 0:
-            live += nbytes - sizes.get(ptr, 0)  # a block still live at this address was freed unrecorded
+            live += nbytes - sizes.get(ptr, 0)
             sizes[ptr] = nbytes
         else:
             live -= sizes.pop(ptr, -nbytes)  # a block allocated before the session: its size as recorded

@@ -213,3 +213,30 @@ def test_real_gloo_fsdp2_per_rank_peak_within_3_percent():
     for rank in range(2):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+def test_lost_frees_are_put_back_where_the_address_is_allocated_again():
+    from preflight._measure import replayed_peak
+
+    A, B = 0x1000, 0x2000
+    assert replayed_peak([(100, A), (50, B), (-100, A), (100, A)]) == 150  # recorded free
+    assert replayed_peak([(100, A), (50, B), (100, A)]) == 150  # A's free was lost: the reuse proves it
+    assert replayed_peak([(100, A), (100, B)]) == 200  # no reuse: both counted (an upper bound)
+    assert replayed_peak([(-30, A), (40, B)]) == 10  # a block from before the session freed: its recorded size
+
+
+def test_a_free_on_another_thread_is_lost_by_the_profiler_and_counted_at_most_once_per_block():
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from preflight._measure import profiled_memory_peak, repaired_memory_peak
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(3):
+            box = [torch.empty(1 << 14)]  # 64 KiB, freed on a thread without the profiler's state
+            thread = threading.Thread(target=box.clear)
+            thread.start()
+            thread.join()
+    assert profiled_memory_peak(prof) == 3 * (1 << 16)  # every free lost: three blocks "live"
+    assert (1 << 16) <= repaired_memory_peak(prof) <= 3 * (1 << 16)  # addresses reused, if any, are repaired

@@ -17,6 +17,12 @@ processes.
 
 Run: python benchmarks/distributed.py            (about 10 minutes on 2 shared CPU cores)
 Writes benchmarks/results/distributed.md and prints the same table.
+
+     python benchmarks/distributed.py --heap     (about 2 minutes)
+Cross-checks the profiler with glibc's own count of bytes in use (``mallinfo2``: ``uordblks + hblkhd``, every
+arena), sampled before and after every operator of the same two steps, for the Llama on 2 ranks, 3 runs: each rank's
+largest rise over the bytes in use before the step. It counts every malloc (gloo's own buffers, Python objects), so it
+is not the tensor peak, but it shows whether the peak changes from run to run.
 """
 
 from __future__ import annotations
@@ -70,7 +76,39 @@ def mp_policy(name: str | None) -> object:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: int, queue: object) -> None:
+def _heap_in_use() -> int:
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _heap_peak(fn: object) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sampler(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.peak = max(self.peak, _heap_in_use())
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, _heap_in_use())
+            return out
+
+    base = _heap_in_use()
+    with Sampler() as sampler:
+        fn()
+    return sampler.peak - base
+
+
+def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: int, queue: object,
+            heap: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -93,21 +131,27 @@ def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: in
         shards = [p.to_local() for p in model.parameters()]
         before = live_storage_bytes([shards, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
-        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=None, precision=None,
-                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+
+        def steps() -> None:
+            run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2)
+
+        if heap:
+            queue.put((rank, _heap_peak(steps)))
+            return
+        peak, _ = cpu_profiled_peak(steps, repair_lost_frees=True)
         queue.put((rank, before + peak))
     finally:
         dist.destroy_process_group()
 
 
-def measure(family: str, world_size: int, mixed: str | None = None) -> list[int]:
+def measure(family: str, world_size: int, mixed: str | None = None, heap: bool = False) -> list[int]:
     """Each rank's measured peak in one run of ``world_size`` fresh processes."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world_size, family, mixed, port, queue), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, family, mixed, port, queue, heap), nprocs=world_size, start_method="spawn")
     peaks = dict(queue.get() for _ in range(world_size))
     return [peaks[r] for r in range(world_size)]
 
@@ -125,6 +169,10 @@ def predict(family: str, world_size: int, sharding: str, mixed: str | None = Non
 
 def main() -> int:
     warnings.filterwarnings("ignore")
+    if "--heap" in sys.argv:
+        for run in range(REPEATS):
+            print(f"llama x2 run {run + 1}: heap in use, largest rise per rank:", measure("llama", 2, heap=True))
+        return 0
     rows = []
     worst = 0.0
     start = time.perf_counter()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ProcessGroupInUseError", "fake_world"]
 
@@ -22,7 +22,7 @@ class ProcessGroupInUseError(RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int) -> Iterator[DeviceMesh]:
+def fake_world(world_size: int, rank: int) -> Iterator[Any]:
     """Initialise a fake default process group of ``world_size`` ranks as ``rank``, yield a 1-D CPU device mesh over
     it, and destroy the group on exit.
 
@@ -36,6 +36,8 @@ def fake_world(world_size: int, rank: int) -> Iterator[DeviceMesh]:
         raise ProcessGroupInUseError(
             f"a process group ({dist.get_backend()}, world size {dist.get_world_size()}) is already initialised in "
             "this process; a fake one for the trace cannot be made beside it")
+    # Imported here: importing preflight stays cheap, and works on builds of torch without distributed support.
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -9,7 +9,7 @@ callbacks, ``preflight.check``) predicts, writes its report, and ends the proces
 ``PREFLIGHT_GPU``         plan for this catalog GPU instead of the local device
 ``PREFLIGHT_BUDGET``      plan against this many bytes ("80GB", "24GiB") instead of the device's capacity
 ``PREFLIGHT_WORLD_SIZE``  plan per rank for this many data-parallel ranks
-``PREFLIGHT_SHARDING``    ... with this sharding (ddp, zero1, zero2, zero3, fsdp-full, fsdp-grad-op)
+``PREFLIGHT_SHARDING``    ... with this sharding (ddp, zero1, zero2, zero3, fsdp-full, fsdp-grad-op, fsdp2)
 ``PREFLIGHT_HEADROOM``    keep this fraction of the budget free
 =======================  =========================================================================
 """

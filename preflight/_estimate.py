@@ -23,6 +23,7 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget
+from preflight.parallel import FSDP2Plan, ProcessGroupInUseError, rank_groups, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "summarize_events"]
@@ -52,6 +53,7 @@ def estimate(
     allocator: AllocatorConfig | str | None = None,
     routing: str = "balanced",
     fast: bool = False,
+    fsdp: FSDP2Plan | None = None,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -88,7 +90,12 @@ def estimate(
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
         sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"``,
-            ``"fsdp-full"`` or ``"fsdp-grad-op"``.
+            ``"fsdp-full"``, ``"fsdp-grad-op"`` (these rescale one single-device trace per category) or ``"fsdp2"``:
+            each rank's own step traced through FSDP2's ``fully_shard`` under a fake process group of
+            ``world_size`` ranks (`preflight.parallel`), with ``per_rank_peak_bytes`` and ``peak_rank`` filled and
+            FSDP2's all-gather and reduce-scatter buffers in the ``communication`` category. Where that cannot be
+            traced (a process group already initialised in this process, offloading, a program FSDP2 or the
+            trace cannot run), it is rescaled as ``"fsdp-full"`` and ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
         allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
@@ -104,6 +111,9 @@ def estimate(
             at three shallow depths and compose the full depth's event timeline from them, exactly
             (`preflight.trace._compose`): the trace's cost no longer grows with depth. Models without such a stack,
             shallow ones, or whose shallow traces do not compose are traced in full; ``coverage.notes`` says which.
+        fsdp: with ``sharding="fsdp2"``, how ``fully_shard`` is applied (`preflight.parallel.FSDP2Plan`: the
+            wrapped units, ``MixedPrecisionPolicy``, ``reshard_after_forward``); default: every entry of the
+            largest ``nn.ModuleList`` and then the root, FSDP2's defaults.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -173,6 +183,10 @@ def estimate(
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
+    if fsdp is not None and not isinstance(fsdp, FSDP2Plan):
+        raise TypeError(f"`fsdp` should be a preflight.parallel.FSDP2Plan or None, got {type(fsdp).__name__}.")
+    if fsdp is not None and sharding != "fsdp2":
+        raise ValueError(f"`fsdp` describes an FSDP2 plan, but `sharding` is {sharding!r}: pass sharding='fsdp2'.")
     composed_note = None
     can_run = trace_device == target
     measured: dict[Any, int | None] = {}  # kernel scratch by operator configuration, shared by shallow traces
@@ -181,11 +195,18 @@ def estimate(
         found = calibrate(shallow.events, shallow.op_log, target, can_run=can_run, configs=measured)
         return found.events, found.calibrated, found.skipped
 
+    ranks = rank_note = None
+    if sharding == "fsdp2":
+        ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, fsdp or FSDP2Plan(), offload, options,
+                                        fast=fast)
+    if ranks is not None:
+        return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
+                                  allocator=allocator, steps=steps, world_size=world_size)
     if fast:
         result, composed_note = trace_composed(model, optimizer, batch, scratch=settle, **options)
     else:
         result = trace_steps(model, optimizer, batch, **options)
-    notes = list(result.notes) + ([composed_note] if composed_note else [])
+    notes = list(result.notes) + ([composed_note] if composed_note else []) + ([rank_note] if rank_note else [])
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
@@ -265,6 +286,98 @@ def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool
     if sharding is not None:
         shard_breakdown({k.value: 0 for k in Category}, world_size=world_size, sharding=sharding, **offload)
     return sharding
+
+
+def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, world_size: int, plan: FSDP2Plan,
+                 offload: dict[str, bool], options: dict[str, Any], *,
+                 fast: bool) -> tuple[list[tuple[list[int], Any]] | None, str]:
+    """Each distinct rank's FSDP2 trace as ``[(ranks, TraceResult), ...]`` and a note, or None and the reason the
+    caller rescales a single-device trace instead."""
+    rescaled = "rescaled as fsdp-full from a single-device trace"
+    if any(offload.values()):
+        return None, f"fsdp2: CPUOffloadPolicy is not traced per rank yet; {rescaled}"
+    if getattr(optimizer, "is_paged", False):
+        return None, f"fsdp2: paged optimizers are not traced per rank; {rescaled}"
+    cuda = options["cuda"]
+    if cuda is None and options["target_device"].type == "cuda":
+        cuda = CudaTarget.of(None)
+    groups = rank_groups(model, world_size)
+    traced: list[tuple[list[int], Any]] = []
+    try:
+        for group in groups:
+            result = trace_fsdp2(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
+                                 step=options["step"], precision=options["precision"], steps=options["steps"],
+                                 schedule=options["schedule"], record_op=options["record_op"],
+                                 routing=options["routing"], cuda=cuda)
+            if result.error is not None:
+                reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
+                return None, f"fsdp2: the sharded trace of rank {group[0]} stopped at {result.failed_op} ({reason}); " \
+                             f"{rescaled}"
+            traced.append((group, result))
+    except ProcessGroupInUseError as err:
+        return None, f"fsdp2: {err}; {rescaled}"
+    if len(groups) == 1:
+        shared = f"every rank holds equally padded shards of the same shapes: one trace stands for all {world_size}"
+    else:
+        shared = "ranks with equal shard shapes share a trace: " + "; ".join(
+            f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    units = len(plan.units) if plan.units is not None else None
+    wrapped = f"{units} unit(s)" if units is not None else "each entry of the largest nn.ModuleList"
+    note = (f"fsdp2: each rank's step traced through fully_shard ({wrapped}, then the root) under a fake process "
+            f"group of {world_size} ranks; {shared}")
+    if fast:
+        note += "; fast=True does not apply to the sharded trace (traced in full)"
+    return traced, note
+
+
+def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
+                       trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
+                       world_size: int) -> Estimate:
+    """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`)."""
+    figures = []
+    for group, result in ranks:
+        notes = list(result.notes)
+        scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
+        events = scratch.events
+        reserved = total = None
+        if target.type == "cuda":
+            events, workspace_note = add_workspaces(events, gpu_info)
+            notes.append(workspace_note)
+            events = round_events(events)
+            terms = cuda_terms(events, gpu_info, allocator)
+            reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
+            notes.extend(terms.notes)
+        peak, breakdown, phase, timeline = summarize_events(events, result.categories)
+        figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
+    per_rank = [0] * world_size
+    for figure in figures:
+        for rank in figure[1]:
+            per_rank[rank] = figure[0]
+    peak_rank = per_rank.index(max(per_rank))
+    peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = next(
+        f for f in figures if peak_rank in f[1])
+    if target != trace_device or trace_device.type != "cpu":
+        notes.append(f"traced on cpu for a {target.type} target")
+    return Estimate(
+        peak_bytes=peak,
+        breakdown=breakdown,
+        peak_phase=phase,
+        device=str(target),
+        coverage=Coverage(traced=True, calibrated=tuple(scratch.calibrated), notes=tuple([*notes, note])),
+        timeline=timeline,
+        steps=steps,
+        trace_seconds=sum(f[2].seconds for f in figures),
+        num_ops=result.num_ops,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=total,
+        gpu=None if gpu_info is None else gpu_info.name,
+        world_size=world_size,
+        sharding="fsdp2",
+        per_rank_peak_bytes=tuple(per_rank),
+        peak_rank=peak_rank,
+        events=tuple(events),
+        categories=result.categories,
+    )
 
 
 def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfig | None:

@@ -26,6 +26,10 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"  reserved by the CUDA allocator: {format_bytes(est.peak_reserved_bytes)}")
     if est.device_total_bytes is not None:
         lines.append(f"  device total (reserved + context + workspaces): {format_bytes(est.device_total_bytes)}")
+    if est.per_rank_peak_bytes is not None:
+        lines.append(f"  per rank ({est.sharding}, {est.world_size} ranks; rank {est.peak_rank} peaks):")
+        lines.extend(f"    rank {rank}: {format_bytes(nbytes):>12} ({nbytes:,} B)"
+                     for rank, nbytes in enumerate(est.per_rank_peak_bytes))
     cov = est.coverage
     if cov.traced:
         lines.append(f"coverage: traced {est.num_ops:,} ops over {est.steps} steps in {est.trace_seconds:.1f} s")

@@ -19,6 +19,7 @@ class Category(str, enum.Enum):
     ACTIVATIONS = "activations"  # made in the forward pass (saved for backward, or alive at the peak)
     TEMPORARIES = "temporaries"  # made in backward or the optimizer step, neither a gradient nor state
     INPUTS = "inputs"  # the batch
+    COMMUNICATION = "communication"  # collective buffers: FSDP's all-gather outputs, reduce-scatter inputs/outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,12 @@ class Estimate:
         gpu: the catalog GPU planned for, if any.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
         sharding: the sharding scheme the per-rank figures assume (``"ddp"``, ``"zero1"`` ... ``"fsdp-full"``).
-        unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from.
+        unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from (None when
+            each rank's own step was traced).
+        per_rank_peak_bytes: the peak of each rank, ``[rank 0, rank 1, ...]``, when each rank's step was traced
+            (``sharding="fsdp2"``); ranks holding equal shard shapes share one trace. None otherwise.
+        peak_rank: the rank with the largest peak (the lowest such rank); ``peak_bytes``, ``breakdown``,
+            ``peak_phase``, ``timeline`` and ``events`` are that rank's. None when ranks were not traced.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
         categories: the `Category` of each storage uid in ``events``; not shown in repr.
     """
@@ -115,6 +121,8 @@ class Estimate:
     world_size: int = 1
     sharding: str | None = None
     unsharded_peak_bytes: int | None = None
+    per_rank_peak_bytes: tuple[int, ...] | None = None
+    peak_rank: int | None = None
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
     categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -155,6 +163,8 @@ class Estimate:
             "world_size": self.world_size,
             "sharding": self.sharding,
             "unsharded_peak_bytes": self.unsharded_peak_bytes,
+            "per_rank_peak_bytes": None if self.per_rank_peak_bytes is None else list(self.per_rank_peak_bytes),
+            "peak_rank": self.peak_rank,
         }
 
     def __str__(self) -> str:

@@ -42,7 +42,7 @@ from typing import Any
 __all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "model_state_bytes", "shard_breakdown",
            "read_deepspeed_config"]
 
-SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op")
+SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op", "fsdp2")
 
 # Which model states each choice partitions across ranks (ZeRO paper Sec 5; FSDP ShardingStrategy).
 SHARDED_STATES: dict[str, frozenset[str]] = {
@@ -52,9 +52,13 @@ SHARDED_STATES: dict[str, frozenset[str]] = {
     "zero3": frozenset({"optimizer_state", "gradients", "parameters"}),
     "fsdp-full": frozenset({"optimizer_state", "gradients", "parameters"}),  # FULL_SHARD
     "fsdp-grad-op": frozenset({"optimizer_state", "gradients"}),  # SHARD_GRAD_OP: parameters whole in fwd/bwd
+    # FSDP2 (fully_shard): traced per rank by `preflight.parallel`; rescaled as FULL_SHARD where it cannot be traced.
+    "fsdp2": frozenset({"optimizer_state", "gradients", "parameters"}),
 }
-_FSDP = frozenset({"fsdp-full", "fsdp-grad-op"})
+_FSDP = frozenset({"fsdp-full", "fsdp-grad-op", "fsdp2"})
 _BREAKDOWN_KEYS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+# Only a traced sharded step has it (`preflight.parallel`); a single-device breakdown's is 0 and stays per rank.
+_OPTIONAL_KEYS = ("communication",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,7 @@ def _check_options(world_size: int, sharding: str, offload_optimizer: bool, offl
     for name, flag in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
         if not isinstance(flag, bool):
             raise ValueError(f"`{name}` should be True or False, got {flag!r}.")
-    if offload_params and sharding not in ("zero3", "fsdp-full"):
+    if offload_params and sharding not in ("zero3", "fsdp-full", "fsdp2"):
         raise ValueError(
             f"offload_params=True needs full parameter sharding, got sharding={sharding!r}. DeepSpeed offloads "
             "parameters only with ZeRO stage 3 (`offload_param`), and preflight models FSDP parameter offload "
@@ -258,7 +262,7 @@ def shard_breakdown(
     if not isinstance(gradient_as_bucket_view, bool):
         raise ValueError(f"`gradient_as_bucket_view` should be True or False, got {gradient_as_bucket_view!r}.")
     missing = [k for k in _BREAKDOWN_KEYS if k not in breakdown]
-    unknown = [k for k in breakdown if k not in _BREAKDOWN_KEYS]
+    unknown = [k for k in breakdown if k not in _BREAKDOWN_KEYS + _OPTIONAL_KEYS]
     if missing or unknown:
         raise ValueError(
             f"`breakdown` should have exactly the keys {', '.join(_BREAKDOWN_KEYS)}; "
@@ -269,6 +273,7 @@ def shard_breakdown(
 
     sharded = SHARDED_STATES[sharding]
     out = {key: breakdown[key] for key in _BREAKDOWN_KEYS}
+    out.update({key: breakdown[key] for key in _OPTIONAL_KEYS if key in breakdown})
     for state in sharded:
         out[state] = _ceil_div(breakdown[state], world_size)
     if "parameters" in sharded:

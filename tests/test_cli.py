@@ -215,6 +215,18 @@ def test_param_dtype_that_contradicts_a_true_precision_is_a_usage_error(config, 
     assert "--param-dtype bfloat16" in capsys.readouterr().err
 
 
+def test_fsdp2_world_size_prints_and_records_each_rank(config, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--world-size", "2",
+                 "--sharding", "fsdp2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per rank (fsdp2, 2 ranks; rank 0 peaks):" in printed and "rank 1:" in printed
+    report = json.loads(out.read_text())
+    assert report["sharding"] == "fsdp2" and report["peak_rank"] == 0
+    assert len(report["per_rank_peak_bytes"]) == 2 and report["peak_bytes"] == max(report["per_rank_peak_bytes"])
+    assert report["breakdown"]["communication"] > 0
+
+
 def test_json_records_the_inputs_and_versions(config, tmp_path):
     import torch
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
@@ -138,7 +138,11 @@ class StorageTracker(TorchDispatchMode):
         return self._track(tensor, category, op=-1)
 
     def uid_of(self, tensor: torch.Tensor) -> int | None:
-        """The uid of ``tensor``'s storage, if tracked."""
+        """The uid of ``tensor``'s storage, if tracked (for a wrapper subclass such as a DTensor: its first inner
+        tensor's)."""
+        inner = _inner_tensors(tensor)
+        if inner is not None:
+            return next((uid for uid in map(self.uid_of, inner) if uid is not None), None)
         try:
             holder = self._uids.get(tensor.untyped_storage())
         except (NotImplementedError, RuntimeError):
@@ -151,7 +155,18 @@ class StorageTracker(TorchDispatchMode):
         if uid is not None:
             self.categories[uid] = category
 
+    def resized(self, tensor: torch.Tensor, category: Category | None = None) -> None:
+        """Record that ``tensor``'s storage was resized in place outside any operator (``storage.resize_``, as FSDP2
+        frees and re-allocates its all-gather outputs); the new block gets ``category`` (default: the old one's)."""
+        uid = self._track(tensor, self.phase_category, self.num_ops)
+        if uid is not None and category is not None:
+            self.categories[uid] = category
+
     def _track(self, tensor: torch.Tensor, category: Category, op: int) -> int | None:
+        inner = _inner_tensors(tensor)
+        if inner is not None:  # a wrapper subclass (DTensor): its memory is its inner tensors'
+            uids = [self._track(t, category, op) for t in inner]
+            return next((uid for uid in uids if uid is not None), None)
         fake = _is_fake(tensor)
         if tensor.device.type == "meta" and not fake:
             return None
@@ -286,7 +301,7 @@ class StorageTracker(TorchDispatchMode):
             nonlocal known
             if isinstance(x, torch.Tensor):
                 if not _is_fake(x):
-                    if x.device.type == "meta":
+                    if x.device.type == "meta" or _inner_tensors(x) is not None:  # a DTensor of fakes: unknown
                         known = False
                     return x  # a real tensor (a constant the model made) is its own value
                 real = self._shadows.get(x)
@@ -582,6 +597,14 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The inner tensors of a traceable wrapper subclass (a DTensor's local shard), or None for any other tensor."""
+    if _is_fake(t) or not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, name) for name in names) if isinstance(x, torch.Tensor)]
 
 
 def _written(func: Any, args: Any, kwargs: dict) -> list[torch.Tensor]:

@@ -1,0 +1,216 @@
+"""Per-rank peak memory of real FSDP2 training on CPU processes (gloo), against preflight's per-rank prediction.
+
+For each model and world size, `torch.multiprocessing` starts WORLD_SIZE processes that each build the same model
+(same seed), apply ``fully_shard`` to every decoder layer and then the root (FSDP2's defaults), build AdamW over
+the sharded parameters, and run two real training steps on the same batch. Each rank's measured peak is the
+profiler's allocator events over the two steps (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before
+them (the padded parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make
+(a collective's buffers, dropped with its finished work): they are put back where the address is allocated again
+(`preflight._measure.repaired_memory_peak`), an upper bound. Each configuration is measured REPEATS times, in fresh
+processes.
+
+    predicted  preflight.estimate(model, AdamW, batch, world_size=N, sharding="fsdp2"): each rank's step traced
+               through fully_shard under a fake process group (preflight.parallel), one figure per rank
+    rescaled   preflight.estimate(..., sharding="fsdp-full"): one unsharded trace rescaled per category (the
+               previous method), for comparison (not for the bf16 policy, which it cannot express)
+    error      (predicted - largest measurement) / largest measurement, per rank; the rule is |error| <= 3%
+
+Run: python benchmarks/distributed.py            (about 10 minutes on 2 shared CPU cores)
+Writes benchmarks/results/distributed.md and prints the same table.
+
+     python benchmarks/distributed.py --heap     (about 2 minutes)
+Cross-checks the profiler with glibc's own count of bytes in use (``mallinfo2``: ``uordblks + hblkhd``, every
+arena), sampled before and after every operator of the same two steps, for the Llama on 2 ranks, 3 runs: each rank's
+largest rise over the bytes in use before the step. It counts every malloc (gloo's own buffers, Python objects), so it
+is not the tensor peak, but it shows whether the peak changes from run to run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+
+REPEATS = 3  # fresh processes per configuration
+BATCH, SEQ = 4, 128  # sequences x tokens per step
+VOCAB = 8192  # small enough that four processes fit the machine beside each other
+# (model family, world size, FSDP2 MixedPrecisionPolicy: None or "bf16" = bf16 parameters, fp32 reduce-scatter)
+CONFIGS = (("llama", 2, None), ("llama", 4, None), ("gpt2", 2, None), ("gpt2", 4, None), ("llama", 2, "bf16"))
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distributed.md")
+
+
+def build(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A 4-layer model of ``family`` with hidden size 256 (random weights, seeded), and one batch."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+                                          max_position_embeddings=SEQ)
+        model = transformers.LlamaForCausalLM(config)
+    elif family == "gpt2":
+        config = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=SEQ)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
+def mp_policy(name: str | None) -> object:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if name is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _heap_in_use() -> int:
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _heap_peak(fn: object) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sampler(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.peak = max(self.peak, _heap_in_use())
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, _heap_in_use())
+            return out
+
+    base = _heap_in_use()
+    with Sampler() as sampler:
+        fn()
+    return sampler.peak - base
+
+
+def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: int, queue: object,
+            heap: bool = False) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from preflight._device import live_storage_bytes
+    from preflight._measure import cpu_profiled_peak
+    from preflight._steps import run_steps
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, batch = build(family)
+        options = {} if mixed is None else {"mp_policy": mp_policy(mixed)}
+        for layer in decoder_layers(model):
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model.train()
+        shards = [p.to_local() for p in model.parameters()]
+        before = live_storage_bytes([shards, list(model.buffers()), batch], torch.device("cpu"))
+        dist.barrier()
+
+        def steps() -> None:
+            run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2)
+
+        if heap:
+            queue.put((rank, _heap_peak(steps)))
+            return
+        peak, _ = cpu_profiled_peak(steps, repair_lost_frees=True)
+        queue.put((rank, before + peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(family: str, world_size: int, mixed: str | None = None, heap: bool = False) -> list[int]:
+    """Each rank's measured peak in one run of ``world_size`` fresh processes."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world_size, family, mixed, port, queue, heap), nprocs=world_size, start_method="spawn")
+    peaks = dict(queue.get() for _ in range(world_size))
+    return [peaks[r] for r in range(world_size)]
+
+
+def predict(family: str, world_size: int, sharding: str, mixed: str | None = None) -> list[int]:
+    import preflight
+    from preflight.parallel import FSDP2Plan
+
+    model, batch = build(family)
+    plan = FSDP2Plan(mp_policy=mp_policy(mixed)) if sharding == "fsdp2" else None
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
+                             sharding=sharding, fsdp=plan)
+    return list(est.per_rank_peak_bytes or [est.peak_bytes] * world_size)
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    if "--heap" in sys.argv:
+        for run in range(REPEATS):
+            print(f"llama x2 run {run + 1}: heap in use, largest rise per rank:", measure("llama", 2, heap=True))
+        return 0
+    rows = []
+    worst = 0.0
+    start = time.perf_counter()
+    for family, world_size, mixed in CONFIGS:
+        runs = [measure(family, world_size, mixed) for _ in range(REPEATS)]
+        predicted = predict(family, world_size, "fsdp2", mixed)
+        rescaled = predict(family, world_size, "fsdp-full") if mixed is None else None
+        for rank in range(world_size):
+            low, high = min(r[rank] for r in runs), max(r[rank] for r in runs)
+            error = (predicted[rank] - high) / high
+            worst = max(worst, abs(error))
+            old = "n/a" if rescaled is None else f"{(rescaled[rank] - high) / high:+.1%}"
+            engine = f"FSDP2 {family}" + (f" {mixed} params" if mixed else "")
+            rows.append((engine, world_size, rank, low, high, predicted[rank], (predicted[rank] - low) / low, error,
+                         old))
+        print(f"  {family} x{world_size} {mixed}: measured {runs}, predicted {predicted}", file=sys.stderr)
+    mib = 1 << 20
+    lines = [
+        "Real FSDP2 (fully_shard per decoder layer + root), gloo on CPU processes, 4 layers, hidden 256, vocab "
+        f"{VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs per configuration. "
+        f"Command: `python benchmarks/distributed.py`. torch {torch.__version__}.",
+        "",
+        "| engine | world size | rank | measured min (MiB) | measured max (MiB) | predicted (MiB) | error vs min "
+        "| error vs max | fsdp-full rescale vs max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for engine, world_size, rank, low, high, predicted, vs_low, error, rescaled in rows:
+        lines.append(f"| {engine} | {world_size} | {rank} | {low / mib:.2f} | {high / mib:.2f} | "
+                     f"{predicted / mib:.2f} | {vs_low:+.1%} | {error:+.1%} | {rescaled} |")
+    lines += ["", f"largest |error| vs the largest measurement: {worst:.1%} "
+              f"({time.perf_counter() - start:.0f} s)"]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write(text + "\n")
+    return 0 if worst <= 0.03 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

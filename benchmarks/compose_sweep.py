@@ -17,6 +17,8 @@ the allocator; on the CPU target a bf16 matmul's kernel scratch is calibrated pe
 
 Run: python benchmarks/compose_sweep.py --jobs 2                 (all cases; about an hour on 2 idle cores)
      python benchmarks/compose_sweep.py --only fp32 --jobs 2
+     python benchmarks/compose_sweep.py --render          (the table from the cases finished so far)
+Cases run with the families interleaved; each finished case is written to the .json at once.
 Writes benchmarks/results/compose_sweep.md (and .json) and prints the table.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import subprocess
@@ -105,12 +108,16 @@ def run_case(spec: str) -> dict[str, Any]:
 
 
 def _canonical(est: Any) -> list[tuple]:
-    """Events with uids replaced by the position of their allocation."""
+    """Events with uids replaced by the position of their allocation; an event without a category (measured
+    kernel scratch in a full trace) is a temporary, as the breakdown counts it."""
+    from preflight._result import Category
+
     where, out = {}, []
     for i, e in enumerate(est.events):
         if e.nbytes >= 0:
             where[e.uid] = i
-        out.append((e.nbytes, e.op, e.phase, est.categories.get(e.uid), where.get(e.uid) if e.nbytes < 0 else -1))
+        out.append((e.nbytes, e.op, e.phase, est.categories.get(e.uid, Category.TEMPORARIES),
+                    where.get(e.uid) if e.nbytes < 0 else -1))
     return out
 
 
@@ -177,6 +184,9 @@ def main() -> int:
     parser.add_argument("--only", default="", help="as for benchmarks/architectures.py")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--case", help="run one NAME:VARIANT in this process and print its JSON row")
+    parser.add_argument("--render", action="store_true", help="write the table from the rows written so far")
+    parser.add_argument("--update", default="", metavar="ONLY",
+                        help="rerun the cases ONLY selects (as --only), replace their rows, write the table")
     args = parser.parse_args()
     import transformers
 
@@ -192,14 +202,33 @@ def main() -> int:
             traceback.print_exc()
         print(json.dumps(row, default=str), flush=True)
         return 0
-    specs = arch.selected(args.only)
+    command = "python benchmarks/compose_sweep.py " + " ".join(sys.argv[1:])
+    if args.render or args.update:  # the rows written so far (a run stopped early), some of them rerun
+        with open(RESULTS + ".json") as f:
+            rows = json.load(f)
+        if args.update:
+            rerun = {s: spawn(s, args.timeout) for s in arch.selected(args.update)}
+            rows = [rerun.pop(r["case"], r) for r in rows] + list(rerun.values())
+            with open(RESULTS + ".json", "w") as f:
+                json.dump(rows, f, indent=1, default=str)
+        text = render(rows, f"{command} ({len(rows)} cases)")
+        print(text)
+        with open(RESULTS + ".md", "w") as f:
+            f.write(text)
+        return 0
+    # Families interleaved, so that a run stopped early (`--render`) has covered every family.
+    by_family = [[s for s in arch.selected(args.only) if arch.find_case(s)[0].family == f] for f in arch.FAMILIES]
+    specs = [s for group in itertools.zip_longest(*by_family) for s in group if s is not None]
     rows = []
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         for i, row in enumerate(pool.map(lambda s: spawn(s, args.timeout), specs), 1):
             rows.append(row)
             print(f"[{i}/{len(specs)}] {row['case']}: {status(row)} {row.get('error') or _reason(row)[:100]}",
                   file=sys.stderr, flush=True)
-    text = render(rows, "python benchmarks/compose_sweep.py " + " ".join(sys.argv[1:]))
+            with open(RESULTS + ".json", "w") as f:
+                json.dump(rows, f, indent=1, default=str)
+    text = render(rows, command)
     print(text)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS + ".md", "w") as f:

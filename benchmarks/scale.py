@@ -5,7 +5,7 @@ Part 1 (the 7B shape, full trace): hidden 4096, 32 layers, 32 heads, intermediat
 AdamW, 512-byte blocks, allocator).
 
 Part 2 (depth-independent traces, ``fast=True``): Llama-3.2-1B, Llama-2-7B, Llama-3-70B and Llama-3.1-405B shapes,
-same batch and precision, H100-80GB target; each configuration runs in its own process so that its peak RSS is
+and Mixtral-8x7B and Gemma-2-9B (`OTHERS`), same batch and precision, H100-80GB target; each configuration runs in its own process so that its peak RSS is
 its own. The full trace runs too where it finishes within `FULL_LIMIT_S`, and the predictions are compared.
 
 Part 3: `advise(..., fast=True)` on the 7B and 70B shapes (80 GiB budget): time for all suggestions.
@@ -41,19 +41,45 @@ SHAPES = {
 }
 
 
-def _model(shape: str) -> tuple[torch.nn.Module, float]:
+# Other layer patterns, from the published configs: a mixture of experts (Mixtral-8x7B) and sliding and global
+# attention alternating (Gemma-2-9B: period 2). A hybrid Mamba/attention stack (Jamba's pattern, period 8) composes
+# in `tests/trace/test_compose.py` at a small size; at Jamba-v0.1's size its Mamba layers run transformers' slow
+# path on a CPU host, a sequential scan with one step per token, and a single trace took over 10 minutes here.
+OTHERS = {
+    "Mixtral-8x7B": lambda: transformers.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=2048),
+    "Gemma-2-9B": lambda: transformers.Gemma2Config(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, sliding_window=4096, max_position_embeddings=2048),
+}
+SEQ: dict[str, int] = {}
+
+
+def _config(shape: str) -> transformers.PretrainedConfig:
+    if shape in OTHERS:
+        return OTHERS[shape]()
     hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                                      max_position_embeddings=2048)
+    return transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                    max_position_embeddings=2048)
+
+
+def _model(shape: str) -> tuple[torch.nn.Module, float]:
+    config = _config(shape)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return model, time.perf_counter() - start
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    ids = torch.zeros(1, 2048, dtype=torch.long)
+def _layers(shape: str) -> int:
+    return _config(shape).num_hidden_layers
+
+
+def _batch(seq: int = 2048) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(1, seq, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
@@ -62,13 +88,15 @@ def one(shape: str, fast: bool) -> dict:
     model, build = _model(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     start, cpu = time.perf_counter(), time.process_time()
-    est = preflight.estimate(model, optimizer, _batch(), precision="bf16-true", gpu="H100-80GB", fast=fast)
+    est = preflight.estimate(model, optimizer, _batch(SEQ.get(shape, 2048)), precision="bf16-true", gpu="H100-80GB",
+                             fast=fast)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"shape": shape, "fast": fast, "build_s": build, "seconds": seconds, "cpu": cpu,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
             "params": sum(p.numel() for p in model.parameters()), "peak": est.peak_bytes,
             "breakdown": est.breakdown, "reserved": est.peak_reserved_bytes, "phase": est.peak_phase,
-            "composed": any(n.startswith("depth-independent") for n in est.coverage.notes)}
+            "composed": any(n.startswith("depth-independent") for n in est.coverage.notes),
+            "note": next((n for n in est.coverage.notes if n.startswith(("depth-independent", "traced in full"))), "")}
 
 
 def _run(shape: str, fast: bool, timeout: float) -> dict | None:
@@ -128,10 +156,10 @@ def part1() -> str:
 
 def part2() -> str:
     rows = []
-    for shape in SHAPES:
+    for shape in (*SHAPES, *OTHERS):
         fast = _run(shape, True, FULL_LIMIT_S)
         full = _run(shape, False, FULL_LIMIT_S)
-        layers = SHAPES[shape][2]
+        layers = _layers(shape)
         fast_cell = "not run" if fast is None else (f"{fast['seconds']:.1f} s ({fast['cpu']:.1f} s CPU), "
                                                      f"{fast['rss'] / 2**30:.2f} GiB"
                                                      + ("" if fast["composed"] else " (traced in full)"))
@@ -150,7 +178,8 @@ def part2() -> str:
               "peak RSS | "
               "predicted peak | predicted reserved | phase | composed = full (peak, breakdown, reserved) |\n"
               "|---|---|---|---|---|---|---|---|---|")
-    return ("Llama shapes, bf16-true AdamW, batch 1 x 2048, H100-80GB target; each run in its own process "
+    return ("Llama shapes and two other layer patterns, bf16-true AdamW, batch 1 x 2048, "
+            "H100-80GB target; each run in its own process "
             "(time = the `estimate` call, wall clock and the process's CPU time; RSS = the process's peak, model "
             f"construction included; {os.cpu_count()} CPU cores{_load()})\n\n"
             f"{header}\n" + "\n".join(rows) + "\n")

@@ -16,7 +16,7 @@ from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._scratch import calibrate, scratch_ops
+from preflight._scratch import Calibrator, scratch_ops
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
@@ -174,8 +174,9 @@ def estimate(
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     composed_note = None
-    if fast:
-        result, composed_note = trace_composed(model, optimizer, batch, **options)
+    calibrator = Calibrator(target, can_run=(trace_device == target))
+    if fast:  # the shallow traces are calibrated before they are composed
+        result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **options)
     else:
         result = trace_steps(model, optimizer, batch, **options)
     notes = list(result.notes) + ([composed_note] if composed_note else [])
@@ -194,11 +195,11 @@ def estimate(
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
                          gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
 
-    scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
-    if scratch.skipped:
-        notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} configuration(s): "
-                     f"{', '.join(scratch.skipped[:3])}")
-    categories = result.categories
+    scratch = calibrator(result.events, result.op_log)
+    if calibrator.skipped:
+        notes.append(f"kernel scratch not calibrated for {len(calibrator.skipped)} configuration(s): "
+                     f"{', '.join(calibrator.skipped[:3])}")
+    categories = {**result.categories, **scratch.categories}
     events = scratch.events
     managed = 0
     if paged:  # paged state lives in CUDA managed memory, outside the caching allocator
@@ -227,7 +228,7 @@ def estimate(
         breakdown=breakdown,
         peak_phase=phase,
         device=str(target),
-        coverage=Coverage(traced=True, calibrated=tuple(scratch.calibrated), notes=tuple(notes)),
+        coverage=Coverage(traced=True, calibrated=tuple(calibrator.calibrated), notes=tuple(notes)),
         timeline=timeline,
         steps=steps,
         trace_seconds=result.seconds,

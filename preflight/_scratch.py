@@ -45,9 +45,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from preflight._device import cuda_peaks, cuda_reset_peaks
-from preflight._result import Event
+from preflight._result import Category, Event
 
-__all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "scratch_ops", "calibrate", "ScratchResult"]
+__all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "scratch_ops", "calibrate", "Calibrator", "ScratchResult"]
 
 _aten = torch.ops.aten
 # Operator -> positions of its arguments that carry the batch dimension (the rest are weights and options).
@@ -134,6 +134,7 @@ class ScratchResult:
     events: list[Event]
     calibrated: list[str]
     skipped: list[str]
+    categories: dict[int, Category] = dataclasses.field(default_factory=dict)  # of the inserted uids
 
 
 def calibrate(events: list[Event], op_log: list[tuple[int, int, Any, Any, Any]], device: torch.device,
@@ -145,40 +146,78 @@ def calibrate(events: list[Event], op_log: list[tuple[int, int, Any, Any, Any]],
         device: the target device.
         can_run: whether real kernels can run on ``device`` here (False: planning for CUDA without a GPU).
     """
-    if not op_log:
-        return ScratchResult(events, [], [])
-    configs: dict[Any, tuple[Any, Any, Any]] = {}
-    for _, _, func, args, kwargs in op_log:
-        if _needs_calibration(func, args, device):
-            configs.setdefault((func, _freeze(args), _freeze(kwargs)), (func, args, kwargs))
-    measured = _measure_all(list(configs.values()), device) if can_run else [None] * len(configs)
-    scratch = dict(zip(configs, measured))
-    calibrated: list[str] = []
-    skipped: list[str] = []
-    for (func, args, _), extra in zip(configs.values(), measured):
-        label = f"{func.overloadpacket.__name__}{_shape_label(args)}"
-        if extra is None:
-            skipped.append(label)
-        elif extra or func in SCRATCH_OPS or func in MATMUL_OPS or func in ATTENTION_OPS:
-            calibrated.append(label)  # the non-contiguous-input family is listed only where it held something
-    inserts: list[tuple[int, int, int]] = []  # (event_index, op_index, bytes)
-    for op_index, event_index, func, args, kwargs in op_log:
-        extra = scratch.get((func, _freeze(args), _freeze(kwargs)))
-        if extra:
-            inserts.append((event_index, op_index, extra))
-    if not inserts:
-        return ScratchResult(events, calibrated, skipped)
-    out: list[Event] = []
-    position = 0
-    for n, (event_index, op_index, extra) in enumerate(inserts):
-        out.extend(events[position:event_index])
-        position = event_index
-        phase = events[event_index - 1].phase if event_index else "setup"
-        uid = -1 - n  # negative uids: never collide with storages
-        out.append(Event(uid, extra, op_index, phase))
-        out.append(Event(uid, -extra, op_index, phase))
-    out.extend(events[position:])
-    return ScratchResult(out, calibrated, skipped)
+    return Calibrator(device, can_run)(events, op_log)
+
+
+class Calibrator:
+    """`calibrate` with one measurement per configuration across calls: the shallow traces that
+    `preflight.trace.trace_composed` composes get the same bytes for the same kernel, as one full trace would.
+
+    Attributes:
+        calibrated, skipped: labels of the configurations measured and not measurable here, over all calls.
+    """
+
+    def __init__(self, device: torch.device, can_run: bool) -> None:
+        self.device = device
+        self.can_run = can_run
+        self._measured: dict[Any, int | None] = {}
+        self._labels: dict[str, bool] = {}  # label -> calibrated (True) or skipped (False), in first-seen order
+
+    @property
+    def calibrated(self) -> list[str]:
+        return [label for label, ok in self._labels.items() if ok]
+
+    @property
+    def skipped(self) -> list[str]:
+        return [label for label, ok in self._labels.items() if not ok]
+
+    def __call__(self, events: list[Event], op_log: list[tuple[int, int, Any, Any, Any]]) -> ScratchResult:
+        configs: dict[Any, tuple[Any, Any, Any]] = {}
+        for _, _, func, args, kwargs in op_log:
+            if _needs_calibration(func, args, self.device):
+                configs.setdefault((func, _freeze(args), _freeze(kwargs)), (func, args, kwargs))
+        new = [key for key in configs if key not in self._measured]
+        measured = (_measure_all([configs[key] for key in new], self.device) if self.can_run
+                    else [None] * len(new))
+        for key, extra in zip(new, measured):
+            self._measured[key] = extra
+            func, label = configs[key][0], self._label_of(configs[key])
+            if extra is None:
+                self._labels.setdefault(label, False)
+            elif extra or func in SCRATCH_OPS or func in MATMUL_OPS or func in ATTENTION_OPS:
+                self._labels[label] = True  # the non-contiguous-input family is listed only where it held something
+        inserts: list[tuple[int, int, int]] = []  # (event_index, op_index, bytes)
+        for op_index, event_index, func, args, kwargs in op_log:
+            extra = self._measured.get((func, _freeze(args), _freeze(kwargs)))
+            if extra:
+                inserts.append((event_index, op_index, extra))
+        labels = dict.fromkeys(self._label_of(config) for config in configs.values())
+        calibrated = [label for label in labels if self._labels.get(label) is True]
+        skipped = [label for label in labels if self._labels.get(label) is False]
+        out: list[Event] = []
+        position = 0
+        for n, (event_index, op_index, extra) in enumerate(inserts):
+            out.extend(events[position:event_index])
+            position = event_index
+            phase = events[event_index - 1].phase if event_index else "setup"
+            uid = -1 - n  # negative uids: never collide with storages
+            out.append(Event(uid, extra, op_index, phase))
+            out.append(Event(uid, -extra, op_index, phase))
+        out.extend(events[position:])
+        return ScratchResult(out, calibrated, skipped, {-1 - n: Category.TEMPORARIES for n in range(len(inserts))})
+
+    def apply(self, result: Any) -> Any:
+        """A `preflight.trace.TraceResult` with its logged operators' scratch inserted (and its log emptied)."""
+        if not result.op_log:
+            return result
+        done = self(result.events, result.op_log)
+        return dataclasses.replace(result, events=done.events, categories={**result.categories, **done.categories},
+                                   op_log=[])
+
+    @staticmethod
+    def _label_of(config: tuple[Any, Any, Any]) -> str:
+        func, args, _ = config
+        return f"{func.overloadpacket.__name__}{_shape_label(args)}"
 
 
 def _freeze(x: Any) -> Any:

@@ -27,8 +27,9 @@ Anything that does not fit stops the composition with a reason, and the caller t
 event list as they read a full trace's.
 
 Known limitations: a block whose code depends on its depth in a way the shallow traces do not show (a branch on
-``layer_idx == 40``) is not detected. Kernel-scratch calibration (convolutions) is not composed: such models
-are traced in full. Notes of the composed trace are those of the deepest shallow trace (counts in them are for
+``layer_idx == 40``) is not detected. Kernel scratch (`preflight._scratch`) is measured for each shallow trace
+before composing, as transient events at its operators; a caller that passes no ``scratch`` gets a full trace
+for a model that logs such operators. Notes of the composed trace are those of the deepest shallow trace (counts in them are for
 that depth).
 """
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,14 @@ class CompositionError(Exception):
 
 
 def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *,
-                   min_periods: int | None = None, **kwargs: Any) -> tuple[TraceResult, str]:
+                   min_periods: int | None = None, scratch: Callable[[TraceResult], TraceResult] | None = None,
+                   **kwargs: Any) -> tuple[TraceResult, str]:
     """`trace_steps` for ``model``, composed from traces of its first blocks when it has a repeated stack of at
     least ``min_periods`` periods (default `MIN_PERIODS`), else (or when the traces do not compose) traced in full.
+
+    ``scratch`` inserts the kernel scratch of a shallow trace's logged operators (``op_log``) into its events
+    (`preflight._scratch.Calibrator.apply`) before composing; without it, a trace that logged operators is traced
+    in full.
 
     Returns:
         The trace, and a note for ``coverage.notes`` saying how it was obtained.
@@ -81,7 +87,7 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
     periods, rem = divmod(stack.blocks, stack.period)
     depths = [(BASE_PERIODS + j) * stack.period + rem for j in range(3)]
     try:
-        traces, reason = _shallow_traces(model, optimizer, batch, stack, depths, kwargs)
+        traces, reason = _shallow_traces(model, optimizer, batch, stack, depths, kwargs, scratch)
         if reason is None:
             events, categories, num_ops = compose(traces, periods - BASE_PERIODS)
     except CompositionError as err:
@@ -103,7 +109,8 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
 
 
 def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, stack: Any,
-                    depths: list[int], kwargs: dict[str, Any]) -> tuple[list[TraceResult], str | None]:
+                    depths: list[int], kwargs: dict[str, Any],
+                    scratch: Callable[[TraceResult], TraceResult] | None) -> tuple[list[TraceResult], str | None]:
     traces = []
     for k in depths:
         with truncated(stack, k):
@@ -111,9 +118,9 @@ def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: A
             result = trace_steps(model, view, batch, **kwargs)
         if result.error is not None:
             return traces, f"the {k}-block trace failed ({type(result.error).__name__})"
-        if result.op_log:
+        if result.op_log and scratch is None:
             return traces, "kernel scratch calibration (convolutions, low-precision CPU matmuls) is not composed"
-        traces.append(result)
+        traces.append(scratch(result) if result.op_log else result)
     return traces, None
 
 

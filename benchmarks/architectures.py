@@ -14,7 +14,8 @@ optimizer, then one more real forward and backward whose loss and gradients must
 
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
 returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed; "real run fails"
-when the model's own training step raises without preflight (`measure`), so there is nothing to compare with.
+when the model's own training step raises without preflight (`measure`), or the variant cannot be built at all
+(peft refuses the model), so there is nothing to compare with.
 
 Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
                                                           about 40 minutes on 2 idle cores; more jobs than free
@@ -698,7 +699,12 @@ def run_case(spec: str) -> dict[str, Any]:
     row: dict[str, Any] = {"case": spec, "name": case.name, "family": case.family, "variant": variant}
     torch.manual_seed(0)
     model, batch, step = case.build()
-    model, precision = apply_variant(model, variant)
+    try:
+        model, precision = apply_variant(model, variant)
+    except Exception as err:  # noqa: BLE001 - e.g. peft cannot wrap the model: no training run exists to predict
+        row["real_run_error"] = (f"building the {variant} model fails without preflight: {type(err).__name__}: "
+                                 f"{' '.join(str(err).split())[:160]}")
+        return row
     row["params"] = sum(p.numel() for p in model.parameters())
     fakes_before = live_fake_tensors()
     start = time.perf_counter()

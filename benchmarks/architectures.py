@@ -15,7 +15,8 @@ optimizer, then one more real forward and backward whose loss and gradients must
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
 returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed; "real run fails"
 when the model's own training step raises without preflight (`measure`), or the variant cannot be built at all
-(peft refuses the model), so there is nothing to compare with.
+(peft refuses the model), so there is nothing to compare with; its note says when `estimate` predicted the
+failure (`StepWouldFailError`) instead of returning a peak.
 
 Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
                                                           about 40 minutes on 2 idle cores; more jobs than free
@@ -708,7 +709,19 @@ def run_case(spec: str) -> dict[str, Any]:
     row["params"] = sum(p.numel() for p in model.parameters())
     fakes_before = live_fake_tensors()
     start = time.perf_counter()
-    est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
+    try:
+        est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
+    except preflight.StepWouldFailError as err:  # then the real step must fail too
+        row["estimate_s"] = time.perf_counter() - start
+        row["predicted_failure"] = ' '.join(str(err).split())[:200]
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+        except Exception as real:  # noqa: BLE001 - the model's own failure, as predicted
+            row["real_run_error"] = f"{type(real).__name__}: {' '.join(str(real).split())[:200]}"
+            return row
+        row["exception"] = f"preflight predicted a failure, but the real step ran: {row['predicted_failure']}"
+        return row
     row["estimate_s"] = time.perf_counter() - start
     row.update(estimate=est.peak_bytes, traced=est.coverage.traced and not est.coverage.lower_bound,
                lower_bound=est.coverage.lower_bound, failed_op=est.coverage.failed_op, reason=est.coverage.reason)
@@ -858,6 +871,8 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     for r in sorted(rows, key=lambda r: (order[r["family"]], r["name"], VARIANTS.index(r["variant"]))):
         st = status(r)
         note = r.get("exception") or r.get("real_run_error") or ""
+        if r.get("real_run_error") and r.get("predicted_failure"):
+            note = f"predicted by preflight (StepWouldFailError); real run: {note}"
         if not note and r.get("measured_random") is not None:
             note = (f"LayerDrop: measured with every layer kept (the predicted worst case); the random run peaked "
                     f"at {r['measured_random'] / 2**20:.2f} MiB ({(r['estimate'] - r['measured_random']) / r['measured_random']:+.1%})")
@@ -934,8 +949,8 @@ def main() -> int:
         rows = [rerun.pop(row["case"], row) for row in earlier] + list(rerun.values())
         with open(args.out + ".md") as f:
             first = f.readline()
-        if first.startswith("Command: `"):
-            command = first[len("Command: `"):first.index("`", len("Command: `"))] + "`, then `" + command
+        if first.startswith("Command: `") and "` (torch " in first:  # every earlier command, in order
+            command = first[len("Command: `"):first.rindex("` (torch ")] + "`, then `" + command
     text = render(rows, command.strip())
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -15,8 +15,9 @@ optimizer, then one more real forward and backward whose loss and gradients must
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
 returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed; "real run fails"
 when the model's own training step raises without preflight (`measure`), or the variant cannot be built at all
-(peft refuses the model), so there is nothing to compare with; its note says when `estimate` predicted the
-failure (`StepWouldFailError`) instead of returning a peak.
+(peft refuses the model), so there is nothing to compare with; its note says when `estimate` raised too
+(`StepWouldFailError`, or the step's own exception re-raised) instead of returning a peak. An `estimate` that
+raises while the real step runs is an "error".
 
 Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
                                                           about 40 minutes on 2 idle cores; more jobs than free
@@ -711,9 +712,10 @@ def run_case(spec: str) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
-    except preflight.StepWouldFailError as err:  # then the real step must fail too
+    except Exception as err:  # noqa: BLE001 - StepWouldFailError, or the step's own error re-raised: then the
+        # real step must fail too, else it is preflight's error
         row["estimate_s"] = time.perf_counter() - start
-        row["predicted_failure"] = ' '.join(str(err).split())[:200]
+        row["predicted_failure"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 preflight.measure(model, adamw(model), batch, step=step, precision=precision)
@@ -872,7 +874,7 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
         st = status(r)
         note = r.get("exception") or r.get("real_run_error") or ""
         if r.get("real_run_error") and r.get("predicted_failure"):
-            note = f"predicted by preflight (StepWouldFailError); real run: {note}"
+            note = f"estimate raised it too ({r['predicted_failure'].split(':')[0]}); real run: {note}"
         if not note and r.get("measured_random") is not None:
             note = (f"LayerDrop: measured with every layer kept (the predicted worst case); the random run peaked "
                     f"at {r['measured_random'] / 2**20:.2f} MiB ({(r['estimate'] - r['measured_random']) / r['measured_random']:+.1%})")

@@ -14,7 +14,10 @@ optimizer, then one more real forward and backward whose loss and gradients must
 
 A case is "traced" when coverage.traced is set and the peak is not a lower bound; "fallback" when estimate
 returned a lower bound; "error" when the case raised, timed out, or the FakeTensor check failed; "real run fails"
-when the model's own training step raises without preflight (`measure`), so there is nothing to compare with.
+when the model's own training step raises without preflight (`measure`), or the variant cannot be built at all
+(peft refuses the model), so there is nothing to compare with; its note says when `estimate` raised too
+(`StepWouldFailError`, or the step's own exception re-raised) instead of returning a peak. An `estimate` that
+raises while the real step runs is an "error".
 
 Run: python benchmarks/architectures.py --jobs 2        (all 391 cases, about 11 s each with interpreter start-up:
                                                           about 40 minutes on 2 idle cores; more jobs than free
@@ -698,11 +701,29 @@ def run_case(spec: str) -> dict[str, Any]:
     row: dict[str, Any] = {"case": spec, "name": case.name, "family": case.family, "variant": variant}
     torch.manual_seed(0)
     model, batch, step = case.build()
-    model, precision = apply_variant(model, variant)
+    try:
+        model, precision = apply_variant(model, variant)
+    except Exception as err:  # noqa: BLE001 - e.g. peft cannot wrap the model: no training run exists to predict
+        row["real_run_error"] = (f"building the {variant} model fails without preflight: {type(err).__name__}: "
+                                 f"{' '.join(str(err).split())[:160]}")
+        return row
     row["params"] = sum(p.numel() for p in model.parameters())
     fakes_before = live_fake_tensors()
     start = time.perf_counter()
-    est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
+    try:
+        est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
+    except Exception as err:  # noqa: BLE001 - StepWouldFailError, or the step's own error re-raised: then the
+        # real step must fail too, else it is preflight's error
+        row["estimate_s"] = time.perf_counter() - start
+        row["predicted_failure"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+        except Exception as real:  # noqa: BLE001 - the model's own failure, as predicted
+            row["real_run_error"] = f"{type(real).__name__}: {' '.join(str(real).split())[:200]}"
+            return row
+        row["exception"] = f"preflight predicted a failure, but the real step ran: {row['predicted_failure']}"
+        return row
     row["estimate_s"] = time.perf_counter() - start
     row.update(estimate=est.peak_bytes, traced=est.coverage.traced and not est.coverage.lower_bound,
                lower_bound=est.coverage.lower_bound, failed_op=est.coverage.failed_op, reason=est.coverage.reason)
@@ -852,6 +873,8 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     for r in sorted(rows, key=lambda r: (order[r["family"]], r["name"], VARIANTS.index(r["variant"]))):
         st = status(r)
         note = r.get("exception") or r.get("real_run_error") or ""
+        if r.get("real_run_error") and r.get("predicted_failure"):
+            note = f"estimate raised it too ({r['predicted_failure'].split(':')[0]}); real run: {note}"
         if not note and r.get("measured_random") is not None:
             note = (f"LayerDrop: measured with every layer kept (the predicted worst case); the random run peaked "
                     f"at {r['measured_random'] / 2**20:.2f} MiB ({(r['estimate'] - r['measured_random']) / r['measured_random']:+.1%})")
@@ -928,8 +951,8 @@ def main() -> int:
         rows = [rerun.pop(row["case"], row) for row in earlier] + list(rerun.values())
         with open(args.out + ".md") as f:
             first = f.readline()
-        if first.startswith("Command: `"):
-            command = first[len("Command: `"):first.index("`", len("Command: `"))] + "`, then `" + command
+        if first.startswith("Command: `") and "` (torch " in first:  # every earlier command, in order
+            command = first[len("Command: `"):first.rindex("` (torch ")] + "`, then `" + command
     text = render(rows, command.strip())
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -16,7 +16,7 @@ from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._scratch import ScratchResult, calibrate, scratch_ops
+from preflight._scratch import Calibrator, calibrate, scratch_ops
 from preflight._sharding import shard_breakdown
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
@@ -188,13 +188,6 @@ def estimate(
     if fsdp is not None and sharding != "fsdp2":
         raise ValueError(f"`fsdp` describes an FSDP2 plan, but `sharding` is {sharding!r}: pass sharding='fsdp2'.")
     composed_note = None
-    can_run = trace_device == target
-    measured: dict[Any, int | None] = {}  # kernel scratch by operator configuration, shared by shallow traces
-
-    def settle(shallow: Any) -> tuple[list[Any], list[str], list[str]]:
-        found = calibrate(shallow.events, shallow.op_log, target, can_run=can_run, configs=measured)
-        return found.events, found.calibrated, found.skipped
-
     ranks = rank_note = None
     if sharding == "fsdp2":
         ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, fsdp or FSDP2Plan(), offload, options,
@@ -202,8 +195,9 @@ def estimate(
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
                                   allocator=allocator, steps=steps, world_size=world_size)
-    if fast:
-        result, composed_note = trace_composed(model, optimizer, batch, scratch=settle, **options)
+    calibrator = Calibrator(target, can_run=(trace_device == target))
+    if fast:  # the shallow traces are calibrated before they are composed
+        result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **options)
     else:
         result = trace_steps(model, optimizer, batch, **options)
     notes = list(result.notes) + ([composed_note] if composed_note else []) + ([rank_note] if rank_note else [])
@@ -222,14 +216,11 @@ def estimate(
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
                          gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
 
-    if result.calibrated is not None:  # a composed trace: each shallow trace was calibrated before composing
-        scratch = ScratchResult(result.events, *result.calibrated)
-    else:
-        scratch = calibrate(result.events, result.op_log, target, can_run=can_run, configs=measured)
-    if scratch.skipped:
-        notes.append(f"kernel scratch not calibrated for {len(scratch.skipped)} configuration(s): "
-                     f"{', '.join(scratch.skipped[:3])}")
-    categories = result.categories
+    scratch = calibrator(result.events, result.op_log)
+    if calibrator.skipped:
+        notes.append(f"kernel scratch not calibrated for {len(calibrator.skipped)} configuration(s): "
+                     f"{', '.join(calibrator.skipped[:3])}")
+    categories = {**result.categories, **scratch.categories}
     events = scratch.events
     managed = 0
     if paged:  # paged state lives in CUDA managed memory, outside the caching allocator
@@ -258,7 +249,7 @@ def estimate(
         breakdown=breakdown,
         peak_phase=phase,
         device=str(target),
-        coverage=Coverage(traced=True, calibrated=tuple(scratch.calibrated), notes=tuple(notes)),
+        coverage=Coverage(traced=True, calibrated=tuple(calibrator.calibrated), notes=tuple(notes)),
         timeline=timeline,
         steps=steps,
         trace_seconds=result.seconds,

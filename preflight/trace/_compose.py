@@ -27,8 +27,9 @@ Anything that does not fit stops the composition with a reason, and the caller t
 event list as they read a full trace's.
 
 Known limitations: a block whose code depends on its depth in a way the shallow traces do not show (a branch on
-``layer_idx == 40``) is not detected. Kernel scratch (convolutions, low-precision CPU matmuls) is measured for
-each shallow trace before composing (`trace_composed`'s ``scratch``), so the composed timeline holds it. Notes of the composed trace are those of the deepest shallow trace (counts in them are for
+``layer_idx == 40``) is not detected. Kernel scratch (`preflight._scratch`) is measured for each shallow trace
+before composing, as transient events at its operators; a caller that passes no ``scratch`` gets a full trace
+for a model that logs such operators. Notes of the composed trace are those of the deepest shallow trace (counts in them are for
 that depth).
 """
 
@@ -56,22 +57,19 @@ BASE_PERIODS = 2  # the shallowest trace: two periods, so each insertion has a w
 MIN_PERIODS = 10
 
 
-Scratch = Callable[[TraceResult], tuple[list[Event], list[str], list[str]]]
-
-
 class CompositionError(Exception):
     """The shallow timelines do not compose; the message says why."""
 
 
 def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *,
-                   min_periods: int | None = None, scratch: Scratch | None = None,
+                   min_periods: int | None = None, scratch: Callable[[TraceResult], TraceResult] | None = None,
                    **kwargs: Any) -> tuple[TraceResult, str]:
     """`trace_steps` for ``model``, composed from traces of its first blocks when it has a repeated stack of at
     least ``min_periods`` periods (default `MIN_PERIODS`), else (or when the traces do not compose) traced in full.
 
-    ``scratch(trace)`` inserts the measured kernel scratch of a shallow trace's logged operator calls into its
-    events (``(events, calibrated labels, skipped labels)``); the scratch events then compose like any other.
-    Without it, a model with such calls is traced in full.
+    ``scratch`` inserts the kernel scratch of a shallow trace's logged operators (``op_log``) into its events
+    (`preflight._scratch.Calibrator.apply`) before composing; without it, a trace that logged operators is traced
+    in full.
 
     Returns:
         The trace, and a note for ``coverage.notes`` saying how it was obtained.
@@ -102,11 +100,8 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
         full = trace_steps(model, optimizer, batch, **kwargs)
         return full, f"traced in full (fast=True): {label}'s shallow traces did not compose: {reason}"
     deepest = traces[-1]
-    labels = [t.calibrated for t in traces if t.calibrated is not None]
-    calibrated = (list(dict.fromkeys(x for c, _ in labels for x in c)),
-                  list(dict.fromkeys(x for _, k in labels for x in k))) if labels else None
     result = TraceResult(events=events, categories=categories, num_ops=num_ops,
-                         seconds=time.perf_counter() - start, notes=list(deepest.notes), calibrated=calibrated)
+                         seconds=time.perf_counter() - start, notes=list(deepest.notes))
     note = (f"depth-independent trace: the {stack.blocks} blocks of {label} (period {stack.period}) composed "
             f"from traces of {', '.join(map(str, depths))} blocks, checked event for event against the traced "
             "depths")
@@ -115,7 +110,7 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
 
 def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, stack: Any,
                     depths: list[int], kwargs: dict[str, Any],
-                    scratch: Scratch | None) -> tuple[list[TraceResult], str | None]:
+                    scratch: Callable[[TraceResult], TraceResult] | None) -> tuple[list[TraceResult], str | None]:
     traces = []
     for k in depths:
         with truncated(stack, k):
@@ -123,12 +118,9 @@ def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: A
             result = trace_steps(model, view, batch, **kwargs)
         if result.error is not None:
             return traces, f"the {k}-block trace failed ({type(result.error).__name__})"
-        if result.op_log:
-            if scratch is None:
-                return traces, "kernel scratch calibration (convolutions, low-precision CPU matmuls) is not composed"
-            events, calibrated, skipped = scratch(result)
-            result = dataclasses.replace(result, events=events, op_log=[], calibrated=(calibrated, skipped))
-        traces.append(result)
+        if result.op_log and scratch is None:
+            return traces, "kernel scratch calibration (convolutions, low-precision CPU matmuls) is not composed"
+        traces.append(scratch(result) if result.op_log else result)
     return traces, None
 
 

@@ -66,9 +66,6 @@ class TraceResult:
     failed_op: str | None = None
     op_log: list[tuple[int, int, Any, Any, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    # Set when ``events`` already hold the calibrated kernel scratch (a composed trace): the operator
-    # configurations measured and those that could not be (labels).
-    calibrated: tuple[list[str], list[str]] | None = None
 
 
 @swept

@@ -8,10 +8,14 @@ kernel actually receives (after autocast's casts and the autograd decompositions
 involved.
 
 - Dtype agreement (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``,
-  ``convolution``, ``native_layer_norm``): when the floating operands' dtypes differ, the real CPU kernel is run on tiny stand-ins
+  ``convolution``, ``native_layer_norm``, ``index_add``): when the floating operands' dtypes differ, the real CPU kernel is run on tiny stand-ins
   (every dimension 1, the same dtypes); its error, if it raises one, is the step's. The rules are the CPU
   kernels' (a CUDA kernel accepting a combination the CPU one rejects would be reported wrongly; none is known
   for these operators).
+- Fill values that do not fit the filled tensor's dtype (``masked_fill``, ``fill``): ``finfo(float32).min``
+  into a bf16 tensor under autocast raises "value cannot be converted to type c10::BFloat16 without overflow",
+  whatever the mask holds. The value is a Python number, known in the trace; the real kernel is run on
+  stand-ins to confirm.
 - Index ranges, on the value shadows of the indices (token ids from the batch, positions made with ``arange``):
   ``embedding`` and ``index_select`` (``IndexError: index out of range in self``), ``gather`` and ``index`` (``index
   i is out of bounds for dimension d with size n``), ``nll_loss`` (``Target t is out of bounds.``, ignoring
@@ -24,6 +28,7 @@ Device agreement is left to the fake mode, which checks it (`device_mismatch`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -81,6 +86,23 @@ def _probe(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
         except (RuntimeError, TypeError) as err:
             return err
     return None
+
+
+def _fill_value(value_position: int) -> Callable[..., None]:
+    def check(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+        self_ = args[0]
+        value = args[value_position] if value_position < len(args) else kwargs.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self_.is_floating_point():
+            return
+        if not math.isfinite(value) or abs(value) <= torch.finfo(self_.dtype).max:
+            return
+        error = _probe(func, args, kwargs)
+        if error is not None:
+            ctx.fail(func, error, {"self": self_}, f"the value {value:g} is beyond the range of {self_.dtype}: fill "
+                     f"with torch.finfo(x.dtype).min / .max of the tensor being filled (here "
+                     f"{torch.finfo(self_.dtype).min:g} / {torch.finfo(self_.dtype).max:g}), not of another dtype")
+
+    return check
 
 
 def _values(ctx: StepContext, index: Any) -> torch.Tensor | None:
@@ -175,6 +197,12 @@ STEP_CHECKS: dict[Any, Callable[..., None]] = {
     _aten.dot.default: _dtype_check((0, 1), ("input", "other")),
     _aten.convolution.default: _dtype_check((0, 1, 2), ("input", "weight", "bias")),
     _aten.native_layer_norm.default: _dtype_check((0, 2, 3), ("input", "weight", "bias")),
+    _aten.index_add.default: _dtype_check((0, 3), ("self", "source")),
+    _aten.index_add_.default: _dtype_check((0, 3), ("self", "source")),
+    _aten.masked_fill.Scalar: _fill_value(2),
+    _aten.masked_fill_.Scalar: _fill_value(2),
+    _aten.fill.Scalar: _fill_value(1),
+    _aten.fill_.Scalar: _fill_value(1),
     _aten.embedding.default: _embedding,
     _aten.index_select.default: _index_select,
     _aten.gather.default: _gather,

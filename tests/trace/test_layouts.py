@@ -32,6 +32,29 @@ def test_layer_norm_backward_gets_the_kernel_layout():
     assert "native_layer_norm_backward" in calibration.note()
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+def test_norm_statistics_get_the_kernel_dtype_when_input_and_weights_differ(op):
+    # CPU autocast runs LayerNorm with a bf16 input and fp32 weights: the CPU kernel saves fp32 mean and rstd,
+    # torch's reference implementation casts them to bf16 (half the bytes of every saved statistic).
+    def args(make):
+        x, weight, bias = make((2, 16, 8), torch.bfloat16), make((8,), torch.float32), make((8,), torch.float32)
+        if op == "layer_norm":
+            return aten.native_layer_norm.default, (x, [8], weight, bias, 1e-5)
+        return aten.native_group_norm.default, (x.reshape(2, 8, 16), weight, bias, 2, 8, 16, 4, 1e-5)
+
+    func, real_args = args(lambda shape, dtype: torch.rand(shape, dtype=dtype))
+    real = func(*real_args)
+    with FakeTensorMode():
+        _, fake_args = args(lambda shape, dtype: torch.rand(shape, dtype=dtype))
+        fake = func(*fake_args)
+        calibration = LayoutCalibration()
+        fixed = calibration.match(func, fake_args, {}, fake)
+    assert [t.dtype for t in real] == [torch.bfloat16, torch.float32, torch.float32]
+    assert fake[1].dtype == torch.bfloat16  # the reference implementation's dtype
+    assert [(t.dtype, t.stride()) for t in fixed] == [(t.dtype, t.stride()) for t in real]
+    assert op in calibration.note()
+
+
 def test_contiguous_inputs_and_views_are_left_alone():
     calibration = LayoutCalibration()
     with FakeTensorMode():

@@ -71,6 +71,44 @@ def test_a_batch_of_another_dtype_into_a_convolution():
     assert str(real) in str(err) and "conv.py" in str(err) and "test_step_checks.py" in str(err)
 
 
+class _ExpertLoop(nn.Module):
+    """Experts' outputs summed into an fp32 buffer with `index_add_` (DBRX's loop): under bf16 autocast the
+    experts compute in bf16 and the real kernel refuses the mix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert = nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        rows = torch.arange(x.shape[0])
+        return out.index_add_(0, rows, self.expert(x))
+
+
+class _MaskedScores(nn.Module):
+    """Attention scores masked with float32's minimum whatever their dtype (DeBERTa's `masked_fill`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = self.proj(x)
+        return scores.masked_fill(x < 0, torch.finfo(torch.float32).min).clamp(min=-1e4)
+
+
+@pytest.mark.parametrize("module", [_ExpertLoop, _MaskedScores])
+def test_dtype_and_fill_value_mismatches_under_autocast(module):
+    torch.manual_seed(0)
+    model, batch = module(), torch.randn(4, 8)
+    real = _real_error(model, batch, _linear_step, "bf16-mixed")
+    err = _predicted_error(model, batch, _linear_step, precision="bf16-mixed")
+    assert str(real) in str(err) and type(err.__cause__) is type(real)
+    assert "test_step_checks.py" in str(err)
+    # In fp32 both steps run, and are predicted.
+    assert preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_linear_step).coverage.traced
+
+
 def test_token_ids_beyond_the_vocabulary():
     model = make_gpt2()
     batch = lm_batch(2, 16)

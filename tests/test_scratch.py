@@ -1,0 +1,106 @@
+"""Kernel-internal scratch that no dispatch mode sees, calibrated by running the real kernel (`preflight._scratch`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import preflight
+from preflight import _scratch
+from preflight._result import Event
+from preflight._scratch import calibrate, scratch_ops
+from preflight.trace import TensorSpec
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _inserted(func, args, kwargs=None) -> list[int]:
+    """The transient allocations `calibrate` inserts for one logged call of ``func``."""
+    events = [Event(0, 64, 0, "step1/forward")]
+    specs = tuple(_spec(a) if isinstance(a, torch.Tensor) else a for a in args)
+    result = calibrate(events, [(0, 1, func, specs, kwargs or {})], CPU, can_run=True)
+    return [e.nbytes for e in result.events if e.uid < 0 and e.nbytes > 0]
+
+
+def test_a_kernel_that_copies_its_non_contiguous_input_is_calibrated():
+    # The CPU log-softmax kernel runs `input.contiguous()`: on channels-last logits that is a full copy.
+    logits = torch.zeros(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    assert scratch_ops(CPU)(aten._log_softmax.default, (logits, 1, False))
+    assert _inserted(aten._log_softmax.default, (logits, 1, False)) == [logits.numel() * 4]
+    # A contiguous input is not run at all.
+    assert not scratch_ops(CPU)(aten._log_softmax.default, (logits.contiguous(), 1, False))
+
+
+def test_a_matmul_operand_blas_cannot_take_is_calibrated_and_a_transposed_one_is_not():
+    x, w = torch.zeros(64, 64)[:, ::2], torch.zeros(32, 16)  # x: every other column, neither row- nor column-major
+    assert _inserted(aten.mm.default, (x, w)) == [x.numel() * 4]  # copied to a contiguous matrix first
+    assert not scratch_ops(CPU)(aten.mm.default, (torch.zeros(32, 64).t(), w))  # BLAS takes a transpose as it is
+
+
+def test_cpu_flash_attention_buffers_are_calibrated():
+    q = torch.zeros(2, 4, 16, 8)
+    assert scratch_ops(CPU)(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q))
+    held = _inserted(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0, False))
+    assert len(held) == 1 and held[0] > 0  # per-thread block buffers beyond the output and logsumexp
+
+
+def test_views_in_place_and_random_operators_are_never_run():
+    x = torch.zeros(8, 8).t()
+    record_op = scratch_ops(CPU)
+    assert not record_op(aten.t.default, (x,))  # a view: nothing allocated
+    assert not record_op(aten.mul_.Tensor, (x, x))  # in place: its output is its input
+    assert not record_op(aten.native_dropout.default, (x, 0.5, True))  # would draw from the user's generator
+    assert not scratch_ops(torch.device("cuda"))(aten._log_softmax.default, (x, 1, False))  # CPU kernels only
+
+
+def test_all_configurations_share_one_profiler_session(monkeypatch):
+    sessions = []
+    real_profile = torch.profiler.profile
+
+    def counting_profile(*args, **kwargs):
+        sessions.append(1)
+        return real_profile(*args, **kwargs)
+
+    monkeypatch.setattr(torch.profiler, "profile", counting_profile)
+    a = torch.zeros(4, 6, 5).transpose(1, 2)
+    log = [(i, 1, aten._log_softmax.default, (_spec(a[:, :, : i + 2]), 1, False), {}) for i in range(3)]
+    result = calibrate([Event(0, 64, 0, "step1/forward")], log, CPU, can_run=True)
+    assert len(sessions) == 1
+    copies = [e.nbytes for e in result.events if e.uid < 0 and e.nbytes > 0]
+    assert copies == [4 * 5 * (i + 2) * 4 for i in range(3)]
+
+
+class _ChannelsLastScores(nn.Module):
+    """Per-pixel log-probabilities over channels-last convolution outputs, pooled into per-image scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        logits = self.conv(x.permute(0, 3, 1, 2))  # NHWC features seen as NCHW: channels-last logits
+        return torch.log_softmax(logits, dim=1).sum(dim=(2, 3))  # the peak: the kernel's copy of the logits
+
+
+def _scores_step(model, batch):
+    x, labels = batch
+    return nn.functional.cross_entropy(model(x), labels)
+
+
+def test_peak_at_a_kernel_copying_its_input_matches_the_measured_one(monkeypatch):
+    torch.manual_seed(0)
+    model = _ChannelsLastScores()
+    batch = (torch.randn(4, 64, 64, 16), torch.randint(0, 8, (4,)))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_scores_step)
+    measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=_scores_step)
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.001
+    assert any(label.startswith("_log_softmax") for label in est.coverage.calibrated), est.coverage.calibrated
+    # Without the non-contiguous-input family the log-softmax's copy of the logits is missing from the peak.
+    monkeypatch.setattr(_scratch, "_computes_new_tensor", lambda func: False)
+    uncalibrated = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_scores_step)
+    assert uncalibrated.peak_bytes < 0.85 * measured.peak_bytes  # the copy is a fifth of this peak

@@ -110,6 +110,45 @@ def test_gradient_checkpointing():
     _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
 
 
+def test_selective_activation_checkpointing():
+    # torch's selective checkpointing: each block saves its matmuls and recomputes the rest in the backward.
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def inner(self, x):
+            return x + self.down(torch.relu(self.up(x)).sin())
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = torch.nn.Linear(16, 64), torch.nn.Linear(64, 1)
+            self.layers = torch.nn.ModuleList([Block() for _ in range(7)])
+
+        def forward(self, x):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b)))
+
+
 def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -67,7 +67,7 @@ def find_stack(model: nn.Module, optimizer: torch.optim.Optimizer, *, min_period
     if any(child is None for child in children):
         return f"{name or 'the model'} holds None entries"
     signatures = [_signature(child, i) for i, child in enumerate(children)]
-    configs = _configs(model)
+    configs = _configs(model, name)
     per_layer = [values for config in configs for values in _per_layer(config, len(children)).values()]
     rows = [(sig, tuple(values[i] for values in per_layer)) for i, sig in enumerate(signatures)]
     period = next((p for p in range(1, len(rows) + 1) if all(rows[i] == rows[i % p] for i in range(len(rows)))))
@@ -172,11 +172,21 @@ def _plain(value: Any) -> Any:
     return ("object", type(value).__qualname__)
 
 
-def _configs(model: nn.Module) -> list[Any]:
-    """Every config object the model's modules hold (``module.config``), with the sub-configs in them."""
+def _configs(model: nn.Module, name: str) -> list[Any]:
+    """The config of the stack's model: that of the nearest module above the stack ``name`` that holds one
+    (``module.config``), with the sub-configs in it. A multimodal model's vision tower has a config of its own,
+    whose depth may equal the language model's but must not follow its truncation."""
+    owner = None
+    module = model
+    for part in ([*name.split(".")[:-1]] if name else []):
+        if getattr(module, "config", None) is not None:
+            owner = module.config
+        module = getattr(module, part)
+    if getattr(module, "config", None) is not None:
+        owner = module.config
     found: list[Any] = []
     seen: set[int] = set()
-    pending = [getattr(m, "config", None) for m in model.modules()]
+    pending = [owner]
     while pending:
         config = pending.pop()
         if config is None or id(config) in seen or isinstance(config, (nn.Module, torch.Tensor)):

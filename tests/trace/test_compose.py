@@ -110,6 +110,30 @@ def test_gradient_checkpointing():
     _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
 
 
+def test_a_vision_tower_as_deep_as_the_language_model_keeps_its_depth():
+    # LLaVA: the language model's stack is truncated for the shallow traces; the vision tower's config also says
+    # 6 layers, and must keep saying so (LLaVA reads its feature layer through it).
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                                        num_attention_heads=4, image_size=32, patch_size=8),
+                         text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB),
+                         image_token_id=VOCAB - 1, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    ids = torch.cat([torch.full((2, 16), VOCAB - 1), torch.randint(0, VOCAB - 8, (2, 16))], dim=1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids == VOCAB - 1, -100),
+             "pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    seen = []
+    model.model.language_model.register_forward_pre_hook(
+        lambda *_: seen.append((config.text_config.num_hidden_layers, config.vision_config.num_hidden_layers)))
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), batch)
+    assert {text for text, _ in seen} == {2, 3, 4, 6} and {vision for _, vision in seen} == {6}, seen
+    assert not any("TypeError" in n for n in fast.coverage.notes), fast.coverage.notes
+    assert (fast.peak_bytes, fast.breakdown) == (full.peak_bytes, full.breakdown)
+
+
 def test_selective_activation_checkpointing():
     # torch's selective checkpointing: each block saves its matmuls and recomputes the rest in the backward.
     import functools

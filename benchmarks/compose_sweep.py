@@ -186,7 +186,9 @@ def main() -> int:
     parser.add_argument("--case", help="run one NAME:VARIANT in this process and print its JSON row")
     parser.add_argument("--render", action="store_true", help="write the table from the rows written so far")
     parser.add_argument("--update", default="", metavar="ONLY",
-                        help="rerun the cases ONLY selects (as --only), replace their rows, write the table")
+                        help="run the cases ONLY selects (as --only), replace or add their rows, write the table")
+    parser.add_argument("--remaining", action="store_true",
+                        help="with --only: run the selected cases that have no row yet, add them, write the table")
     args = parser.parse_args()
     import transformers
 
@@ -203,14 +205,27 @@ def main() -> int:
         print(json.dumps(row, default=str), flush=True)
         return 0
     command = "python benchmarks/compose_sweep.py " + " ".join(sys.argv[1:])
+    if args.remaining:
+        with open(RESULTS + ".json") as f:
+            done = {r["case"] for r in json.load(f)}
+        args.update = ",".join(spec for spec in arch.selected(args.only) if spec not in done)
+        if not args.update:
+            args.render = True
     if args.render or args.update:  # the rows written so far (a run stopped early), some of them rerun
         with open(RESULTS + ".json") as f:
             rows = json.load(f)
         if args.update:
-            rerun = {s: spawn(s, args.timeout) for s in arch.selected(args.update)}
-            rows = [rerun.pop(r["case"], r) for r in rows] + list(rerun.values())
-            with open(RESULTS + ".json", "w") as f:
-                json.dump(rows, f, indent=1, default=str)
+            specs = arch.selected(args.update)
+            with ThreadPoolExecutor(args.jobs) as pool:  # each finished case is written at once
+                for i, row in enumerate(pool.map(lambda s: spawn(s, args.timeout), specs), 1):
+                    print(f"[{i}/{len(specs)}] {row['case']}: {status(row)}", file=sys.stderr, flush=True)
+                    at = next((n for n, r in enumerate(rows) if r["case"] == row["case"]), None)
+                    if at is None:
+                        rows.append(row)
+                    else:
+                        rows[at] = row
+                    with open(RESULTS + ".json", "w") as f:
+                        json.dump(rows, f, indent=1, default=str)
         text = render(rows, f"{command} ({len(rows)} cases)")
         print(text)
         with open(RESULTS + ".md", "w") as f:

@@ -69,7 +69,8 @@ def preflight_check(
         eval_dataloader: the evaluation dataloader, to predict the no-grad eval step.
         step: ``step(model, batch) -> loss`` if the loop does more than ``model(**batch).loss``.
         eval_step: ``eval_step(model, batch)``; default ``model(**batch)``.
-        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop calls ``optimizer.zero_grad()``.
+        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop calls ``optimizer.zero_grad()``;
+            ``"in_place"`` if it calls ``zero_grad(set_to_none=False)`` (gradients never freed).
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Returns:

@@ -22,7 +22,7 @@ from preflight._steps import Schedule, StepFn, check_precision, check_step, chec
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
-from preflight.cuda import CudaTarget
+from preflight.cuda import CudaTarget, cudnn_workspace_note
 from preflight.parallel import FSDP2Plan, ProcessGroupInUseError, rank_groups, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
@@ -80,8 +80,9 @@ def estimate(
             steady state.
         accumulate: gradient-accumulation micro-batches per optimizer step (``batch`` is one micro-batch).
             The gradients of earlier micro-batches are alive during the next one's forward and backward.
-        zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops) or
-            ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward).
+        zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops),
+            ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward) or
+            ``"in_place"`` (``zero_grad(set_to_none=False)``, torch < 2.0's default: never freed, zero-filled).
         max_grad_norm: gradient clipping as the trainer does it (``torch.nn.utils.clip_grad_norm_`` before each
             optimizer step; the HF Trainer's default is 1.0); None: no clipping.
         grad_scaler: a loss scaler around the step, as fp16 mixed precision on CUDA uses (``torch.amp.GradScaler``:
@@ -217,9 +218,7 @@ def estimate(
                          gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
 
     scratch = calibrator(result.events, result.op_log)
-    if calibrator.skipped:
-        notes.append(f"kernel scratch not calibrated for {len(calibrator.skipped)} configuration(s): "
-                     f"{', '.join(calibrator.skipped[:3])}")
+    notes.extend(_uncalibrated_notes(calibrator.skipped, target))
     categories = {**result.categories, **scratch.categories}
     events = scratch.events
     managed = 0
@@ -321,6 +320,18 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return traced, note
 
 
+def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
+    """Coverage notes for kernel scratch that could not be measured here: on a CUDA target planned from a CPU host,
+    cuDNN's convolution workspace (`preflight.cuda.cudnn_workspace_note`), otherwise the configurations."""
+    if not skipped:
+        return []
+    if target.type == "cuda":
+        convolutions = [label for label in skipped if label.startswith("convolution")]
+        others = [label for label in skipped if not label.startswith("convolution")]
+        return ([cudnn_workspace_note(convolutions)] if convolutions else []) + _uncalibrated_notes(others, torch.device("cpu"))
+    return [f"kernel scratch not calibrated for {len(skipped)} configuration(s): {', '.join(skipped[:3])}"]
+
+
 def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
                        trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
                        world_size: int) -> Estimate:
@@ -329,6 +340,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
     for group, result in ranks:
         notes = list(result.notes)
         scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
+        notes.extend(_uncalibrated_notes(scratch.skipped, target))
         events = scratch.events
         reserved = total = None
         if target.type == "cuda":

@@ -263,8 +263,10 @@ def test_custom_step_and_existing_optimizer_state():
     assert est.breakdown["optimizer_state"] > 0
 
 
-@pytest.mark.parametrize("accumulate, zero_grad", [(3, "after_step"), (1, "before_backward"), (2, "before_backward")])
+@pytest.mark.parametrize("accumulate, zero_grad", [(3, "after_step"), (1, "before_backward"), (2, "before_backward"),
+                                                   (1, "in_place")])
 def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zero_grad):
+    # "in_place": zero_grad(set_to_none=False), measured by a real loop doing exactly that
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     err, est = relative_error(model, opt, lm_batch(), accumulate=accumulate, zero_grad=zero_grad)

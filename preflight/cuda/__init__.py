@@ -10,8 +10,8 @@ here knows about traces, estimates or trainers; `preflight.trace` calls in.
 from preflight.cuda._autocast import CUDA_POLICIES, cuda_autocast
 from preflight.cuda._emulate import CudaTarget, Emulation, emulate_cuda
 from preflight.cuda._kernels import SDPA_BACKENDS, SdpaChoices, choose_sdpa_backend, cuda_kernels
-from preflight.cuda._workspace import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
+from preflight.cuda._workspace import WORKSPACE_UIDS, cublas_workspace_bytes, cudnn_workspace_note, with_workspaces
 
 __all__ = ["CUDA_POLICIES", "SDPA_BACKENDS", "WORKSPACE_UIDS", "CudaTarget", "Emulation", "SdpaChoices",
-           "choose_sdpa_backend", "cublas_workspace_bytes", "cuda_autocast", "cuda_kernels", "emulate_cuda",
-           "with_workspaces"]
+           "choose_sdpa_backend", "cublas_workspace_bytes", "cuda_autocast", "cuda_kernels", "cudnn_workspace_note",
+           "emulate_cuda", "with_workspaces"]

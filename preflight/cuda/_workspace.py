@@ -15,9 +15,17 @@ Size: ``CUBLAS_WORKSPACE_CONFIG`` when set (``:SIZE_KiB:COUNT`` pairs, summed, a
 reads it), else torch's default for the architecture (`preflight._gpus`: 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B;
 32 MiB from Hopper on, pytorch/pytorch#120925).
 
+cuDNN convolution workspaces are not counted from a CPU host, and `cudnn_workspace_note` says so in the
+coverage. Each convolution call allocates one from the caching allocator, sized by the algorithm (v7 API) or
+engine plan (v8 API) cuDNN picks on the device, which a CPU host cannot know. It cannot cause an out-of-memory
+error on its own: when the allocation fails, torch tries the next algorithm (``AlgoIterator::try_all`` in
+``aten/src/ATen/native/cudnn/Conv_v7.cpp`` catches ``OutOfMemoryError``), or halves the workspace limit and drops
+the plans that need more (``generate_and_filter_plans`` in ``Conv_v8.cpp``). Where memory is free it still
+raises ``max_memory_allocated`` above ``peak_bytes``, by at most ``CUDNN_CONV_WSCAP_DBG`` MiB per call when that
+is set.
+
 Known limitations: a workspace set at run time with ``torch.backends.cuda.cublas_workspace_size`` is not seen;
-extra streams (``torch.cuda.Stream``) or threads add workspaces; cuDNN convolution workspaces (per call, sized by
-the algorithm cuDNN picks, larger with ``cudnn.benchmark``) are not modelled from a CPU host.
+extra streams (``torch.cuda.Stream``) or threads add workspaces.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 from preflight._result import Event
 
-__all__ = ["WORKSPACE_UIDS", "cublas_workspace_bytes", "with_workspaces"]
+__all__ = ["WORKSPACE_UIDS", "cublas_workspace_bytes", "cudnn_workspace_note", "with_workspaces"]
 
 _DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B
 _HOPPER = 4096 * 8 * 1024  # 33,554,432 B
@@ -63,3 +71,21 @@ def with_workspaces(events: Sequence[Event], nbytes: int) -> list[Event]:
             continue
         out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
     return out
+
+
+def cudnn_workspace_note(convolutions: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """The coverage note for convolution configurations (labels) whose cuDNN workspace a CPU host cannot size.
+
+    Example:
+        >>> cudnn_workspace_note(["convolution[(8, 3, 224, 224)]"], {})[:52]
+        'cuDNN convolution workspace not counted for 1 config'
+    """
+    env = os.environ if env is None else env
+    cap = env.get("CUDNN_CONV_WSCAP_DBG")
+    bound = (f"at most {cap} MiB per call (CUDNN_CONV_WSCAP_DBG)" if cap and cap.strip().isdigit()
+             else "by the workspace of the algorithm cuDNN picks (CUDNN_CONV_WSCAP_DBG=<MiB> caps it)")
+    shown = ", ".join(convolutions[:3]) + (", ..." if len(convolutions) > 3 else "")
+    return (f"cuDNN convolution workspace not counted for {len(convolutions)} configuration(s) ({shown}): its size "
+            "depends on the algorithm cuDNN picks on the GPU. It cannot cause an out-of-memory error by itself "
+            "(torch falls back to algorithms needing less workspace when the allocation fails), but where memory "
+            f"is free max_memory_allocated can exceed peak_bytes during a convolution, {bound}")

@@ -27,3 +27,31 @@ def test_a_cuda_estimate_holds_two_workspaces_from_the_first_forward_and_backwar
     assert est.breakdown["temporaries"] >= 2 * 32 * 2**20
     cpu = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16))
     assert not any(e.uid in WORKSPACE_UIDS for e in cpu.events)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3))).sum()
+
+
+def test_cudnn_convolution_workspace_is_a_stated_assumption_on_a_cuda_target(monkeypatch):
+    # A CPU host cannot size it (cuDNN picks the algorithm on the device); the coverage says so, and how it is
+    # bounded. The CPU target calibrates its convolution scratch instead and says nothing of cuDNN.
+    model, batch = _ConvNet(), torch.randn(2, 3, 16, 16)
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, gpu="A100-80GB")
+    [note] = [n for n in est.coverage.notes if "cuDNN" in n]
+    # forward, and backward (input and weight gradients in one call)
+    assert note.startswith("cuDNN convolution workspace not counted for 2 configuration(s) (convolution[")
+    assert "cannot cause an out-of-memory error by itself" in note and "CUDNN_CONV_WSCAP_DBG=<MiB> caps it" in note
+    assert not any("kernel scratch not calibrated" in n for n in est.coverage.notes)
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "256")
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, gpu="A100-80GB")
+    assert any("at most 256 MiB per call (CUDNN_CONV_WSCAP_DBG)" in n for n in est.coverage.notes)
+    cpu = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch)
+    assert not any("cuDNN" in n for n in cpu.coverage.notes)

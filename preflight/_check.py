@@ -61,6 +61,7 @@ from preflight._result import Estimate
 from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
+from preflight.cuda import WORKSPACE_UIDS
 from preflight.trace import blamed_on_user
 
 __all__ = [
@@ -168,6 +169,7 @@ class Report:
     schedule: dict[str, Any]
     predicted_reserved_bytes: int | None = None
     predicted_device_total_bytes: int | None = None
+    eval_predicted_device_total_bytes: int | None = None
     world_size: int = 1
     rank_predicted_peak_bytes: list[int | None] | None = None
     # Per rank under torch.distributed: whose figure is only a lower bound (its prediction failed), and each rank's
@@ -201,11 +203,12 @@ class Report:
     def verdict_bytes(self) -> int:
         """What the verdict compares with the usable budget: the larger of the training need (the device total
         when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the peak of
-        tensor storages) and the evaluation peak."""
+        tensor storages) and the evaluation need (likewise)."""
         train = self.predicted_device_total_bytes
         if train is None:
             train = self.predicted_peak_bytes
-        return max(train, self.eval_predicted_peak_bytes or 0)
+        evaluation = self.eval_predicted_device_total_bytes or self.eval_predicted_peak_bytes or 0
+        return max(train, evaluation)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report (without the timelines)."""
@@ -260,7 +263,8 @@ def check(
         budget, headroom, on_overflow, report_path, plot_path, gpu, suggest, fast: see `Options`.
         eval_batch, eval_step: an evaluation batch and step, to predict the no-grad eval peak too.
         accumulate: gradient-accumulation micro-batches per optimizer step.
-        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop frees gradients.
+        zero_grad: ``"after_step"``, ``"before_backward"`` or ``"in_place"``: where the loop frees gradients
+            (``"in_place"``: ``zero_grad(set_to_none=False)``, never).
 
     Returns:
         The `Report`, or None when the prediction failed (a warning says why).
@@ -371,6 +375,10 @@ def predict(
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
                                  frees_gradients=eval_frees_gradients)
+        # The autograd thread's cuBLAS workspace stays allocated from the first backward on.
+        autograd_workspace = next((e.nbytes for e in est.events if e.uid == WORKSPACE_UIDS[1] and e.nbytes > 0), 0)
+        if autograd_workspace:
+            resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
                                      resident=resident, gpu=options.gpu)
@@ -393,6 +401,7 @@ def predict(
         predicted_breakdown=breakdown,
         peak_phase=est.peak_phase,
         eval_predicted_peak_bytes=eval_est.peak_bytes if eval_est is not None else None,
+        eval_predicted_device_total_bytes=None if eval_est is None or total is None else eval_est.device_total_bytes,
         eval_peak_phase=eval_est.peak_phase if eval_est is not None else None,
         worst_case_batch_shape=batch_info.shape if batch_info is not None else _shape(batch),
         worst_case_batch=batch_info.to_dict() if batch_info is not None else None,
@@ -893,7 +902,7 @@ def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precisi
     if state is None:
         state = estimate.breakdown.get("optimizer_state", 0) if estimate is not None else 0
     grads = _gradient_bytes(model, precision)
-    kept = grads if schedule.zero_grad == "before_backward" and not frees_gradients else 0
+    kept = grads if schedule.zero_grad != "after_step" and not frees_gradients else 0
     return {"optimizer_state": state, "gradients": kept + (grads if ddp_gradient_buckets else 0)}
 
 

@@ -666,8 +666,12 @@ def _figure_text(report: dict[str, Any]) -> str:
     peak = report.get("predicted_peak_bytes")
     total = report.get("predicted_device_total_bytes")
     eval_peak = report.get("eval_predicted_peak_bytes")
+    eval_total = report.get("eval_predicted_device_total_bytes")
     required = report.get("predicted_required_bytes") or (total if total is not None else peak)
-    if eval_peak is not None and required == eval_peak and eval_peak > (total if total is not None else peak or 0):
+    if eval_total is not None and required == eval_total and eval_total > (total or 0):
+        text = (f"evaluation device total {format_bytes(eval_total)} (evaluation peak {format_bytes(eval_peak)}; "
+                f"training device total {format_bytes(total)})")
+    elif eval_peak is not None and required == eval_peak and eval_peak > (total if total is not None else peak or 0):
         text = f"evaluation peak {format_bytes(eval_peak)} (training peak {format_bytes(peak)})"
     elif total is not None:
         text = (f"device total {format_bytes(total)} (reserved + CUDA context + workspaces; allocated peak "

@@ -182,6 +182,9 @@ def _rows(r: Report) -> list[tuple[str, str]]:
             rows.append((f"  {name}", f"{format_bytes(nbytes):>11}  {nbytes / total:6.1%}"))
     if r.eval_predicted_peak_bytes is not None:
         rows.append(("eval peak", f"{format_bytes(r.eval_predicted_peak_bytes)} (no grad, batch {r.eval_batch_shape})"))
+        if r.eval_predicted_device_total_bytes is not None:
+            rows.append(("eval device total", f"{format_bytes(r.eval_predicted_device_total_bytes)} (reserved + "
+                                              "CUDA context + workspace)"))
     batch = f"{r.worst_case_batch_shape}"
     if r.worst_case_batch:
         batch += f" ({r.worst_case_batch['method']}: {r.worst_case_batch['note']})"

@@ -22,6 +22,7 @@ from preflight._gpus import get_gpu
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._steps import autocast_for, check_precision, check_step
+from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
@@ -53,10 +54,14 @@ def estimate_eval(
         device: the device planned for; default the model's.
         resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
             (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
-        gpu: the catalog name of the GPU a CUDA target stands for (its attention kernels); None: an unnamed one.
+        gpu: a GPU from the catalog to plan for (implies ``device="cuda"``): its attention kernels, cuBLAS
+            workspace size and CUDA context (in ``device_total_bytes``). None with a CUDA ``device``: an unnamed
+            one.
 
     Returns:
-        An `Estimate` with ``steps=1`` and phases ``eval/forward``. When the forward cannot be traced, a lower
+        An `Estimate` with ``steps=1`` and phases ``eval/forward``. On a CUDA target, as for training: the
+        forward thread's cuBLAS workspace, 512-byte blocks, the simulated reserved memory and (with ``gpu``) the
+        device total. When the forward cannot be traced, a lower
         bound (parameters + buffers + batch + ``resident``) with ``coverage.lower_bound`` set.
 
     Known limitations: as `preflight.estimate`; outputs that an evaluation loop accumulates across batches
@@ -71,9 +76,14 @@ def estimate_eval(
     if unknown:
         raise ValueError(f"`resident` keys should be category names {[c.value for c in Category]}, "
                          f"got {sorted(unknown)}.")
+    gpu_info = get_gpu(gpu) if gpu else None
+    if gpu_info is not None and device is None:  # as for estimate: a catalog GPU is a CUDA target
+        device = "cuda"
     target = resolve_device(device, model)
+    if gpu_info is not None and target.type != "cuda":
+        raise ValueError(f"`gpu={gpu!r}` plans for a CUDA device, but `device` is {device!r}. Drop one of them.")
     trace_device = trace_device_for(target)
-    cuda = CudaTarget.of(get_gpu(gpu) if gpu else None) if target.type == "cuda" and trace_device.type != "cuda" else None
+    cuda = CudaTarget.of(gpu_info) if target.type == "cuda" and trace_device.type != "cuda" else None
     result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
                          layouts=target.type == trace_device.type == "cpu", cuda=cuda)
     notes = result.notes
@@ -92,10 +102,19 @@ def estimate_eval(
             events.insert(0, Event(base + i, nbytes, -1, "eval/forward"))
         notes.append("counts the training state alive during evaluation: " +
                      ", ".join(f"{k} {v} B" for k, v in sorted(resident.items())))
+    reserved = total = None
+    if target.type == "cuda":  # the training estimate's CUDA terms: workspace, 512-byte blocks, allocator, context
+        events, note = add_workspaces(events, gpu_info)
+        notes.append(note)
+        events = round_events(events)
+        terms = cuda_terms(events, gpu_info, None)
+        reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
+        notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     return Estimate(peak_bytes=peak, breakdown=breakdown, peak_phase=phase, device=str(target),
                     coverage=Coverage(traced=True, notes=tuple(notes)), timeline=timeline, steps=1,
-                    trace_seconds=result.seconds, num_ops=result.num_ops, events=tuple(events))
+                    trace_seconds=result.seconds, num_ops=result.num_ops, events=tuple(events),
+                    peak_reserved_bytes=reserved, device_total_bytes=total, gpu=None if gpu_info is None else gpu_info.name)
 
 
 @swept

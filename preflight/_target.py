@@ -41,7 +41,7 @@ from torch import nn
 from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
 from preflight._result import Category, Event
-from preflight.cuda import cublas_workspace_bytes, with_workspaces
+from preflight.cuda import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
 from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 
@@ -69,11 +69,16 @@ def round_events(events: Sequence[Event]) -> list[Event]:
 
 
 def add_workspaces(events: Sequence[Event], gpu: GPU | None) -> tuple[list[Event], str]:
-    """``events`` with the step's two cuBLAS workspaces (`preflight.cuda._workspace`), and a note saying so."""
+    """``events`` with the step's cuBLAS workspaces (`preflight.cuda._workspace`: the forward thread's, and the
+    autograd thread's where there is a backward), and a note saying so."""
     cc = gpu.compute_capability if gpu is not None else (8, 0)  # preflight.cuda's assumption for an unnamed GPU
     nbytes = cublas_workspace_bytes(cc)
-    return with_workspaces(events, nbytes), (f"two cuBLAS workspaces of {nbytes:,} B (forward and autograd "
-                                             "threads) counted as allocated, as the caching allocator holds them")
+    out = with_workspaces(events, nbytes)
+    if sum(e.uid in WORKSPACE_UIDS for e in out) == 2:
+        return out, (f"two cuBLAS workspaces of {nbytes:,} B (forward and autograd threads) counted as allocated, "
+                     "as the caching allocator holds them")
+    return out, (f"one cuBLAS workspace of {nbytes:,} B (the forward thread's) counted as allocated, as the "
+                 "caching allocator holds it")
 
 
 def _round(nbytes: int) -> int:

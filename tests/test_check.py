@@ -14,12 +14,13 @@ import torch
 from conftest import lm_batch, make_gpt2, make_llama
 
 import preflight
-from preflight._check import Options, VerifySession, check, decide, internal_failures, predict
+from preflight._check import Options, VerifySession, check, decide, eval_resident, internal_failures, predict
 from preflight._device import live_storage_bytes
 from preflight._eval import estimate_eval
 from preflight._measure import cpu_profiled_peak
-from preflight._steps import compute_loss
+from preflight._steps import Schedule, compute_loss
 from preflight._verify import StepPeakMeter
+from preflight.cuda import WORKSPACE_UIDS
 
 REQUIRED = ("version", "device", "budget_bytes", "predicted_peak_bytes", "predicted_breakdown", "peak_phase",
             "eval_predicted_peak_bytes", "worst_case_batch_shape", "fits", "coverage", "measured_peak_bytes",
@@ -309,6 +310,30 @@ def test_gpu_verdict_uses_the_device_total():
     assert report.predicted_peak_bytes < 100 * 2**20 < report.predicted_device_total_bytes
     assert report.verdict_bytes == report.predicted_device_total_bytes
     assert report.fits is False
+
+
+def test_the_eval_step_is_planned_for_the_gpu_too():
+    # Under gpu= the evaluation forward is traced for the CUDA target (512-byte blocks, the GPU's kernels), as
+    # estimate_eval(gpu=...) does on its own, not for the CPU model's device.
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    options = Options(budget="80GiB", gpu="H100-80GB", suggest=False)
+    report = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(3, 15))
+    assert report.eval_estimate.device == "cuda"
+    resident = {k: v for k, v in eval_resident(model, optimizer, precision=None, schedule=Schedule()).items() if v}
+    alone = estimate_eval(model, lm_batch(3, 15), gpu="H100-80GB", resident=resident)
+    # plus the autograd thread's cuBLAS workspace, resident since the training step's backward
+    assert report.eval_predicted_peak_bytes == alone.peak_bytes + 32 * 2**20
+    # 3 x 15 tokens x 32 floats is not a multiple of 512 B: the CPU figure differs
+    assert report.eval_predicted_peak_bytes > estimate_eval(model, lm_batch(3, 15), resident=resident).peak_bytes
+    # Its CUDA terms: the forward thread's cuBLAS workspace (the autograd thread's is resident from training),
+    # reserved memory and the context, in the verdict's figure.
+    assert [e.nbytes for e in alone.events if e.uid in WORKSPACE_UIDS] == [32 * 2**20]
+    assert report.eval_estimate.breakdown["temporaries"] >= 2 * 32 * 2**20
+    assert report.eval_predicted_device_total_bytes == report.eval_estimate.device_total_bytes
+    assert report.eval_predicted_device_total_bytes > report.eval_estimate.peak_reserved_bytes >= \
+        report.eval_predicted_peak_bytes
+    assert report.verdict_bytes == max(report.predicted_device_total_bytes, report.eval_predicted_device_total_bytes)
 
 
 def test_check_raises_for_a_step_without_a_loss():

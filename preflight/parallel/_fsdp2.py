@@ -42,7 +42,7 @@ from preflight.parallel._fake_group import fake_world
 from preflight.trace import TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_rng, mark_user_error
 from preflight.trace import Sweep, swept
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import can_shadow, settled_frees
+from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer
 
@@ -208,23 +208,7 @@ def trace_fsdp2(
             tracker.names[fake] = f"the batch{path}"
             if can_shadow(real):
                 tracker.shadow(fake, real.detach().to("cpu", copy=True))
-        fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
-
-        def on_phase(i: int, phase: str) -> None:
-            if phase == "optimizer":
-                for p in fake_params:
-                    if p.grad is not None:
-                        tracker.label(p.grad, Category.GRADIENTS)
-            if phase in ("zero_grad", "end"):
-                for state in fake_opt.state.values():
-                    for v in state.values():
-                        if isinstance(v, torch.Tensor):
-                            tracker.label(v, Category.OPTIMIZER_STATE)
-            tracker.end_backward()
-            tracker.placeholders_allowed = phase == "optimizer"
-            tracker.phase = f"step{i}/{phase}"
-            tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
-
+        on_phase = phase_bookkeeping(tracker, fake_opt)
         emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
         watched = watched_fsdp2(tracker, gloo=cuda is None)

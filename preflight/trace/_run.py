@@ -36,7 +36,7 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "preserved_state", "trace_steps"]
+__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "phase_bookkeeping", "preserved_state", "trace_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,31 @@ class TraceResult:
     failed_op: str | None = None
     op_log: list[tuple[int, int, Any, Any, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) -> Callable[[int, str], None]:
+    """The ``on_phase(step, phase)`` callback every training trace gives `run_steps`: it labels the gradients
+    when the optimizer phase starts and the optimizer state once a step has run, closes the backward, lets the
+    optimizer read placeholders only in its own phase, and names the phase and the category of what it
+    allocates."""
+    fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
+
+    def on_phase(i: int, phase: str) -> None:
+        if phase == "optimizer":  # gradients are complete: label them
+            for p in fake_params:
+                if p.grad is not None:
+                    tracker.label(p.grad, Category.GRADIENTS)
+        if phase in ("zero_grad", "end"):  # state exists once the step ran
+            for st in fake_opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        tracker.label(v, Category.OPTIMIZER_STATE)
+        tracker.end_backward()
+        tracker.placeholders_allowed = phase == "optimizer"
+        tracker.phase = f"step{i}/{phase}"
+        tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
+
+    return on_phase
 
 
 @swept
@@ -135,23 +160,7 @@ def trace_steps(
             if isinstance(st[key], torch.Tensor):
                 tracker.register(st[key], Category.OPTIMIZER_STATE)
 
-    fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
-
-    def on_phase(i: int, phase: str) -> None:
-        if phase == "optimizer":  # gradients are complete: label them
-            for p in fake_params:
-                if p.grad is not None:
-                    tracker.label(p.grad, Category.GRADIENTS)
-        if phase in ("zero_grad", "end"):  # state exists once the step ran
-            for st in fake_opt.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        tracker.label(v, Category.OPTIMIZER_STATE)
-        tracker.end_backward()
-        tracker.placeholders_allowed = phase == "optimizer"
-        tracker.phase = f"step{i}/{phase}"
-        tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
-
+    on_phase = phase_bookkeeping(tracker, fake_opt)
     with run.active(model):
         model.train()
         run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,

@@ -799,17 +799,18 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
             lines.append(f"  this rank: {format_bytes(own)} (usable {format_bytes(report.usable_bytes)})")
         lines.append(f"  See rank {over[0][0]}'s error for what to change. Set on_overflow='warn' to train anyway.")
         return "\n".join(lines)
+    training_need = report.predicted_device_total_bytes or report.predicted_peak_bytes
     lines = [
         f"preflight: the run is predicted to need {format_bytes(report.verdict_bytes)} per device "
-        f"({'evaluation' if (report.eval_predicted_peak_bytes or 0) > report.predicted_peak_bytes else 'training'} "
-        f"peak), over the usable {format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
+        f"({'evaluation' if report.verdict_bytes > training_need else 'training'} peak), over the usable {format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
         f"minus {report.headroom:.0%} headroom) on {report.device}.",
         f"  training step: {format_bytes(report.predicted_peak_bytes)} at {report.peak_phase}; "
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in report.predicted_breakdown.items() if v),
     ]
     if report.eval_predicted_peak_bytes is not None:
         lines.append(f"  evaluation step: {format_bytes(report.eval_predicted_peak_bytes)}")
-    lines.append(f"  worst-case batch: {report.worst_case_batch_shape}")
+    if report.worst_case_batch_shape is not None:  # None: the prediction failed before a batch was traced
+        lines.append(f"  worst-case batch: {report.worst_case_batch_shape}")
     if report.suggestions:
         lines.append("  What to change (predicted peak with the change):")
         for s in report.suggestions[:_TOP_SUGGESTIONS]:

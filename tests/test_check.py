@@ -370,3 +370,26 @@ def test_measure_with_steps_of_the_wrong_type_is_a_clear_type_error():
     with pytest.raises(TypeError, match="`steps` should be a positive integer .*got str '2'"):
         preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
                           step=lambda m, b: m(b).sum(), steps="2")
+
+
+def test_the_overflow_message_of_a_rank_whose_prediction_failed_has_no_empty_batch_line():
+    from preflight._check import _overflow_message, lower_bound_report
+
+    model = make_gpt2(n_layer=1, n_embd=32)
+    report = lower_bound_report(model, torch.optim.AdamW(model.parameters()), Options(budget="100KiB", headroom=0.0),
+                                device=torch.device("cpu"), precision=None, reason="a test")
+    assert report.fits is False
+    message = _overflow_message(report, [], False)
+    assert "(training peak)" in message and "worst-case batch" not in message and "None" not in message
+
+
+def test_the_overflow_message_names_the_evaluation_when_its_device_total_decides():
+    from preflight._check import _overflow_message
+
+    model = make_gpt2(n_layer=1, n_embd=32)
+    options = Options(budget="600MiB", headroom=0.0, gpu="H100-80GB", suggest=False)
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options,
+                     eval_batch=lm_batch(64, 128))
+    assert report.eval_predicted_device_total_bytes > report.predicted_device_total_bytes
+    assert report.verdict_bytes == report.eval_predicted_device_total_bytes and report.fits is False
+    assert "(evaluation peak)" in _overflow_message(report, [], False)

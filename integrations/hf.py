@@ -38,6 +38,7 @@ from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
+from preflight.parallel import ParallelPlan
 from preflight._units import format_bytes
 
 __all__ = ["PreflightCallback", "attach", "autotune"]
@@ -73,8 +74,9 @@ class PreflightCallback(TrainerCallback):
           dataloader to callbacks then), and metrics go to ``state.log_history`` instead of the loggers.
         - A Trainer subclass's ``compute_loss`` is traced only when the callback is attached; ``training_step``
           overrides are not traced.
-        - Gradient clipping temporaries (a scalar per parameter) are not traced; DeepSpeed and FSDP runs are
-          predicted as one unsharded replica.
+        - DeepSpeed and FSDP runs (``deepspeed``, ``fsdp`` / ``fsdp_config``): the prediction is this rank's
+          share under their sharding and offload (`preflight.parallel.ParallelPlan`), rescaled by category from a
+          trace of the model as the callback finds it.
     """
 
     def __init__(
@@ -204,7 +206,7 @@ class PreflightCallback(TrainerCallback):
                      schedule=_schedule(self.trainer, args),
                      batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
                      ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
-                     make_batch=samples.batch)
+                     make_batch=samples.batch, parallel=_parallel_plan())
 
     def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                        report: Report) -> int | None:
@@ -502,6 +504,19 @@ def _ddp_bucket_bytes(trainer: Trainer | None, model: nn.Module, args: Any) -> i
     # Not wrapped yet (the callback saw the model first), but the Trainer will wrap it in DDP with its defaults.
     params = {id(p): p for p in _unwrap(model).parameters() if p.requires_grad}.values()
     return sum(p.numel() * p.element_size() for p in params)
+
+
+def _parallel_plan() -> ParallelPlan | None:
+    """The sharded strategy the Trainer runs with (``deepspeed``, ``fsdp`` / ``fsdp_config``), as accelerate, which
+    the Trainer hands both to, applied it (`preflight.integrations.accelerate._parallel_plan`); None before the
+    Trainer made its accelerator, or without a sharded plugin."""
+    from accelerate.state import AcceleratorState
+
+    from preflight.integrations.accelerate import _parallel_plan as applied_plan
+
+    if not AcceleratorState._shared_state:
+        return None
+    return applied_plan(AcceleratorState())
 
 
 def _world_size() -> int:

@@ -41,6 +41,7 @@ from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import PRECISIONS, Schedule
+from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -118,7 +119,9 @@ class PreflightCallback(*_callback_bases()):
         - The trace runs ``training_step`` / ``validation_step`` with ``self.log`` switched off; code in other
           hooks (``on_before_backward``, gradient clipping) is not traced.
         - Iterable datasets use their first batch (reported as ``first-batch``), not the worst case.
-        - DeepSpeed and FSDP strategies are predicted as one unsharded replica.
+        - FSDP, DeepSpeed and ModelParallel strategies: the prediction is this rank's share under the strategy's
+          sharding and offload (`preflight.parallel.ParallelPlan`), rescaled by category from a trace of the model
+          as the callback finds it; tensor parallelism is not modelled (an upper bound for its ranks).
     """
 
     def __init__(
@@ -271,6 +274,7 @@ class PreflightCallback(*_callback_bases()):
                 batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=lambda b: convert(samples.batch(b)), eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
+                parallel=_parallel_plan(trainer),
             )
         if note:
             report.warnings.append(note)
@@ -432,6 +436,30 @@ def _val_loader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
             return None
         loaders = loaders[0]
     return _single_loader(loaders, "validation")
+
+
+def _parallel_plan(trainer: pl.Trainer) -> ParallelPlan | None:
+    """The trainer's sharded strategy as a `ParallelPlan`: ``FSDPStrategy`` (sharding strategy, CPU offload; hybrid
+    sharding over one node's devices), ``DeepSpeedStrategy`` (its config), ``ModelParallelStrategy`` (FSDP2 over the
+    data-parallel ranks). None for anything else (DDP is predicted as a replica with its buckets)."""
+    strategy = trainer.strategy
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    world = max(int(trainer.world_size), 1)
+    if "FSDPStrategy" in names:
+        sharding = getattr(strategy, "sharding_strategy", None)
+        offload = bool(getattr(getattr(strategy, "cpu_offload", None), "offload_params", False))
+        name = getattr(sharding, "name", sharding)
+        return fsdp_plan(sharding, world_size=world, ranks_per_node=max(int(trainer.num_devices), 1),
+                         cpu_offload=offload, source=f"Lightning FSDPStrategy({name})")
+    if "DeepSpeedStrategy" in names:
+        return deepspeed_plan(getattr(strategy, "config", None) or {}, world_size=world,
+                              source="Lightning DeepSpeedStrategy")
+    if "ModelParallelStrategy" in names:
+        data_parallel = getattr(strategy, "_data_parallel_size", "auto")
+        data_parallel = data_parallel if isinstance(data_parallel, int) else world
+        return fsdp_plan("fsdp2", world_size=max(data_parallel, 1),
+                         source=f"Lightning ModelParallelStrategy(data_parallel_size={data_parallel})")
+    return None
 
 
 def _ddp_buckets(trainer: pl.Trainer) -> int:

@@ -62,6 +62,7 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precisio
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
+from preflight.parallel import ParallelPlan
 from preflight.trace import blamed_on_user
 
 __all__ = [
@@ -310,6 +311,7 @@ def predict(
     ddp_gradient_buckets: bool = False,
     make_batch: Callable[[int], Any] | None = None,
     eval_frees_gradients: bool = False,
+    parallel: ParallelPlan | None = None,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
 
@@ -328,6 +330,10 @@ def predict(
         eval_frees_gradients: the trainer releases the gradients before evaluating (Lightning's default
             ``on_validation_model_zero_grad``), so a ``"before_backward"`` schedule's gradients are not alive
             during evaluation.
+        parallel: the trainer's sharded strategy (`preflight.parallel.ParallelPlan`, read by the integrations):
+            both peaks are this rank's share (`preflight.estimate`'s ``world_size``, ``sharding`` and offload;
+            the evaluation peak rescaled by category). A world size asked for through ``preflight check``'s
+            environment takes precedence.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -342,11 +348,16 @@ def predict(
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
+    plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
+    sharded = None if settings.world_size or parallel is None or not parallel.sharded else parallel
+    if sharded is not None:
+        plan = sharded.estimate_kwargs()
+
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
         return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
                         zero_grad=schedule.zero_grad, max_grad_norm=schedule.max_grad_norm,
                         grad_scaler=schedule.grad_scaler, device=None if options.gpu else target, gpu=options.gpu,
-                        world_size=settings.world_size or 1, sharding=settings.sharding, fast=options.fast)
+                        fast=options.fast, **plan)
 
     def step_predictor(b: Any) -> dict[int, int]:
         # After the measured steps the optimizer has state; the measured run's first step had none.
@@ -360,8 +371,11 @@ def predict(
     breakdown = dict(est.breakdown)
     peak = est.peak_bytes
     notes: list[str] = []
-    # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown.
-    ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1
+    if sharded is not None:
+        notes.append(sharded.note())
+    # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown; sharded
+    # strategies have none.
+    ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1 and sharded is None
     buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
     total = est.device_total_bytes
     if buckets:
@@ -384,9 +398,17 @@ def predict(
                                      resident=resident, gpu=options.gpu)
 
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
-            return estimate_eval(model, b, step=eval_step, precision=precision, device=target,
-                                 resident=resident, gpu=options.gpu).peak_bytes
+            one = estimate_eval(model, b, step=eval_step, precision=precision, device=target, resident=resident,
+                                gpu=options.gpu)
+            return one.peak_bytes if sharded is None else _rank_share(one, model, sharded, precision)[0]
 
+    eval_peak = eval_total = None
+    if eval_est is not None:
+        eval_peak, eval_total = eval_est.peak_bytes, eval_est.device_total_bytes
+        if sharded is not None:
+            eval_peak, eval_total = _rank_share(eval_est, model, sharded, precision)
+            notes.append("evaluation peak: this rank's share of the single-device evaluation trace, rescaled by "
+                         "category (optimizer state, gradients and parameters as the plan shards them)")
     coverage = est.coverage.to_dict()
     coverage["notes"] = list(coverage["notes"]) + notes
     if eval_est is not None and eval_est.coverage.lower_bound:
@@ -400,8 +422,8 @@ def predict(
         predicted_peak_bytes=peak,
         predicted_breakdown=breakdown,
         peak_phase=est.peak_phase,
-        eval_predicted_peak_bytes=eval_est.peak_bytes if eval_est is not None else None,
-        eval_predicted_device_total_bytes=None if eval_est is None or total is None else eval_est.device_total_bytes,
+        eval_predicted_peak_bytes=eval_peak,
+        eval_predicted_device_total_bytes=None if total is None else eval_total,
         eval_peak_phase=eval_est.peak_phase if eval_est is not None else None,
         worst_case_batch_shape=batch_info.shape if batch_info is not None else _shape(batch),
         worst_case_batch=batch_info.to_dict() if batch_info is not None else None,
@@ -438,6 +460,21 @@ def predict(
             report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
                                               make_batch, report)
     return report
+
+
+def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan,
+                precision: str | None) -> tuple[int, int | None]:
+    """One rank's evaluation peak (and device total, keeping the single-device figure's allocator and context
+    overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`)."""
+    from preflight._target import per_rank_breakdown
+    from preflight.trace import float_dtype_for
+
+    share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
+                                  dtype=float_dtype_for(precision), offload_optimizer=plan.offload_optimizer,
+                                  offload_params=plan.offload_params)
+    peak = sum(share.values())
+    total = eval_est.device_total_bytes
+    return peak, None if total is None else total - eval_est.peak_bytes + peak
 
 
 # How to have preflight choose the micro-batch, for a loop without a trainer (the adapters name their own way).

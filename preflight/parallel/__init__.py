@@ -4,12 +4,15 @@
 inside a fake process group of the real world size (`fake_world`), and runs the real training step under the
 same storage tracker as a single-device trace (`preflight.trace`), so one rank's events include the padded
 parameter shards, the all-gather and reduce-scatter buffers and the sharded optimizer state. `rank_groups` says
-which ranks hold the same shard shapes and so trace the same. Imports flow one way: this package uses
+which ranks hold the same shard shapes and so trace the same. `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`) turns
+a trainer's strategy settings, read by the integrations, into the arguments a per-rank estimate takes. Imports flow
+one way: this package uses
 `preflight.trace`; `preflight._estimate` uses this package.
 """
 
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, default_units, fake_replica, rank_groups, trace_fsdp2
+from preflight.parallel._strategies import ParallelPlan, deepspeed_plan, fsdp_plan
 
-__all__ = ["FSDP2Plan", "ProcessGroupInUseError", "default_units", "fake_replica", "fake_world", "rank_groups",
-           "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "deepspeed_plan", "default_units", "fake_replica",
+           "fake_world", "fsdp_plan", "rank_groups", "trace_fsdp2"]

@@ -1,0 +1,150 @@
+"""What a trainer's distributed strategy means for one rank's memory, as the arguments `preflight.estimate` takes.
+
+Lightning's strategies, the HF Trainer's ``fsdp`` / ``deepspeed`` arguments and accelerate's plugins describe the
+same few choices in their own words. The integrations read those words off the trainer (framework glue only)
+and hand them here, where each becomes a `ParallelPlan`: the world size, the sharding (`preflight._sharding`'s
+vocabulary), and what is offloaded to the CPU, with a note saying where it came from.
+
+- FSDP (``torch.distributed.fsdp.ShardingStrategy`` or its name, in any case; HF's ``fsdp`` option strings):
+  ``FULL_SHARD`` shards parameters, gradients and optimizer state (``fsdp-full``); ``SHARD_GRAD_OP`` gradients and
+  optimizer state (``fsdp-grad-op``); ``NO_SHARD`` is data parallelism (``ddp``); ``HYBRID_SHARD`` and
+  ``_HYBRID_SHARD_ZERO2`` shard as ``FULL_SHARD`` / ``SHARD_GRAD_OP`` inside a node and replicate across nodes,
+  so one rank holds the share of the ranks in its node. ``CPUOffload(offload_params=True)`` keeps parameters,
+  gradients and the optimizer step on the CPU. FSDP2 (``fully_shard``) is ``fsdp2``.
+- DeepSpeed (its JSON config, as a dict, a path or a JSON string): ``zero_optimization.stage`` 1, 2, 3 is
+  ``zero1``, ``zero2``, ``zero3``; stage 0 is data parallelism; ``offload_optimizer.device`` and
+  ``offload_param.device`` of ``cpu`` or ``nvme`` offload. The ``"auto"`` values the HF and Lightning integrations
+  fill in later are sizes and flags that this plan does not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ParallelPlan", "deepspeed_plan", "fsdp_plan"]
+
+_FSDP = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "ddp",
+         "HYBRID_SHARD": "fsdp-full", "_HYBRID_SHARD_ZERO2": "fsdp-grad-op", "HYBRID_SHARD_ZERO2": "fsdp-grad-op"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """One rank's share of a data-parallel run.
+
+    Attributes:
+        world_size: the ranks that share the sharded state (for hybrid sharding: the ranks of one node).
+        sharding: a `preflight._sharding.SHARDING_CHOICES` name; None for a single process.
+        offload_optimizer, offload_params: what lives on the CPU instead of the GPU.
+        source: where the plan was read, for the report (``"Lightning FSDPStrategy(SHARD_GRAD_OP)"``).
+    """
+
+    world_size: int
+    sharding: str | None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    source: str = ""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan shards training state (anything but plain data parallelism)."""
+        return self.sharding not in (None, "ddp")
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """The plan as `preflight.estimate`'s keyword arguments."""
+        return {"world_size": self.world_size, "sharding": self.sharding,
+                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
+
+    def note(self) -> str:
+        offloaded = [name for name, on in (("optimizer state", self.offload_optimizer),
+                                           ("parameters", self.offload_params)) if on]
+        return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {self.world_size} "
+                f"rank(s)" + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
+
+
+def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = None, cpu_offload: bool = False,
+              source: str = "") -> ParallelPlan:
+    """The plan of an FSDP run.
+
+    Args:
+        strategy: a ``ShardingStrategy`` member or name (``"FULL_SHARD"``, ``"shard_grad_op"``, HF's
+            ``"hybrid_shard"``, ...), or ``"fsdp2"`` for ``fully_shard``; None: FSDP's default, ``FULL_SHARD``.
+        world_size: all ranks of the job.
+        ranks_per_node: the ranks of one node, the group a hybrid strategy shards over (default ``world_size``).
+        cpu_offload: ``CPUOffload(offload_params=True)`` (FSDP1) or ``CPUOffloadPolicy`` (FSDP2).
+
+    Example:
+        >>> fsdp_plan("hybrid_shard", world_size=16, ranks_per_node=8).estimate_kwargs()["world_size"]
+        8
+    """
+    name = "FULL_SHARD" if strategy is None else str(getattr(strategy, "name", strategy)).upper()
+    if name == "FSDP2":
+        sharding, group = "fsdp2", world_size
+    elif name in _FSDP:
+        sharding = _FSDP[name]
+        group = (ranks_per_node or world_size) if "HYBRID" in name else world_size
+    else:
+        raise ValueError(f"Unknown FSDP sharding strategy {strategy!r}: expected one of "
+                         f"{sorted(n for n in _FSDP if not n.startswith('_'))} or 'fsdp2'.")
+    _check_world(world_size)
+    if sharding == "ddp":
+        cpu_offload = False  # NO_SHARD: predicted as data parallelism, whose replicas stay on the GPU
+    return ParallelPlan(world_size=min(group, world_size), sharding=sharding, offload_optimizer=cpu_offload,
+                        offload_params=cpu_offload, source=source or f"FSDP {name}")
+
+
+def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int,
+                   source: str = "") -> ParallelPlan:
+    """The plan of a DeepSpeed run from its config (a dict, a path to its JSON file, or the JSON text).
+
+    Example:
+        >>> deepspeed_plan({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        ...                world_size=8).estimate_kwargs()
+        {'world_size': 8, 'sharding': 'zero2', 'offload_optimizer': True, 'offload_params': False}
+    """
+    _check_world(world_size)
+    config = _load(config)
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise ValueError(f"DeepSpeed config: `zero_optimization` should be a mapping, got {zero!r}.")
+    stage = zero.get("stage", 0)
+    if stage == "auto" or not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed config: `zero_optimization.stage` should be 0, 1, 2 or 3, got {stage!r} "
+                         "(preflight needs the stage the run will use).")
+    offload_optimizer = _offloaded(zero.get("offload_optimizer")) or _offloaded(zero.get("cpu_offload"))
+    offload_params = stage == 3 and _offloaded(zero.get("offload_param"))
+    sharding = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+    if stage == 0 and offload_optimizer:
+        raise ValueError("DeepSpeed config: optimizer offload needs ZeRO stage 1, 2 or 3, but the stage is 0.")
+    return ParallelPlan(world_size=world_size, sharding=sharding, offload_optimizer=offload_optimizer,
+                        offload_params=offload_params, source=source or f"DeepSpeed ZeRO stage {stage}")
+
+
+def _load(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    text = os.fspath(config)
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"DeepSpeed config {os.fspath(config)!r} is neither a file nor JSON text ({err}).") from None
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"DeepSpeed config should be a JSON object, got {type(loaded).__name__}.")
+    return loaded
+
+
+def _offloaded(section: Any) -> bool:
+    if isinstance(section, bool):  # the old `cpu_offload: true`
+        return section
+    return isinstance(section, Mapping) and str(section.get("device", "none")).lower() in ("cpu", "nvme")
+
+
+def _check_world(world_size: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` should be a positive integer, got {world_size!r}.")

@@ -1,0 +1,135 @@
+"""A trainer's strategy settings as a per-rank plan (`preflight.parallel.ParallelPlan`), and predictions that use it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import lm_batch, make_gpt2
+from torch.distributed.fsdp import ShardingStrategy
+
+import preflight
+from preflight._check import Options, predict
+from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
+
+
+@pytest.mark.parametrize("strategy, sharding", [
+    (ShardingStrategy.FULL_SHARD, "fsdp-full"), ("SHARD_GRAD_OP", "fsdp-grad-op"), ("shard_grad_op", "fsdp-grad-op"),
+    (None, "fsdp-full"), (ShardingStrategy.NO_SHARD, "ddp"), ("fsdp2", "fsdp2"),
+])
+def test_fsdp_strategies_in_any_spelling(strategy, sharding):
+    plan = fsdp_plan(strategy, world_size=8)
+    assert (plan.sharding, plan.world_size, plan.offload_params) == (sharding, 8, False)
+    assert plan.sharded is (sharding != "ddp")
+
+
+def test_hybrid_sharding_shards_over_one_node_and_offload_moves_state_to_the_cpu():
+    plan = fsdp_plan(ShardingStrategy.HYBRID_SHARD, world_size=16, ranks_per_node=8, cpu_offload=True)
+    assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-full", "offload_optimizer": True,
+                                      "offload_params": True}
+    assert fsdp_plan("_HYBRID_SHARD_ZERO2", world_size=4).sharding == "fsdp-grad-op"
+    with pytest.raises(ValueError, match="Unknown FSDP sharding strategy 'SHARD_EVERYTHING'"):
+        fsdp_plan("SHARD_EVERYTHING", world_size=2)
+    with pytest.raises(ValueError, match="world_size"):
+        fsdp_plan("FULL_SHARD", world_size=0)
+
+
+def test_deepspeed_configs_as_dict_path_and_text_with_the_integrations_auto_values(tmp_path):
+    # What HF's and Lightning's DeepSpeed integrations pass: sizes left "auto" for them to fill.
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "bf16": {"enabled": "auto"},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                                    "stage3_prefetch_bucket_size": "auto", "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "none"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    for given in (config, str(path), path, json.dumps(config)):
+        plan = deepspeed_plan(given, world_size=4)
+        assert plan.estimate_kwargs() == {"world_size": 4, "sharding": "zero3", "offload_optimizer": True,
+                                          "offload_params": False}
+    assert deepspeed_plan({"zero_optimization": {"stage": 1}}, world_size=2).sharding == "zero1"
+    assert deepspeed_plan({}, world_size=2).sharding == "ddp"
+    with pytest.raises(ValueError, match="stage` should be 0, 1, 2 or 3, got 'auto'"):
+        deepspeed_plan({"zero_optimization": {"stage": "auto"}}, world_size=2)
+    with pytest.raises(ValueError, match="neither a file nor JSON"):
+        deepspeed_plan("no-such-config.json", world_size=2)
+
+
+def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluation():
+    model = make_gpt2(n_layer=2, n_embd=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = fsdp_plan("FULL_SHARD", world_size=4, source="a test")
+    options = Options(budget="1GiB", suggest=False, fast=False)
+    report = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16), parallel=plan)
+    alone = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16))
+    direct = preflight.estimate(model, optimizer, lm_batch(2, 16), world_size=4, sharding="fsdp-full")
+    assert report.predicted_peak_bytes == direct.peak_bytes < alone.predicted_peak_bytes
+    assert any("per-rank plan read from a test: fsdp-full over 4 rank(s)" in n for n in report.coverage["notes"])
+    # Evaluation: parameters and the resident optimizer state are this rank's share; the batch's activations are not.
+    assert report.eval_predicted_peak_bytes < alone.eval_predicted_peak_bytes
+    assert report.eval_estimate.breakdown["activations"] == alone.eval_estimate.breakdown["activations"]
+    # Plain data parallelism is not a sharded plan: the prediction is the replica's.
+    ddp = predict(model, optimizer, lm_batch(2, 16), options=options, parallel=ParallelPlan(4, "ddp"))
+    assert ddp.predicted_peak_bytes == alone.predicted_peak_bytes
+
+
+def test_lightning_strategies_are_read_into_plans():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+    from types import SimpleNamespace
+
+    from preflight.integrations.lightning import _parallel_plan
+
+    def trainer(strategy, world_size=8, num_devices=4):
+        return SimpleNamespace(strategy=strategy, world_size=world_size, num_devices=num_devices)
+
+    plan = _parallel_plan(trainer(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", cpu_offload=True)))
+    assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-grad-op", "offload_optimizer": True,
+                                      "offload_params": True}
+    assert "Lightning FSDPStrategy(SHARD_GRAD_OP)" in plan.note()
+    hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear})
+    assert _parallel_plan(trainer(hybrid)).world_size == 4  # the ranks of one node
+    assert _parallel_plan(trainer(FSDPStrategy())).sharding == "fsdp-full"  # FSDP's default
+    model_parallel = _parallel_plan(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=4)))
+    assert (model_parallel.sharding, model_parallel.world_size) == ("fsdp2", 2)
+    assert _parallel_plan(trainer(DDPStrategy())) is None
+    # DeepSpeed is not installed here: its strategy is recognised by name and read from its config.
+    DeepSpeedStrategy = type("DeepSpeedStrategy", (), {"config": {"zero_optimization": {"stage": 3}}})
+    assert _parallel_plan(trainer(DeepSpeedStrategy())).sharding == "zero3"
+
+
+def test_the_hf_trainer_plan_is_what_accelerate_applied(tmp_path):
+    # The Trainer hands fsdp / deepspeed to accelerate; what accelerate applied is read from its shared state. A
+    # Trainer without either (here: one CPU process) has no sharded plan.
+    from transformers import Trainer, TrainingArguments
+
+    from preflight.integrations.hf import _parallel_plan
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    Trainer(model=make_gpt2(n_layer=1), args=args)
+    assert _parallel_plan() is None
+
+
+def test_accelerate_plugins_are_read_into_plans_when_applied():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from preflight.integrations.accelerate import _parallel_plan
+
+    def state(kind, **plugins):
+        return SimpleNamespace(num_processes=4, distributed_type=kind, **{"fsdp_plugin": None, "deepspeed_plugin": None,
+                                                                          **plugins})
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True, cpu_offload=CPUOffloadPolicy())
+    plan = _parallel_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
+    assert (plan.sharding, plan.world_size, plan.offload_params) == ("fsdp2", 4, True)
+    # A plugin accelerate did not apply (FSDP asked for on CPU processes runs DDP: MULTI_CPU) is not read.
+    assert _parallel_plan(state(DistributedType.MULTI_CPU, fsdp_plugin=plugin)) is None
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP")
+    assert _parallel_plan(state(DistributedType.FSDP, fsdp_plugin=plugin)).sharding == "fsdp-grad-op"
+    ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    plan = _parallel_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
+    assert (plan.sharding, plan.offload_optimizer) == ("zero1", True)
+    assert _parallel_plan(state(DistributedType.NO)) is None

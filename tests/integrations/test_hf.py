@@ -230,3 +230,36 @@ def test_evaluation_inside_the_measured_window_is_measured_and_compared(tmp_path
     assert abs(report.eval_relative_error) < 0.01
     assert "eval" in capsys.readouterr().out
     assert callback._eval_hook is None  # nothing of the measurement stays on the model
+
+
+FSDP_ON_CPU_SCRIPT = """
+import json, sys
+import torch, torch.distributed as dist, transformers
+from transformers import Trainer, TrainingArguments
+from preflight.integrations.hf import PreflightCallback
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500,
+                                                             n_positions=64))
+ids = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
+args = TrainingArguments(output_dir="out", fsdp="full_shard", use_cpu=True, max_steps=3, per_device_train_batch_size=4,
+                         report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True)
+callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids], callbacks=[callback]).train()
+r = callback.report
+open(f"rank{dist.get_rank()}.json", "w").write(json.dumps({"error": r.relative_error, "notes": r.coverage["notes"]}))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_asked_for_on_cpu_processes_runs_ddp_and_is_predicted_as_it_runs(tmp_path):
+    # accelerate applies FSDP only on GPUs: on CPU processes the Trainer wraps the model in DDP. The plan is read
+    # from what accelerate applied, not from `fsdp=` (a plan read from the arguments predicted this run 9% under).
+    script = tmp_path / "fsdp_cpu.py"
+    script.write_text(FSDP_ON_CPU_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                          env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert abs(report["error"]) < 0.01, report
+        assert not any("per-rank plan" in note for note in report["notes"])

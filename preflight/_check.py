@@ -333,7 +333,7 @@ def predict(
         parallel: the trainer's sharded strategy (`preflight.parallel.ParallelPlan`, read by the integrations):
             both peaks are this rank's share (`preflight.estimate`'s ``world_size``, ``sharding`` and offload;
             the evaluation peak rescaled by category). A world size asked for through ``preflight check``'s
-            environment takes precedence.
+            environment takes precedence and is planned the same way.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -348,8 +348,11 @@ def predict(
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
+    if settings.world_size:  # `preflight check --world-size N --sharding S` plans for N ranks itself
+        parallel = ParallelPlan(settings.world_size, settings.sharding or ("ddp" if settings.world_size > 1 else None),
+                                source="preflight check --world-size")
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
-    sharded = None if settings.world_size or parallel is None or not parallel.sharded else parallel
+    sharded = parallel if parallel is not None and parallel.sharded else None
     if sharded is not None:
         plan = sharded.estimate_kwargs()
 

@@ -69,6 +69,15 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
     # Evaluation: parameters and the resident optimizer state are this rank's share; the batch's activations are not.
     assert report.eval_predicted_peak_bytes < alone.eval_predicted_peak_bytes
     assert report.eval_estimate.breakdown["activations"] == alone.eval_estimate.breakdown["activations"]
+    # `preflight check --world-size 4 --sharding fsdp-full` (its environment) plans the same way, the
+    # evaluation included, and takes precedence over the trainer's plan.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PREFLIGHT_WORLD_SIZE", "4")
+        env.setenv("PREFLIGHT_SHARDING", "fsdp-full")
+        planned = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16),
+                          parallel=fsdp_plan("SHARD_GRAD_OP", world_size=2))
+    assert (planned.predicted_peak_bytes, planned.eval_predicted_peak_bytes) == \
+        (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
     # Plain data parallelism is not a sharded plan: the prediction is the replica's.
     ddp = predict(model, optimizer, lm_batch(2, 16), options=options, parallel=ParallelPlan(4, "ddp"))
     assert ddp.predicted_peak_bytes == alone.predicted_peak_bytes

@@ -458,7 +458,10 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and talk:
+    if report.fits is False and options.suggest and talk and sharded is not None:
+        # advise plans from a single-device replica: its figures would not be this rank's under the plan
+        report.warnings.append(f"no suggestions: they are not predicted under a sharded plan yet ({sharded.note()})")
+    elif report.fits is False and options.suggest and talk:
         with progress("it does not fit: predicting what to change (about ten traces)"):
             report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
                                               make_batch, report)

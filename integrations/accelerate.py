@@ -12,7 +12,6 @@ DeepSpeed or FSDP plugin the prediction is this rank's share (`preflight.paralle
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +31,7 @@ from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, 
 from preflight._eval import EvalStepFn
 from preflight._guard import untouched
 from preflight._steps import Schedule, StepFn
-from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
+from preflight.parallel import accelerate_plan
 
 __all__ = ["StepVerifier", "preflight_check"]
 
@@ -182,36 +181,8 @@ def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: A
                    precision=_PRECISIONS[mixed], device=accelerator.device, schedule=schedule,
                    batch_info=info, eval_batch=eval_batch, eval_step=eval_step,
                    eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(model) > 0,
-                   make_batch=samples.batch, parallel=_parallel_plan(accelerator.state))
+                   make_batch=samples.batch, parallel=accelerate_plan(accelerator.state))
     return report
-
-
-def _parallel_plan(state: Any) -> ParallelPlan | None:
-    """The sharded plugin accelerate runs with, as a `ParallelPlan`, from its state (``accelerator.state``, or the
-    shared ``AcceleratorState`` the HF Trainer made): ``DeepSpeedPlugin`` (its config, with the values accelerate
-    filled in) under ``DistributedType.DEEPSPEED``; ``FullyShardedDataParallelPlugin`` under
-    ``DistributedType.FSDP`` (FSDP2: ``reshard_after_forward=False`` shards as ``SHARD_GRAD_OP``; FSDP1: its
-    sharding strategy; ``cpu_offload``), hybrid strategies over ``LOCAL_WORLD_SIZE`` ranks. None otherwise: a
-    plugin accelerate did not apply (FSDP asked for on CPU processes runs DDP) is not read."""
-    kind = str(getattr(getattr(state, "distributed_type", None), "value", getattr(state, "distributed_type", "")))
-    world = max(int(getattr(state, "num_processes", 1) or 1), 1)
-    if kind.upper() == "DEEPSPEED":
-        plugin = getattr(state, "deepspeed_plugin", None)
-        return deepspeed_plan(getattr(plugin, "deepspeed_config", None) or {}, world_size=world,
-                              source="accelerate's DeepSpeedPlugin")
-    fsdp = getattr(state, "fsdp_plugin", None)
-    if kind.upper() != "FSDP" or fsdp is None:
-        return None
-    reshard = getattr(fsdp, "reshard_after_forward", None)
-    if getattr(fsdp, "fsdp_version", 1) == 2:
-        strategy = "SHARD_GRAD_OP" if reshard is False else "fsdp2"
-    else:
-        strategy = reshard if reshard not in (None, True, False) else getattr(fsdp, "sharding_strategy", None)
-    offload = getattr(fsdp, "cpu_offload", None)
-    offload = offload if isinstance(offload, bool) else bool(getattr(offload, "offload_params", offload is not None))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
-                     source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})")
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -38,7 +38,7 @@ from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._steps import Schedule
-from preflight.parallel import ParallelPlan
+from preflight.parallel import ParallelPlan, accelerate_plan
 from preflight._units import format_bytes
 
 __all__ = ["PreflightCallback", "attach", "autotune"]
@@ -206,7 +206,7 @@ class PreflightCallback(TrainerCallback):
                      schedule=_schedule(self.trainer, args),
                      batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
                      ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
-                     make_batch=samples.batch, parallel=_parallel_plan())
+                     make_batch=samples.batch, parallel=_parallel_plan(self.trainer))
 
     def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                        report: Report) -> int | None:
@@ -506,17 +506,18 @@ def _ddp_bucket_bytes(trainer: Trainer | None, model: nn.Module, args: Any) -> i
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def _parallel_plan() -> ParallelPlan | None:
-    """The sharded strategy the Trainer runs with (``deepspeed``, ``fsdp`` / ``fsdp_config``), as accelerate, which
-    the Trainer hands both to, applied it (`preflight.integrations.accelerate._parallel_plan`); None before the
-    Trainer made its accelerator, or without a sharded plugin."""
+def _parallel_plan(trainer: Trainer | None) -> ParallelPlan | None:
+    """The sharded strategy the Trainer runs with (``deepspeed``, ``fsdp`` / ``fsdp_config``) as accelerate, which
+    the Trainer hands both to, applied it (`preflight.parallel.accelerate_plan`): from the attached Trainer's
+    accelerator, else from accelerate's shared state; None before the Trainer made its accelerator."""
     from accelerate.state import AcceleratorState
 
-    from preflight.integrations.accelerate import _parallel_plan as applied_plan
-
-    if not AcceleratorState._shared_state:
+    accelerator = getattr(trainer, "accelerator", None) if trainer is not None else None
+    if accelerator is not None:
+        return accelerate_plan(accelerator.state)
+    if not AcceleratorState._shared_state:  # accelerate's documented singleton: empty until an Accelerator exists
         return None
-    return applied_plan(AcceleratorState())
+    return accelerate_plan(AcceleratorState())
 
 
 def _world_size() -> int:

@@ -455,8 +455,8 @@ def _parallel_plan(trainer: pl.Trainer) -> ParallelPlan | None:
         return deepspeed_plan(getattr(strategy, "config", None) or {}, world_size=world,
                               source="Lightning DeepSpeedStrategy")
     if "ModelParallelStrategy" in names:
-        data_parallel = getattr(strategy, "_data_parallel_size", "auto")
-        data_parallel = data_parallel if isinstance(data_parallel, int) else world
+        data_parallel = getattr(strategy, "_data_parallel_size", "auto")  # "auto": Lightning uses num_nodes
+        data_parallel = data_parallel if isinstance(data_parallel, int) else max(int(trainer.num_nodes), 1)
         return fsdp_plan("fsdp2", world_size=max(data_parallel, 1),
                          source=f"Lightning ModelParallelStrategy(data_parallel_size={data_parallel})")
     return None

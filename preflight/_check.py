@@ -54,6 +54,7 @@ from preflight._console import progress
 from preflight._device import map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
+from preflight._analytic import optimizer_state_bytes
 from preflight._estimate import estimate
 from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
@@ -62,8 +63,8 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precisio
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.parallel import ParallelPlan
-from preflight.trace import blamed_on_user
+from preflight.parallel import ParallelPlan, already_sharded
+from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
@@ -355,6 +356,14 @@ def predict(
     sharded = parallel if parallel is not None and parallel.sharded else None
     if sharded is not None:
         plan = sharded.estimate_kwargs()
+        wrapped = already_sharded(model)
+        if wrapped is not None:  # its tensors are this rank's shards: the plan would divide them again
+            report = lower_bound_report(model, optimizer, options, device=target, precision=precision,
+                                        reason=f"the model is already sharded ({wrapped})")
+            report.fits = None
+            report.warnings.append(f"no verdict: the strategy sharded the model before preflight saw it ({wrapped}); "
+                                   f"a per-rank prediction of a wrapped model is not supported yet ({sharded.note()})")
+            return report
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
         return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
@@ -403,13 +412,22 @@ def predict(
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
             one = estimate_eval(model, b, step=eval_step, precision=precision, device=target, resident=resident,
                                 gpu=options.gpu)
-            return one.peak_bytes if sharded is None else _rank_share(one, model, sharded, precision)[0]
+            if sharded is None:
+                return one.peak_bytes
+            traced_state = None
+            if optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
+                traced_state = est.breakdown.get("optimizer_state", 0)
+            return _rank_share(one, model, sharded, precision, traced_state)[0]
 
     eval_peak = eval_total = None
     if eval_est is not None:
         eval_peak, eval_total = eval_est.peak_bytes, eval_est.device_total_bytes
         if sharded is not None:
-            eval_peak, eval_total = _rank_share(eval_est, model, sharded, precision)
+            # The resident optimizer state is closed-form (a replica's, to shard) or the per-rank trace's.
+            traced_state = None
+            if optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
+                traced_state = est.breakdown.get("optimizer_state", 0)
+            eval_peak, eval_total = _rank_share(eval_est, model, sharded, precision, traced_state)
             notes.append("evaluation peak: this rank's share of the single-device evaluation trace, rescaled by "
                          "category (optimizer state, gradients and parameters as the plan shards them)")
     coverage = est.coverage.to_dict()
@@ -468,16 +486,19 @@ def predict(
     return report
 
 
-def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan,
-                precision: str | None) -> tuple[int, int | None]:
+def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precision: str | None,
+                traced_state: int | None = None) -> tuple[int, int | None]:
     """One rank's evaluation peak (and device total, keeping the single-device figure's allocator and context
-    overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`)."""
+    overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`).
+    ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
+    rank's, so not divided again)."""
     from preflight._target import per_rank_breakdown
-    from preflight.trace import float_dtype_for
 
     share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
                                   dtype=float_dtype_for(precision), offload_optimizer=plan.offload_optimizer,
                                   offload_params=plan.offload_params)
+    if traced_state is not None:
+        share["optimizer_state"] = traced_state
     peak = sum(share.values())
     total = eval_est.device_total_bytes
     return peak, None if total is None else total - eval_est.peak_bytes + peak
@@ -845,7 +866,8 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     training_need = report.predicted_device_total_bytes or report.predicted_peak_bytes
     lines = [
         f"preflight: the run is predicted to need {format_bytes(report.verdict_bytes)} per device "
-        f"({'evaluation' if report.verdict_bytes > training_need else 'training'} peak), over the usable {format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
+        f"({'evaluation' if report.verdict_bytes > training_need else 'training'} peak), over the usable "
+        f"{format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
         f"minus {report.headroom:.0%} headroom) on {report.device}.",
         f"  training step: {format_bytes(report.predicted_peak_bytes)} at {report.peak_phase}; "
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in report.predicted_breakdown.items() if v),

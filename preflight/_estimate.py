@@ -328,7 +328,8 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
     if target.type == "cuda":
         convolutions = [label for label in skipped if label.startswith("convolution")]
         others = [label for label in skipped if not label.startswith("convolution")]
-        return ([cudnn_workspace_note(convolutions)] if convolutions else []) + _uncalibrated_notes(others, torch.device("cpu"))
+        notes = [cudnn_workspace_note(convolutions)] if convolutions else []
+        return notes + _uncalibrated_notes(others, torch.device("cpu"))
     return [f"kernel scratch not calibrated for {len(skipped)} configuration(s): {', '.join(skipped[:3])}"]
 
 

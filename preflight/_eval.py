@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
-from preflight._estimate import summarize_events
+from preflight._estimate import _allocator_config, summarize_events
 from preflight._gpus import get_gpu
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
@@ -107,14 +107,15 @@ def estimate_eval(
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)
         events = round_events(events)
-        terms = cuda_terms(events, gpu_info, None)
+        terms = cuda_terms(events, gpu_info, _allocator_config(None))  # PYTORCH_CUDA_ALLOC_CONF, as for training
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     return Estimate(peak_bytes=peak, breakdown=breakdown, peak_phase=phase, device=str(target),
                     coverage=Coverage(traced=True, notes=tuple(notes)), timeline=timeline, steps=1,
                     trace_seconds=result.seconds, num_ops=result.num_ops, events=tuple(events),
-                    peak_reserved_bytes=reserved, device_total_bytes=total, gpu=None if gpu_info is None else gpu_info.name)
+                    peak_reserved_bytes=reserved, device_total_bytes=total,
+                    gpu=None if gpu_info is None else gpu_info.name)
 
 
 @swept

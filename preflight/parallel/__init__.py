@@ -12,7 +12,8 @@ one way: this package uses
 
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, default_units, fake_replica, rank_groups, trace_fsdp2
-from preflight.parallel._strategies import ParallelPlan, deepspeed_plan, fsdp_plan
+from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
+                                            fsdp_plan)
 
-__all__ = ["FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "deepspeed_plan", "default_units", "fake_replica",
-           "fake_world", "fsdp_plan", "rank_groups", "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
+           "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp_plan", "rank_groups", "trace_fsdp2"]

@@ -5,12 +5,15 @@ same few choices in their own words. The integrations read those words off the t
 and hand them here, where each becomes a `ParallelPlan`: the world size, the sharding (`preflight._sharding`'s
 vocabulary), and what is offloaded to the CPU, with a note saying where it came from.
 
-- FSDP (``torch.distributed.fsdp.ShardingStrategy`` or its name, in any case; HF's ``fsdp`` option strings):
+- FSDP (``torch.distributed.fsdp.ShardingStrategy`` or its name, in any case, as FSDP1 configs spell it):
   ``FULL_SHARD`` shards parameters, gradients and optimizer state (``fsdp-full``); ``SHARD_GRAD_OP`` gradients and
   optimizer state (``fsdp-grad-op``); ``NO_SHARD`` is data parallelism (``ddp``); ``HYBRID_SHARD`` and
   ``_HYBRID_SHARD_ZERO2`` shard as ``FULL_SHARD`` / ``SHARD_GRAD_OP`` inside a node and replicate across nodes,
   so one rank holds the share of the ranks in its node. ``CPUOffload(offload_params=True)`` keeps parameters,
-  gradients and the optimizer step on the CPU. FSDP2 (``fully_shard``) is ``fsdp2``.
+  gradients and the optimizer step on the CPU; with ``SHARD_GRAD_OP``, whose parameters are whole on the GPU
+  through forward and backward, the plan is predicted without the offload and says so (an upper bound). FSDP2
+  (``fully_shard``) is ``fsdp2``.
+- accelerate (`accelerate_plan`): the plugin its state says it applied, read by attribute name.
 - DeepSpeed (its JSON config, as a dict, a path or a JSON string): ``zero_optimization.stage`` 1, 2, 3 is
   ``zero1``, ``zero2``, ``zero3``; stage 0 is data parallelism; ``offload_optimizer.device`` and
   ``offload_param.device`` of ``cpu`` or ``nvme`` offload. The ``"auto"`` values the HF and Lightning integrations
@@ -25,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ParallelPlan", "deepspeed_plan", "fsdp_plan"]
+__all__ = ["ParallelPlan", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan"]
 
 _FSDP = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "ddp",
          "HYBRID_SHARD": "fsdp-full", "_HYBRID_SHARD_ZERO2": "fsdp-grad-op", "HYBRID_SHARD_ZERO2": "fsdp-grad-op"}
@@ -59,6 +62,7 @@ class ParallelPlan:
                 "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
 
     def note(self) -> str:
+        """The coverage note: where the plan came from and what it shards and offloads."""
         offloaded = [name for name, on in (("optimizer state", self.offload_optimizer),
                                            ("parameters", self.offload_params)) if on]
         return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {self.world_size} "
@@ -92,8 +96,14 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
     _check_world(world_size)
     if sharding == "ddp":
         cpu_offload = False  # NO_SHARD: predicted as data parallelism, whose replicas stay on the GPU
+    source = source or f"FSDP {name}"
+    if cpu_offload and sharding == "fsdp-grad-op":
+        # Whole parameters on the GPU through forward and backward: the per-category rescale has no offload for
+        # this strategy, so it is predicted without it, which counts more on the GPU than the run holds.
+        cpu_offload = False
+        source += " with CPU offload, predicted without it (an upper bound)"
     return ParallelPlan(world_size=min(group, world_size), sharding=sharding, offload_optimizer=cpu_offload,
-                        offload_params=cpu_offload, source=source or f"FSDP {name}")
+                        offload_params=cpu_offload, source=source)
 
 
 def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int,
@@ -111,7 +121,7 @@ def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size:
     if not isinstance(zero, Mapping):
         raise ValueError(f"DeepSpeed config: `zero_optimization` should be a mapping, got {zero!r}.")
     stage = zero.get("stage", 0)
-    if stage == "auto" or not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"DeepSpeed config: `zero_optimization.stage` should be 0, 1, 2 or 3, got {stage!r} "
                          "(preflight needs the stage the run will use).")
     offload_optimizer = _offloaded(zero.get("offload_optimizer")) or _offloaded(zero.get("cpu_offload"))
@@ -121,6 +131,54 @@ def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size:
         raise ValueError("DeepSpeed config: optimizer offload needs ZeRO stage 1, 2 or 3, but the stage is 0.")
     return ParallelPlan(world_size=world_size, sharding=sharding, offload_optimizer=offload_optimizer,
                         offload_params=offload_params, source=source or f"DeepSpeed ZeRO stage {stage}")
+
+
+def accelerate_plan(state: Any) -> ParallelPlan | None:
+    """The sharded plugin accelerate applied, from its state (``accelerator.state``, or the ``AcceleratorState``
+    the HF Trainer made): ``DeepSpeedPlugin`` (its config, with the values accelerate filled in) under
+    ``DistributedType.DEEPSPEED``; ``FullyShardedDataParallelPlugin`` under ``DistributedType.FSDP`` (FSDP2:
+    ``reshard_after_forward=False`` shards as ``SHARD_GRAD_OP``; FSDP1: its sharding strategy; offload only for
+    ``CPUOffload(offload_params=True)`` or ``CPUOffloadPolicy``, not FSDP2's default ``OffloadPolicy()``), hybrid
+    strategies over ``LOCAL_WORLD_SIZE`` ranks. None otherwise: a plugin accelerate did not apply (FSDP asked for on
+    CPU processes runs DDP) is not read."""
+    kind = getattr(state, "distributed_type", None)
+    kind = str(getattr(kind, "value", kind) or "").upper()
+    world = max(int(getattr(state, "num_processes", 1) or 1), 1)
+    if kind == "DEEPSPEED":
+        plugin = getattr(state, "deepspeed_plugin", None)
+        return deepspeed_plan(getattr(plugin, "deepspeed_config", None) or {}, world_size=world,
+                              source="accelerate's DeepSpeedPlugin")
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if kind != "FSDP" or fsdp is None:
+        return None
+    reshard = getattr(fsdp, "reshard_after_forward", None)
+    if getattr(fsdp, "fsdp_version", 1) == 2:
+        strategy = "SHARD_GRAD_OP" if reshard is False else "fsdp2"
+    else:
+        strategy = reshard if reshard not in (None, True, False) else getattr(fsdp, "sharding_strategy", None)
+    offload = getattr(fsdp, "cpu_offload", None)
+    offload = (offload if isinstance(offload, bool) else type(offload).__name__ == "CPUOffloadPolicy"
+               or bool(getattr(offload, "offload_params", False)))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
+                     source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})")
+
+
+def already_sharded(model: Any) -> str | None:
+    """What says that ``model``'s parameters are already one rank's shards (the strategy wrapped it before
+    preflight saw it), or None: DTensor parameters (FSDP2, ``fully_shard``), FSDP1's flat parameters, DeepSpeed
+    ZeRO-3's partitioned parameters (``ds_numel``)."""
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return f"parameter {name!r} is a DTensor (FSDP2)"
+        if getattr(p, "_is_flat_param", False):
+            return f"parameter {name!r} is an FSDP flat parameter"
+        if hasattr(p, "ds_numel"):
+            return f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3"
+    for module in model.modules():
+        if type(module).__name__ == "FullyShardedDataParallel":
+            return "a submodule is wrapped in FullyShardedDataParallel"
+    return None
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:

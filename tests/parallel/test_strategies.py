@@ -11,6 +11,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 import preflight
 from preflight._check import Options, predict
+from preflight._estimate import check_plan
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 
 
@@ -22,6 +23,7 @@ def test_fsdp_strategies_in_any_spelling(strategy, sharding):
     plan = fsdp_plan(strategy, world_size=8)
     assert (plan.sharding, plan.world_size, plan.offload_params) == (sharding, 8, False)
     assert plan.sharded is (sharding != "ddp")
+    check_plan(**fsdp_plan(strategy, world_size=8, cpu_offload=True).estimate_kwargs())  # estimate accepts it
 
 
 def test_hybrid_sharding_shards_over_one_node_and_offload_moves_state_to_the_cpu():
@@ -95,16 +97,20 @@ def test_lightning_strategies_are_read_into_plans():
     from preflight.integrations.lightning import _parallel_plan
 
     def trainer(strategy, world_size=8, num_devices=4):
-        return SimpleNamespace(strategy=strategy, world_size=world_size, num_devices=num_devices)
+        return SimpleNamespace(strategy=strategy, world_size=world_size, num_devices=num_devices, num_nodes=2)
 
     plan = _parallel_plan(trainer(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", cpu_offload=True)))
-    assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-grad-op", "offload_optimizer": True,
-                                      "offload_params": True}
+    # SHARD_GRAD_OP keeps whole parameters on the GPU: predicted without the offload, and the note says so.
+    assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-grad-op", "offload_optimizer": False,
+                                      "offload_params": False}
+    assert "with CPU offload, predicted without it (an upper bound)" in plan.note()
+    check_plan(**plan.estimate_kwargs())  # a plan estimate accepts
     assert "Lightning FSDPStrategy(SHARD_GRAD_OP)" in plan.note()
     hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear})
     assert _parallel_plan(trainer(hybrid)).world_size == 4  # the ranks of one node
     assert _parallel_plan(trainer(FSDPStrategy())).sharding == "fsdp-full"  # FSDP's default
     model_parallel = _parallel_plan(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=4)))
+    assert _parallel_plan(trainer(ModelParallelStrategy(), world_size=8)).world_size == 2  # "auto": num_nodes
     assert (model_parallel.sharding, model_parallel.world_size) == ("fsdp2", 2)
     assert _parallel_plan(trainer(DDPStrategy())) is None
     # DeepSpeed is not installed here: its strategy is recognised by name and read from its config.
@@ -120,8 +126,8 @@ def test_the_hf_trainer_plan_is_what_accelerate_applied(tmp_path):
     from preflight.integrations.hf import _parallel_plan
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    Trainer(model=make_gpt2(n_layer=1), args=args)
-    assert _parallel_plan() is None
+    trainer = Trainer(model=make_gpt2(n_layer=1), args=args)
+    assert _parallel_plan(trainer) is None and _parallel_plan(None) is None
 
 
 def test_accelerate_plugins_are_read_into_plans_when_applied():
@@ -130,20 +136,46 @@ def test_accelerate_plugins_are_read_into_plans_when_applied():
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from preflight.integrations.accelerate import _parallel_plan
+    from preflight.parallel import accelerate_plan
 
     def state(kind, **plugins):
         return SimpleNamespace(num_processes=4, distributed_type=kind, **{"fsdp_plugin": None, "deepspeed_plugin": None,
                                                                           **plugins})
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True, cpu_offload=CPUOffloadPolicy())
-    plan = _parallel_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
+    plan = accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
     assert (plan.sharding, plan.world_size, plan.offload_params) == ("fsdp2", 4, True)
+    # FSDP2's default is OffloadPolicy() (nothing offloaded), not None.
+    plan = accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)))
+    assert (plan.sharding, plan.offload_optimizer, plan.offload_params) == ("fsdp2", False, False)
     # A plugin accelerate did not apply (FSDP asked for on CPU processes runs DDP: MULTI_CPU) is not read.
-    assert _parallel_plan(state(DistributedType.MULTI_CPU, fsdp_plugin=plugin)) is None
+    assert accelerate_plan(state(DistributedType.MULTI_CPU, fsdp_plugin=plugin)) is None
     plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP")
-    assert _parallel_plan(state(DistributedType.FSDP, fsdp_plugin=plugin)).sharding == "fsdp-grad-op"
+    assert accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin)).sharding == "fsdp-grad-op"
     ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
-    plan = _parallel_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
+    plan = accelerate_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
     assert (plan.sharding, plan.offload_optimizer) == ("zero1", True)
-    assert _parallel_plan(state(DistributedType.NO)) is None
+    assert accelerate_plan(state(DistributedType.NO)) is None
+
+
+def test_a_model_the_strategy_already_sharded_gets_no_verdict_not_a_second_division():
+    from torch.distributed.fsdp import fully_shard
+
+    from preflight.parallel import already_sharded, fake_world
+
+    model = make_gpt2(n_layer=2, n_embd=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert already_sharded(model) is None
+    with fake_world(2, 0) as mesh:
+        sharded = make_gpt2(n_layer=2, n_embd=64)
+        fully_shard(sharded, mesh=mesh)
+        assert "is a DTensor (FSDP2)" in already_sharded(sharded)
+    # DeepSpeed ZeRO-3 marks its partitioned parameters with ds_numel (their full size).
+    next(model.parameters()).ds_numel = 123
+    assert "partitioned by DeepSpeed ZeRO-3" in already_sharded(model)
+    report = predict(model, optimizer, lm_batch(2, 16), options=Options(budget="100KiB", suggest=False),
+                     parallel=fsdp_plan("FULL_SHARD", world_size=4))
+    del next(model.parameters()).ds_numel
+    assert report.fits is None and report.coverage["lower_bound"] is True
+    assert any(w.startswith("no verdict: the strategy sharded the model before preflight saw it") for w in
+               report.warnings)

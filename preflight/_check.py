@@ -409,25 +409,25 @@ def predict(
             eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
                                      resident=resident, gpu=options.gpu)
 
-        def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
-            one = estimate_eval(model, b, step=eval_step, precision=precision, device=target, resident=resident,
-                                gpu=options.gpu)
+        # Under a sharded plan, this rank's share. The resident optimizer state is closed-form (a replica's, to
+        # shard) or the per-rank training trace's (kept as it is).
+        traced_state = None
+        if sharded is not None and optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
+            traced_state = est.breakdown.get("optimizer_state", 0)
+
+        def eval_figures(one: Estimate) -> tuple[int, int | None]:
             if sharded is None:
-                return one.peak_bytes
-            traced_state = None
-            if optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
-                traced_state = est.breakdown.get("optimizer_state", 0)
-            return _rank_share(one, model, sharded, precision, traced_state)[0]
+                return one.peak_bytes, one.device_total_bytes
+            return _rank_share(one, model, sharded, precision, traced_state)
+
+        def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
+            return eval_figures(estimate_eval(model, b, step=eval_step, precision=precision, device=target,
+                                              resident=resident, gpu=options.gpu))[0]
 
     eval_peak = eval_total = None
     if eval_est is not None:
-        eval_peak, eval_total = eval_est.peak_bytes, eval_est.device_total_bytes
+        eval_peak, eval_total = eval_figures(eval_est)
         if sharded is not None:
-            # The resident optimizer state is closed-form (a replica's, to shard) or the per-rank trace's.
-            traced_state = None
-            if optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
-                traced_state = est.breakdown.get("optimizer_state", 0)
-            eval_peak, eval_total = _rank_share(eval_est, model, sharded, precision, traced_state)
             notes.append("evaluation peak: this rank's share of the single-device evaluation trace, rescaled by "
                          "category (optimizer state, gradients and parameters as the plan shards them)")
     coverage = est.coverage.to_dict()

@@ -812,7 +812,6 @@ def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, optio
     form (`preflight._analytic.model_state`), labelled a lower bound (``coverage.lower_bound``), with the reason."""
     import preflight
     from preflight._analytic import model_state
-    from preflight.trace import float_dtype_for
 
     options, _ = _with_environment(options)
     target = resolve_device(device, model)
@@ -938,8 +937,6 @@ def _without_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
-    from preflight.trace import float_dtype_for
-
     dtype = float_dtype_for(precision)
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
@@ -961,9 +958,6 @@ def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precisi
     is known, else the traced training breakdown's), the last step's gradients when the trainer frees them only at
     the next backward and not before evaluating (``frees_gradients``: Lightning's default
     ``on_validation_model_zero_grad`` releases them), and DDP's buckets."""
-    from preflight._analytic import optimizer_state_bytes
-    from preflight.trace import float_dtype_for
-
     state = optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision))
     if state is None:
         state = estimate.breakdown.get("optimizer_state", 0) if estimate is not None else 0

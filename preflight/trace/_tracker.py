@@ -213,6 +213,10 @@ class StorageTracker(TorchDispatchMode):
         for fin in self._finalizers:
             fin.detach()
         self._finalizers.clear()
+        # The caller's operator callback usually closes over this tracker: drop it, so that the tracker and its fake
+        # mode die by reference counting when the trace returns, not in a later garbage collection that runs their
+        # finalizers (Python code) wherever the user's program happens to be, outside `deferred_interrupts`.
+        self.on_op = None
 
     # ---- gradient accumulation ----------------------------------------------------------------------------
     #

@@ -1,7 +1,9 @@
 """Interrupt `preflight.estimate` of a small GPT-2 with SIGINT at many moments; print one JSON line per attempt.
 
 Run as a script by ``test_interrupts.py`` (a crash of this process is one of the outcomes counted). Each attempt
-sends one SIGINT from a timer thread at a delay spread over the length of an uninterrupted estimate and records:
+sends one SIGINT from a timer thread at a delay spread over the length of an uninterrupted estimate (the send time
+is read after ``os.kill`` returns, so that a timer thread kept waiting for the GIL between the two cannot make a late
+signal look early) and records:
 
 - ``interrupt``: `KeyboardInterrupt` out of `estimate` (the clean outcome);
 - ``completed``: `estimate` returned the uninterrupted peak and the signal was sent after it had returned;
@@ -63,7 +65,7 @@ def main() -> None:
     for i in range(attempts):
         delay = seconds * 1.1 * (i + 0.5) / attempts  # spread over the whole estimate and a little after
         sent: list[float] = []
-        timer = threading.Timer(delay, lambda: (sent.append(time.perf_counter()), os.kill(os.getpid(), signal.SIGINT)))
+        timer = threading.Timer(delay, lambda: (os.kill(os.getpid(), signal.SIGINT), sent.append(time.perf_counter())))
         returned = peak = None
         outcome = None
         try:
@@ -122,8 +124,8 @@ def lightning(attempts: int) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             timing["start"] = time.perf_counter()
             if self.delay is not None:
-                timing["timer"] = threading.Timer(self.delay, lambda: (timing.__setitem__("sent", time.perf_counter()),
-                                                                       os.kill(os.getpid(), signal.SIGINT)))
+                timing["timer"] = threading.Timer(self.delay, lambda: (os.kill(os.getpid(), signal.SIGINT),
+                                                                       timing.__setitem__("sent", time.perf_counter())))
                 timing["timer"].start()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -3,6 +3,7 @@ handler as before, and no result from an interrupted trace."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -151,3 +152,37 @@ def test_interrupts_at_many_moments(args):
     assert all(r["peak"] in (None, baseline) for r in attempts)
     assert all(r["restored"] and r["handler_restored"] for r in attempts)
     assert after == baseline  # the process traces as before
+
+
+def _finalizable_garbage(run) -> list[str]:
+    """What ``run()`` leaves as cyclic garbage that runs Python code when a later collection frees it: objects with a
+    ``__del__``, weak references with a callback, fake modes and trackers (whose storages have both)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()  # nothing collected between the run and the look
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = [type(o).__qualname__ for o in gc.garbage
+                 if hasattr(type(o), "__del__") or (isinstance(o, weakref.ref) and o.__callback__ is not None)
+                 or type(o).__name__ in ("FakeTensorMode", "StorageTracker")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    return found
+
+
+@pytest.mark.parametrize("entry", ["estimate", "check", "fsdp2"])
+def test_a_trace_leaves_no_garbage_whose_collection_runs_python(entry):
+    # A later garbage collection runs such objects' finalizers wherever the user's program is, outside the deferral:
+    # a Ctrl-C that lands in one of them is printed and dropped ("Exception ignored in ... __del__"). What the trace
+    # made must die by reference counting before the deferral ends.
+    model, opt, x = _model()
+    step = lambda m, b: m(b).sum()  # noqa: E731
+    run = {"estimate": lambda: preflight.estimate(model, opt, x, step=step),
+           "check": lambda: preflight.check(model, opt, x, step=step, eval_batch=x, eval_step=lambda m, b: m(b), budget="1 GiB"),
+           "fsdp2": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp2")}[entry]
+    assert _finalizable_garbage(run) == []

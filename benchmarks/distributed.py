@@ -1,28 +1,31 @@
-"""Per-rank peak memory of real FSDP2 training on CPU processes (gloo), against preflight's per-rank prediction.
+"""Per-rank peak memory of real FSDP2 and FSDP1 training on CPU processes (gloo), against preflight's prediction.
 
-For each model and world size, `torch.multiprocessing` starts WORLD_SIZE processes that each build the same model
-(same seed), apply ``fully_shard`` to every decoder layer and then the root (FSDP2's defaults), build AdamW over
-the sharded parameters, and run two real training steps on the same batch. Each rank's measured peak is the
-profiler's allocator events over the two steps (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before
-them (the padded parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make
-(a collective's buffers, dropped with its finished work): they are put back where the address is allocated again
+For each engine, model and world size, `torch.multiprocessing` starts WORLD_SIZE processes that each build the same
+model (same seed) and wrap it as a user would: FSDP2, ``fully_shard`` on every decoder layer and then the root;
+FSDP1, ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer class})``, ``use_orig_params=True``
+(Lightning's and accelerate's default) and ``device_id=cpu``, FSDP1's defaults otherwise. Each builds AdamW over the
+wrapped parameters and runs two real training steps on the same batch. Each rank's measured peak is the profiler's
+allocator events over the two steps (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before them (the
+padded parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make (a
+collective's buffers, dropped with its finished work): they are put back where the address is allocated again
 (`preflight._measure.repaired_memory_peak`), an upper bound. Each configuration is measured REPEATS times, in fresh
 processes.
 
-    predicted  preflight.estimate(model, AdamW, batch, world_size=N, sharding="fsdp2"): each rank's step traced
-               through fully_shard under a fake process group (preflight.parallel), one figure per rank
-    rescaled   preflight.estimate(..., sharding="fsdp-full"): one unsharded trace rescaled per category (the
-               previous method), for comparison (not for the bf16 policy, which it cannot express)
+    predicted  preflight.estimate(model, AdamW, batch, world_size=N, sharding=...): "fsdp2", or "fsdp-full" /
+               "fsdp-grad-op" (FSDP1's FULL_SHARD / SHARD_GRAD_OP): each rank's step traced through the engine
+               under a fake process group (preflight.parallel), one figure per rank
+    rescaled   one unsharded trace rescaled per category (`preflight._target.shard_events`, what preflight does where
+               the per-rank trace cannot run), for comparison (not for the bf16 policies, which it cannot express)
     error      (predicted - largest measurement) / largest measurement, per rank; the rule is |error| <= 3%
 
-Run: python benchmarks/distributed.py            (about 10 minutes on 2 shared CPU cores)
+Run: python benchmarks/distributed.py            (about 20 minutes on 2 shared CPU cores)
 Writes benchmarks/results/distributed.md and prints the same table.
 
      python benchmarks/distributed.py --heap     (about 2 minutes)
 Cross-checks the profiler with glibc's own count of bytes in use (``mallinfo2``: ``uordblks + hblkhd``, every
-arena), sampled before and after every operator of the same two steps, for the Llama on 2 ranks, 3 runs: each rank's
-largest rise over the bytes in use before the step. It counts every malloc (gloo's own buffers, Python objects), so it
-is not the tensor peak, but it shows whether the peak changes from run to run.
+arena), sampled before and after every operator of the same two steps, for the FSDP2 Llama on 2 ranks, 3 runs: each
+rank's largest rise over the bytes in use before the step. It counts every malloc (gloo's own buffers, Python
+objects), so it is not the tensor peak, but it shows whether the peak changes from run to run.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ import torch.multiprocessing as mp
 REPEATS = 3  # fresh processes per configuration
 BATCH, SEQ = 4, 128  # sequences x tokens per step
 VOCAB = 8192  # small enough that four processes fit the machine beside each other
-# (model family, world size, FSDP2 MixedPrecisionPolicy: None or "bf16" = bf16 parameters, fp32 reduce-scatter)
-CONFIGS = (("llama", 2, None), ("llama", 4, None), ("gpt2", 2, None), ("gpt2", 4, None), ("llama", 2, "bf16"))
+# (sharding, model family, world size, mixed precision: None or "bf16" = bf16 parameters, fp32 reduce-scatter)
+CONFIGS = (("fsdp2", "llama", 2, None), ("fsdp2", "llama", 4, None), ("fsdp2", "gpt2", 2, None),
+           ("fsdp2", "gpt2", 4, None), ("fsdp2", "llama", 2, "bf16"),
+           ("fsdp-full", "llama", 2, None), ("fsdp-full", "gpt2", 4, None), ("fsdp-grad-op", "llama", 2, None),
+           ("fsdp-full", "llama", 2, "bf16"))
+ENGINES = {"fsdp2": "FSDP2", "fsdp-full": "FSDP1 FULL_SHARD", "fsdp-grad-op": "FSDP1 SHARD_GRAD_OP"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distributed.md")
 
 
@@ -68,12 +75,30 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.model.layers if hasattr(model, "model") else model.transformer.h
 
 
-def mp_policy(name: str | None) -> object:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def mp_policy(name: str | None, sharding: str = "fsdp2") -> object:
+    """FSDP2's ``MixedPrecisionPolicy`` or FSDP1's ``MixedPrecision`` for ``name``."""
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
     if name is None:
         return None
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy if sharding == "fsdp2" else MixedPrecision
+    return policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def wrap(model: torch.nn.Module, sharding: str, mixed: str | None) -> torch.nn.Module:
+    """``model`` wrapped as a user would (module docstring)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if sharding == "fsdp2":
+        options = {} if mixed is None else {"mp_policy": mp_policy(mixed)}
+        for layer in decoder_layers(model):
+            fully_shard(layer, **options)
+        return fully_shard(model, **options)
+    strategy = ShardingStrategy.FULL_SHARD if sharding == "fsdp-full" else ShardingStrategy.SHARD_GRAD_OP
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(decoder_layers(model)[0])}),
+                                    sharding_strategy=strategy, mixed_precision=mp_policy(mixed, sharding),
+                                    use_orig_params=True, device_id=torch.device("cpu"))
 
 
 def _heap_in_use() -> int:
@@ -107,10 +132,10 @@ def _heap_peak(fn: object) -> int:
     return sampler.peak - base
 
 
-def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: int, queue: object,
+def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str | None, port: int, queue: object,
             heap: bool = False) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     from preflight._device import live_storage_bytes
     from preflight._measure import cpu_profiled_peak
@@ -122,13 +147,13 @@ def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: in
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model, batch = build(family)
-        options = {} if mixed is None else {"mp_policy": mp_policy(mixed)}
-        for layer in decoder_layers(model):
-            fully_shard(layer, **options)
-        fully_shard(model, **options)
+        model = wrap(model, sharding, mixed)
         optimizer = torch.optim.AdamW(model.parameters())
         model.train()
-        shards = [p.to_local() for p in model.parameters()]
+        if sharding == "fsdp2":
+            shards = [p.to_local() for p in model.parameters()]
+        else:  # the flat parameters' shards (the original parameters are views into them)
+            shards = [m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle]
         before = live_storage_bytes([shards, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
 
@@ -144,59 +169,80 @@ def _worker(rank: int, world_size: int, family: str, mixed: str | None, port: in
         dist.destroy_process_group()
 
 
-def measure(family: str, world_size: int, mixed: str | None = None, heap: bool = False) -> list[int]:
+def measure(sharding: str, family: str, world_size: int, mixed: str | None = None, heap: bool = False) -> list[int]:
     """Each rank's measured peak in one run of ``world_size`` fresh processes."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world_size, family, mixed, port, queue, heap), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, sharding, family, mixed, port, queue, heap), nprocs=world_size,
+                       start_method="spawn")
     peaks = dict(queue.get() for _ in range(world_size))
     return [peaks[r] for r in range(world_size)]
 
 
 def predict(family: str, world_size: int, sharding: str, mixed: str | None = None) -> list[int]:
+    """Each rank's prediction, traced through the engine."""
     import preflight
-    from preflight.parallel import FSDP2Plan
+    from preflight.parallel import FSDP1Plan, FSDP2Plan
 
     model, batch = build(family)
-    plan = FSDP2Plan(mp_policy=mp_policy(mixed)) if sharding == "fsdp2" else None
+    if sharding == "fsdp2":
+        plan = FSDP2Plan(mp_policy=mp_policy(mixed))
+    else:
+        plan = FSDP1Plan(mixed_precision=mp_policy(mixed, sharding))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
                              sharding=sharding, fsdp=plan)
-    return list(est.per_rank_peak_bytes or [est.peak_bytes] * world_size)
+    assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per rank, not rescaled
+    return list(est.per_rank_peak_bytes)
+
+
+def rescale(family: str, world_size: int, sharding: str) -> int:
+    """One unsharded trace rescaled per category to one rank's share (``fsdp2`` as ``fsdp-full``)."""
+    import preflight
+    from preflight._estimate import summarize_events
+    from preflight._target import shard_events
+
+    model, batch = build(family)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch)
+    events, categories, _ = shard_events(est.events, est.categories, model, world_size=world_size,
+                                         sharding="fsdp-full" if sharding == "fsdp2" else sharding, dtype=None)
+    return summarize_events(events, categories)[0]
 
 
 def main() -> int:
     warnings.filterwarnings("ignore")
     if "--heap" in sys.argv:
         for run in range(REPEATS):
-            print(f"llama x2 run {run + 1}: heap in use, largest rise per rank:", measure("llama", 2, heap=True))
+            print(f"llama x2 run {run + 1}: heap in use, largest rise per rank:",
+                  measure("fsdp2", "llama", 2, heap=True))
         return 0
     rows = []
     worst = 0.0
     start = time.perf_counter()
-    for family, world_size, mixed in CONFIGS:
-        runs = [measure(family, world_size, mixed) for _ in range(REPEATS)]
-        predicted = predict(family, world_size, "fsdp2", mixed)
-        rescaled = predict(family, world_size, "fsdp-full") if mixed is None else None
+    for sharding, family, world_size, mixed in CONFIGS:
+        runs = [measure(sharding, family, world_size, mixed) for _ in range(REPEATS)]
+        predicted = predict(family, world_size, sharding, mixed)
+        rescaled = rescale(family, world_size, sharding) if mixed is None else None
         for rank in range(world_size):
             low, high = min(r[rank] for r in runs), max(r[rank] for r in runs)
             error = (predicted[rank] - high) / high
             worst = max(worst, abs(error))
-            old = "n/a" if rescaled is None else f"{(rescaled[rank] - high) / high:+.1%}"
-            engine = f"FSDP2 {family}" + (f" {mixed} params" if mixed else "")
+            old = "n/a" if rescaled is None else f"{(rescaled - high) / high:+.1%}"
+            engine = f"{ENGINES[sharding]} {family}" + (f" {mixed} params" if mixed else "")
             rows.append((engine, world_size, rank, low, high, predicted[rank], (predicted[rank] - low) / low, error,
                          old))
-        print(f"  {family} x{world_size} {mixed}: measured {runs}, predicted {predicted}", file=sys.stderr)
+        print(f"  {sharding} {family} x{world_size} {mixed}: measured {runs}, predicted {predicted}", file=sys.stderr)
     mib = 1 << 20
     lines = [
-        "Real FSDP2 (fully_shard per decoder layer + root), gloo on CPU processes, 4 layers, hidden 256, vocab "
+        "Real FSDP2 (fully_shard per decoder layer + root) and FSDP1 (FullyShardedDataParallel, decoder layers "
+        "auto-wrapped, use_orig_params=True), gloo on CPU processes, 4 layers, hidden 256, vocab "
         f"{VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs per configuration. "
         f"Command: `python benchmarks/distributed.py`. torch {torch.__version__}.",
         "",
         "| engine | world size | rank | measured min (MiB) | measured max (MiB) | predicted (MiB) | error vs min "
-        "| error vs max | fsdp-full rescale vs max |",
+        "| error vs max | rescaled vs max |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for engine, world_size, rank, low, high, predicted, vs_low, error, rescaled in rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -23,7 +24,8 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
-from preflight.parallel import FSDP2Plan, ProcessGroupInUseError, rank_groups, trace_fsdp2
+from preflight.parallel import FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, fsdp1_rank_groups, rank_groups
+from preflight.parallel import trace_fsdp1, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "summarize_events"]
@@ -53,7 +55,7 @@ def estimate(
     allocator: AllocatorConfig | str | None = None,
     routing: str = "balanced",
     fast: bool = False,
-    fsdp: FSDP2Plan | None = None,
+    fsdp: FSDP2Plan | FSDP1Plan | None = None,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -184,18 +186,15 @@ def estimate(
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
-    if fsdp is not None and not isinstance(fsdp, FSDP2Plan):
-        raise TypeError(f"`fsdp` should be a preflight.parallel.FSDP2Plan or None, got {type(fsdp).__name__}.")
-    if fsdp is not None and sharding != "fsdp2":
-        raise ValueError(f"`fsdp` describes an FSDP2 plan, but `sharding` is {sharding!r}: pass sharding='fsdp2'.")
+    plan = fsdp_trace_plan(fsdp, sharding)
     composed_note = None
     ranks = rank_note = None
-    if sharding == "fsdp2":
-        ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, fsdp or FSDP2Plan(), offload, options,
+    if plan is not None:
+        ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, plan, sharding, offload, options,
                                         fast=fast)
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
-                                  allocator=allocator, steps=steps, world_size=world_size)
+                                  allocator=allocator, steps=steps, world_size=world_size, sharding=sharding)
     calibrator = Calibrator(target, can_run=(trace_device == target))
     if fast:  # the shallow traces are calibrated before they are composed
         result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **options)
@@ -278,34 +277,71 @@ def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool
     return sharding
 
 
-def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, world_size: int, plan: FSDP2Plan,
-                 offload: dict[str, bool], options: dict[str, Any], *,
+# The FSDP1 sharding strategy each per-rank sharding name traces (`preflight.parallel.FSDP1Plan`).
+_FSDP1_STRATEGIES = {"fsdp-full": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP"}
+
+
+def fsdp_trace_plan(fsdp: Any, sharding: str | None) -> FSDP1Plan | FSDP2Plan | None:
+    """The plan the per-rank trace of ``sharding`` follows (``fsdp``, or the engine's defaults), or None where the
+    sharding is not traced per rank; a ValueError for a plan of the other engine."""
+    if fsdp is not None and not isinstance(fsdp, (FSDP1Plan, FSDP2Plan)):
+        raise TypeError("`fsdp` should be a preflight.parallel.FSDP2Plan (fully_shard) or FSDP1Plan "
+                        f"(FullyShardedDataParallel) or None, got {type(fsdp).__name__}.")
+    if sharding == "fsdp2":
+        if isinstance(fsdp, FSDP1Plan):
+            raise ValueError("`fsdp` is an FSDP1Plan (FullyShardedDataParallel), but `sharding` is 'fsdp2' "
+                             "(fully_shard): pass sharding='fsdp-full' or 'fsdp-grad-op', or an FSDP2Plan.")
+        return fsdp or FSDP2Plan()
+    if sharding in _FSDP1_STRATEGIES:
+        if isinstance(fsdp, FSDP2Plan):
+            raise ValueError(f"`fsdp` is an FSDP2Plan (fully_shard), but `sharding` is {sharding!r} "
+                             "(FullyShardedDataParallel): pass sharding='fsdp2', or an FSDP1Plan.")
+        plan, strategy = fsdp or FSDP1Plan(), _FSDP1_STRATEGIES[sharding]
+        if plan.sharding_strategy not in (None, strategy):
+            raise ValueError(f"`fsdp` says sharding_strategy={plan.sharding_strategy!r}, but `sharding` is "
+                             f"{sharding!r} ({strategy}): leave the plan's strategy to `sharding`, or make them "
+                             "agree.")
+        return dataclasses.replace(plan, sharding_strategy=strategy)
+    if fsdp is not None:
+        raise ValueError(f"`fsdp` says how FSDP wraps the model, but `sharding` is {sharding!r}: pass "
+                         "sharding='fsdp2', 'fsdp-full' or 'fsdp-grad-op'.")
+    return None
+
+
+def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, world_size: int,
+                 plan: FSDP1Plan | FSDP2Plan, sharding: str, offload: dict[str, bool], options: dict[str, Any], *,
                  fast: bool) -> tuple[list[tuple[list[int], Any]] | None, str]:
-    """Each distinct rank's FSDP2 trace as ``[(ranks, TraceResult), ...]`` and a note, or None and the reason the
+    """Each distinct rank's sharded trace as ``[(ranks, TraceResult), ...]`` and a note, or None and the reason the
     caller rescales a single-device trace instead."""
-    rescaled = "rescaled as fsdp-full from a single-device trace"
+    fsdp1 = isinstance(plan, FSDP1Plan)
+    engine = f"FullyShardedDataParallel({plan.sharding_strategy})" if fsdp1 else "fully_shard"
+    rescaled = f"rescaled as {'fsdp-full' if sharding == 'fsdp2' else sharding} from a single-device trace"
     if any(offload.values()):
-        return None, f"fsdp2: CPUOffloadPolicy is not traced per rank yet; {rescaled}"
+        return None, f"{sharding}: CPU offload is not traced per rank yet; {rescaled}"
     if getattr(optimizer, "is_paged", False):
-        return None, f"fsdp2: paged optimizers are not traced per rank; {rescaled}"
+        return None, f"{sharding}: paged optimizers are not traced per rank; {rescaled}"
     cuda = options["cuda"]
     if cuda is None and options["target_device"].type == "cuda":
         cuda = CudaTarget.of(None)
-    groups = rank_groups(model, world_size)
+    trace = trace_fsdp1 if fsdp1 else trace_fsdp2
     traced: list[tuple[list[int], Any]] = []
     try:
+        groups = fsdp1_rank_groups(model, plan, world_size) if fsdp1 else rank_groups(model, world_size)
         for group in groups:
-            result = trace_fsdp2(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
-                                 step=options["step"], precision=options["precision"], steps=options["steps"],
-                                 schedule=options["schedule"], record_op=options["record_op"],
-                                 routing=options["routing"], cuda=cuda)
+            result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
+                           step=options["step"], precision=options["precision"], steps=options["steps"],
+                           schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
+                           cuda=cuda)
             if result.error is not None:
                 reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
-                return None, f"fsdp2: the sharded trace of rank {group[0]} stopped at {result.failed_op} ({reason}); " \
-                             f"{rescaled}"
+                return None, f"{sharding}: the sharded trace of rank {group[0]} stopped at {result.failed_op} " \
+                             f"({reason}); {rescaled}"
             traced.append((group, result))
     except ProcessGroupInUseError as err:
-        return None, f"fsdp2: {err}; {rescaled}"
+        return None, f"{sharding}: {err}; {rescaled}"
+    except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+        return None, f"{sharding}: {engine} could not wrap the model ({reason}); {rescaled}"
     if len(groups) == 1:
         shared = f"every rank holds equally padded shards of the same shapes: one trace stands for all {world_size}"
     else:
@@ -313,7 +349,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
     units = len(plan.units) if plan.units is not None else None
     wrapped = f"{units} unit(s)" if units is not None else "each entry of the largest nn.ModuleList"
-    note = (f"fsdp2: each rank's step traced through fully_shard ({wrapped}, then the root) under a fake process "
+    note = (f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under a fake process "
             f"group of {world_size} ranks; {shared}")
     if fast:
         note += "; fast=True does not apply to the sharded trace (traced in full)"
@@ -335,7 +371,7 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
 
 def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
                        trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
-                       world_size: int) -> Estimate:
+                       world_size: int, sharding: str) -> Estimate:
     """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`)."""
     figures = []
     for group, result in ranks:
@@ -376,7 +412,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         device_total_bytes=total,
         gpu=None if gpu_info is None else gpu_info.name,
         world_size=world_size,
-        sharding="fsdp2",
+        sharding=sharding,
         per_rank_peak_bytes=tuple(per_rank),
         peak_rank=peak_rank,
         events=tuple(events),

@@ -1,12 +1,10 @@
 """One rank's training step under FSDP2 (``fully_shard``), traced on fake tensors with a fake process group.
 
-The user's model is copied (`fake_replica`: the module tree with fake twins for its parameters and buffers; the
-user's tensors are only read), ``fully_shard`` is applied to the copy as the plan says, inside a fake process group
-of the real world size (`preflight.parallel._fake_group`), and the real training step (forward, backward,
-optimizer step, ``zero_grad``: `preflight._steps.run_steps`) runs on it under the same `StorageTracker` as a
-single-device trace. So one rank's peak comes out of FSDP2's own program: the padded parameter shards, the
-all-gather output of the unit in use and of the prefetched ones, the unsharded gradients and the reduce-scatter
-input and output, and the optimizer state over the local shards, which for uneven shards differs between ranks.
+``fully_shard`` is applied to a fake copy of the model as the plan says, and the step runs as
+`preflight.parallel._rank.trace_rank` describes. So one rank's peak comes out of FSDP2's own program: the padded
+parameter shards, the all-gather output of the unit in use and of the prefetched ones, the unsharded gradients and
+the reduce-scatter input and output, and the optimizer state over the local shards, which for uneven shards
+differs between ranks.
 
 FSDP2 frees and re-allocates its all-gather outputs by resizing their storages in place
 (``_fsdp_param.alloc_storage`` / ``free_storage``), which no operator sees: those two functions are wrapped for
@@ -14,7 +12,7 @@ the trace to report each resize to the tracker. Storages made inside FSDP2's col
 ``foreach_all_gather_copy_out``, ``foreach_reduce``) and the unsharded parameters are in `Category.COMMUNICATION`;
 the sharded gradient the reduce-scatter writes is in `Category.GRADIENTS` from the moment it is assigned.
 
-Known limitations: ``CPUOffloadPolicy``, HSDP (2-D meshes), FSDP1, ``torch.compile`` of the sharded model and
+Known limitations: ``CPUOffloadPolicy``, HSDP (2-D meshes), ``torch.compile`` of the sharded model and
 optimizers that already hold state are not traced here (the caller rescales a single-device trace instead);
 communication libraries' own buffers (NCCL's) are not tensors and are not counted.
 """
@@ -22,31 +20,25 @@ communication libraries' own buffers (NCCL's) are not tensors and are not counte
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from preflight._device import iter_tensors, named_tensors
-from preflight._errors import StepWouldFailError
-from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
-from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
-from preflight.cuda import CudaTarget, emulate_cuda
-from preflight.parallel._fake_group import fake_world
-from preflight.trace import TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_rng, mark_user_error
-from preflight.trace import Sweep, swept
-from preflight.trace._compat import real_run_paths
-from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
-from preflight.trace._tracker import StorageTracker, failed_op_of
-from preflight.trace._twin import TwinMaker, clone_optimizer
+from preflight._steps import Schedule, StepFn
+from preflight.cuda import CudaTarget
+from preflight.parallel._rank import Engine, ScratchedDist, communicating, default_units, patched, trace_rank
+from preflight.trace import Sweep, TraceResult, swept
+from preflight.trace._tracker import StorageTracker
+from preflight.trace._twin import clone_optimizer
 
-__all__ = ["FSDP2Plan", "default_units", "fake_replica", "rank_groups", "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "rank_groups", "trace_fsdp2"]
+
+# gloo's working copy (`preflight.parallel._rank.GlooScratch`) of the collectives FSDP2 calls.
+_GLOO_SIZES = {"all_gather_single": "output", "reduce_scatter_single": "input"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,30 +74,6 @@ class FSDP2Plan:
         flag = self.reshard_after_forward
         if not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1):
             raise ValueError(f"`reshard_after_forward` should be True, False or a positive int, got {flag!r}.")
-
-
-def default_units(model: nn.Module) -> tuple[str, ...]:
-    """The qualified names of the entries of ``model``'s largest ``nn.ModuleList`` (by parameter count)."""
-    best, best_size = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = name, size
-    if best is None:
-        return ()
-    return tuple(f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best))))
-
-
-def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
-    tensors are read, never copied or changed."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = twins.tensor(b, requires_grad=False)
-    return copy.deepcopy(model, memo)
 
 
 def rank_groups(model: nn.Module, world_size: int) -> list[list[int]]:
@@ -158,84 +126,29 @@ def trace_fsdp2(
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
-    from torch.distributed.fsdp import fully_shard
+    return trace_rank(_engine(plan), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
+                      precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
+                      cuda=cuda, sweep=sweep)
 
-    start = time.perf_counter()
-    device = torch.device("cpu")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    op_log: list[tuple[int, int, Any, Any, Any]] = []
 
-    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if record_op is not None and record_op(func, args):
-            op_log.append((index, len(tracker.events), func, torch.utils._pytree.tree_map(TensorSpec.of, args),
-                           torch.utils._pytree.tree_map(TensorSpec.of, kwargs)))
+def _engine(plan: FSDP2Plan) -> Engine:
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
 
-    tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None)
-    sweep.watch(tracker.tensors)
-    twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))
-    notes: list[str] = []
-    error = failed = user_error = None
+        units = plan.units if plan.units is not None else default_units(replica)
+        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
+        if plan.mp_policy is not None:
+            options["mp_policy"] = plan.mp_policy
+        for name in units:
+            fully_shard(replica.get_submodule(name), **options)
+        fully_shard(replica, **options)  # FSDP2 itself keeps the root's parameters after forward
+        return replica
 
-    def result() -> TraceResult:
-        tracker.detach()
-        return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
-                           num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
-                           failed_op=failed, op_log=op_log, notes=notes)
+    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        return clone_optimizer(user, _ShardedParams(model, dict(wrapped.named_parameters())), foreach=None)
 
-    with fake_world(world_size, rank) as mesh, isolated_rng():
-        try:
-            replica = fake_replica(model, twins)
-            units = plan.units if plan.units is not None else default_units(replica)
-            options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
-            if plan.mp_policy is not None:
-                options["mp_policy"] = plan.mp_policy
-            with fake_mode:
-                for name in units:
-                    fully_shard(replica.get_submodule(name), **options)
-                fully_shard(replica, **options)  # FSDP2 itself keeps the root's parameters after forward
-            params = dict(replica.named_parameters())
-            fake_opt = clone_optimizer(optimizer, _ShardedParams(model, params), foreach=None)
-        except Exception as err:  # noqa: BLE001 - a model FSDP2 cannot shard gets the rescaled estimate
-            error, failed = err, f"fully_shard ({type(err).__name__})"
-            return result()
-        for name, p in params.items():
-            tracker.register(p, Category.PARAMETERS)
-        for name, b in replica.named_buffers():
-            tracker.register(b, Category.BUFFERS)
-        fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
-        for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
-            tracker.register(fake, Category.INPUTS)
-            tracker.names[fake] = f"the batch{path}"
-            if can_shadow(real):
-                tracker.shadow(fake, real.detach().to("cpu", copy=True))
-        on_phase = phase_bookkeeping(tracker, fake_opt)
-        emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
-        # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
-        watched = watched_fsdp2(tracker, gloo=cuda is None)
-        with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched:
-            try:
-                replica.train()
-                run_steps(replica, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
-                          steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
-            except (LossNotFoundError, StepWouldFailError):
-                raise
-            except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
-                if is_user_error(err):
-                    user_error = err
-                else:
-                    error, failed = err, failed_op_of(err)
-            finally:
-                if emulated is not None:
-                    notes.append(emulated.note())
-    if user_error is not None:
-        raise mark_user_error(user_error)
-    if tracker.layouts is not None and tracker.layouts.note():
-        notes.append(tracker.layouts.note())
-    notes.extend(tracker.random_notes())
-    if tracker.routing.note():
-        notes.append(tracker.routing.note())
-    return result()
+    return Engine(name="fully_shard", wrap=wrap, optimizer=optimizer,
+                  parameters=lambda wrapped: list(wrapped.parameters()), watch=watched_fsdp2)
 
 
 class _ShardedParams:
@@ -255,41 +168,11 @@ class _ShardedParams:
         return found
 
 
-class _GlooScratch:
-    """gloo's working copy of a collective on CPU tensors. Measured with the profiler on 2 processes (torch 2.13):
-    during the call, gloo's worker thread allocates a copy of the full buffer (``all_gather_into_tensor``: the size
-    of its output; ``reduce_scatter_tensor``: the size of its input) and frees it before the call returns. The
-    trace allocates the same block for the duration of each collective."""
-
-    def wrap(self, collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            buffer = kwargs[size_of] if size_of in kwargs else args[0 if size_of == "output" else 1]
-            scratch = torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8, device=buffer.device)
-            try:
-                return collective(*args, **kwargs)
-            finally:
-                del scratch
-        return run
-
-
-class _Collectives:
-    """``torch.distributed`` as FSDP2's collectives module sees it during the trace: the same, but for the two
-    collectives whose backend scratch is modelled (`_GlooScratch`)."""
-
-    def __init__(self, dist: Any, scratch: _GlooScratch) -> None:
-        self._dist = dist
-        self.all_gather_single = scratch.wrap(dist.all_gather_single, "output")
-        self.reduce_scatter_single = scratch.wrap(dist.reduce_scatter_single, "input")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dist, name)
-
-
 @contextlib.contextmanager
 def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     """For the block, report FSDP2's in-place storage resizes to ``tracker`` and put what its collectives allocate in
     `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's working copy at each collective
-    (`_GlooScratch`). Put back on exit."""
+    (`preflight.parallel._rank.GlooScratch`). Put back on exit."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -302,19 +185,11 @@ def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
         free(tensor)
         tracker.resized(tensor)
 
-    def communicating(fn: Callable[..., Any], *, grads: bool = False) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            before, tracker.phase_category = tracker.phase_category, Category.COMMUNICATION
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                tracker.phase_category = before
-                if grads:  # foreach_reduce(fsdp_params, ...) assigned each parameter's sharded gradient
-                    for fsdp_param in args[0]:
-                        grad = fsdp_param.sharded_param.grad
-                        if grad is not None:
-                            tracker.label(grad, Category.GRADIENTS)
-        return run
+    def sharded_grads(fsdp_params: Any, *args: Any, **kwargs: Any) -> None:
+        for fsdp_param in fsdp_params:  # foreach_reduce(fsdp_params, ...) assigned each one's sharded gradient
+            grad = fsdp_param.sharded_param.grad
+            if grad is not None:
+                tracker.label(grad, Category.GRADIENTS)
 
     reset = _fsdp_param.FSDPParam.reset_sharded_param
 
@@ -335,16 +210,9 @@ def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
                (_fsdp_param_group, "alloc_storage", alloc_storage),
                (_fsdp_param.FSDPParam, "reset_sharded_param", reset_sharded_param)]
     for name in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"):
-        patches.append((_fsdp_param_group, name,
-                        communicating(getattr(_fsdp_param_group, name), grads=name == "foreach_reduce")))
-    scratch = _GlooScratch()
+        after = sharded_grads if name == "foreach_reduce" else None
+        patches.append((_fsdp_param_group, name, communicating(tracker, getattr(_fsdp_param_group, name), after)))
     if gloo:
-        patches.append((_fsdp_collectives, "dist", _Collectives(_fsdp_collectives.dist, scratch)))
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    try:
-        for module, name, fn in patches:
-            setattr(module, name, fn)
+        patches.append((_fsdp_collectives, "dist", ScratchedDist(_fsdp_collectives.dist, _GLOO_SIZES)))
+    with patched(patches):
         yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)

@@ -64,8 +64,8 @@ class TwinMaker:
 
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *,
-                    foreach: bool | None) -> torch.optim.Optimizer:
+def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bool | None,
+                    param_groups: list[tuple[int, list[torch.Tensor]]] | None = None) -> torch.optim.Optimizer:
     """A new optimizer of the same class and hyperparameters over the twins of ``optimizer``'s parameters.
 
     Existing state (an optimizer that has stepped, e.g. resumed from a checkpoint) is twinned too.
@@ -73,14 +73,20 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, twins: TwinMaker, *,
     Args:
         foreach: when not None, set ``foreach`` on every group that left it to the default (``None``), so the
             trace uses the implementation the target device would (for-loop on CPU, foreach on CUDA).
+        param_groups: the clone's groups as ``(index of the user's group whose hyperparameters it takes,
+            parameters)``, for a clone whose parameters do not map one to one (FSDP1's flat parameters); default:
+            each group's twins.
 
     Raises:
         TypeError: the class cannot be rebuilt from its ``param_groups`` and ``defaults``.
     """
     groups = []
-    for group in optimizer.param_groups:
-        new_group = {k: v for k, v in group.items() if k != "params"}
-        new_group["params"] = [twins.tensor(p) for p in group["params"]]
+    if param_groups is None:
+        param_groups = [(i, [twins.tensor(p) for p in group["params"]])
+                        for i, group in enumerate(optimizer.param_groups)]
+    for index, params in param_groups:
+        new_group = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
+        new_group["params"] = params
         if foreach is not None and "foreach" in new_group and new_group["foreach"] is None:
             new_group["foreach"] = foreach
         groups.append(new_group)

@@ -125,12 +125,16 @@ def test_an_initialised_process_group_is_left_alone_and_the_estimate_rescales():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+        # FSDP1's trace needs the fake group too: both rescale the same single-device trace.
+        rescaled = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD,
+                                      sharding="fsdp-full")
         assert dist.is_initialized() and dist.get_world_size() == 2
     finally:
         dist.destroy_process_group()
     assert est.per_rank_peak_bytes is None and est.sharding == "fsdp2"
-    assert any("already initialised" in n and "rescaled as fsdp-full" in n for n in est.coverage.notes)
-    rescaled = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp-full")
+    assert rescaled.per_rank_peak_bytes is None
+    for e in (est, rescaled):
+        assert any("already initialised" in n and "rescaled as fsdp-full" in n for n in e.coverage.notes)
     assert est.peak_bytes == rescaled.peak_bytes
 
 

@@ -1,0 +1,266 @@
+"""One rank's training step under FSDP1 (``FullyShardedDataParallel``), traced on fake tensors with a fake group.
+
+The fake copy of the model is wrapped as the plan says (the units by ``auto_wrap_policy``, then the root, with the
+plan's sharding strategy, ``MixedPrecision``, prefetching and ``use_orig_params``), and the step runs as
+`preflight.parallel._rank.trace_rank` describes. So one rank's peak comes out of FSDP1's own program: each unit's
+flat parameter shard, padded to a multiple of the world size, the unsharded flat parameter of the unit in use and of
+the prefetched ones (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``), the low-precision shard
+under ``MixedPrecision``, the padded unsharded gradient and the reduce-scatter output, and the optimizer state over
+this rank's views (``use_orig_params=True``: only the parameters' parts in this rank's shard, so the ranks holding
+the padding hold less) or over the flat shards.
+
+FSDP1 frees and re-allocates its unsharded flat parameters and low-precision shards by resizing their storages in
+place (``torch.distributed.utils._alloc_storage`` / ``_free_storage``, imported by ``_flat_param``), which no
+operator sees: they are wrapped to report each resize to the tracker, the new block in `Category.COMMUNICATION`.
+What the gradient reduction allocates (``_runtime_utils._reduce_grad``: the padded unsharded gradient and the
+reduce-scatter output) is in `Category.COMMUNICATION` until it is the flat parameter's sharded gradient, in
+`Category.GRADIENTS`.
+
+Known limitations: ``CPUOffload``, HSDP's two groups (the caller traces a hybrid strategy as its intra-node
+sharding over the ranks of one node), ``torch.compile`` and communication libraries' own buffers (NCCL's) are not
+traced here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._result import Category
+from preflight._steps import Schedule, StepFn
+from preflight.cuda import CudaTarget
+from preflight.parallel._fake_group import fake_world
+from preflight.parallel._rank import Engine, ScratchedDist, communicating, default_units, fake_replica, patched
+from preflight.parallel._rank import trace_rank
+from preflight.trace import Sweep, TraceResult, swept
+from preflight.trace._tracker import StorageTracker
+from preflight.trace._twin import TwinMaker, clone_optimizer
+
+__all__ = ["FSDP1Plan", "fsdp1_rank_groups", "trace_fsdp1"]
+
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+# gloo's working copy (`preflight.parallel._rank.GlooScratch`) of the collectives FSDP1 calls.
+_GLOO_SIZES = {"all_gather_single": "output", "reduce_scatter_single": "input"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP1Plan:
+    """How ``FullyShardedDataParallel`` wraps the model, as the training script (or its strategy) wraps it.
+
+    Attributes:
+        units: qualified names of the submodules that become their own FSDP unit (the ``auto_wrap_policy``'s
+            choice); the root is always one. None: every entry of the model's largest ``nn.ModuleList``, what
+            Lightning's and accelerate's transformer-layer policies pick.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (a ``ShardingStrategy`` member or
+            its name); None: the one `preflight.estimate`'s ``sharding`` names (``"fsdp-full"``: ``FULL_SHARD``,
+            ``"fsdp-grad-op"``: ``SHARD_GRAD_OP``). A hybrid strategy is traced as its intra-node strategy over the
+            ranks of one node.
+        mixed_precision: ``torch.distributed.fsdp.MixedPrecision`` or None.
+        use_orig_params: as FSDP's argument (Lightning's and accelerate's default is True).
+        backward_prefetch: ``"BACKWARD_PRE"`` (FSDP's default), ``"BACKWARD_POST"`` or None.
+        forward_prefetch, limit_all_gathers: as FSDP's arguments.
+    """
+
+    units: tuple[str, ...] | None = None
+    sharding_strategy: Any = None
+    mixed_precision: Any = None
+    use_orig_params: bool = True
+    backward_prefetch: str | None = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    def __post_init__(self) -> None:
+        from torch.distributed.fsdp import MixedPrecision
+
+        if self.units is not None:
+            if isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units):
+                raise TypeError(f"`units` should be a tuple of module names (str), got {self.units!r}.")
+            object.__setattr__(self, "units", tuple(self.units))
+        strategy = self.sharding_strategy
+        strategy = None if strategy is None else str(getattr(strategy, "name", strategy)).upper()
+        if strategy is not None and strategy not in _STRATEGIES:
+            raise ValueError(f"`sharding_strategy` should be one of {list(_STRATEGIES)}, got "
+                             f"{self.sharding_strategy!r} (trace a hybrid strategy as its intra-node one over the "
+                             "ranks of one node).")
+        object.__setattr__(self, "sharding_strategy", strategy)
+        prefetch = self.backward_prefetch
+        prefetch = None if prefetch is None else str(getattr(prefetch, "name", prefetch)).upper()
+        if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST"):
+            raise ValueError(f"`backward_prefetch` should be 'BACKWARD_PRE', 'BACKWARD_POST' or None, got "
+                             f"{self.backward_prefetch!r}.")
+        object.__setattr__(self, "backward_prefetch", prefetch)
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise TypeError("`mixed_precision` should be a torch.distributed.fsdp.MixedPrecision or None, got "
+                            f"{self.mixed_precision!r}.")
+        for name in ("use_orig_params", "forward_prefetch", "limit_all_gathers"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
+
+
+def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
+    """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group."""
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    units = plan.units if plan.units is not None else default_units(replica)
+    unit_ids = {id(replica.get_submodule(name)) for name in units}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in unit_ids)
+    strategy = ShardingStrategy[plan.sharding_strategy or "FULL_SHARD"]
+    return FSDP(replica, auto_wrap_policy=policy, sharding_strategy=strategy,
+                mixed_precision=plan.mixed_precision, use_orig_params=plan.use_orig_params,
+                backward_prefetch=None if plan.backward_prefetch is None else BackwardPrefetch[plan.backward_prefetch],
+                forward_prefetch=plan.forward_prefetch, limit_all_gathers=plan.limit_all_gathers,
+                device_id=torch.device("cpu"))  # FSDP1 asks for an accelerator unless told the device
+
+
+def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int) -> list[list[int]]:
+    """Ranks grouped by what they hold under FSDP1: every rank's flat shards have the same (padded) size, but with
+    ``use_orig_params`` the optimizer state covers only the parameters' parts in the rank's shard, so a rank whose
+    shard holds padding, or cuts a parameter elsewhere, holds other state sizes. Read off a fake copy wrapped once
+    (no step runs). Ranks of one group trace the same."""
+    if plan.sharding_strategy == "NO_SHARD" or not plan.use_orig_params or world_size == 1:
+        return [list(range(world_size))]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world_size, 0):
+        replica = fake_replica(model, TwinMaker(fake_mode, torch.device("cpu")))
+        with fake_mode:
+            wrapped = wrap_fsdp1(replica, plan)
+        layouts = [(m._handle.flat_param._numels_with_padding, m._handle.flat_param._is_padding_mask)
+                   for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
+    signatures: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(world_size):
+        sizes = []
+        for numels, padding in layouts:
+            chunk = -(-sum(numels) // world_size)
+            low, high, offset = rank * chunk, (rank + 1) * chunk, 0
+            for numel, is_padding in zip(numels, padding):
+                if not is_padding:
+                    sizes.append(max(0, min(high, offset + numel) - max(low, offset)))
+                offset += numel
+        signatures.setdefault(tuple(sizes), []).append(rank)
+    return list(signatures.values())
+
+
+@swept
+def trace_fsdp1(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    world_size: int,
+    rank: int,
+    plan: FSDP1Plan,
+    step: StepFn | None,
+    precision: str | None,
+    steps: int,
+    schedule: Schedule = Schedule(),
+    record_op: Any = None,
+    routing: str = "balanced",
+    cuda: CudaTarget | None = None,
+    sweep: Sweep,
+) -> TraceResult:
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
+    arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`."""
+    return trace_rank(_engine(plan), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
+                      precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
+                      cuda=cuda, sweep=sweep)
+
+
+def _engine(plan: FSDP1Plan) -> Engine:
+    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+        if plan.use_orig_params:  # the original parameters, named with FSDP1's wrapper prefixes
+            by_name = {clean_tensor_name(name): p for name, p in wrapped.named_parameters()}
+            by_id = {id(p): by_name[name] for name, p in model.named_parameters() if name in by_name}
+            return clone_optimizer(user, _Mapped(by_id), foreach=None)
+        # Flat parameters: the optimizer is built over them, one group (FSDP1 cannot split a flat parameter).
+        return clone_optimizer(user, _Mapped({}), foreach=None, param_groups=[(0, list(wrapped.parameters()))])
+
+    def parameters(wrapped: nn.Module) -> list[torch.Tensor]:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return [m._handle.flat_param for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
+
+    return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan),
+                  optimizer=optimizer, parameters=parameters, watch=watched_fsdp1)
+
+
+class _Mapped:
+    """`clone_optimizer`'s twin maker: the user's parameter -> the wrapped copy's parameter of the same name."""
+
+    def __init__(self, by_id: dict[int, torch.Tensor]) -> None:
+        self._by_id = by_id
+
+    def tensor(self, t: torch.Tensor, **_: Any) -> torch.Tensor:
+        found = self._by_id.get(id(t))
+        if found is None:
+            raise ValueError("the optimizer holds a tensor that is not one of the model's parameters (existing "
+                             "optimizer state, or parameters of another model); FSDP1's sharded state for it is "
+                             "not traced")
+        return found
+
+
+@contextlib.contextmanager
+def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
+    """For the block, report FSDP1's in-place storage resizes to ``tracker`` and put what its gradient reduction
+    allocates in `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's working copy at each
+    collective. Put back on exit."""
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
+
+    alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
+
+    def alloc_storage(tensor: torch.Tensor, size: torch.Size) -> None:
+        alloc(tensor, size)
+        tracker.resized(tensor, Category.COMMUNICATION)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        free(tensor)
+        tracker.resized(tensor)
+
+    def sharded_grad(state: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+        flat_param = handle.flat_param  # the reduce-scatter output became the shard's gradient
+        for grad in (getattr(flat_param, "_saved_grad_shard", None), flat_param.grad):
+            if grad is not None:
+                tracker.label(grad, Category.GRADIENTS)
+
+    def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)  # DTensors, as FSDP1 unwraps them
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+    def data_ptr_allocated(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().nbytes() > 0
+
+    def catch_all_reshard(state: Any) -> None:
+        handle = state._handle  # `_runtime_utils._catch_all_reshard`, its already-resharded test made as below
+        if not handle:
+            return
+        flat_param, shard = handle.flat_param, handle.flat_param._local_shard
+        if (flat_param.untyped_storage()._cdata == shard.untyped_storage()._cdata
+                and flat_param.storage_offset() == shard.storage_offset() and not handle._skipped_use_sharded_views):
+            return
+        _runtime_utils._reshard(state, handle, _runtime_utils._should_free_in_backward(state, handle))
+
+    # FSDP1 tells storages apart by `data_ptr()`, which a fake storage does not have: the same checks, made on
+    # storage identity and size (a fake allocated storage has its bytes, a freed one has none).
+    patches = [(_flat_param, "_same_storage", same_storage), (_flat_param, "_data_ptr_allocated", data_ptr_allocated),
+               (_runtime_utils, "_catch_all_reshard", catch_all_reshard),
+               (_flat_param, "_alloc_storage", alloc_storage), (_flat_param, "_free_storage", free_storage),
+               (_runtime_utils, "_reduce_grad", communicating(tracker, _runtime_utils._reduce_grad, sharded_grad)),
+               (_runtime_utils, "_reduce_grad_no_shard",
+                communicating(tracker, _runtime_utils._reduce_grad_no_shard, sharded_grad))]
+    if gloo:
+        patches += [(_flat_param, "dist", ScratchedDist(_flat_param.dist, _GLOO_SIZES)),
+                    (_runtime_utils, "dist", ScratchedDist(_runtime_utils.dist, _GLOO_SIZES))]
+    with patched(patches):
+        yield

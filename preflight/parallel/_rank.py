@@ -1,0 +1,237 @@
+"""One rank's training step under a data-parallel engine, traced on fake tensors with a fake process group.
+
+`trace_rank` is what the FSDP2 and FSDP1 traces share: the user's model is copied onto fake tensors
+(`fake_replica`), the engine's wrapper is applied to the copy inside a fake process group of the real world size
+(`preflight.parallel._fake_group`) as this rank, the optimizer is rebuilt over the wrapped copy's parameters, and the
+real training step (`preflight._steps.run_steps`) runs under the same `StorageTracker` as a single-device trace,
+inside the engine's own watch (its in-place storage resizes, its collectives' buffers). What differs between
+engines is an `Engine`: how to wrap, how to rebuild the optimizer, what to watch.
+
+gloo's collectives on CPU tensors allocate a working copy of the full buffer on the worker thread for the duration
+of the call (measured with the profiler on 2 processes, torch 2.13: ``all_gather_into_tensor``, the size of its
+output; ``reduce_scatter_tensor``, the size of its input); `GlooScratch` allocates the same block in the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from preflight._device import iter_tensors, named_tensors
+from preflight._errors import StepWouldFailError
+from preflight._quiet import handled_fake_tensor_errors
+from preflight._result import Category
+from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
+from preflight.cuda import CudaTarget, emulate_cuda
+from preflight.parallel._fake_group import fake_world
+from preflight.trace import TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_rng, mark_user_error
+from preflight.trace import Sweep
+from preflight.trace._compat import real_run_paths
+from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
+from preflight.trace._tracker import StorageTracker, failed_op_of
+from preflight.trace._twin import TwinMaker
+
+__all__ = ["Engine", "GlooScratch", "default_units", "fake_replica", "trace_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """What one data-parallel engine does to the fake copy of the model.
+
+    Attributes:
+        name: for notes and errors (``"fsdp2"``).
+        wrap: ``wrap(replica, mesh) -> module``: apply the engine to ``replica`` (inside fake mode, in the fake
+            group) and return the module the step runs on.
+        optimizer: ``optimizer(user_optimizer, user_model, wrapped) -> optimizer`` over the wrapped parameters.
+        parameters: ``parameters(wrapped) -> tensors``: the rank's resident parameter storages, to register.
+        watch: ``watch(tracker, gloo=...)``: a context manager in force while the step runs.
+    """
+
+    name: str
+    wrap: Callable[[nn.Module, Any], nn.Module]
+    optimizer: Callable[[torch.optim.Optimizer, nn.Module, nn.Module], torch.optim.Optimizer]
+    parameters: Callable[[nn.Module], list[torch.Tensor]]
+    watch: Callable[..., contextlib.AbstractContextManager[Any]]
+
+
+def default_units(model: nn.Module) -> tuple[str, ...]:
+    """The qualified names of the entries of ``model``'s largest ``nn.ModuleList`` (by parameter count)."""
+    best, best_size = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    if best is None:
+        return ()
+    return tuple(f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best))))
+
+
+def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
+    tensors are read, never copied or changed."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = twins.tensor(b, requires_grad=False)
+    return copy.deepcopy(model, memo)
+
+
+def trace_rank(
+    engine: Engine,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    world_size: int,
+    rank: int,
+    step: StepFn | None,
+    precision: str | None,
+    steps: int,
+    schedule: Schedule,
+    record_op: Callable[[Any, Any], bool] | None,
+    routing: str,
+    cuda: CudaTarget | None,
+    sweep: Sweep,
+) -> TraceResult:
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring); the
+    arguments are `preflight.parallel.trace_fsdp2`'s. ``error`` in the result is set when the trace stopped or the
+    engine could not wrap the copy; the caller then rescales a single-device trace."""
+    start = time.perf_counter()
+    device = torch.device("cpu")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    op_log: list[tuple[int, int, Any, Any, Any]] = []
+
+    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if record_op is not None and record_op(func, args):
+            op_log.append((index, len(tracker.events), func, torch.utils._pytree.tree_map(TensorSpec.of, args),
+                           torch.utils._pytree.tree_map(TensorSpec.of, kwargs)))
+
+    tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None)
+    sweep.watch(tracker.tensors)
+    twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))
+    notes: list[str] = []
+    error = failed = user_error = None
+
+    def result() -> TraceResult:
+        tracker.detach()
+        return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
+                           num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
+                           failed_op=failed, op_log=op_log, notes=notes)
+
+    with fake_world(world_size, rank) as mesh, isolated_rng():
+        try:
+            replica = fake_replica(model, twins)
+            with fake_mode:
+                wrapped = engine.wrap(replica, mesh)
+            fake_opt = engine.optimizer(optimizer, model, wrapped)
+        except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
+            error, failed = err, f"{engine.name} ({type(err).__name__})"
+            return result()
+        for p in engine.parameters(wrapped):
+            tracker.register(p, Category.PARAMETERS)
+        for b in wrapped.buffers():
+            tracker.register(b, Category.BUFFERS)
+        fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
+        for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
+            tracker.register(fake, Category.INPUTS)
+            tracker.names[fake] = f"the batch{path}"
+            if can_shadow(real):
+                tracker.shadow(fake, real.detach().to("cpu", copy=True))
+        on_phase = phase_bookkeeping(tracker, fake_opt)
+        emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
+        # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
+        watched = engine.watch(tracker, gloo=cuda is None)
+        with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
+                fake_mode, tracker, watched:
+            try:
+                wrapped.train()
+                run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
+                          steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
+            except (LossNotFoundError, StepWouldFailError):
+                raise
+            except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
+                if is_user_error(err):
+                    user_error = err
+                else:
+                    error, failed = err, failed_op_of(err)
+            finally:
+                if emulated is not None:
+                    notes.append(emulated.note())
+    if user_error is not None:
+        raise mark_user_error(user_error)
+    if tracker.layouts is not None and tracker.layouts.note():
+        notes.append(tracker.layouts.note())
+    notes.extend(tracker.random_notes())
+    if tracker.routing.note():
+        notes.append(tracker.routing.note())
+    return result()
+
+
+class GlooScratch:
+    """gloo's working copy of a collective on CPU tensors (module docstring): ``wrap`` returns the collective with
+    the same block allocated for the duration of the call."""
+
+    @staticmethod
+    def wrap(collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:
+        """``size_of``: ``"output"`` (the first argument or ``output``/``output_tensor``) or ``"input"`` (the
+        second, or ``input``/``input_tensor``)."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            named = [k for k in (size_of, f"{size_of}_tensor") if k in kwargs]
+            buffer = kwargs[named[0]] if named else args[0 if size_of == "output" else 1]
+            scratch = torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8, device=buffer.device)
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                del scratch
+        return run
+
+
+class ScratchedDist:
+    """``torch.distributed`` as an engine's module sees it during the trace: the same, but for the collectives named
+    in ``sizes`` (name -> ``"output"`` / ``"input"``), which allocate gloo's working copy (`GlooScratch`)."""
+
+    def __init__(self, dist: Any, sizes: dict[str, str]) -> None:
+        self._dist = dist
+        for name, size_of in sizes.items():
+            setattr(self, name, GlooScratch.wrap(getattr(dist, name), size_of))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dist, name)
+
+
+@contextlib.contextmanager
+def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each ``(owner, name, value)`` for the block; put the previous values back on exit."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def communicating(tracker: StorageTracker, fn: Callable[..., Any],
+                  after: Callable[..., None] | None = None) -> Callable[..., Any]:
+    """``fn`` with what it allocates in `Category.COMMUNICATION`; ``after(*args, **kwargs)`` runs once it returned
+    (to relabel what it handed over, e.g. a sharded gradient)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, tracker.phase_category = tracker.phase_category, Category.COMMUNICATION
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.phase_category = before
+            if after is not None:
+                after(*args, **kwargs)
+    return run

@@ -1,0 +1,220 @@
+"""FSDP1 (``FullyShardedDataParallel``) traced per rank (`preflight.parallel`): the shards FSDP1 itself makes, the
+ranks that hold padding, the plan's options, the user's objects untouched, and real 2-process gloo runs measured
+against the prediction."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import preflight
+from preflight.parallel import FSDP1Plan, fake_world, fsdp1_rank_groups
+
+WORLD = 4
+WIDTH = 66  # a unit's flat parameter (66 x 66 + 66 = 4422 elements) is padded to 4424: the last rank holds 2 of padding
+
+
+class Stack(nn.Module):
+    """Three Linear(66, 66) blocks in a ModuleList (each its own FSDP unit) and a Linear(66, 1) head (the root's)."""
+
+    def __init__(self, depth: int = 3, width: int = WIDTH) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x).sum()
+
+
+def _setup(seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    model = Stack(**kwargs)
+    return model, torch.optim.AdamW(model.parameters()), torch.randn(8, kwargs.get("width", WIDTH))
+
+
+def _step(m, b):
+    return m(b)
+
+
+def _real_shards(model: nn.Module, plan: FSDP1Plan, rank: int, x: torch.Tensor) -> tuple[int, int]:
+    """What FSDP1 itself gives ``rank`` (real tensors, wrapped in a fake group whose collectives do nothing, one real
+    AdamW step): the bytes of its flat shards, and of the optimizer state AdamW then holds."""
+    import copy
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from preflight.parallel._fsdp1 import wrap_fsdp1
+
+    with fake_world(WORLD, rank):
+        wrapped = wrap_fsdp1(copy.deepcopy(model), plan)
+        optimizer = torch.optim.AdamW(wrapped.parameters())
+        wrapped(x).backward()
+        optimizer.step()
+        flat = sum(m._handle.flat_param.numel() * 4 for m in FSDP.fsdp_modules(wrapped) if m._handle is not None)
+        state = sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
+    return flat, state
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
+def test_each_ranks_shards_and_state_are_fsdp1s_own(strategy):
+    model, optimizer, x = _setup()
+    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy)
+    assert est.sharding == strategy and len(est.per_rank_peak_bytes) == WORLD
+    assert any(f"{strategy}: each rank's step traced through FullyShardedDataParallel" in n
+               for n in est.coverage.notes)
+    plan = FSDP1Plan(sharding_strategy="FULL_SHARD" if strategy == "fsdp-full" else "SHARD_GRAD_OP")
+    for rank in (0, WORLD - 1):  # every rank's figure, and the last one's shard holds the padding
+        flat, state = _real_shards(model, plan, rank, x)
+        rank_estimate = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy)
+        assert rank_estimate.per_rank_peak_bytes == est.per_rank_peak_bytes
+        if rank == est.peak_rank:
+            assert est.breakdown["parameters"] == flat  # the padded flat shards, one per unit
+            assert est.breakdown["optimizer_state"] == state  # AdamW's over this rank's views
+    assert est.breakdown["communication"] > 0
+    single = preflight.estimate(model, optimizer, x, step=_step)
+    assert est.peak_bytes < single.peak_bytes
+
+
+def test_the_rank_holding_the_padding_holds_less_state():
+    model, optimizer, x = _setup()
+    assert fsdp1_rank_groups(model, FSDP1Plan(), WORLD) == [[0, 1, 2], [3]]
+    assert fsdp1_rank_groups(model, FSDP1Plan(use_orig_params=False), WORLD) == [[0, 1, 2, 3]]  # flat state
+    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    per_rank = est.per_rank_peak_bytes
+    assert per_rank[0] == per_rank[1] == per_rank[2] > per_rank[3]
+    assert est.peak_rank == 0
+    _, state_0 = _real_shards(model, FSDP1Plan(sharding_strategy="FULL_SHARD"), 0, x)
+    _, state_3 = _real_shards(model, FSDP1Plan(sharding_strategy="FULL_SHARD"), 3, x)
+    assert per_rank[0] - per_rank[3] == state_0 - state_3 > 0  # the state over views rank 3 does not have
+    flat = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                              fsdp=FSDP1Plan(use_orig_params=False))
+    assert len(set(flat.per_rank_peak_bytes)) == 1  # state over the padded flat shards: every rank alike
+
+
+def test_plan_options_are_checked_and_change_the_figure():
+    from torch.distributed.fsdp import MixedPrecision
+
+    with pytest.raises(ValueError, match="hybrid"):
+        FSDP1Plan(sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        FSDP1Plan(mixed_precision="bf16")
+    with pytest.raises(ValueError, match="backward_prefetch"):
+        FSDP1Plan(backward_prefetch="SOMETIMES")
+    model, optimizer, x = _setup()
+    with pytest.raises(ValueError, match="pass sharding='fsdp-full' or 'fsdp-grad-op'"):
+        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp2", fsdp=FSDP1Plan())
+    with pytest.raises(ValueError, match="make them agree"):
+        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-full",
+                           fsdp=FSDP1Plan(sharding_strategy="SHARD_GRAD_OP"))
+    with pytest.raises(ValueError, match="says how FSDP wraps the model"):
+        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="zero2", fsdp=FSDP1Plan())
+    default = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    mixed = FSDP1Plan(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    bf16 = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=mixed)
+    no_prefetch = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                                     fsdp=FSDP1Plan(backward_prefetch=None))
+    forward = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                                 fsdp=FSDP1Plan(forward_prefetch=True))
+    # fp32 shards as FSDP1 lays them out for bf16 compute; the gathered copies are bf16: half the bytes.
+    mixed = FSDP1Plan(mixed_precision=mixed.mixed_precision, sharding_strategy="FULL_SHARD")
+    assert bf16.breakdown["parameters"] == _real_shards(model, mixed, bf16.peak_rank, x)[0]
+    assert bf16.peak_bytes < default.peak_bytes
+    # Prefetching gathers the next unit while this one computes: one unit more alive (each matched a real gloo run
+    # to the byte on this model, 4 ranks).
+    assert no_prefetch.peak_bytes < default.peak_bytes < forward.peak_bytes
+
+
+def test_the_users_objects_are_untouched_and_no_group_is_left():
+    model, optimizer, x = _setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors = dict(model.state_dict(keep_vars=True))
+    rng = torch.get_rng_state()
+    preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-grad-op")
+    assert not dist.is_initialized()
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.state_dict(keep_vars=True).items():
+        assert value is tensors[name] and torch.equal(value, before[name])
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert type(model.layers[0]) is nn.Linear and not model._forward_pre_hooks  # FSDP1 wrapped a copy
+
+
+def test_what_cannot_be_traced_is_rescaled_and_says_why():
+    model, optimizer, x = _setup()
+    offloaded = preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-full",
+                                   offload_optimizer=True, offload_params=True)
+    assert offloaded.per_rank_peak_bytes is None
+    assert any("CPU offload is not traced per rank yet; rescaled as fsdp-full" in n for n in offloaded.coverage.notes)
+    stepped = torch.optim.AdamW(model.parameters())
+    model(x).sum().backward()
+    stepped.step()  # existing state: FSDP1's sharded copy of it is not traced
+    model.zero_grad()
+    est = preflight.estimate(model, stepped, x, step=_step, world_size=2, sharding="fsdp-full")
+    assert est.per_rank_peak_bytes is None
+    assert any("rescaled as fsdp-full" in n and "FullyShardedDataParallel" in n for n in est.coverage.notes)
+
+
+# ---- real 2-process runs with gloo -----------------------------------------------------------------------------
+
+DEEP, NARROW, ROWS = 8, 128, 2048
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from preflight._device import live_storage_bytes
+    from preflight._measure import cpu_profiled_peak
+    from preflight._steps import run_steps
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, _, _ = _setup(depth=DEEP, width=NARROW)
+        batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
+        # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise.
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"))
+        optimizer = torch.optim.AdamW(model.parameters())
+        flats = [m._handle.flat_param for m in FSDP.fsdp_modules(model) if m._handle is not None]
+        before = live_storage_bytes([flats, batch], torch.device("cpu"))
+        dist.barrier()
+        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=_step, precision=None,
+                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+        queue.put((rank, before + peak))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy):
+    import torch.multiprocessing as mp
+
+    model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
+    batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
+    units = tuple(f"layers.{i}" for i in range(DEEP)) + ("head",)  # every Linear, as ModuleWrapPolicy({nn.Linear})
+    sharding = "fsdp-full" if strategy == "FULL_SHARD" else "fsdp-grad-op"
+    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding=sharding,
+                             fsdp=FSDP1Plan(units=units))
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_gloo_worker, args=(2, port, strategy, queue), nprocs=2, start_method="spawn")
+    measured = dict(queue.get() for _ in range(2))
+    for rank in range(2):
+        error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
+        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+

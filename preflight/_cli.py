@@ -121,7 +121,10 @@ def _add_plan_options(p: argparse.ArgumentParser, headroom: float | None = DEFAU
     p.add_argument("--headroom", type=float, default=headroom,
                    help=f"fraction of the budget kept free (default {DEFAULT_HEADROOM})")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
-    p.add_argument("--sharding", choices=SHARDING_CHOICES, default=None)
+    p.add_argument("--sharding", choices=SHARDING_CHOICES, default=None,
+                   help="how the ranks share the model: ddp; zero1, zero2, zero3 (DeepSpeed ZeRO: each allocation "
+                        "rescaled to one rank's share); fsdp-full, fsdp-grad-op (FSDP1's FULL_SHARD, SHARD_GRAD_OP) "
+                        "and fsdp2 (fully_shard): each rank's step traced through the engine, one figure per rank")
     p.add_argument("--full", dest="fast", action="store_false",
                    help="trace every block of a deep model (slower). By default a repeated stack of blocks is traced "
                         "from its first few and composed: the same bytes, in seconds whatever the depth")

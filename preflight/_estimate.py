@@ -277,6 +277,8 @@ def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool
     return sharding
 
 
+# FSDP1 ranks traced at most (the ranks' distinct shard cuts); beyond, the ones holding the most bound the others.
+_MAX_RANK_TRACES = 4
 # The FSDP1 sharding strategy each per-rank sharding name traces (`preflight.parallel.FSDP1Plan`).
 _FSDP1_STRATEGIES = {"fsdp-full": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP"}
 
@@ -325,8 +327,17 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         cuda = CudaTarget.of(None)
     trace = trace_fsdp1 if fsdp1 else trace_fsdp2
     traced: list[tuple[list[int], Any]] = []
+    bounded = None
     try:
         groups = fsdp1_rank_groups(model, plan, world_size) if fsdp1 else rank_groups(model, world_size)
+        if fsdp1 and len(groups) > _MAX_RANK_TRACES:
+            # Many ways to cut the parameters into shards (a large world): the ranks that hold the most are traced,
+            # and each other rank, holding less of the same program, gets their figure as its upper bound.
+            most = groups[0][0]
+            bounded = (f"rank {most} traced (it holds the most); {world_size - len(groups[0])} rank(s) cut their "
+                       f"shards {len(groups) - 1} other ways and hold less: they get rank {most}'s figure as an "
+                       "upper bound")
+            groups = [[most] + [rank for rank in range(world_size) if rank != most]]
         for group in groups:
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
@@ -342,11 +353,12 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         return None, f"{sharding}: {engine} could not wrap the model ({reason}); {rescaled}"
-    if len(groups) == 1:
+    if bounded:
+        shared = bounded
+    elif len(groups) == 1:
         shared = f"every rank holds equally padded shards of the same shapes: one trace stands for all {world_size}"
     else:
-        shared = "ranks with equal shard shapes share a trace: " + "; ".join(
-            f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        shared = "ranks with equal shard shapes share a trace: " + "; ".join(_ranks_text(g) for g in groups)
     units = len(plan.units) if plan.units is not None else None
     wrapped = f"{units} unit(s)" if units is not None else "each entry of the largest nn.ModuleList"
     note = (f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under a fake process "
@@ -354,6 +366,17 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if fast:
         note += "; fast=True does not apply to the sharded trace (traced in full)"
     return traced, note
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:

@@ -123,8 +123,10 @@ def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
 def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int) -> list[list[int]]:
     """Ranks grouped by what they hold under FSDP1: every rank's flat shards have the same (padded) size, but with
     ``use_orig_params`` the optimizer state covers only the parameters' parts in the rank's shard, so a rank whose
-    shard holds padding, or cuts a parameter elsewhere, holds other state sizes. Read off a fake copy wrapped once
-    (no step runs). Ranks of one group trace the same."""
+    shard holds padding holds less. Read off a fake copy wrapped once (no step runs). Ranks of one group hold the
+    same bytes of parameter parts, in the same number of parts, in every unit, and trace the same; where the parts
+    are cut elsewhere, a CUDA target's 512-byte rounding of each part's state can differ by less than a block per
+    part cut. The group holding the most comes first."""
     if plan.sharding_strategy == "NO_SHARD" or not plan.use_orig_params or world_size == 1:
         return [list(range(world_size))]
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -139,16 +141,19 @@ def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int) -> lis
                    for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
     signatures: dict[tuple[int, ...], list[int]] = {}
     for rank in range(world_size):
-        sizes = []
+        held = []
         for numels, padding in layouts:
             chunk = -(-sum(numels) // world_size)
-            low, high, offset = rank * chunk, (rank + 1) * chunk, 0
+            low, high, offset, parts = rank * chunk, (rank + 1) * chunk, 0, []
             for numel, is_padding in zip(numels, padding):
                 if not is_padding:
-                    sizes.append(max(0, min(high, offset + numel) - max(low, offset)))
+                    parts.append(max(0, min(high, offset + numel) - max(low, offset)))
                 offset += numel
-        signatures.setdefault(tuple(sizes), []).append(rank)
-    return list(signatures.values())
+            held.append((sum(parts), sum(1 for part in parts if part)))
+        signatures.setdefault(tuple(held), []).append(rank)
+    # The group holding the most first (parameter-part bytes, then parts: each part has its own state tensors).
+    order = sorted(signatures, key=lambda held: (sum(b for b, _ in held), sum(n for _, n in held)), reverse=True)
+    return [signatures[held] for held in order]
 
 
 @swept

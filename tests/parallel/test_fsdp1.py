@@ -218,3 +218,17 @@ def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
 
+
+
+def test_beyond_the_trace_cap_the_rank_holding_the_most_bounds_the_others(monkeypatch):
+    import preflight._estimate as estimate_module
+
+    model, optimizer, x = _setup()
+    every = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    monkeypatch.setattr(estimate_module, "_MAX_RANK_TRACES", 1)  # the two groups of this model exceed it
+    capped = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    assert capped.peak_bytes == every.peak_bytes == every.per_rank_peak_bytes[0]  # the largest rank, traced
+    assert capped.per_rank_peak_bytes == (every.peak_bytes,) * WORLD  # rank 3 holds less: bounded from above
+    assert every.per_rank_peak_bytes[3] < capped.per_rank_peak_bytes[3]
+    assert any("rank 0 traced (it holds the most); 1 rank(s) cut their shards 1 other ways" in n
+               and "upper bound" in n for n in capped.coverage.notes)

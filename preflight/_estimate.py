@@ -92,13 +92,15 @@ def estimate(
         gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
-        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"``,
-            ``"fsdp-full"``, ``"fsdp-grad-op"`` (these rescale one single-device trace per category) or ``"fsdp2"``:
-            each rank's own step traced through FSDP2's ``fully_shard`` under a fake process group of
-            ``world_size`` ranks (`preflight.parallel`), with ``per_rank_peak_bytes`` and ``peak_rank`` filled and
-            FSDP2's all-gather and reduce-scatter buffers in the ``communication`` category. Where that cannot be
-            traced (a process group already initialised in this process, offloading, a program FSDP2 or the
-            trace cannot run), it is rescaled as ``"fsdp-full"`` and ``coverage.notes`` says why.
+        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"`` (these
+            rescale one single-device trace per category), ``"fsdp2"``, ``"fsdp-full"`` or ``"fsdp-grad-op"``:
+            each rank's own step traced through FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``
+            (``FULL_SHARD``, ``SHARD_GRAD_OP``) under a fake process group of ``world_size`` ranks
+            (`preflight.parallel`), with ``per_rank_peak_bytes`` and ``peak_rank`` filled and the engine's
+            all-gather and reduce-scatter buffers in the ``communication`` category. Where that cannot be traced (a
+            process group already initialised in this process, offloading, an optimizer holding state, a program
+            FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as ``"fsdp-full"``) and
+            ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
         allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
@@ -114,9 +116,11 @@ def estimate(
             at three shallow depths and compose the full depth's event timeline from them, exactly
             (`preflight.trace._compose`): the trace's cost no longer grows with depth. Models without such a stack,
             shallow ones, or whose shallow traces do not compose are traced in full; ``coverage.notes`` says which.
-        fsdp: with ``sharding="fsdp2"``, how ``fully_shard`` is applied (`preflight.parallel.FSDP2Plan`: the
-            wrapped units, ``MixedPrecisionPolicy``, ``reshard_after_forward``); default: every entry of the
-            largest ``nn.ModuleList`` and then the root, FSDP2's defaults.
+        fsdp: how FSDP wraps the model: with ``sharding="fsdp2"`` a `preflight.parallel.FSDP2Plan` (the wrapped
+            units, ``MixedPrecisionPolicy``, ``reshard_after_forward``), with ``"fsdp-full"`` / ``"fsdp-grad-op"``
+            a `preflight.parallel.FSDP1Plan` (units, ``MixedPrecision``, ``use_orig_params``, prefetching);
+            default: every entry of the largest ``nn.ModuleList`` and then the root, the engine's defaults
+            (FSDP1 with ``use_orig_params=True``).
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),

@@ -98,7 +98,8 @@ class Estimate:
         unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from (None when
             each rank's own step was traced).
         per_rank_peak_bytes: the peak of each rank, ``[rank 0, rank 1, ...]``, when each rank's step was traced
-            (``sharding="fsdp2"``); ranks holding equal shard shapes share one trace. None otherwise.
+            (``sharding="fsdp2"``, ``"fsdp-full"``, ``"fsdp-grad-op"``); ranks holding equal shard shapes share one
+            trace. None otherwise.
         peak_rank: the rank with the largest peak (the lowest such rank); ``peak_bytes``, ``breakdown``,
             ``peak_phase``, ``timeline`` and ``events`` are that rank's. None when ranks were not traced.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.

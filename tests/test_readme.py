@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 # `pip install preflight-memory[...]` (quoted or not): the package is not on PyPI, so the command fails.
 FROM_PYPI = re.compile(r"pip install ['\"]?preflight-memory")
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile"
 
 
 def test_readme_installs_from_a_clone_with_the_extras():
@@ -19,12 +20,17 @@ def test_readme_installs_from_a_clone_with_the_extras():
     setup = README[README.index("## Set up"):README.index("## Use")]
     assert not FROM_PYPI.search(README.replace("(`pip install preflight-memory` finds nothing)", ""))
     for step in ("git clone", "cd preflight", "python -m venv .venv", "source .venv/bin/activate",
-                 'pip install -e ".[dev]"', "python -m pytest -q"):
+                 'pip install -e ".[dev]"', TEST_COMMAND):
         assert step in setup, step
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in extras:
         assert f'.[{name}]' in setup, name
     assert re.search(r"about \d+ minutes on 2 CPU cores", setup)  # how long the tests take
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == TEST_COMMAND
 
 
 def test_readme_accelerate_snippet_shows_step_verifier():

@@ -1,24 +1,26 @@
-"""Per-rank peak memory of real FSDP2 and FSDP1 training on CPU processes (gloo), against preflight's prediction.
+"""Per-rank peak memory of real FSDP2, FSDP1 and DDP training on CPU processes (gloo), against preflight's prediction.
 
 For each engine, model and world size, `torch.multiprocessing` starts WORLD_SIZE processes that each build the same
 model (same seed) and wrap it as a user would: FSDP2, ``fully_shard`` on every decoder layer and then the root;
 FSDP1, ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer class})``, ``use_orig_params=True``
-(Lightning's and accelerate's default) and ``device_id=cpu``, FSDP1's defaults otherwise. Each builds AdamW over the
-wrapped parameters and runs two real training steps on the same batch. Each rank's measured peak is the profiler's
-allocator events over the two steps (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before them (the
-padded parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make (a
+(Lightning's and accelerate's default) and ``device_id=cpu``, FSDP1's defaults otherwise; DDP,
+``DistributedDataParallel(model)`` with its defaults. Each builds AdamW over the wrapped parameters and runs two real
+training steps on the same batch. Each rank's measured peak is the profiler's allocator events over the two steps
+(`preflight._measure.cpu_profiled_peak`) plus the bytes alive before them (the padded parameter shards, or DDP's
+whole parameters, buffers, the batch; DDP is constructed inside the profiled session, see `_worker`). The profiler loses the frees gloo's worker threads make (a
 collective's buffers, dropped with its finished work): they are put back where the address is allocated again
 (`preflight._measure.repaired_memory_peak`), an upper bound. Each configuration is measured REPEATS times, in fresh
 processes.
 
     predicted  preflight.estimate(model, AdamW, batch, world_size=N, sharding=...): "fsdp2", or "fsdp-full" /
                "fsdp-grad-op" (FSDP1's FULL_SHARD / SHARD_GRAD_OP): each rank's step traced through the engine
-               under a fake process group (preflight.parallel), one figure per rank
+               under a fake process group (preflight.parallel), one figure per rank; "ddp": the single-device trace
+               with DDP's buckets added, the same on every rank
     rescaled   one unsharded trace rescaled per category (`preflight._target.shard_events`, what preflight does where
                the per-rank trace cannot run), for comparison (not for the bf16 policies, which it cannot express)
     error      (predicted - largest measurement) / largest measurement, per rank; the rule is |error| <= 3%
 
-Run: python benchmarks/distributed.py            (about 20 minutes on 2 shared CPU cores)
+Run: python benchmarks/distributed.py            (about 25 minutes on 2 shared CPU cores)
 Writes benchmarks/results/distributed.md and prints the same table.
 
      python benchmarks/distributed.py --heap     (about 2 minutes)
@@ -46,8 +48,8 @@ VOCAB = 8192  # small enough that four processes fit the machine beside each oth
 CONFIGS = (("fsdp2", "llama", 2, None), ("fsdp2", "llama", 4, None), ("fsdp2", "gpt2", 2, None),
            ("fsdp2", "gpt2", 4, None), ("fsdp2", "llama", 2, "bf16"),
            ("fsdp-full", "llama", 2, None), ("fsdp-full", "gpt2", 4, None), ("fsdp-grad-op", "llama", 2, None),
-           ("fsdp-full", "llama", 2, "bf16"))
-ENGINES = {"fsdp2": "FSDP2", "fsdp-full": "FSDP1 FULL_SHARD", "fsdp-grad-op": "FSDP1 SHARD_GRAD_OP"}
+           ("fsdp-full", "llama", 2, "bf16"), ("ddp", "llama", 2, None), ("ddp", "gpt2", 4, None))
+ENGINES = {"fsdp2": "FSDP2", "fsdp-full": "FSDP1 FULL_SHARD", "fsdp-grad-op": "FSDP1 SHARD_GRAD_OP", "ddp": "DDP"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distributed.md")
 
 
@@ -90,6 +92,8 @@ def wrap(model: torch.nn.Module, sharding: str, mixed: str | None) -> torch.nn.M
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    if sharding == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
     if sharding == "fsdp2":
         options = {} if mixed is None else {"mp_policy": mp_policy(mixed)}
         for layer in decoder_layers(model):
@@ -147,18 +151,32 @@ def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str |
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model, batch = build(family)
-        model = wrap(model, sharding, mixed)
-        optimizer = torch.optim.AdamW(model.parameters())
-        model.train()
-        if sharding == "fsdp2":
-            shards = [p.to_local() for p in model.parameters()]
-        else:  # the flat parameters' shards (the original parameters are views into them)
-            shards = [m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle]
-        before = live_storage_bytes([shards, list(model.buffers()), batch], torch.device("cpu"))
-        dist.barrier()
+        if sharding == "ddp":
+            # DDP's reducer makes its gradient buckets at construction and makes them again at the second step
+            # (rebuilt in the order gradients arrived). A block allocated before the profiler starts is freed
+            # "of unknown size", so the old buckets would stay in the curve: construction is inside the session.
+            before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch],
+                                        torch.device("cpu"))
+            dist.barrier()
 
-        def steps() -> None:
-            run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2)
+            def steps() -> None:
+                wrapped = wrap(model, sharding, mixed)
+                wrapped.train()
+                run_steps(wrapped, torch.optim.AdamW(wrapped.parameters()), batch, step=None, precision=None,
+                          device_type="cpu", steps=2)
+        else:
+            model = wrap(model, sharding, mixed)
+            optimizer = torch.optim.AdamW(model.parameters())
+            model.train()
+            if sharding == "fsdp2":
+                shards = [p.to_local() for p in model.parameters()]
+            else:  # the flat parameters' shards (the original parameters are views into them)
+                shards = [m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle]
+            before = live_storage_bytes([shards, list(model.buffers()), batch], torch.device("cpu"))
+            dist.barrier()
+
+            def steps() -> None:
+                run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2)
 
         if heap:
             queue.put((rank, _heap_peak(steps)))
@@ -188,6 +206,10 @@ def predict(family: str, world_size: int, sharding: str, mixed: str | None = Non
     from preflight.parallel import FSDP1Plan, FSDP2Plan
 
     model, batch = build(family)
+    if sharding == "ddp":  # one trace: every rank runs the same program on a whole replica, buckets added
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
+                                 sharding="ddp")
+        return [est.peak_bytes] * world_size
     if sharding == "fsdp2":
         plan = FSDP2Plan(mp_policy=mp_policy(mixed))
     else:
@@ -224,7 +246,7 @@ def main() -> int:
     for sharding, family, world_size, mixed in CONFIGS:
         runs = [measure(sharding, family, world_size, mixed) for _ in range(REPEATS)]
         predicted = predict(family, world_size, sharding, mixed)
-        rescaled = rescale(family, world_size, sharding) if mixed is None else None
+        rescaled = rescale(family, world_size, sharding) if mixed is None and sharding != "ddp" else None
         for rank in range(world_size):
             low, high = min(r[rank] for r in runs), max(r[rank] for r in runs)
             error = (predicted[rank] - high) / high
@@ -236,8 +258,8 @@ def main() -> int:
         print(f"  {sharding} {family} x{world_size} {mixed}: measured {runs}, predicted {predicted}", file=sys.stderr)
     mib = 1 << 20
     lines = [
-        "Real FSDP2 (fully_shard per decoder layer + root) and FSDP1 (FullyShardedDataParallel, decoder layers "
-        "auto-wrapped, use_orig_params=True), gloo on CPU processes, 4 layers, hidden 256, vocab "
+        "Real FSDP2 (fully_shard per decoder layer + root), FSDP1 (FullyShardedDataParallel, decoder layers "
+        "auto-wrapped, use_orig_params=True) and DDP (defaults), gloo on CPU processes, 4 layers, hidden 256, vocab "
         f"{VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs per configuration. "
         f"Command: `python benchmarks/distributed.py`. torch {torch.__version__}.",
         "",

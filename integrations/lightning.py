@@ -449,8 +449,13 @@ def _parallel_plan(trainer: pl.Trainer) -> ParallelPlan | None:
         sharding = getattr(strategy, "sharding_strategy", None)
         offload = bool(getattr(getattr(strategy, "cpu_offload", None), "offload_params", False))
         name = getattr(sharding, "name", sharding)
+        kwargs = getattr(strategy, "kwargs", None) or {}
+        policy = kwargs.get("auto_wrap_policy")  # Lightning turns a set of classes into a ModuleWrapPolicy
+        units = () if policy is None else getattr(policy, "_module_classes", None)
         return fsdp_plan(sharding, world_size=world, ranks_per_node=max(int(trainer.num_devices), 1),
-                         cpu_offload=offload, source=f"Lightning FSDPStrategy({name})")
+                         cpu_offload=offload, source=f"Lightning FSDPStrategy({name})",
+                         use_orig_params=kwargs.get("use_orig_params"),
+                         unit_types=None if units is None else tuple(units))
     if "DeepSpeedStrategy" in names:
         return deepspeed_plan(getattr(strategy, "config", None) or {}, world_size=world,
                               source="Lightning DeepSpeedStrategy")

@@ -329,11 +329,24 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     cuda = options["cuda"]
     if cuda is None and options["target_device"].type == "cuda":
         cuda = CudaTarget.of(None)
+    for name in plan.units or ():
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"`fsdp.units` names {name!r}, which is not a submodule of the model. Use names from "
+                             "`model.named_modules()`, e.g. 'model.layers.0'.") from None
     trace = trace_fsdp1 if fsdp1 else trace_fsdp2
     traced: list[tuple[list[int], Any]] = []
     bounded = None
     try:
-        groups = fsdp1_rank_groups(model, plan, world_size) if fsdp1 else rank_groups(model, world_size)
+        block = 512 if options["target_device"].type == "cuda" else 1  # the CUDA allocator's rounding
+        groups = fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1 else rank_groups(model, world_size)
+    except ProcessGroupInUseError as err:
+        return None, f"{sharding}: {err}; {rescaled}"
+    except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+        return None, f"{sharding}: {engine} could not wrap the model ({reason}); {rescaled}"
+    try:
         if fsdp1 and len(groups) > _MAX_RANK_TRACES:
             # Many ways to cut the parameters into shards (a large world): the ranks that hold the most are traced,
             # and each other rank, holding less of the same program, gets their figure as its upper bound.
@@ -354,17 +367,18 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             traced.append((group, result))
     except ProcessGroupInUseError as err:
         return None, f"{sharding}: {err}; {rescaled}"
-    except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
-        reason = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-        return None, f"{sharding}: {engine} could not wrap the model ({reason}); {rescaled}"
     if bounded:
         shared = bounded
     elif len(groups) == 1:
         shared = f"every rank holds equally padded shards of the same shapes: one trace stands for all {world_size}"
     else:
         shared = "ranks with equal shard shapes share a trace: " + "; ".join(_ranks_text(g) for g in groups)
-    units = len(plan.units) if plan.units is not None else None
-    wrapped = f"{units} unit(s)" if units is not None else "each entry of the largest nn.ModuleList"
+    if getattr(plan, "unit_types", None):
+        wrapped = "every " + ", ".join(t.__name__ for t in plan.unit_types)
+    elif plan.units is not None:
+        wrapped = f"{len(plan.units)} unit(s)"
+    else:
+        wrapped = "each entry of the largest nn.ModuleList"
     note = (f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under a fake process "
             f"group of {world_size} ranks; {shared}")
     if fast:
@@ -420,9 +434,11 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
     for figure in figures:
         for rank in figure[1]:
             per_rank[rank] = figure[0]
-    peak_rank = per_rank.index(max(per_rank))
-    peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = next(
-        f for f in figures if peak_rank in f[1])
+    # The traced rank (first of its group) of the largest figure; of equal figures, the lowest rank's.
+    highest = max(f[0] for f in figures)
+    peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = min(
+        (f for f in figures if f[0] == highest), key=lambda f: f[1][0])
+    peak_rank = group[0]
     if target != trace_device or trace_device.type != "cpu":
         notes.append(f"traced on cpu for a {target.type} target")
     return Estimate(

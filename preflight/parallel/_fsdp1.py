@@ -38,15 +38,13 @@ from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._rank import Engine, ScratchedDist, communicating, default_units, fake_replica, patched
 from preflight.parallel._rank import trace_rank
-from preflight.trace import Sweep, TraceResult, swept
+from preflight.trace import Sweep, TraceResult, fake_region, isolated_rng, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import TwinMaker, clone_optimizer
 
 __all__ = ["FSDP1Plan", "fsdp1_rank_groups", "trace_fsdp1"]
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-# gloo's working copy (`preflight.parallel._rank.GlooScratch`) of the collectives FSDP1 calls.
-_GLOO_SIZES = {"all_gather_single": "output", "reduce_scatter_single": "input"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +53,23 @@ class FSDP1Plan:
 
     Attributes:
         units: qualified names of the submodules that become their own FSDP unit (the ``auto_wrap_policy``'s
-            choice); the root is always one. None: every entry of the model's largest ``nn.ModuleList``, what
-            Lightning's and accelerate's transformer-layer policies pick.
+            choice); the root is always one; ``()``: the root alone (no ``auto_wrap_policy``). None: every entry of
+            the model's largest ``nn.ModuleList``, what a transformer-layer policy picks.
+        unit_types: instead of ``units``, the module classes that become units (``ModuleWrapPolicy``, Lightning's
+            ``auto_wrap_policy={Block}``, accelerate's ``transformer_cls_names_to_wrap``).
         sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (a ``ShardingStrategy`` member or
             its name); None: the one `preflight.estimate`'s ``sharding`` names (``"fsdp-full"``: ``FULL_SHARD``,
             ``"fsdp-grad-op"``: ``SHARD_GRAD_OP``). A hybrid strategy is traced as its intra-node strategy over the
             ranks of one node.
         mixed_precision: ``torch.distributed.fsdp.MixedPrecision`` or None.
-        use_orig_params: as FSDP's argument (Lightning's and accelerate's default is True).
+        use_orig_params: as FSDP's argument (True is Lightning's and the HF Trainer's default; accelerate's own
+            plugin and FSDP1 itself default to False).
         backward_prefetch: ``"BACKWARD_PRE"`` (FSDP's default), ``"BACKWARD_POST"`` or None.
         forward_prefetch, limit_all_gathers: as FSDP's arguments.
     """
 
     units: tuple[str, ...] | None = None
+    unit_types: tuple[type, ...] | None = None
     sharding_strategy: Any = None
     mixed_precision: Any = None
     use_orig_params: bool = True
@@ -76,12 +78,17 @@ class FSDP1Plan:
     limit_all_gathers: bool = True
 
     def __post_init__(self) -> None:
-        from torch.distributed.fsdp import MixedPrecision
-
         if self.units is not None:
             if isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units):
                 raise TypeError(f"`units` should be a tuple of module names (str), got {self.units!r}.")
             object.__setattr__(self, "units", tuple(self.units))
+        if self.unit_types is not None:
+            if self.units is not None:
+                raise ValueError("Pass `units` (module names) or `unit_types` (module classes), not both.")
+            types = tuple(self.unit_types)
+            if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+                raise TypeError(f"`unit_types` should be nn.Module subclasses, got {self.unit_types!r}.")
+            object.__setattr__(self, "unit_types", types)
         strategy = self.sharding_strategy
         strategy = None if strategy is None else str(getattr(strategy, "name", strategy)).upper()
         if strategy is not None and strategy not in _STRATEGIES:
@@ -95,7 +102,7 @@ class FSDP1Plan:
             raise ValueError(f"`backward_prefetch` should be 'BACKWARD_PRE', 'BACKWARD_POST' or None, got "
                              f"{self.backward_prefetch!r}.")
         object.__setattr__(self, "backward_prefetch", prefetch)
-        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+        if self.mixed_precision is not None and type(self.mixed_precision).__name__ != "MixedPrecision":
             raise TypeError("`mixed_precision` should be a torch.distributed.fsdp.MixedPrecision or None, got "
                             f"{self.mixed_precision!r}.")
         for name in ("use_orig_params", "forward_prefetch", "limit_all_gathers"):
@@ -107,11 +114,14 @@ def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
     """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
 
-    units = plan.units if plan.units is not None else default_units(replica)
-    unit_ids = {id(replica.get_submodule(name)) for name in units}
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in unit_ids)
+    if plan.unit_types is not None:
+        policy = ModuleWrapPolicy(set(plan.unit_types))
+    else:
+        units = plan.units if plan.units is not None else default_units(replica)
+        unit_ids = {id(replica.get_submodule(name)) for name in units}
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in unit_ids)
     strategy = ShardingStrategy[plan.sharding_strategy or "FULL_SHARD"]
     return FSDP(replica, auto_wrap_policy=policy, sharding_strategy=strategy,
                 mixed_precision=plan.mixed_precision, use_orig_params=plan.use_orig_params,
@@ -120,15 +130,37 @@ def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
                 device_id=torch.device("cpu"))  # FSDP1 asks for an accelerator unless told the device
 
 
-def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int) -> list[list[int]]:
+def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int, *, block: int = 1) -> list[list[int]]:
     """Ranks grouped by what they hold under FSDP1: every rank's flat shards have the same (padded) size, but with
     ``use_orig_params`` the optimizer state covers only the parameters' parts in the rank's shard, so a rank whose
     shard holds padding holds less. Read off a fake copy wrapped once (no step runs). Ranks of one group hold the
     same bytes of parameter parts, in the same number of parts, in every unit, and trace the same; where the parts
     are cut elsewhere, a CUDA target's 512-byte rounding of each part's state can differ by less than a block per
-    part cut. The group holding the most comes first."""
+    part cut. The group holding the most comes first: by the bytes of its parts, each rounded up to ``block`` (the
+    allocator's, 512 on CUDA), then by their number."""
     if plan.sharding_strategy == "NO_SHARD" or not plan.use_orig_params or world_size == 1:
         return [list(range(world_size))]
+    with fake_region(), isolated_rng():
+        layouts = _flat_layouts(model, plan, world_size)
+    signatures: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(world_size):
+        held = []
+        for numels, padding, itemsize in layouts:
+            chunk = -(-sum(numels) // world_size)
+            low, high, offset, parts = rank * chunk, (rank + 1) * chunk, 0, []
+            for numel, is_padding in zip(numels, padding):
+                if not is_padding:
+                    parts.append(max(0, min(high, offset + numel) - max(low, offset)))
+                offset += numel
+            held.append((sum(-(-part * itemsize // block) * block for part in parts), sum(1 for p in parts if p)))
+        signatures.setdefault(tuple(held), []).append(rank)
+    # The group holding the most first (parameter-part bytes, then parts: each part has its own state tensors).
+    order = sorted(signatures, key=lambda held: (sum(b for b, _ in held), sum(n for _, n in held)), reverse=True)
+    return [signatures[held] for held in order]
+
+
+def _flat_layouts(model: nn.Module, plan: FSDP1Plan, world_size: int) -> list[tuple[Any, Any, int]]:
+    """Each unit's flat parameter layout (numels with padding, padding mask, element size), from a fake copy."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -137,23 +169,8 @@ def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int) -> lis
         replica = fake_replica(model, TwinMaker(fake_mode, torch.device("cpu")))
         with fake_mode:
             wrapped = wrap_fsdp1(replica, plan)
-        layouts = [(m._handle.flat_param._numels_with_padding, m._handle.flat_param._is_padding_mask)
-                   for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
-    signatures: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(world_size):
-        held = []
-        for numels, padding in layouts:
-            chunk = -(-sum(numels) // world_size)
-            low, high, offset, parts = rank * chunk, (rank + 1) * chunk, 0, []
-            for numel, is_padding in zip(numels, padding):
-                if not is_padding:
-                    parts.append(max(0, min(high, offset + numel) - max(low, offset)))
-                offset += numel
-            held.append((sum(parts), sum(1 for part in parts if part)))
-        signatures.setdefault(tuple(held), []).append(rank)
-    # The group holding the most first (parameter-part bytes, then parts: each part has its own state tensors).
-    order = sorted(signatures, key=lambda held: (sum(b for b, _ in held), sum(n for _, n in held)), reverse=True)
-    return [signatures[held] for held in order]
+        return [(m._handle.flat_param._numels_with_padding, m._handle.flat_param._is_padding_mask,
+                 m._handle.flat_param.element_size()) for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
 
 
 @swept
@@ -265,7 +282,7 @@ def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
                (_runtime_utils, "_reduce_grad_no_shard",
                 communicating(tracker, _runtime_utils._reduce_grad_no_shard, sharded_grad))]
     if gloo:
-        patches += [(_flat_param, "dist", ScratchedDist(_flat_param.dist, _GLOO_SIZES)),
-                    (_runtime_utils, "dist", ScratchedDist(_runtime_utils.dist, _GLOO_SIZES))]
+        patches += [(_flat_param, "dist", ScratchedDist(_flat_param.dist)),
+                    (_runtime_utils, "dist", ScratchedDist(_runtime_utils.dist))]
     with patched(patches):
         yield

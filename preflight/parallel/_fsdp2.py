@@ -37,9 +37,6 @@ from preflight.trace._twin import clone_optimizer
 
 __all__ = ["FSDP2Plan", "rank_groups", "trace_fsdp2"]
 
-# gloo's working copy (`preflight.parallel._rank.GlooScratch`) of the collectives FSDP2 calls.
-_GLOO_SIZES = {"all_gather_single": "output", "reduce_scatter_single": "input"}
-
 
 @dataclasses.dataclass(frozen=True)
 class FSDP2Plan:
@@ -172,7 +169,7 @@ class _ShardedParams:
 def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     """For the block, report FSDP2's in-place storage resizes to ``tracker`` and put what its collectives allocate in
     `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's working copy at each collective
-    (`preflight.parallel._rank.GlooScratch`). Put back on exit."""
+    (`preflight.parallel._rank.gloo_scratch`). Put back on exit."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -213,6 +210,6 @@ def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
         after = sharded_grads if name == "foreach_reduce" else None
         patches.append((_fsdp_param_group, name, communicating(tracker, getattr(_fsdp_param_group, name), after)))
     if gloo:
-        patches.append((_fsdp_collectives, "dist", ScratchedDist(_fsdp_collectives.dist, _GLOO_SIZES)))
+        patches.append((_fsdp_collectives, "dist", ScratchedDist(_fsdp_collectives.dist)))
     with patched(patches):
         yield

@@ -8,8 +8,10 @@ inside the engine's own watch (its in-place storage resizes, its collectives' bu
 engines is an `Engine`: how to wrap, how to rebuild the optimizer, what to watch.
 
 gloo's collectives on CPU tensors allocate a working copy of the full buffer on the worker thread for the duration
-of the call (measured with the profiler on 2 processes, torch 2.13: ``all_gather_into_tensor``, the size of its
-output; ``reduce_scatter_tensor``, the size of its input); `GlooScratch` allocates the same block in the trace.
+of the call (measured with the profiler on 2 processes, torch 2.13: ``all_gather_single``, the size of its output;
+``reduce_scatter_single``, the size of its input); `gloo_scratch` allocates the same block in the trace. FSDP1
+gathers CPU tensors with the list ``all_gather`` instead, for which no copy is added: the real gloo runs of
+``benchmarks/distributed.py`` measured the traced bytes without one.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["Engine", "GlooScratch", "default_units", "fake_replica", "trace_rank"]
+__all__ = ["GLOO_COPIES", "Engine", "ScratchedDist", "communicating", "default_units", "fake_replica", "gloo_scratch",
+           "patched", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +123,29 @@ def trace_rank(
     sweep.watch(tracker.tensors)
     twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))
     notes: list[str] = []
-    error = failed = user_error = None
 
-    def result() -> TraceResult:
+    def result(error: BaseException | None = None, failed: str | None = None) -> TraceResult:
         tracker.detach()
         return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
                            num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
                            failed_op=failed, op_log=op_log, notes=notes)
 
+    try:
+        return _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
+                         precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker, twins=twins,
+                         notes=notes, result=result)
+    except BaseException:
+        tracker.detach()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
+        raise
+
+
+def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, world_size: int,
+              rank: int, step: StepFn | None, precision: str | None, steps: int, schedule: Schedule,
+              cuda: CudaTarget | None, tracker: StorageTracker, twins: TwinMaker, notes: list[str],
+              result: Callable[..., TraceResult]) -> TraceResult:
+    """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
+    fake_mode = tracker.fake_mode
+    user_error = None
     with fake_world(world_size, rank) as mesh, isolated_rng():
         try:
             replica = fake_replica(model, twins)
@@ -135,8 +153,7 @@ def trace_rank(
                 wrapped = engine.wrap(replica, mesh)
             fake_opt = engine.optimizer(optimizer, model, wrapped)
         except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
-            error, failed = err, f"{engine.name} ({type(err).__name__})"
-            return result()
+            return result(err, f"{engine.name} ({type(err).__name__})")
         for p in engine.parameters(wrapped):
             tracker.register(p, Category.PARAMETERS)
         for b in wrapped.buffers():
@@ -151,6 +168,7 @@ def trace_rank(
         emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
         watched = engine.watch(tracker, gloo=cuda is None)
+        error = failed = None
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
                 fake_mode, tracker, watched:
             try:
@@ -174,36 +192,36 @@ def trace_rank(
     notes.extend(tracker.random_notes())
     if tracker.routing.note():
         notes.append(tracker.routing.note())
-    return result()
+    return result(error, failed)
 
 
-class GlooScratch:
-    """gloo's working copy of a collective on CPU tensors (module docstring): ``wrap`` returns the collective with
-    the same block allocated for the duration of the call."""
+def gloo_scratch(collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:
+    """``collective`` with gloo's working copy (module docstring) allocated for the duration of the call.
+    ``size_of``: ``"output"`` (the first argument, or ``output`` / ``output_tensor``) or ``"input"`` (the second, or
+    ``input`` / ``input_tensor``)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        named = [k for k in (size_of, f"{size_of}_tensor") if k in kwargs]
+        buffer = kwargs[named[0]] if named else args[0 if size_of == "output" else 1]
+        scratch = torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8, device=buffer.device)
+        try:
+            return collective(*args, **kwargs)
+        finally:
+            del scratch
+    return run
 
-    @staticmethod
-    def wrap(collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:
-        """``size_of``: ``"output"`` (the first argument or ``output``/``output_tensor``) or ``"input"`` (the
-        second, or ``input``/``input_tensor``)."""
-        def run(*args: Any, **kwargs: Any) -> Any:
-            named = [k for k in (size_of, f"{size_of}_tensor") if k in kwargs]
-            buffer = kwargs[named[0]] if named else args[0 if size_of == "output" else 1]
-            scratch = torch.empty(buffer.numel() * buffer.element_size(), dtype=torch.uint8, device=buffer.device)
-            try:
-                return collective(*args, **kwargs)
-            finally:
-                del scratch
-        return run
+
+# The single-tensor collectives FSDP1 and FSDP2 call, and which buffer gloo's working copy has the size of.
+GLOO_COPIES = {"all_gather_single": "output", "reduce_scatter_single": "input"}
 
 
 class ScratchedDist:
-    """``torch.distributed`` as an engine's module sees it during the trace: the same, but for the collectives named
-    in ``sizes`` (name -> ``"output"`` / ``"input"``), which allocate gloo's working copy (`GlooScratch`)."""
+    """``torch.distributed`` as an engine's module sees it during the trace: the same, but for the collectives of
+    `GLOO_COPIES`, which allocate gloo's working copy (`gloo_scratch`)."""
 
-    def __init__(self, dist: Any, sizes: dict[str, str]) -> None:
+    def __init__(self, dist: Any) -> None:
         self._dist = dist
-        for name, size_of in sizes.items():
-            setattr(self, name, GlooScratch.wrap(getattr(dist, name), size_of))
+        for name, size_of in GLOO_COPIES.items():
+            setattr(self, name, gloo_scratch(getattr(dist, name), size_of))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dist, name)
@@ -229,9 +247,10 @@ def communicating(tracker: StorageTracker, fn: Callable[..., Any],
     def run(*args: Any, **kwargs: Any) -> Any:
         before, tracker.phase_category = tracker.phase_category, Category.COMMUNICATION
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             tracker.phase_category = before
-            if after is not None:
-                after(*args, **kwargs)
+        if after is not None:
+            after(*args, **kwargs)
+        return out
     return run

@@ -43,6 +43,8 @@ class ParallelPlan:
         sharding: a `preflight._sharding.SHARDING_CHOICES` name; None for a single process.
         offload_optimizer, offload_params: what lives on the CPU instead of the GPU.
         source: where the plan was read, for the report (``"Lightning FSDPStrategy(SHARD_GRAD_OP)"``).
+        fsdp: how FSDP wraps the model, where the strategy says (an `FSDP1Plan` or `FSDP2Plan`); None: the
+            engine's defaults.
     """
 
     world_size: int
@@ -50,6 +52,7 @@ class ParallelPlan:
     offload_optimizer: bool = False
     offload_params: bool = False
     source: str = ""
+    fsdp: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -58,8 +61,11 @@ class ParallelPlan:
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The plan as `preflight.estimate`'s keyword arguments."""
-        return {"world_size": self.world_size, "sharding": self.sharding,
-                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
+        kwargs = {"world_size": self.world_size, "sharding": self.sharding,
+                  "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
+        if self.fsdp is not None:
+            kwargs["fsdp"] = self.fsdp
+        return kwargs
 
     def note(self) -> str:
         """The coverage note: where the plan came from and what it shards and offloads."""
@@ -70,7 +76,8 @@ class ParallelPlan:
 
 
 def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = None, cpu_offload: bool = False,
-              source: str = "") -> ParallelPlan:
+              source: str = "", use_orig_params: bool | None = None, unit_types: tuple[type, ...] | None = None,
+              reshard_after_forward: bool = True) -> ParallelPlan:
     """The plan of an FSDP run.
 
     Args:
@@ -79,6 +86,9 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
         world_size: all ranks of the job.
         ranks_per_node: the ranks of one node, the group a hybrid strategy shards over (default ``world_size``).
         cpu_offload: ``CPUOffload(offload_params=True)`` (FSDP1) or ``CPUOffloadPolicy`` (FSDP2).
+        use_orig_params, unit_types: FSDP1's ``use_orig_params`` and the module classes its wrap policy makes units
+            of (``()``: no policy, the root alone), where the strategy says; None: `FSDP1Plan`'s defaults.
+        reshard_after_forward: FSDP2's; False keeps each unit's parameters gathered from forward to backward.
 
     Example:
         >>> fsdp_plan("hybrid_shard", world_size=16, ranks_per_node=8).estimate_kwargs()["world_size"]
@@ -102,8 +112,18 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
         # this strategy, so it is predicted without it, which counts more on the GPU than the run holds.
         cpu_offload = False
         source += " with CPU offload, predicted without it (an upper bound)"
+    fsdp = None
+    if sharding == "fsdp2" and not reshard_after_forward:
+        from preflight.parallel._fsdp2 import FSDP2Plan
+
+        fsdp = FSDP2Plan(reshard_after_forward=False)
+    elif sharding in ("fsdp-full", "fsdp-grad-op") and (use_orig_params is not None or unit_types is not None):
+        from preflight.parallel._fsdp1 import FSDP1Plan
+
+        fsdp = FSDP1Plan(units=() if unit_types == () else None, unit_types=unit_types or None,
+                         use_orig_params=True if use_orig_params is None else bool(use_orig_params))
     return ParallelPlan(world_size=min(group, world_size), sharding=sharding, offload_optimizer=cpu_offload,
-                        offload_params=cpu_offload, source=source)
+                        offload_params=cpu_offload, source=source, fsdp=fsdp)
 
 
 def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int,
@@ -136,8 +156,8 @@ def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size:
 def accelerate_plan(state: Any) -> ParallelPlan | None:
     """The sharded plugin accelerate applied, from its state (``accelerator.state``, or the ``AcceleratorState``
     the HF Trainer made): ``DeepSpeedPlugin`` (its config, with the values accelerate filled in) under
-    ``DistributedType.DEEPSPEED``; ``FullyShardedDataParallelPlugin`` under ``DistributedType.FSDP`` (FSDP2:
-    ``reshard_after_forward=False`` shards as ``SHARD_GRAD_OP``; FSDP1: its sharding strategy; offload only for
+    ``DistributedType.DEEPSPEED``; ``FullyShardedDataParallelPlugin`` under ``DistributedType.FSDP`` (FSDP2, with
+    its ``reshard_after_forward``; FSDP1: its sharding strategy and ``use_orig_params``; offload only for
     ``CPUOffload(offload_params=True)`` or ``CPUOffloadPolicy``, not FSDP2's default ``OffloadPolicy()``), hybrid
     strategies over ``LOCAL_WORLD_SIZE`` ranks. None otherwise: a plugin accelerate did not apply (FSDP asked for on
     CPU processes runs DDP) is not read."""
@@ -152,16 +172,23 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     if kind != "FSDP" or fsdp is None:
         return None
     reshard = getattr(fsdp, "reshard_after_forward", None)
+    options: dict[str, Any] = {}
     if getattr(fsdp, "fsdp_version", 1) == 2:
-        strategy = "SHARD_GRAD_OP" if reshard is False else "fsdp2"
+        strategy = "fsdp2"
+        options["reshard_after_forward"] = reshard is not False
     else:
         strategy = reshard if reshard not in (None, True, False) else getattr(fsdp, "sharding_strategy", None)
+        options["use_orig_params"] = bool(getattr(fsdp, "use_orig_params", False))  # accelerate's default: False
+        policy = getattr(fsdp, "auto_wrap_policy", "")
+        if policy is None or str(policy).upper() == "NO_WRAP":  # accelerate's default, None once it has read it
+            options["unit_types"] = ()
     offload = getattr(fsdp, "cpu_offload", None)
     offload = (offload if isinstance(offload, bool) else type(offload).__name__ == "CPUOffloadPolicy"
                or bool(getattr(offload, "offload_params", False)))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
-                     source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})")
+                     source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})",
+                     **options)
 
 
 def already_sharded(model: Any) -> str | None:

@@ -14,7 +14,7 @@ the trace (`_blame`). `trace_composed` gives a deep stack's trace composed from 
 
 from preflight.trace._blame import blamed_on_user, is_user_error, mark_user_error
 from preflight.trace._compose import trace_composed
-from preflight.trace._leftovers import Sweep, swept
+from preflight.trace._leftovers import Sweep, fake_region, swept
 from preflight.trace._restore import NotRestoredError, isolated_rng, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
 from preflight.trace._run import FakeRun, TensorSpec, TraceResult, trace_steps
@@ -31,6 +31,7 @@ __all__ = [
     "blamed_on_user",
     "check_routing",
     "device_mismatch",
+    "fake_region",
     "float_dtype_for",
     "is_user_error",
     "isolated_rng",

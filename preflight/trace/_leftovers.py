@@ -31,13 +31,14 @@ visible to ``gc``) cannot be found, and are reported as such.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import sys
 import traceback
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
@@ -256,6 +257,19 @@ def swept(trace: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return wrapper
+
+
+@contextlib.contextmanager
+def fake_region() -> Iterator[None]:
+    """For fake-tensor work outside a `swept` trace (nothing of the user's code runs, so nothing to sweep): Ctrl-C
+    waits for the exit, and what the block made is freed before it (`_collect_young`). Return from a function
+    inside the block, so that its locals are gone by then."""
+    with interrupts.deferred_interrupts():
+        try:
+            yield
+        finally:
+            with interrupts.finishing():
+                _collect_young()
 
 
 def _collect_young() -> None:

@@ -161,10 +161,14 @@ def trace_steps(
                 tracker.register(st[key], Category.OPTIMIZER_STATE)
 
     on_phase = phase_bookkeeping(tracker, fake_opt)
-    with run.active(model):
-        model.train()
-        run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
-                  steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
+    try:
+        with run.active(model):
+            model.train()
+            run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
+                      steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
+    except BaseException:
+        run.finish()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
+        raise
     if tracker.placeholders_used:
         run.notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); "
                          "placeholders were used (they change arithmetic, not which tensors exist)")

@@ -11,8 +11,8 @@ from torch.distributed.fsdp import ShardingStrategy
 
 import preflight
 from preflight._check import Options, predict
-from preflight._estimate import check_plan
-from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
+from preflight._estimate import check_plan, fsdp_trace_plan
+from preflight.parallel import FSDP1Plan, FSDP2Plan, ParallelPlan, deepspeed_plan, fsdp_plan
 
 
 @pytest.mark.parametrize("strategy, sharding", [
@@ -100,14 +100,19 @@ def test_lightning_strategies_are_read_into_plans():
         return SimpleNamespace(strategy=strategy, world_size=world_size, num_devices=num_devices, num_nodes=2)
 
     plan = _parallel_plan(trainer(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", cpu_offload=True)))
-    # SHARD_GRAD_OP keeps whole parameters on the GPU: predicted without the offload, and the note says so.
+    # SHARD_GRAD_OP keeps whole parameters on the GPU: predicted without the offload, and the note says so. No
+    # auto_wrap_policy: FSDP1 wraps the root alone; Lightning's use_orig_params default is True.
     assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-grad-op", "offload_optimizer": False,
-                                      "offload_params": False}
+                                      "offload_params": False, "fsdp": FSDP1Plan(units=(), use_orig_params=True)}
     assert "with CPU offload, predicted without it (an upper bound)" in plan.note()
-    check_plan(**plan.estimate_kwargs())  # a plan estimate accepts
+    kwargs = plan.estimate_kwargs()
+    fsdp_trace_plan(kwargs.pop("fsdp"), plan.sharding)  # a plan estimate accepts
+    check_plan(**kwargs)
     assert "Lightning FSDPStrategy(SHARD_GRAD_OP)" in plan.note()
-    hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear})
+    hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear},
+                          use_orig_params=False)
     assert _parallel_plan(trainer(hybrid)).world_size == 4  # the ranks of one node
+    assert _parallel_plan(trainer(hybrid)).fsdp == FSDP1Plan(unit_types=(torch.nn.Linear,), use_orig_params=False)
     assert _parallel_plan(trainer(FSDPStrategy())).sharding == "fsdp-full"  # FSDP's default
     model_parallel = _parallel_plan(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=4)))
     assert _parallel_plan(trainer(ModelParallelStrategy(), world_size=8)).world_size == 2  # "auto": num_nodes
@@ -151,7 +156,13 @@ def test_accelerate_plugins_are_read_into_plans_when_applied():
     # A plugin accelerate did not apply (FSDP asked for on CPU processes runs DDP: MULTI_CPU) is not read.
     assert accelerate_plan(state(DistributedType.MULTI_CPU, fsdp_plugin=plugin)) is None
     plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP")
-    assert accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin)).sharding == "fsdp-grad-op"
+    plan = accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
+    assert plan.sharding == "fsdp-grad-op"
+    assert plan.fsdp == FSDP1Plan(units=(), use_orig_params=False)  # accelerate's defaults: NO_WRAP, False
+    # FSDP2 that keeps parameters gathered after forward is still FSDP2, traced with that option.
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)
+    plan = accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
+    assert (plan.sharding, plan.fsdp) == ("fsdp2", FSDP2Plan(reshard_after_forward=False))
     ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     plan = accelerate_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
     assert (plan.sharding, plan.offload_optimizer) == ("zero1", True)

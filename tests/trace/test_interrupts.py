@@ -148,7 +148,9 @@ def test_interrupts_at_many_moments(args):
     outcomes = [r["outcome"] for r in attempts]
     assert len(attempts) == int(args[0])
     assert set(outcomes) <= {"interrupt", "completed"}, outcomes  # no swallowed interrupt, no wrong peak
-    assert outcomes.count("interrupt") >= len(outcomes) // 2, outcomes  # most delays land inside the estimate
+    # Delays are spread over one timing of the estimate, taken while the other test worker may be busy: at least a
+    # quarter of them land inside it however the load changes.
+    assert outcomes.count("interrupt") >= len(outcomes) // 4, outcomes
     assert all(r["peak"] in (None, baseline) for r in attempts)
     assert all(r["restored"] and r["handler_restored"] for r in attempts)
     assert after == baseline  # the process traces as before
@@ -159,9 +161,10 @@ def _finalizable_garbage(run) -> list[str]:
     ``__del__``, weak references with a callback, fake modes and trackers (whose storages have both)."""
     gc.collect()
     enabled = gc.isenabled()
-    gc.disable()  # nothing collected between the run and the look
+    gc.enable()  # as in a user's process: what lives through the trace ages into the old generations
     try:
         run()
+        gc.disable()  # nothing collected between the run and the look
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         found = [type(o).__qualname__ for o in gc.garbage
@@ -175,7 +178,7 @@ def _finalizable_garbage(run) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("entry", ["estimate", "check", "fsdp2"])
+@pytest.mark.parametrize("entry", ["estimate", "check", "fsdp2", "fsdp-full", "user-error"])
 def test_a_trace_leaves_no_garbage_whose_collection_runs_python(entry):
     # A later garbage collection runs such objects' finalizers wherever the user's program is, outside the deferral:
     # a Ctrl-C that lands in one of them is printed and dropped ("Exception ignored in ... __del__"). What the trace
@@ -184,5 +187,17 @@ def test_a_trace_leaves_no_garbage_whose_collection_runs_python(entry):
     step = lambda m, b: m(b).sum()  # noqa: E731
     run = {"estimate": lambda: preflight.estimate(model, opt, x, step=step),
            "check": lambda: preflight.check(model, opt, x, step=step, eval_batch=x, eval_step=lambda m, b: m(b), budget="1 GiB"),
-           "fsdp2": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp2")}[entry]
+           "fsdp2": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp2"),
+           "fsdp-full": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp-full"),
+           "user-error": lambda: _raises(lambda: preflight.estimate(model, opt, x, step=_failing_step))}[entry]
     assert _finalizable_garbage(run) == []
+
+
+def _failing_step(m, b):
+    m(b).sum().backward()  # the tracker has seen a graph and frees when the user's code raises
+    raise ValueError("the user's own error")
+
+
+def _raises(run) -> None:
+    with pytest.raises(ValueError, match="the user's own error"):
+        run()

@@ -281,7 +281,8 @@ def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool
     return sharding
 
 
-# FSDP1 ranks traced at most (the ranks' distinct shard cuts); beyond, the ones holding the most bound the others.
+# FSDP1 rank groups traced at most (the ranks' distinct shard cuts); beyond, only the rank holding the most is
+# traced, and its figure bounds the others'.
 _MAX_RANK_TRACES = 4
 # The FSDP1 sharding strategy each per-rank sharding name traces (`preflight.parallel.FSDP1Plan`).
 _FSDP1_STRATEGIES = {"fsdp-full": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP"}
@@ -348,8 +349,8 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         return None, f"{sharding}: {engine} could not wrap the model ({reason}); {rescaled}"
     try:
         if fsdp1 and len(groups) > _MAX_RANK_TRACES:
-            # Many ways to cut the parameters into shards (a large world): the ranks that hold the most are traced,
-            # and each other rank, holding less of the same program, gets their figure as its upper bound.
+            # Many ways to cut the parameters into shards (a large world): the rank that holds the most is traced,
+            # and each other rank, holding less of the same program, gets its figure as an upper bound.
             most = groups[0][0]
             bounded = (f"rank {most} traced (it holds the most); {world_size - len(groups[0])} rank(s) cut their "
                        f"shards {len(groups) - 1} other ways and hold less: they get rank {most}'s figure as an "

@@ -1,13 +1,13 @@
 """Interrupt `preflight.estimate` of a small GPT-2 with SIGINT at many moments; print one JSON line per attempt.
 
 Run as a script by ``test_interrupts.py`` (a crash of this process is one of the outcomes counted). Each attempt
-sends one SIGINT from a timer thread at a delay spread over the length of an uninterrupted estimate (the send time
-is read after ``os.kill`` returns, so that a timer thread kept waiting for the GIL between the two cannot make a late
-signal look early) and records:
+sends one SIGINT from a timer thread at a delay spread over the length of an uninterrupted estimate and records:
 
 - ``interrupt``: `KeyboardInterrupt` out of `estimate` (the clean outcome);
 - ``completed``: `estimate` returned the uninterrupted peak and the signal was sent after it had returned;
 - ``swallowed``: the signal was sent before `estimate` returned, and it returned anyway;
+- ``unclear``: it returned while the timer thread was between its two clock reads around ``os.kill`` (the thread
+  can wait for the GIL there), so when the signal was sent is not known;
 - ``wrong``: `estimate` returned another peak;
 
 and whether the model is as before (the same parameter objects, no fakes) and the SIGINT handler is Python's own
@@ -64,8 +64,9 @@ def main() -> None:
     print(json.dumps({"baseline": baseline, "seconds": seconds}), flush=True)
     for i in range(attempts):
         delay = seconds * 1.1 * (i + 0.5) / attempts  # spread over the whole estimate and a little after
-        sent: list[float] = []
-        timer = threading.Timer(delay, lambda: (os.kill(os.getpid(), signal.SIGINT), sent.append(time.perf_counter())))
+        sent: list[float] = []  # the clock just before and just after os.kill
+        timer = threading.Timer(delay, lambda: (sent.append(time.perf_counter()), os.kill(os.getpid(), signal.SIGINT),
+                                                sent.append(time.perf_counter())))
         returned = peak = None
         outcome = None
         try:
@@ -80,8 +81,10 @@ def main() -> None:
         if outcome is None:
             if peak != baseline:
                 outcome = "wrong"
-            elif sent and sent[0] < returned:
+            elif sent and sent[-1] < returned:
                 outcome = "swallowed"
+            elif sent and sent[0] < returned:
+                outcome = "unclear"
             else:
                 outcome = "completed"
         restored = _state(model) == before and not any(
@@ -124,8 +127,9 @@ def lightning(attempts: int) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             timing["start"] = time.perf_counter()
             if self.delay is not None:
-                timing["timer"] = threading.Timer(self.delay, lambda: (os.kill(os.getpid(), signal.SIGINT),
-                                                                       timing.__setitem__("sent", time.perf_counter())))
+                timing["timer"] = threading.Timer(self.delay, lambda: (
+                    timing.__setitem__("sending", time.perf_counter()), os.kill(os.getpid(), signal.SIGINT),
+                    timing.__setitem__("sent", time.perf_counter())))
                 timing["timer"].start()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -165,6 +169,8 @@ def lightning(attempts: int) -> None:
             outcome = "wrong"
         elif timing["sent"] < timing.get("predicted", float("inf")):
             outcome = "swallowed"
+        elif timing["sending"] < timing.get("predicted", float("inf")):
+            outcome = "unclear"
         else:
             outcome = "completed"
         restored = _state(module) == before and not any(

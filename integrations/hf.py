@@ -101,7 +101,7 @@ class PreflightCallback(TrainerCallback):
         self.report: Report | None = None
         self.autotuned: dict[str, Any] | None = None
         self._session: VerifySession | None = None
-        self._batch: Any = None
+        self._batch: list[Any] | None = None  # the (args, kwargs) of each forward of the measured step
         self._hook: Any = None
         self._eval_hook: Any = None  # measures evaluation batches that run inside the verified window
         self._optimizer: torch.optim.Optimizer | None = None
@@ -159,9 +159,9 @@ class PreflightCallback(TrainerCallback):
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         states = [list(s.values()) for s in optimizer.state.values()]
-        # The micro-batches were fetched before this hook, which does not receive them: the first forward's
-        # inputs are picked up by a pre-hook and counted as alive since the start (`StepPeakMeter.stop`).
-        self._batch = None
+        # The micro-batches were fetched before this hook, which does not receive them: each forward's inputs are
+        # picked up by a pre-hook and counted as alive since the start (`StepPeakMeter.stop`).
+        self._batch = []
         self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
         session.step_started([list(model.parameters()), list(model.buffers()), grads, states])
 
@@ -170,8 +170,10 @@ class PreflightCallback(TrainerCallback):
         if session is None or not session.active:
             return
         self._remove_hook()
-        batch, self._batch = self._batch, None
-        if session.step_ended(also_resident=batch, batch=_inputs(batch)):
+        calls, self._batch = self._batch or [], None
+        for call in calls[1:]:  # the step is predicted for its largest micro-batch (`VerifySession.micro_batch`)
+            session.micro_batch(_inputs(call))
+        if session.step_ended(also_resident=calls, batch=_inputs(calls[0]) if calls else None):
             self._log(state, session.report, verified=True)
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -234,9 +236,9 @@ class PreflightCallback(TrainerCallback):
         return result.batch_size
 
     def _remember_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        # (args, kwargs) of the model's forward: all of it is alive since the step began (`also_resident`).
-        if self._batch is None:
-            self._batch = (args, kwargs)
+        # (args, kwargs) of each forward of the step: all of it is alive since the step began (`also_resident`).
+        if self._batch is not None:
+            self._batch.append((args, kwargs))
 
     def _remove_hook(self) -> None:
         if self._hook is not None:

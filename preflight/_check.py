@@ -51,7 +51,7 @@ from torch import nn
 from preflight._batches import BatchInfo, failures_text
 from preflight._budget import DEFAULT_HEADROOM, check_budget, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
-from preflight._device import map_tensors, resolve_device
+from preflight._device import iter_tensors, map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight._analytic import optimizer_state_bytes
@@ -552,8 +552,9 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
 class VerifySession:
     """Measure the first ``verify_steps`` optimizer steps and fill in the report's measured fields.
 
-    The adapter calls ``step_started(resident)`` before the first forward of an optimizer step and
-    ``step_ended()`` after its ``zero_grad``; ``step_ended`` returns True once the last step was measured, after
+    The adapter calls ``step_started(resident)`` before the first forward of an optimizer step,
+    ``micro_batch(batch)`` for each further micro-batch of a step that accumulates gradients, and ``step_ended()``
+    after its ``zero_grad``; ``step_ended`` returns True once the last step was measured, after
     which `finish` has run: results are agreed across ranks (a collective: every rank measures the same number
     of steps), written, printed, and warnings emitted. If training ends early, the adapter calls `finish` itself.
     A measurement that fails on one rank is a warning there; the collective still runs.
@@ -582,6 +583,7 @@ class VerifySession:
         self._step_shapes: list[str | None] = []
         self._batches: dict[str, Any] = {}
         self._pending_shape: str | None = None
+        self._pending_size = -1  # elements of the step's largest micro-batch so far
         # Evaluation batches run inside the measured window, measured apart: (peak, shape key) each.
         self._eval_meter: StepPeakMeter | None = None
         self._eval_peaks: list[tuple[int, str | None]] = []
@@ -600,13 +602,24 @@ class VerifySession:
         ``batch``, when the adapter has it now, is the step's (first micro-)batch."""
         if self.done or self.meter is None:
             return
-        self._pending_shape = self._remember(batch)
+        self._pending_shape, self._pending_size = None, -1
+        self.micro_batch(batch)
         ok = False
         with internal_failures("measuring the peak"):
             self.meter.start(resident)
             ok = True
         if not ok:
             self._give_up()
+
+    def micro_batch(self, batch: Any) -> None:
+        """A micro-batch of the current step. A step that accumulates gradients over micro-batches of different
+        shapes is compared with the prediction for its largest one, at every micro-step (an upper bound for that
+        step): the first micro-batch alone under-predicts a step whose later micro-batch is longer."""
+        if self.done or batch is None:
+            return
+        size = sum(t.numel() for t in iter_tensors(batch))
+        if size > self._pending_size:
+            self._pending_shape, self._pending_size = self._remember(batch), size
 
     def step_ended(self, also_resident: Any = None, batch: Any = None) -> bool:
         """Record the step; return True when verification has just finished. ``also_resident``: see
@@ -621,9 +634,9 @@ class VerifySession:
             if not ok:
                 self._give_up()
             else:
-                shape = self._pending_shape if batch is None else self._remember(batch)
-                self._step_shapes.append(shape)
-        self._pending_shape = None
+                self.micro_batch(batch)
+                self._step_shapes.append(self._pending_shape)
+        self._pending_shape, self._pending_size = None, -1
         self.ended += 1
         if self.ended >= self.steps:
             self.finish()

@@ -202,10 +202,7 @@ class PreflightCallback(*_callback_bases()):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         session = self._session
-        if session is None or not session.active:
-            return
-        if batch_idx % trainer.accumulate_grad_batches:  # a later micro-batch of the step being measured
-            session.micro_batch(batch)
+        if session is None or not session.active or batch_idx % trainer.accumulate_grad_batches:
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]

@@ -553,7 +553,8 @@ class VerifySession:
     """Measure the first ``verify_steps`` optimizer steps and fill in the report's measured fields.
 
     The adapter calls ``step_started(resident)`` before the first forward of an optimizer step,
-    ``micro_batch(batch)`` for each further micro-batch of a step that accumulates gradients, and ``step_ended()``
+    ``micro_batch(batch)`` for each further micro-batch of a step that accumulates gradients (where all of them
+    are alive from the step's start, as in the HF Trainer), and ``step_ended()``
     after its ``zero_grad``; ``step_ended`` returns True once the last step was measured, after
     which `finish` has run: results are agreed across ranks (a collective: every rank measures the same number
     of steps), written, printed, and warnings emitted. If training ends early, the adapter calls `finish` itself.
@@ -583,7 +584,10 @@ class VerifySession:
         self._step_shapes: list[str | None] = []
         self._batches: dict[str, Any] = {}
         self._pending_shape: str | None = None
-        self._pending_size = -1  # elements of the step's largest micro-batch so far
+        # The step's largest micro-batch so far: its elements, and the batch itself when it came after the meter
+        # started (copied once the meter has stopped: a copy made inside the window would be measured).
+        self._pending_size = -1
+        self._pending_batch: Any = None
         # Evaluation batches run inside the measured window, measured apart: (peak, shape key) each.
         self._eval_meter: StepPeakMeter | None = None
         self._eval_peaks: list[tuple[int, str | None]] = []
@@ -602,8 +606,7 @@ class VerifySession:
         ``batch``, when the adapter has it now, is the step's (first micro-)batch."""
         if self.done or self.meter is None:
             return
-        self._pending_shape, self._pending_size = None, -1
-        self.micro_batch(batch)
+        self._pending_shape, self._pending_size, self._pending_batch = self._remember(batch), _elements(batch), None
         ok = False
         with internal_failures("measuring the peak"):
             self.meter.start(resident)
@@ -612,14 +615,16 @@ class VerifySession:
             self._give_up()
 
     def micro_batch(self, batch: Any) -> None:
-        """A micro-batch of the current step. A step that accumulates gradients over micro-batches of different
-        shapes is compared with the prediction for its largest one, at every micro-step (an upper bound for that
-        step): the first micro-batch alone under-predicts a step whose later micro-batch is longer."""
+        """A micro-batch of the current step, for an adapter whose step's micro-batches are all alive from its start
+        (the HF Trainer fetches them first; the reference kept here changes no lifetime). A step that accumulates
+        over micro-batches of different shapes is compared with the prediction for its largest one, at every
+        micro-step (an upper bound for that step): the first micro-batch alone under-predicts a step whose later
+        micro-batch is longer."""
         if self.done or batch is None:
             return
-        size = sum(t.numel() for t in iter_tensors(batch))
+        size = _elements(batch)
         if size > self._pending_size:
-            self._pending_shape, self._pending_size = self._remember(batch), size
+            self._pending_size, self._pending_batch = size, batch
 
     def step_ended(self, also_resident: Any = None, batch: Any = None) -> bool:
         """Record the step; return True when verification has just finished. ``also_resident``: see
@@ -635,8 +640,10 @@ class VerifySession:
                 self._give_up()
             else:
                 self.micro_batch(batch)
+                if self._pending_batch is not None:  # the meter has stopped: copying it now is not measured
+                    self._pending_shape = self._remember(self._pending_batch)
                 self._step_shapes.append(self._pending_shape)
-        self._pending_shape, self._pending_size = None, -1
+        self._pending_shape, self._pending_size, self._pending_batch = None, -1, None
         self.ended += 1
         if self.ended >= self.steps:
             self.finish()
@@ -777,6 +784,11 @@ class VerifySession:
             self.meter.abort()
             self.meter.step_peaks.clear()
         self.meter = None
+
+
+def _elements(batch: Any) -> int:
+    """Elements in ``batch``'s tensors (-1 for no batch): which micro-batch of a step is the largest."""
+    return -1 if batch is None else sum(t.numel() for t in iter_tensors(batch))
 
 
 # ---- policies ------------------------------------------------------------------------------------------------

@@ -95,6 +95,22 @@ def classify_step(model: nn.Module, batch) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
+class Stack(nn.Module):
+    """``depth`` Linear(width, width) blocks in a ModuleList (the default FSDP units) and a Linear(width, 1) head (dim
+    0 of 1: under FSDP2 one rank holds it). The default width, 66, is not a multiple of 4 ranks: FSDP2 pads each
+    rank's shard of a block to ceil(66 / 4) = 17 rows, FSDP1 a block's flat parameter (4422 elements) to 4424."""
+
+    def __init__(self, depth: int = 3, width: int = 66) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x).sum()
+
+
 class VariableTokens(torch.utils.data.Dataset):
     """Token sequences as lists; with ``fixed`` all of that length, else varying, with the longest (96) last.
     ``key`` wraps each sample as ``{key: tokens}`` (the HF Trainer drops dataset columns it cannot name)."""

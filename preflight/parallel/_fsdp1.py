@@ -36,8 +36,8 @@ from preflight._result import Category
 from preflight._steps import Schedule, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._rank import Engine, ScratchedDist, communicating, default_units, fake_replica, patched
-from preflight.parallel._rank import trace_rank
+from preflight.parallel._rank import Engine, ParamTwins, ScratchedDist, communicating, default_units, fake_replica
+from preflight.parallel._rank import patched, reporting_resizes, trace_rank
 from preflight.trace import Sweep, TraceResult, fake_region, isolated_rng, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import TwinMaker, clone_optimizer
@@ -204,10 +204,10 @@ def _engine(plan: FSDP1Plan) -> Engine:
 
         if plan.use_orig_params:  # the original parameters, named with FSDP1's wrapper prefixes
             by_name = {clean_tensor_name(name): p for name, p in wrapped.named_parameters()}
-            by_id = {id(p): by_name[name] for name, p in model.named_parameters() if name in by_name}
-            return clone_optimizer(user, _Mapped(by_id), foreach=None)
+            return clone_optimizer(user, ParamTwins(model, by_name, "FSDP1"), foreach=None)
         # Flat parameters: the optimizer is built over them, one group (FSDP1 cannot split a flat parameter).
-        return clone_optimizer(user, _Mapped({}), foreach=None, param_groups=[(0, list(wrapped.parameters()))])
+        return clone_optimizer(user, ParamTwins(model, {}, "FSDP1"), foreach=None,
+                               param_groups=[(0, list(wrapped.parameters()))])
 
     def parameters(wrapped: nn.Module) -> list[torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -218,21 +218,6 @@ def _engine(plan: FSDP1Plan) -> Engine:
                   optimizer=optimizer, parameters=parameters, watch=watched_fsdp1)
 
 
-class _Mapped:
-    """`clone_optimizer`'s twin maker: the user's parameter -> the wrapped copy's parameter of the same name."""
-
-    def __init__(self, by_id: dict[int, torch.Tensor]) -> None:
-        self._by_id = by_id
-
-    def tensor(self, t: torch.Tensor, **_: Any) -> torch.Tensor:
-        found = self._by_id.get(id(t))
-        if found is None:
-            raise ValueError("the optimizer holds a tensor that is not one of the model's parameters (existing "
-                             "optimizer state, or parameters of another model); FSDP1's sharded state for it is "
-                             "not traced")
-        return found
-
-
 @contextlib.contextmanager
 def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     """For the block, report FSDP1's in-place storage resizes to ``tracker`` and put what its gradient reduction
@@ -240,15 +225,7 @@ def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     collective. Put back on exit."""
     from torch.distributed.fsdp import _flat_param, _runtime_utils
 
-    alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
-
-    def alloc_storage(tensor: torch.Tensor, size: torch.Size) -> None:
-        alloc(tensor, size)
-        tracker.resized(tensor, Category.COMMUNICATION)
-
-    def free_storage(tensor: torch.Tensor) -> None:
-        free(tensor)
-        tracker.resized(tensor)
+    alloc_storage, free_storage = reporting_resizes(tracker, _flat_param._alloc_storage, _flat_param._free_storage)
 
     def sharded_grad(state: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
         flat_param = handle.flat_param  # the reduce-scatter output became the shard's gradient

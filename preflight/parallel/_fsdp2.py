@@ -30,7 +30,8 @@ from torch import nn
 from preflight._result import Category
 from preflight._steps import Schedule, StepFn
 from preflight.cuda import CudaTarget
-from preflight.parallel._rank import Engine, ScratchedDist, communicating, default_units, patched, trace_rank
+from preflight.parallel._rank import Engine, ParamTwins, ScratchedDist, communicating, default_units, patched
+from preflight.parallel._rank import reporting_resizes, trace_rank
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
@@ -142,27 +143,10 @@ def _engine(plan: FSDP2Plan) -> Engine:
         return replica
 
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-        return clone_optimizer(user, _ShardedParams(model, dict(wrapped.named_parameters())), foreach=None)
+        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "FSDP2"), foreach=None)
 
     return Engine(name="fully_shard", wrap=wrap, optimizer=optimizer,
                   parameters=lambda wrapped: list(wrapped.parameters()), watch=watched_fsdp2)
-
-
-class _ShardedParams:
-    """`clone_optimizer`'s twin maker for the sharded copy: the user's parameter -> the copy's DTensor parameter of
-    the same name."""
-
-    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter]) -> None:
-        self._by_id = {id(p): params[name] for name, p in model.named_parameters(remove_duplicate=True)
-                       if name in params}
-
-    def tensor(self, t: torch.Tensor, **_: Any) -> torch.Tensor:
-        found = self._by_id.get(id(t))
-        if found is None:
-            raise ValueError("the optimizer holds a tensor that is not one of the model's parameters (existing "
-                             "optimizer state, or parameters of another model); FSDP2's sharded state for it is "
-                             "not traced")
-        return found
 
 
 @contextlib.contextmanager
@@ -172,15 +156,7 @@ def watched_fsdp2(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     (`preflight.parallel._rank.gloo_scratch`). Put back on exit."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
 
-    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_storage(tensor: torch.Tensor) -> None:
-        alloc(tensor)
-        tracker.resized(tensor, Category.COMMUNICATION)
-
-    def free_storage(tensor: torch.Tensor) -> None:
-        free(tensor)
-        tracker.resized(tensor)
+    alloc_storage, free_storage = reporting_resizes(tracker, _fsdp_param.alloc_storage, _fsdp_param.free_storage)
 
     def sharded_grads(fsdp_params: Any, *args: Any, **kwargs: Any) -> None:
         for fsdp_param in fsdp_params:  # foreach_reduce(fsdp_params, ...) assigned each one's sharded gradient

@@ -41,8 +41,8 @@ from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["GLOO_COPIES", "Engine", "ScratchedDist", "communicating", "default_units", "fake_replica", "gloo_scratch",
-           "patched", "trace_rank"]
+__all__ = ["GLOO_COPIES", "Engine", "ParamTwins", "ScratchedDist", "communicating", "default_units", "fake_replica",
+           "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,38 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     if tracker.routing.note():
         notes.append(tracker.routing.note())
     return result(error, failed)
+
+
+class ParamTwins:
+    """`clone_optimizer`'s twin maker for a wrapped copy: the user's parameter -> the copy's parameter of the same
+    name. ``named``: the copy's parameters under the user's names; ``engine`` names the engine in the error."""
+
+    def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], engine: str) -> None:
+        self._by_id = {id(p): named[name] for name, p in model.named_parameters() if name in named}
+        self._engine = engine
+
+    def tensor(self, t: torch.Tensor, **_: Any) -> torch.Tensor:
+        found = self._by_id.get(id(t))
+        if found is None:
+            raise ValueError("the optimizer holds a tensor that is not one of the model's parameters (existing "
+                             "optimizer state, or parameters of another model); the sharded state "
+                             f"{self._engine} would make for it is not traced")
+        return found
+
+
+def reporting_resizes(tracker: StorageTracker, alloc: Callable[..., None],
+                      free: Callable[..., None]) -> tuple[Callable[..., None], Callable[..., None]]:
+    """An engine's storage ``alloc`` / ``free`` functions (they resize a storage in place, which no operator sees),
+    each reporting the resize to ``tracker``: a re-allocated block is in `Category.COMMUNICATION`."""
+    def alloc_storage(tensor: torch.Tensor, *args: Any) -> None:
+        alloc(tensor, *args)
+        tracker.resized(tensor, Category.COMMUNICATION)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        free(tensor)
+        tracker.resized(tensor)
+
+    return alloc_storage, free_storage
 
 
 def gloo_scratch(collective: Callable[..., Any], size_of: str) -> Callable[..., Any]:

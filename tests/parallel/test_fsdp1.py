@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Stack
 from torch import nn
 
 import preflight
@@ -19,20 +20,6 @@ from preflight.parallel import FSDP1Plan, fake_world, fsdp1_rank_groups
 
 WORLD = 4
 WIDTH = 66  # a unit's flat parameter (66 x 66 + 66 = 4422 elements) is padded to 4424: the last rank holds 2 of padding
-
-
-class Stack(nn.Module):
-    """Three Linear(66, 66) blocks in a ModuleList (each its own FSDP unit) and a Linear(66, 1) head (the root's)."""
-
-    def __init__(self, depth: int = 3, width: int = WIDTH) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return self.head(x).sum()
 
 
 def _setup(seed: int = 0, **kwargs):

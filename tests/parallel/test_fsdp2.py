@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Stack
 from torch import nn
 
 import preflight
@@ -18,20 +19,6 @@ from preflight.parallel import FSDP2Plan, default_units, rank_groups
 
 WORLD = 4
 WIDTH = 66  # not a multiple of WORLD: FSDP2 pads every rank's shard to ceil(66 / 4) = 17 rows
-
-
-class Stack(nn.Module):
-    """Three Linear(66, 66) blocks in a ModuleList and a Linear(66, 1) head (dim 0 of 1: one rank holds it)."""
-
-    def __init__(self, depth: int = 3, width: int = WIDTH) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return self.head(x).sum()
 
 
 def _setup(seed: int = 0):

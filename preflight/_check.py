@@ -63,7 +63,7 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precisio
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.parallel import ParallelPlan, already_sharded
+from preflight.parallel import ParallelPlan, already_sharded, read_fsdp2
 from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
@@ -354,15 +354,20 @@ def predict(
                                 source="preflight check --world-size")
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
     sharded = parallel if parallel is not None and parallel.sharded else None
-    if sharded is not None:
+    wrapped = already_sharded(model)
+    fsdp2 = read_fsdp2(model) if wrapped is not None else None  # a ValueError says what is not followed
+    if fsdp2 is not None:  # the plan is the model's own: `estimate` reads it and traces each rank on a copy
+        sharded = ParallelPlan(fsdp2.world_size, "fsdp2", source="the model's fully_shard", fsdp=fsdp2.plan)
+        plan = {}
+    elif sharded is not None:
         plan = sharded.estimate_kwargs()
-        wrapped = already_sharded(model)
         if wrapped is not None:  # its tensors are this rank's shards: the plan would divide them again
             report = lower_bound_report(model, optimizer, options, device=target, precision=precision,
                                         reason=f"the model is already sharded ({wrapped})")
             report.fits = None
             report.warnings.append(f"no verdict: the strategy sharded the model before preflight saw it ({wrapped}); "
-                                   f"a per-rank prediction of a wrapped model is not supported yet ({sharded.note()})")
+                                   "a per-rank prediction of a model wrapped other than by fully_shard is not "
+                                   f"supported yet ({sharded.note()})")
             return report
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
@@ -373,7 +378,10 @@ def predict(
 
     def step_predictor(b: Any) -> dict[int, int]:
         # After the measured steps the optimizer has state; the measured run's first step had none.
-        return {k: v + buckets for k, v in run_estimate(b, _without_state(optimizer)).step_peaks().items()}
+        # Under a per-rank trace inside a job, this rank's own steps (its shards may differ from the peak rank's).
+        one = run_estimate(b, _without_state(optimizer))
+        rank = _rank() if one.per_rank_peak_bytes is not None and _world_size() == one.world_size else None
+        return {k: v + buckets for k, v in one.step_peaks(rank).items()}
 
     talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
     with progress("tracing the training step on fake tensors", enabled=talk):
@@ -397,7 +405,10 @@ def predict(
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
 
     eval_est = eval_predictor = None
-    if options.check_eval and eval_batch is not None:
+    if fsdp2 is not None and options.check_eval and eval_batch is not None:
+        notes.append("evaluation peak not predicted: the model is already wrapped by fully_shard, and evaluation is "
+                     "traced on a single device (call preflight before fully_shard for a rescaled figure)")
+    elif options.check_eval and eval_batch is not None:
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
                                  frees_gradients=eval_frees_gradients)

@@ -24,7 +24,8 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
-from preflight.parallel import FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, fsdp1_rank_groups, rank_groups
+from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP2, fsdp1_rank_groups,
+                                read_fsdp2, rank_groups)
 from preflight.parallel import trace_fsdp1, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
@@ -97,9 +98,9 @@ def estimate(
             each rank's own step traced through FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``
             (``FULL_SHARD``, ``SHARD_GRAD_OP``) under a fake process group of ``world_size`` ranks
             (`preflight.parallel`), with ``per_rank_peak_bytes`` and ``peak_rank`` filled and the engine's
-            all-gather and reduce-scatter buffers in the ``communication`` category. Where that cannot be traced (a
-            process group already initialised in this process, offloading, an optimizer holding state, a program
-            FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as ``"fsdp-full"``) and
+            all-gather and reduce-scatter buffers in the ``communication`` category. Inside a real job (a process group
+            already initialised) the fake group is made beside the job's, which is left as it was. Where a rank
+            cannot be traced (offloading, a paged optimizer, a program FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as ``"fsdp-full"``) and
             ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
@@ -174,6 +175,9 @@ def estimate(
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
                         grad_scaler=grad_scaler)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
+    wrapped = read_fsdp2(model)  # a ValueError names a wrapping the per-rank trace does not follow
+    if wrapped is not None:
+        world_size, sharding, fsdp = _wrapped_plan(wrapped, world_size, sharding, fsdp, offload)
     sharding = check_plan(world_size, sharding, **offload)
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
@@ -196,6 +200,12 @@ def estimate(
     if plan is not None:
         ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, plan, sharding, offload, options,
                                         fast=fast)
+    if wrapped is not None:
+        if ranks is None:  # a single-device trace of the wrapped model would run FSDP2's hooks on the user's groups
+            raise ValueError(f"The model is already wrapped by fully_shard, and its ranks could not be traced "
+                             f"({rank_note}). Call preflight before fully_shard, with world_size= and "
+                             "sharding='fsdp2', to get the rescaled figure.")
+        rank_note = f"{wrapped.note()}; {rank_note}"
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
                                   allocator=allocator, steps=steps, world_size=world_size, sharding=sharding)
@@ -266,6 +276,24 @@ def estimate(
         events=tuple(events),
         categories=categories,
     )
+
+
+def _wrapped_plan(wrapped: WrappedFSDP2, world_size: int, sharding: str | None, fsdp: Any,
+                  offload: dict[str, bool]) -> tuple[int, str, FSDP2Plan]:
+    """The plan of a model ``fully_shard`` already wrapped; a ValueError where the arguments say otherwise."""
+    said = []
+    if world_size not in (1, wrapped.world_size):
+        said.append(f"world_size={world_size}")
+    if sharding not in (None, "fsdp2"):
+        said.append(f"sharding={sharding!r}")
+    if fsdp is not None and fsdp != wrapped.plan:
+        said.append(f"fsdp={fsdp!r}")
+    said.extend(f"{name}=True" for name, on in offload.items() if on)
+    if said:
+        raise ValueError(f"The model is already wrapped by fully_shard over {wrapped.world_size} rank(s), so its plan "
+                         f"is read from it, but {', '.join(said)} says otherwise. Drop those arguments, or call "
+                         "preflight before wrapping.")
+    return wrapped.world_size, "fsdp2", wrapped.plan
 
 
 def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool = False,
@@ -432,9 +460,10 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         peak, breakdown, phase, timeline = summarize_events(events, result.categories)
         figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
     per_rank = [0] * world_size
+    rank_events: list[tuple[Event, ...]] = [()] * world_size
     for figure in figures:
         for rank in figure[1]:
-            per_rank[rank] = figure[0]
+            per_rank[rank], rank_events[rank] = figure[0], tuple(figure[4])
     # The traced rank (first of its group) of the largest figure; of equal figures, the lowest rank's.
     highest = max(f[0] for f in figures)
     peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = min(
@@ -461,6 +490,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         peak_rank=peak_rank,
         events=tuple(events),
         categories=result.categories,
+        rank_events=tuple(rank_events),
     )
 
 

@@ -104,6 +104,7 @@ class Estimate:
             ``peak_phase``, ``timeline`` and ``events`` are that rank's. None when ranks were not traced.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
         categories: the `Category` of each storage uid in ``events``; not shown in repr.
+        rank_events: each rank's ``events`` when ranks were traced (`step_peaks`' ``rank``); not shown in repr.
     """
 
     peak_bytes: int
@@ -126,18 +127,21 @@ class Estimate:
     peak_rank: int | None = None
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
     categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    rank_events: tuple[tuple[Event, ...], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def required_bytes(self) -> int:
         """What a verdict compares with the budget: the device total when simulated, else ``peak_bytes``."""
         return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
-    def step_peaks(self) -> dict[int, int]:
+    def step_peaks(self, rank: int | None = None) -> dict[int, int]:
         """The peak of live bytes within each simulated step (``{1: ..., 2: ...}``), replaying ``events``: step 1
-        creates the optimizer state, later steps are the steady state. Empty for an analytic lower bound."""
+        creates the optimizer state, later steps are the steady state. Empty for an analytic lower bound.
+        ``rank``: that rank's steps, where each rank was traced (else the figure's own)."""
+        events = self.events if rank is None or self.rank_events is None else self.rank_events[rank]
         peaks: dict[int, int] = {}
         live = 0
-        for e in self.events:
+        for e in events:
             live += e.nbytes
             head = e.phase.split("/", 1)[0]
             if head.startswith("step") and head[4:].isdigit():

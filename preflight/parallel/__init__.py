@@ -5,7 +5,8 @@ as an `FSDP1Plan` says) copy the user's model onto fake tensors, wrap the copy i
 real world size (`fake_world`), and run the real training step under the same storage tracker as a single-device
 trace (`preflight.trace`; the shared part is `preflight.parallel._rank`), so one rank's events include the padded
 parameter shards, the all-gather and reduce-scatter buffers and the sharded optimizer state. `rank_groups` and
-`fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the same. `ParallelPlan` (`fsdp_plan`,
+`fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the same; `read_fsdp2` reads the plan
+off a model ``fully_shard`` already wrapped, whose copy is traced unwrapped and wrapped again in the fake world. `ParallelPlan` (`fsdp_plan`,
 `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the integrations, into the
 arguments a per-rank estimate takes. Imports flow one way: this package uses `preflight.trace`;
 `preflight._estimate` uses this package.
@@ -13,11 +14,11 @@ arguments a per-rank estimate takes. Imports flow one way: this package uses `pr
 
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, fsdp1_rank_groups, trace_fsdp1
-from preflight.parallel._fsdp2 import FSDP2Plan, rank_groups, trace_fsdp2
+from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan)
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "rank_groups", "trace_fsdp1", "trace_fsdp2"]
+           "rank_groups", "read_fsdp2", "trace_fsdp1", "trace_fsdp2", "WrappedFSDP2"]

@@ -36,7 +36,7 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["FSDP2Plan", "rank_groups", "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "WrappedFSDP2", "rank_groups", "read_fsdp2", "trace_fsdp2"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,85 @@ class FSDP2Plan:
         flag = self.reshard_after_forward
         if not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1):
             raise ValueError(f"`reshard_after_forward` should be True, False or a positive int, got {flag!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class WrappedFSDP2:
+    """How ``fully_shard`` was applied to a model before preflight saw it (`read_fsdp2`): the plan to trace it
+    with, the world it is sharded over and this process's rank in it."""
+
+    plan: FSDP2Plan
+    world_size: int
+    rank: int
+
+    def note(self) -> str:
+        units = len(self.plan.units or ())
+        return (f"the model was already wrapped by fully_shard ({units} unit(s) and the root, over {self.world_size} "
+                f"rank(s); this process is rank {self.rank}): its plan was read from the model and each rank traced "
+                "on an unsharded fake copy of it")
+
+
+def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
+    """The plan ``fully_shard`` was applied to ``model`` with, or None where no module of it is an ``FSDPModule``.
+
+    Raises:
+        ValueError: the wrapping is one the per-rank trace does not follow (the root not wrapped, a 2-D mesh (HSDP),
+            units with different ``reshard_after_forward`` or ``mp_policy``, an ``OffloadPolicy`` that offloads,
+            parameters sharded other than on dim 0): the message says which.
+    """
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    except ImportError:  # a build of torch without distributed support cannot have wrapped it
+        return None
+    units = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    if not units:
+        return None
+    if units[0][0] != "":
+        raise ValueError("the model's submodules are wrapped by fully_shard but the model itself is not: preflight "
+                         "traces a wrapped model whose root is wrapped too (as FSDP2's examples and the trainers do)")
+    groups = {}
+    for name, module in units:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            groups[name] = group
+    if not groups:
+        raise ValueError("fully_shard wrapped the model, but no unit holds parameters")
+    meshes = [g.mesh_info.mesh for g in groups.values()]  # each fully_shard call without a mesh makes its own
+    mesh = meshes[0]
+    if any(m.ndim != 1 or m.size() != mesh.size() or m.get_local_rank() != mesh.get_local_rank() for m in meshes):
+        raise ValueError("the model was wrapped by fully_shard over a 2-D mesh (HSDP) or over meshes of different "
+                         "ranks; the per-rank trace follows one 1-D mesh")
+    policies = {repr(g.mp_policy) for g in groups.values()}
+    if len(policies) > 1:
+        raise ValueError(f"the model's fully_shard units use different mixed-precision policies ({sorted(policies)}); "
+                         "the per-rank trace follows one policy for all units")
+    if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups.values()):
+        raise ValueError("the model was wrapped by fully_shard with CPUOffloadPolicy, which the per-rank trace does "
+                         "not follow yet")
+    flags = {_reshard_flag(g) for name, g in groups.items() if name != ""}
+    if len(flags) > 1:
+        raise ValueError("the model's fully_shard units differ in reshard_after_forward; the per-rank trace follows "
+                         "one setting for all units")
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, p in model.named_parameters():
+        placements = p.placements if isinstance(p, DTensor) else None
+        if placements is not None and placements != (Shard(0),):
+            raise ValueError(f"parameter {name!r} is placed as {placements}, not sharded on dim 0 of a 1-D mesh "
+                             "(a shard_placement_fn, or tensor parallelism): the per-rank trace follows dim-0 shards")
+    plan = FSDP2Plan(units=tuple(name for name, _ in units[1:]), mp_policy=next(iter(groups.values())).mp_policy,
+                     reshard_after_forward=flags.pop() if flags else True)
+    return WrappedFSDP2(plan=plan, world_size=mesh.size(), rank=mesh.get_local_rank())
+
+
+def _reshard_flag(group: Any) -> bool | int:
+    """``reshard_after_forward`` as FSDP2 stored it on a parameter group (`_fsdp_init._get_post_forward_mesh_info`)."""
+    after = group.post_forward_mesh_info
+    if after is None:
+        return False
+    if after.shard_mesh_size == group.mesh_info.shard_mesh_size:
+        return True
+    return int(after.shard_mesh_size)
 
 
 def rank_groups(model: nn.Module, world_size: int) -> list[list[int]]:
@@ -120,7 +199,7 @@ def trace_fsdp2(
         could not be sharded); the caller then rescales a single-device trace.
 
     Raises:
-        ProcessGroupInUseError: a process group is already initialised in this process.
+        ProcessGroupInUseError: a fake process group cannot be made in this process (`fake_world`).
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """

@@ -80,13 +80,74 @@ def default_units(model: nn.Module) -> tuple[str, ...]:
 
 def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
-    tensors are read, never copied or changed."""
+    tensors are read, never copied or changed. A model ``fully_shard`` already wrapped is copied unwrapped: each
+    DTensor parameter becomes a fake twin of its global shape, and the copy has none of FSDP2's classes, hooks or
+    state, ready to be wrapped again in the fake world."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = twins.tensor(b, requires_grad=False)
-    return copy.deepcopy(model, memo)
+    unwrap = _fsdp2_unwrapping(model, memo)
+    replica = copy.deepcopy(model, memo)
+    unwrap(replica)
+    return replica
+
+
+class _Dropped:
+    """What an FSDP2 state object of the user's model becomes in its copy (`_fsdp2_unwrapping`)."""
+
+
+# What `fully_shard` adds to every module it manages, besides its class, hooks and composable state.
+_FSDP2_FLAGS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
+_COMPOSABLE = "__composable_api_state_key"
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _fsdp2_unwrapping(model: nn.Module, memo: dict[int, Any]) -> Callable[[nn.Module], None]:
+    """Prepare ``memo`` so that a deep copy of ``model`` does not copy FSDP2's state (a process group cannot be
+    copied, and FSDP2's modules refuse to be deep-copied: their copies are made here, of the classes ``fully_shard``
+    derived from), and return the function that strips what is left of FSDP2 from the copy: its hooks (bound to
+    the dropped state), its composable-API entries and flags."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build of torch without distributed support: nothing can be wrapped
+        return lambda replica: None
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return lambda replica: None
+    dropped = _Dropped()
+    shells = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            memo[id(module._get_fsdp_state())] = dropped
+            # FSDPModule refuses deepcopy: its copy is an instance of the class fully_shard derived from, made here
+            # and filled below, so that every reference to it (from any module) finds it in the memo.
+            original = next(b for b in type(module).__bases__ if not issubclass(b, FSDPModule))
+            shell = original.__new__(original)
+            memo[id(module)] = shell
+            shells.append((module, shell))
+        for key, value in vars(module).items():
+            if key.startswith(_COMPOSABLE):
+                memo[id(value)] = None
+    for module, shell in shells:
+        vars(shell).update(copy.deepcopy(vars(module), memo))
+
+    def unwrap(replica: nn.Module) -> None:
+        for module in replica.modules():
+            found = vars(module)
+            for key in [k for k in found if k.startswith(_COMPOSABLE) or k in _FSDP2_FLAGS]:
+                del found[key]
+            gone = set()
+            for name in _HOOKS:
+                hooks = found.get(name, {})
+                for handle in [h for h, fn in hooks.items() if getattr(fn, "__self__", None) is dropped]:
+                    del hooks[handle]
+                    gone.add(handle)
+            for name in _HOOK_FLAGS:
+                for handle in gone & set(found.get(name, {})):
+                    del found[name][handle]
+    return unwrap
 
 
 def trace_rank(

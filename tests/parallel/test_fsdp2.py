@@ -105,24 +105,112 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     assert type(model) is Stack and type(model.layers[0]) is nn.Linear  # fully_shard would swap the classes
 
 
-def test_an_initialised_process_group_is_left_alone_and_the_estimate_rescales():
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp-full"])
+def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding):
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        job = dist.group.WORLD
+        names = dict(c10d._world.pg_names)
+        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+        assert dist.group.WORLD is job and dist.get_rank() == 1 and dist.get_world_size() == 2
+        assert dict(c10d._world.pg_names) == names
+        assert c10d._resolve_process_group(names[job]) is job  # the job's name is still in the C++ registry
+        dist.all_reduce(torch.ones(2))  # the job's group still works
+        sub = dist.new_group([0, 1])  # and makes new groups under names the fake ones did not take
+        assert c10d._world.pg_names[sub] not in names.values()
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes and est.peak_bytes == alone.peak_bytes
+    assert not any("rescaled" in n for n in est.coverage.notes), est.coverage.notes
+
+
+def _wrapped_in_a_job(rank: int = 1, world: int = WORLD, **options):
+    """`_setup`'s model wrapped by fully_shard (every layer, then the root) in a fake job of ``world`` ranks."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model, _, x = _setup()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    for layer in model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model, torch.optim.AdamW(model.parameters()), x
+
+
+def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped():
+    import sys
+
+    from torch.distributed.fsdp import FSDPModule
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+    hook = sys.excepthook
+    model, optimizer, x = _wrapped_in_a_job()
+    try:
+        hooks = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()}
+        params = {n: (p, p.to_local().clone()) for n, p in model.named_parameters()}
+        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
+        again = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+        # The user's wrapped model is as it was, and trains.
+        assert isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in model.layers)
+        assert {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()} == hooks
+        for name, p in model.named_parameters():
+            assert p is params[name][0] and torch.equal(p.to_local(), params[name][1])
+        assert not optimizer.state and dist.get_rank() == 1
+        model(x).sum().backward()
+        optimizer.step()
+        assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    assert sys.excepthook is not hook  # the job's own init_process_group wraps it; preflight's fake ones do not
+    sys.excepthook = hook
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes and est.peak_bytes == alone.peak_bytes
+    assert again.per_rank_peak_bytes == est.per_rank_peak_bytes
+    assert est.sharding == "fsdp2" and est.world_size == WORLD
+    assert any("already wrapped by fully_shard" in n and "rank 1" in n for n in est.coverage.notes)
+    assert est.step_peaks(3) != est.step_peaks(0)  # rank 3 holds the remainder of the uneven shards
+
+
+def test_a_wrapped_models_plan_is_read_from_it_and_conflicting_arguments_are_refused():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from preflight.parallel import read_fsdp2
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2, mp_policy=policy, reshard_after_forward=False)
+    try:
+        read = read_fsdp2(model)
+        assert (read.world_size, read.rank) == (2, 0)
+        assert read.plan == FSDP2Plan(units=("layers.0", "layers.1", "layers.2"), mp_policy=policy,
+                                      reshard_after_forward=False)
+        with pytest.raises(ValueError, match="world_size=4 says otherwise"):
+            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=4)
+        with pytest.raises(ValueError, match="sharding='zero3'"):
+            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=2, sharding="zero3")
+    finally:
+        dist.destroy_process_group()
+    model, optimizer, x = _setup()
+    plain = read_fsdp2(model)
+    assert plain is None
+
+
+def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
+    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     model, optimizer, x = _setup()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
-        # FSDP1's trace needs the fake group too: both rescale the same single-device trace.
-        rescaled = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD,
-                                      sharding="fsdp-full")
-        assert dist.is_initialized() and dist.get_world_size() == 2
+        fully_shard(model.layers[0])  # the root left unwrapped
+        with pytest.raises(ValueError, match="the model itself is not"):
+            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
     finally:
         dist.destroy_process_group()
-    assert est.per_rank_peak_bytes is None and est.sharding == "fsdp2"
-    assert rescaled.per_rank_peak_bytes is None
-    for e in (est, rescaled):
-        assert any("already initialised" in n and "rescaled as fsdp-full" in n for n in e.coverage.notes)
-    assert est.peak_bytes == rescaled.peak_bytes
 
 
 def test_plan_options_are_checked_and_passed_through():
@@ -177,18 +265,20 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
             fully_shard(layer)
         fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters())
+        # Inside the job, on the model as the job wrapped it: each rank traced beside the job's gloo group.
+        inside = preflight.estimate(model, optimizer, batch, step=lambda m, b: m(b)).per_rank_peak_bytes
         before = live_storage_bytes([[p.to_local() for p in model.parameters()], batch], torch.device("cpu"))
         dist.barrier()
         peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=lambda m, b: m(b),
                                                       precision=None, device_type="cpu", steps=2),
                                   repair_lost_frees=True)
-        queue.put((rank, before + peak))
+        queue.put((rank, (before + peak, inside)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_real_gloo_fsdp2_per_rank_peak_within_3_percent():
+def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job():
     import torch.multiprocessing as mp
 
     model, batch = _deep_setup()
@@ -200,8 +290,10 @@ def test_real_gloo_fsdp2_per_rank_peak_within_3_percent():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.start_processes(_gloo_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
-    measured = dict(queue.get() for _ in range(2))
+    results = dict(queue.get() for _ in range(2))
+    measured = {rank: peak for rank, (peak, _) in results.items()}
     for rank in range(2):
+        assert results[rank][1] == est.per_rank_peak_bytes  # traced inside the job as before it
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
 

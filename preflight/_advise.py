@@ -23,7 +23,7 @@ from torch import nn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
-from preflight._estimate import estimate, summarize_events
+from preflight._estimate import estimate, summarize_events, zero_buffers_for
 from preflight._guard import untouched
 from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
@@ -477,7 +477,8 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
                       else "; gathers the whole model's parameters at once (no repeated blocks to wrap)")
         text = (f"{names[stage]} over {n} GPUs, sharding the {shards[stage]}{gather}: "
                 f"{setup.versus(peak)} per GPU. Every allocation of the traced single-GPU run rescaled to one rank's "
-                "share (not a trace under a process group); communication buffers are not counted")
+                "share (not a trace under a process group), plus DeepSpeed's gradient reduction buffers at its default "
+                "reduce_bucket_size (lower it in the config for less); other communication buffers are not counted")
         cost = (f"needs {n} GPUs; communicates about {comm[stage]}x the parameter bytes "
                 f"({format_bytes(comm[stage] * param_bytes)}) per GPU per step"
                 f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")
@@ -488,8 +489,9 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
 def _per_rank_peak(setup: _Setup, **sharding: Any) -> int:
     """The per-rank peak of the baseline trace rescaled by `shard_events` (as ``estimate(world_size=...)`` does)."""
     base = setup.baseline
+    buffers = zero_buffers_for(setup.model, sharding.get("sharding"), None, setup.precision)  # DeepSpeed's defaults
     events, categories, _ = shard_events(base.events, base.categories, setup.model,
-                                         dtype=float_dtype_for(setup.precision), **sharding)
+                                         dtype=float_dtype_for(setup.precision), zero_buffers=buffers, **sharding)
     if base.device.startswith("cuda"):
         events = round_events(events)
     return summarize_events(events, categories)[0]

@@ -503,11 +503,18 @@ def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precis
     overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`).
     ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
     rank's, so not divided again)."""
+    from preflight._estimate import zero_buffers_for
+    from preflight._sharding import hf_hidden_size, read_deepspeed_config
     from preflight._target import per_rank_breakdown
 
+    ds = None if plan.deepspeed is None else read_deepspeed_config(dict(plan.deepspeed),
+                                                                   hidden_size=hf_hidden_size(model))
+    buffers = zero_buffers_for(model, plan.sharding, ds, precision)
+    if buffers is not None and buffers.during_backward:  # stages 1 and 2 release them after each backward
+        buffers = None
     share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
                                   dtype=float_dtype_for(precision), offload_optimizer=plan.offload_optimizer,
-                                  offload_params=plan.offload_params)
+                                  offload_params=plan.offload_params, zero_buffers=buffers)
     if traced_state is not None:
         share["optimizer_state"] = traced_state
     peak = sum(share.values())

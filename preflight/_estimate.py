@@ -18,7 +18,8 @@ from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import Calibrator, calibrate, scratch_ops
-from preflight._sharding import shard_breakdown
+from preflight._sharding import (ZeroBuffers, hf_hidden_size, read_deepspeed_config, shard_breakdown,
+                                zero_buffers)
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
@@ -57,6 +58,7 @@ def estimate(
     routing: str = "balanced",
     fast: bool = False,
     fsdp: FSDP2Plan | FSDP1Plan | None = None,
+    deepspeed_config: dict | str | os.PathLike | None = None,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -104,6 +106,12 @@ def estimate(
             ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
+        deepspeed_config: the run's DeepSpeed config (a dict, a JSON string or a path to its file): its ZeRO stage
+            and offload settings are the plan (``sharding`` and the offload flags may be left out; a contradiction
+            is a ValueError), and its ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients`` and
+            precision size ZeRO's gradient reduction buffers (``"auto"`` filled from the model's hidden size as
+            the HF Trainer fills it). Without it, a ``zero*`` sharding counts those buffers at DeepSpeed's
+            defaults, as the note says.
         allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
             ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True"``. Default: the
             environment's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, else PyTorch's defaults.
@@ -175,6 +183,10 @@ def estimate(
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
                         grad_scaler=grad_scaler)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
+    ds = None
+    if deepspeed_config is not None:
+        ds = read_deepspeed_config(deepspeed_config, hidden_size=hf_hidden_size(model))
+        sharding, offload = _deepspeed_settings(ds, sharding, offload)
     wrapped = read_fsdp2(model)  # a ValueError names a wrapping the per-rank trace does not follow
     if wrapped is not None:
         world_size, sharding, fsdp = _wrapped_plan(wrapped, world_size, sharding, fsdp, offload)
@@ -228,7 +240,7 @@ def estimate(
             "with `.to(...)`. No memory was predicted: a step that fails has no peak.") from result.error
     if result.error is not None:
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
-                         gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload)
+                         gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload, ds=ds)
 
     scratch = calibrator(result.events, result.op_log)
     notes.extend(_uncalibrated_notes(calibrator.skipped, target))
@@ -247,7 +259,8 @@ def estimate(
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
         events, categories, note = shard_events(events, categories, model, world_size=world_size, sharding=sharding,
-                                                dtype=float_dtype_for(precision), **offload)
+                                                dtype=float_dtype_for(precision), **offload,
+                                                zero_buffers=zero_buffers_for(model, sharding, ds, precision))
         notes.append(note)
     reserved = total = None
     if target.type == "cuda":
@@ -276,6 +289,46 @@ def estimate(
         events=tuple(events),
         categories=categories,
     )
+
+
+def _deepspeed_settings(ds: dict[str, Any], sharding: str | None,
+                        offload: dict[str, bool]) -> tuple[str, dict[str, bool]]:
+    """The sharding and offload a DeepSpeed config says; a ValueError where the arguments say otherwise."""
+    said = []
+    if sharding not in (None, ds["sharding"]):
+        said.append(f"sharding={sharding!r} (the config's stage {ds['stage']} is {ds['sharding']!r})")
+    said.extend(f"{name}=True" for name, on in offload.items() if on and not ds[name])
+    if said:
+        raise ValueError(f"`deepspeed_config` plans the run, but {', '.join(said)} says otherwise: drop those "
+                         "arguments, or change the config.")
+    return ds["sharding"], {name: ds[name] for name in offload}
+
+
+# preflight's precisions under which DeepSpeed runs the model in 16 bits (its bf16 / fp16 sections enabled).
+_HALF = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+         "16-true": torch.float16}
+
+
+def zero_buffers_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None,
+                     precision: str | None) -> ZeroBuffers | None:
+    """ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`) for a ``zero*`` sharding of
+    ``model``: sized by ``ds`` (`read_deepspeed_config`'s output) or, without one, by DeepSpeed's defaults; the
+    gradients are 16-bit where the config enables bf16 / fp16 (or, where it does not say, ``precision`` is a
+    16-bit one). None for other shardings."""
+    if sharding is None or not sharding.startswith("zero"):
+        return None
+    given = ds is not None
+    if ds is None:
+        ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
+    if ds["bf16"] or ds["fp16"]:
+        low = torch.bfloat16 if ds["bf16"] else torch.float16
+    elif ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
+        low = _HALF.get(precision or "")
+    else:
+        low = None
+    dtypes = {low if low is not None and p.is_floating_point() else p.dtype
+              for p in model.parameters() if p.requires_grad}
+    return zero_buffers(ds, sorted(d.itemsize for d in dtypes), given=given)
 
 
 def _wrapped_plan(wrapped: WrappedFSDP2, world_size: int, sharding: str | None, fsdp: Any,
@@ -546,7 +599,7 @@ def _timeline(events: Iterable[Event]) -> tuple[TimelinePoint, ...]:
 
 def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, target: torch.device,
               precision: str | None, steps: int, result: Any, notes: list[str], *, gpu: GPU | None,
-              world_size: int, sharding: str | None, offload: dict[str, bool]) -> Estimate:
+              world_size: int, sharding: str | None, offload: dict[str, bool], ds: dict[str, Any] | None) -> Estimate:
     state = model_state(model, optimizer, batch, target, param_dtype=float_dtype_for(precision))
     breakdown = {c.value: 0 for c in Category}
     breakdown.update(parameters=state.parameters, buffers=state.buffers, gradients=state.gradients,
@@ -557,7 +610,8 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
     if sharding is not None:
         unsharded = sum(breakdown.values())
         breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
-                                             dtype=float_dtype_for(precision), **offload)
+                                             dtype=float_dtype_for(precision), **offload,
+                                             zero_buffers=zero_buffers_for(model, sharding, ds, precision))
         notes.append(note)
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warnings.warn(

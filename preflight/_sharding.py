@@ -1,8 +1,9 @@
 """Per-rank memory under data-parallel sharding (DDP, DeepSpeed ZeRO 1/2/3, FSDP), as arithmetic on byte counts.
 
 Nothing here traces a model: `model_state_bytes` applies the ZeRO paper's formulas to a parameter count,
-`shard_breakdown` turns a single-GPU breakdown (a traced peak's bytes per category) into one rank's, and
-`read_deepspeed_config` reads the options of a DeepSpeed config that change memory.
+`shard_breakdown` turns a single-GPU breakdown (a traced peak's bytes per category) into one rank's,
+`read_deepspeed_config` reads the options of a DeepSpeed config that change memory, and `zero_buffers` sizes
+ZeRO's gradient reduction buffers from them.
 
 Sources:
     * ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
@@ -20,14 +21,20 @@ Sources:
       per bucket (``Reducer::initialize_buckets``, torch/csrc/distributed/c10d/reducer.cpp).
     * DeepSpeed: ``DeepSpeedZeroConfig`` and the offload configs (deepspeed/runtime/zero/config.py,
       offload_config.py): ``offload_param`` "Valid only with stage 3", ``offload_optimizer`` "Valid for
-      ZeRO stage 1, 2, 3".
+      ZeRO stage 1, 2, 3". Gradient reduction buffers (DeepSpeed 0.19.8): with ``contiguous_gradients``, stages 1
+      and 2 allocate ``reduce_bucket_size`` elements per gradient dtype at the start of each backward, twice with
+      ``overlap_comm``, and release them when the backward's reduction ends (stage_1_and_2.py ``setup_buckets``,
+      ``_release_ipg_buffers``); stage 3 allocates one per dtype when the optimizer is built and keeps it
+      (stage3.py). Their dtype is the gradient accumulation dtype, by default the model's (bf16 or fp16 when
+      enabled). Measured on CPU processes: ``benchmarks/deepspeed_cpu.py``.
 
 Known limitations (all functions):
     * Sharded bytes are rounded up to a whole share per rank (FSDP pads flat parameters to a multiple of the
       world size); per-tensor padding and alignment are not modelled.
-    * Communication buffers are not counted: NCCL's own buffers, DeepSpeed's reduce and all-gather buckets
-      (``reduce_bucket_size`` / ``allgather_bucket_size`` elements, twice with ``overlap_comm``; get them
-      from `read_deepspeed_config`), FSDP's unsharded gradient of the unit being reduce-scattered.
+    * Communication buffers other than ZeRO's gradient reduction buffers are not counted: NCCL's own buffers,
+      DeepSpeed's all-gather buckets and stage-3 prefetch, FSDP's unsharded gradient of the unit being
+      reduce-scattered (a per-rank trace has that one, `preflight.parallel`). ``data_types.grad_accum_dtype``
+      is not read (its default, the model's dtype, is assumed).
     * DeepSpeed ZeRO-Offload also moves the gradient partitions to CPU; here they stay on the GPU, which
       over-estimates by the sharded gradient bytes.
 """
@@ -39,8 +46,8 @@ import json
 import os
 from typing import Any
 
-__all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "model_state_bytes", "shard_breakdown",
-           "read_deepspeed_config"]
+__all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "ZeroBuffers", "hf_hidden_size",
+           "model_state_bytes", "read_deepspeed_config", "shard_breakdown", "zero_buffers"]
 
 SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op", "fsdp2")
 
@@ -425,3 +432,68 @@ def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | N
     out["bf16"] = _enabled(config, "bf16", "bfloat16")
     out["fp16"] = _enabled(config, "fp16")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBuffers:
+    """One rank's ZeRO gradient reduction buffers (`zero_buffers`).
+
+    Attributes:
+        nbytes: all of them together.
+        during_backward: True: alive during each backward only (stages 1 and 2); False: from the optimizer's
+            construction on (stage 3).
+        how: what sized them, for the coverage note.
+    """
+
+    nbytes: int
+    during_backward: bool
+    how: str
+
+    def note(self) -> str:
+        span = "during each backward" if self.during_backward else "from the optimizer's construction on"
+        return f"DeepSpeed's gradient reduction buffers counted as communication, {span}: {self.how}"
+
+
+def zero_buffers(ds: dict[str, Any], grad_itemsizes: list[int], *, given: bool = True) -> ZeroBuffers:
+    """ZeRO's gradient reduction buffers (module docstring, Sources) under ``ds`` (`read_deepspeed_config`'s
+    output, stage 1 to 3) for gradients of the element sizes ``grad_itemsizes`` (one per gradient dtype, as
+    DeepSpeed casts the model). ``given``: the settings come from the user's config (else DeepSpeed's defaults,
+    said in the note).
+
+    Raises:
+        ValueError: ``reduce_bucket_size`` is ``"auto"`` and was not resolved (no hidden size to fill it from).
+
+    Example:
+        >>> zero_buffers(read_deepspeed_config({"zero_optimization": {"stage": 2}}), [4]).nbytes
+        2000000000
+    """
+    stage = ds["stage"]
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO's gradient reduction buffers exist at stages 1 to 3, not {stage}.")
+    if ds["reduce_bucket_size"] is None:
+        raise ValueError("DeepSpeed config: `zero_optimization.reduce_bucket_size` is \"auto\", which the HF Trainer "
+                         "fills with hidden_size * hidden_size, but the model's config has no hidden_size: give the "
+                         "number.")
+    if not ds["contiguous_gradients"]:
+        return ZeroBuffers(0, stage != 3, "none, as `contiguous_gradients` is false")
+    copies = 2 if ds["overlap_comm"] and stage in (1, 2) else 1
+    elements = ds["reduce_bucket_size"]
+    nbytes = elements * copies * sum(grad_itemsizes)
+    source = "the config's" if given else "DeepSpeed's default; pass the run's DeepSpeed config for its own"
+    how = (f"reduce_bucket_size {elements:,} elements ({source}) x {copies} buffer(s) x "
+           f"{' + '.join(f'{n} B' for n in grad_itemsizes)} per element = {nbytes:,} bytes")
+    return ZeroBuffers(nbytes, stage != 3, how)
+
+
+def hf_hidden_size(model: Any) -> int | None:
+    """The hidden size the HF Trainer fills a DeepSpeed config's ``"auto"`` values from
+    (``transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_finalize``), or None."""
+    config = getattr(model, "config", None)
+    for section in (config, getattr(config, "text_config", None)):
+        if section is None:
+            continue
+        if isinstance(getattr(section, "hidden_size", None), int):
+            return section.hidden_size
+        if getattr(section, "hidden_sizes", None):
+            return max(section.hidden_sizes)
+    return None

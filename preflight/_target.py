@@ -27,7 +27,9 @@ repeated block and the prefetched next one for the whole step (ZeRO paper, arXiv
 ``ShardingStrategy``). The optimizer step runs over the rank's shard, so the temporaries it allocates divide
 too; an offloaded optimizer step (ZeRO-Offload, FSDP ``CPUOffload``) and offloaded parameter shards leave the
 GPU. DDP without ``gradient_as_bucket_view`` holds a flat copy of every gradient in its buckets from
-construction on. Shares round up per tensor. Communication buffers are not counted.
+construction on. ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`, sized from the DeepSpeed
+config or DeepSpeed's defaults) are added in the communication category: during each backward at stages 1 and 2,
+from the start at stage 3. Shares round up per tensor. Other communication buffers are not counted.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
 from preflight._result import Category, Event
 from preflight.cuda import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
-from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, shard_breakdown
+from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, ZeroBuffers, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 
 __all__ = ["CudaTerms", "add_workspaces", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu",
@@ -130,46 +132,35 @@ def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
     return best
 
 
-# DeepSpeed ZeRO's gradient reduction buffer: `reduce_bucket_size` elements per gradient dtype, allocated by
-# DeepSpeed's stage_1_and_2.py `setup_buckets` (two with `overlap_comm`) and stage3.py at init; 500,000,000 is the
-# default. Measured with DeepSpeed 0.19.8 on CPU processes (gloo, 2 ranks, fp32): the per-rank peak fell by exactly
-# (5e8 - 5e7) x 4 B when the setting went from 5e8 to 5e7.
-_ZERO_DEFAULT_BUCKET = 500_000_000
-
-
-def _uncounted(sharding: str) -> str:
-    """What the rescale leaves out for ``sharding``, said in the note (empty when nothing named is left out)."""
-    if not sharding.startswith("zero"):
-        return ""
-    fp32, half = (_ZERO_DEFAULT_BUCKET * n / 2**30 for n in (4, 2))
-    return (f"; not counted: DeepSpeed's gradient reduction buffer, `reduce_bucket_size` elements per gradient "
-            f"dtype (two with `overlap_comm`): {fp32:.2f} GiB at the default {_ZERO_DEFAULT_BUCKET:,} in fp32, "
-            f"{half:.2f} GiB in bf16/fp16; add it to the figure, or lower the setting")
-
-
 def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
-                       dtype: torch.dtype | None, offload_optimizer: bool = False,
-                       offload_params: bool = False) -> tuple[dict[str, int], str]:
+                       dtype: torch.dtype | None, offload_optimizer: bool = False, offload_params: bool = False,
+                       zero_buffers: ZeroBuffers | None = None) -> tuple[dict[str, int], str]:
     """One rank's breakdown, rescaled by category from a single-device breakdown (for a lower bound, which has no
-    event timeline to rescale), and a note saying how it was derived."""
+    event timeline to rescale, and for evaluation), and a note saying how it was derived. ``zero_buffers``: ZeRO's
+    gradient reduction buffers alive at that moment, added as communication."""
     unit = largest_unit_bytes(model, dtype)
     out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
     offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
     note = (f"per-rank figures for {sharding} over {world_size} rank(s), derived from the single-device trace's "
             f"breakdown at its peak (largest gathered unit: {unit} bytes)"
-            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else "") + _uncounted(sharding))
+            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
+    if zero_buffers is not None and zero_buffers.nbytes:
+        out[Category.COMMUNICATION.value] = out.get(Category.COMMUNICATION.value, 0) + zero_buffers.nbytes
+        note += f"; {zero_buffers.note()}"
     return out, note
 
 
 # uids for the per-rank terms shard_events adds (the tracker's uids are >= 0, calibrated scratch's are < 0).
-_GATHERED_UID, _DDP_BUCKETS_UID = -(2**62), -(2**62) + 1
+_GATHERED_UID, _DDP_BUCKETS_UID, _ZERO_BUFFERS_UID = -(2**62), -(2**62) + 1, -(2**62) + 2
 
 
 def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
                  sharding: str, dtype: torch.dtype | None, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> tuple[list[Event], dict[int, Category], str]:
+                 offload_params: bool = False,
+                 zero_buffers: ZeroBuffers | None = None) -> tuple[list[Event], dict[int, Category], str]:
     """One rank's events under ``sharding`` (module docstring), their categories, and a note saying how.
+    ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding.
 
     The arguments are checked by `preflight._sharding.shard_breakdown` beforehand.
     """
@@ -215,5 +206,30 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
     offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
     note = (f"per-rank figures for {sharding} over {world_size} rank(s): every traced allocation rescaled to one "
             f"rank's share (largest gathered unit: {unit} bytes)"
-            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else "") + _uncounted(sharding))
+            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
+    if zero_buffers is not None and zero_buffers.nbytes:
+        categories[_ZERO_BUFFERS_UID] = Category.COMMUNICATION
+        note += f"; {zero_buffers.note()}"
+        if not zero_buffers.during_backward:
+            extra.append(Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, "setup"))
+        else:
+            out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""))
     return extra + out, categories, note
+
+
+def _during_backward(events: list[Event], buffer: Event) -> list[Event]:
+    """``events`` with ``buffer`` allocated before the first event of each backward phase and freed after its
+    last (DeepSpeed's ``setup_buckets`` at the backward's start, its release when the reduction ends)."""
+    out: list[Event] = []
+    inside = False
+    for e in events:
+        backward = e.phase.endswith("/backward")
+        if backward and not inside:
+            out.append(dataclasses.replace(buffer, op=e.op, phase=e.phase))
+        elif inside and not backward:
+            out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=e.op, phase=e.phase))
+        inside = backward
+        out.append(e)
+    if inside:
+        out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=events[-1].op, phase=events[-1].phase))
+    return out

@@ -14,10 +14,11 @@ vocabulary), and what is offloaded to the CPU, with a note saying where it came 
   through forward and backward, the plan is predicted without the offload and says so (an upper bound). FSDP2
   (``fully_shard``) is ``fsdp2``.
 - accelerate (`accelerate_plan`): the plugin its state says it applied, read by attribute name.
-- DeepSpeed (its JSON config, as a dict, a path or a JSON string): ``zero_optimization.stage`` 1, 2, 3 is
-  ``zero1``, ``zero2``, ``zero3``; stage 0 is data parallelism; ``offload_optimizer.device`` and
-  ``offload_param.device`` of ``cpu`` or ``nvme`` offload. The ``"auto"`` values the HF and Lightning integrations
-  fill in later are sizes and flags that this plan does not read.
+- DeepSpeed (its JSON config, as a dict, a path or a JSON string, read by
+  `preflight._sharding.read_deepspeed_config`): ``zero_optimization.stage`` 1, 2, 3 is ``zero1``, ``zero2``, ``zero3``; stage 0 is data parallelism;
+  ``offload_optimizer.device`` and ``offload_param.device`` of ``cpu`` or ``nvme`` offload. The config travels
+  with the plan: `preflight.estimate` sizes ZeRO's gradient reduction buffers from it (``"auto"`` values the HF
+  Trainer has not filled yet are filled from the model's hidden size, as it fills them).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class ParallelPlan:
         source: where the plan was read, for the report (``"Lightning FSDPStrategy(SHARD_GRAD_OP)"``).
         fsdp: how FSDP wraps the model, where the strategy says (an `FSDP1Plan` or `FSDP2Plan`); None: the
             engine's defaults.
+        deepspeed: the DeepSpeed config (a dict) of a DeepSpeed plan, for `preflight.estimate`'s
+            ``deepspeed_config``; None otherwise.
     """
 
     world_size: int
@@ -53,6 +56,7 @@ class ParallelPlan:
     offload_params: bool = False
     source: str = ""
     fsdp: Any = None
+    deepspeed: Mapping[str, Any] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -65,6 +69,8 @@ class ParallelPlan:
                   "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
         if self.fsdp is not None:
             kwargs["fsdp"] = self.fsdp
+        if self.deepspeed is not None and self.sharded:
+            kwargs["deepspeed_config"] = dict(self.deepspeed)
         return kwargs
 
     def note(self) -> str:
@@ -131,26 +137,21 @@ def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size:
     """The plan of a DeepSpeed run from its config (a dict, a path to its JSON file, or the JSON text).
 
     Example:
-        >>> deepspeed_plan({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-        ...                world_size=8).estimate_kwargs()
-        {'world_size': 8, 'sharding': 'zero2', 'offload_optimizer': True, 'offload_params': False}
+        >>> plan = deepspeed_plan({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        ...                       world_size=8)
+        >>> plan.sharding, plan.offload_optimizer, plan.offload_params
+        ('zero2', True, False)
     """
+    from preflight._sharding import read_deepspeed_config
+
     _check_world(world_size)
     config = _load(config)
-    zero = config.get("zero_optimization") or {}
-    if not isinstance(zero, Mapping):
-        raise ValueError(f"DeepSpeed config: `zero_optimization` should be a mapping, got {zero!r}.")
-    stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"DeepSpeed config: `zero_optimization.stage` should be 0, 1, 2 or 3, got {stage!r} "
-                         "(preflight needs the stage the run will use).")
-    offload_optimizer = _offloaded(zero.get("offload_optimizer")) or _offloaded(zero.get("cpu_offload"))
-    offload_params = stage == 3 and _offloaded(zero.get("offload_param"))
-    sharding = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
-    if stage == 0 and offload_optimizer:
+    ds = read_deepspeed_config(dict(config))  # "auto" sizes stay unresolved here: the estimate fills them
+    if ds["stage"] == 0 and ds["offload_optimizer"]:
         raise ValueError("DeepSpeed config: optimizer offload needs ZeRO stage 1, 2 or 3, but the stage is 0.")
-    return ParallelPlan(world_size=world_size, sharding=sharding, offload_optimizer=offload_optimizer,
-                        offload_params=offload_params, source=source or f"DeepSpeed ZeRO stage {stage}")
+    return ParallelPlan(world_size=world_size, sharding=ds["sharding"], offload_optimizer=ds["offload_optimizer"],
+                        offload_params=ds["offload_params"], source=source or f"DeepSpeed ZeRO stage {ds['stage']}",
+                        deepspeed=config)
 
 
 def accelerate_plan(state: Any) -> ParallelPlan | None:
@@ -222,12 +223,6 @@ def _load(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
     if not isinstance(loaded, Mapping):
         raise ValueError(f"DeepSpeed config should be a JSON object, got {type(loaded).__name__}.")
     return loaded
-
-
-def _offloaded(section: Any) -> bool:
-    if isinstance(section, bool):  # the old `cpu_offload: true`
-        return section
-    return isinstance(section, Mapping) and str(section.get("device", "none")).lower() in ("cpu", "nvme")
 
 
 def _check_world(world_size: Any) -> None:

@@ -49,7 +49,7 @@ def test_deepspeed_configs_as_dict_path_and_text_with_the_integrations_auto_valu
     for given in (config, str(path), path, json.dumps(config)):
         plan = deepspeed_plan(given, world_size=4)
         assert plan.estimate_kwargs() == {"world_size": 4, "sharding": "zero3", "offload_optimizer": True,
-                                          "offload_params": False}
+                                          "offload_params": False, "deepspeed_config": config}
     assert deepspeed_plan({"zero_optimization": {"stage": 1}}, world_size=2).sharding == "zero1"
     assert deepspeed_plan({}, world_size=2).sharding == "ddp"
     with pytest.raises(ValueError, match="stage` should be 0, 1, 2 or 3, got 'auto'"):

@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--deepspeed-config", metavar="PATH",
-                     help="read the ZeRO stage and offload settings from a DeepSpeed config (JSON)")
+                     help="read the ZeRO stage, offload settings and gradient reduction buffer sizes from a "
+                          "DeepSpeed config (JSON)")
     est.add_argument("--json", metavar="PATH", help="also write the estimate, verdict and inputs as JSON")
     est.add_argument("--plot", metavar="PATH", help="also draw the predicted memory timeline as a PNG "
                                                    "(needs matplotlib)")
@@ -165,7 +166,8 @@ def _estimate(args: argparse.Namespace) -> int:
     with _progress("tracing 2 training steps on fake tensors"):
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
-                                 sharding=sharding, fast=args.fast, **offload)
+                                 sharding=sharding, fast=args.fast, deepspeed_config=args.deepspeed_config,
+                                 **offload)
     params = _parameter_summary(model)
     print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
@@ -304,7 +306,8 @@ def _versions() -> dict[str, str | None]:
 
 
 def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
-    """The sharding and offload settings: the flags, or a DeepSpeed config's ZeRO section (flags win)."""
+    """The sharding and offload settings: the flags, or a DeepSpeed config's ZeRO section (a flag that says
+    otherwise is a usage error)."""
     sharding = args.sharding
     offload = {"offload_optimizer": args.offload_optimizer, "offload_params": args.offload_params}
     if args.deepspeed_config:
@@ -316,8 +319,12 @@ def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
             ds = read_deepspeed_config(args.deepspeed_config)
         except (ValueError, OSError) as err:
             raise UsageError(f"cannot read the DeepSpeed config {args.deepspeed_config!r}: {err}") from None
-        sharding = sharding or ds["sharding"]
-        offload = {k: offload[k] or ds[k] for k in offload}
+        from preflight._estimate import _deepspeed_settings
+
+        try:
+            sharding, offload = _deepspeed_settings(ds, sharding, offload)
+        except ValueError as err:
+            raise UsageError(str(err).replace("`deepspeed_config`", "--deepspeed-config")) from None
     from preflight._estimate import check_plan
 
     try:

@@ -142,6 +142,11 @@ def test_deepspeed_config_sets_stage_and_offload(config, tmp_path):
                  "--world-size", "4", "--deepspeed-config", str(ds), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["sharding"] == "zero3" and report["breakdown"]["optimizer_state"] == 0
+    # Its gradient reduction buffer (DeepSpeed's default size, fp32) is the communication term; a flag that says
+    # otherwise than the config is refused with exit code 2.
+    assert report["breakdown"]["communication"] >= 500_000_000 * 4
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--world-size", "4",
+                 "--deepspeed-config", str(ds), "--sharding", "zero2"]) == 2
 
 
 def test_a_lower_bound_under_the_budget_is_no_verdict(tmp_path, capsys, monkeypatch):

@@ -95,15 +95,15 @@ def estimate(
         gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
             for; implies ``device="cuda"`` and fills ``device_total_bytes``.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
-        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"`` (these
-            rescale one single-device trace per category), ``"fsdp2"``, ``"fsdp-full"`` or ``"fsdp-grad-op"``:
-            each rank's own step traced through FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel``
-            (``FULL_SHARD``, ``SHARD_GRAD_OP``) under a fake process group of ``world_size`` ranks
-            (`preflight.parallel`), with ``per_rank_peak_bytes`` and ``peak_rank`` filled and the engine's
-            all-gather and reduce-scatter buffers in the ``communication`` category. Inside a real job (a process group
-            already initialised) the fake group is made beside the job's, which is left as it was. Where a rank
-            cannot be traced (offloading, a paged optimizer, a program FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as ``"fsdp-full"``) and
-            ``coverage.notes`` says why.
+        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"`` (these rescale one
+            single-device trace per category), ``"fsdp2"``, ``"fsdp-full"`` or ``"fsdp-grad-op"``: each rank's own step
+            traced through FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel`` (``FULL_SHARD``,
+            ``SHARD_GRAD_OP``) under a fake process group of ``world_size`` ranks (`preflight.parallel`), with
+            ``per_rank_peak_bytes`` and ``peak_rank`` filled and the engine's all-gather and reduce-scatter buffers in
+            the ``communication`` category. Inside a real job (a process group already initialised) the fake group is
+            made beside the job's, which is left as it was. Where a rank cannot be traced (offloading, a paged
+            optimizer, a program FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as
+            ``"fsdp-full"``) and ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
         deepspeed_config: the run's DeepSpeed config (a dict, a JSON string or a path to its file): its ZeRO stage

@@ -57,7 +57,8 @@ def fake_world(world_size: int, rank: int) -> Iterator[Any]:
     beside = dist.is_initialized()
     # init_process_group also sets two module globals and wraps sys.excepthook (to prefix "[rankN]:" to uncaught
     # errors); none of it is undone by destroy_process_group, so all three are put back here.
-    hook, backend, method = sys.excepthook, getattr(c10d, "_backend", None), getattr(c10d, "_default_pg_init_method", None)
+    hook = sys.excepthook
+    backend, method = getattr(c10d, "_backend", None), getattr(c10d, "_default_pg_init_method", None)
     try:
         with _set_aside() if beside else contextlib.nullcontext():
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -15,10 +15,11 @@ vocabulary), and what is offloaded to the CPU, with a note saying where it came 
   (``fully_shard``) is ``fsdp2``.
 - accelerate (`accelerate_plan`): the plugin its state says it applied, read by attribute name.
 - DeepSpeed (its JSON config, as a dict, a path or a JSON string, read by
-  `preflight._sharding.read_deepspeed_config`): ``zero_optimization.stage`` 1, 2, 3 is ``zero1``, ``zero2``, ``zero3``; stage 0 is data parallelism;
-  ``offload_optimizer.device`` and ``offload_param.device`` of ``cpu`` or ``nvme`` offload. The config travels
-  with the plan: `preflight.estimate` sizes ZeRO's gradient reduction buffers from it (``"auto"`` values the HF
-  Trainer has not filled yet are filled from the model's hidden size, as it fills them).
+  `preflight._sharding.read_deepspeed_config`): ``zero_optimization.stage`` 1, 2, 3 is ``zero1``, ``zero2``,
+  ``zero3``; stage 0 is data parallelism; ``offload_optimizer.device`` and ``offload_param.device`` of ``cpu`` or
+  ``nvme`` offload. The config travels with the plan: `preflight.estimate` sizes ZeRO's gradient reduction buffers
+  from it (``"auto"`` values the HF Trainer has not filled yet are filled from the model's hidden size, as it fills
+  them).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ gathers CPU tensors with the list ``all_gather`` instead, for which no copy is a
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,75 +79,89 @@ def default_units(model: nn.Module) -> tuple[str, ...]:
 
 
 def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
-    tensors are read, never copied or changed. A model ``fully_shard`` already wrapped is copied unwrapped: each
+    """A structural copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
+    tensors are read, never copied or changed.
+
+    Every module is copied as ``nn.Module``'s own data-parallel replication copies it
+    (``Module._replicate_for_data_parallel``): its own ``__dict__``, parameter, buffer, child and hook tables, and
+    its other attributes shared, not deep-copied (a LightningModule's trainer, a DeviceMesh of the job's process
+    group and a model's config are read, not duplicated; what the trace writes goes to the copy, and what it leaves
+    in a shared object is found by the sweep). A model ``fully_shard`` already wrapped is copied unwrapped: each
     DTensor parameter becomes a fake twin of its global shape, and the copy has none of FSDP2's classes, hooks or
-    state, ready to be wrapped again in the fake world."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = twins.tensor(b, requires_grad=False)
-    unwrap = _fsdp2_unwrapping(model, memo)
-    replica = copy.deepcopy(model, memo)
-    unwrap(replica)
-    return replica
-
-
-class _Dropped:
-    """What an FSDP2 state object of the user's model becomes in its copy (`_fsdp2_unwrapping`)."""
-
-
-# What `fully_shard` adds to every module it manages, besides its class, hooks and composable state.
-_FSDP2_FLAGS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
-_COMPOSABLE = "__composable_api_state_key"
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _fsdp2_unwrapping(model: nn.Module, memo: dict[int, Any]) -> Callable[[nn.Module], None]:
-    """Prepare ``memo`` so that a deep copy of ``model`` does not copy FSDP2's state (a process group cannot be
-    copied, and FSDP2's modules refuse to be deep-copied: their copies are made here, of the classes ``fully_shard``
-    derived from), and return the function that strips what is left of FSDP2 from the copy: its hooks (bound to
-    the dropped state), its composable-API entries and flags."""
+    state, ready to be wrapped again in the fake world.
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a build of torch without distributed support: nothing can be wrapped
-        return lambda replica: None
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
-        return lambda replica: None
-    dropped = _Dropped()
-    shells = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            memo[id(module._get_fsdp_state())] = dropped
-            # FSDPModule refuses deepcopy: its copy is an instance of the class fully_shard derived from, made here
-            # and filled below, so that every reference to it (from any module) finds it in the memo.
-            original = next(b for b in type(module).__bases__ if not issubclass(b, FSDPModule))
-            shell = original.__new__(original)
-            memo[id(module)] = shell
-            shells.append((module, shell))
-        for key, value in vars(module).items():
-            if key.startswith(_COMPOSABLE):
-                memo[id(value)] = None
-    for module, shell in shells:
-        vars(shell).update(copy.deepcopy(vars(module), memo))
+        FSDPModule = ()  # noqa: N806
+    copies: dict[int, nn.Module] = {}
+    params: dict[int, nn.Parameter] = {}
 
-    def unwrap(replica: nn.Module) -> None:
-        for module in replica.modules():
-            found = vars(module)
-            for key in [k for k in found if k.startswith(_COMPOSABLE) or k in _FSDP2_FLAGS]:
-                del found[key]
-            gone = set()
-            for name in _HOOKS:
-                hooks = found.get(name, {})
-                for handle in [h for h, fn in hooks.items() if getattr(fn, "__self__", None) is dropped]:
+    def twin_param(p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in params:
+            params[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
+        return params[id(p)]
+
+    def replicate(module: nn.Module) -> nn.Module:
+        if id(module) in copies:
+            return copies[id(module)]
+        cls = type(module)
+        if FSDPModule and isinstance(module, FSDPModule):  # the class fully_shard derived from
+            cls = next(b for b in cls.__bases__ if not issubclass(b, FSDPModule))
+        copy_ = cls.__new__(cls)
+        copies[id(module)] = copy_
+        state = {k: v for k, v in vars(module).items() if not k.startswith(_COMPOSABLE) and k not in _FSDP2_FLAGS}
+        for name in _MODULE_TABLES:
+            if isinstance(state.get(name), (dict, set)):
+                state[name] = type(state[name])(state[name])
+        state["_parameters"] = {k: None if p is None else twin_param(p) for k, p in module._parameters.items()}
+        state["_buffers"] = {k: None if b is None else twins.tensor(b, requires_grad=False)
+                             for k, b in module._buffers.items()}
+        state["_modules"] = {k: None if c is None else replicate(c) for k, c in module._modules.items()}
+        vars(copy_).update(state)
+        return copy_
+
+    replica = replicate(model)
+    for copy_ in copies.values():  # FSDP2's hooks go; hooks bound to a user module are bound to its copy
+        tables = vars(copy_)
+        for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
+            if key not in _MODULE_TABLES and isinstance(value, (list, tuple, dict)):
+                tables[key] = _of_copies(value, copies)
+        gone = set()
+        for name in _HOOKS:
+            hooks = tables.get(name) or {}
+            for handle, fn in list(hooks.items()):
+                owner = getattr(fn, "__self__", None)
+                if type(owner).__module__.startswith("torch.distributed.fsdp"):
                     del hooks[handle]
                     gone.add(handle)
-            for name in _HOOK_FLAGS:
-                for handle in gone & set(found.get(name, {})):
-                    del found[name][handle]
-    return unwrap
+                elif isinstance(owner, nn.Module) and id(owner) in copies:
+                    hooks[handle] = types.MethodType(fn.__func__, copies[id(owner)])
+        for name in _HOOK_FLAGS:
+            for handle in gone & set(tables.get(name) or ()):
+                del tables[name][handle]
+    return replica
+
+
+def _of_copies(value: Any, copies: dict[int, nn.Module]) -> Any:
+    """``value`` (a list, tuple or dict), with its items that are copied modules replaced by their copies; itself
+    when it holds none."""
+    items = value.values() if isinstance(value, dict) else value
+    if not any(isinstance(v, nn.Module) and id(v) in copies for v in items):
+        return value
+    swap = lambda v: copies.get(id(v), v) if isinstance(v, nn.Module) else v  # noqa: E731
+    if isinstance(value, dict):
+        return type(value)((k, swap(v)) for k, v in value.items())
+    return type(value)(swap(v) for v in value) if not hasattr(value, "_fields") else type(value)(*map(swap, value))
+
+
+# What `fully_shard` adds to every module it manages, besides its class and hooks.
+_FSDP2_FLAGS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
+_COMPOSABLE = "__composable_api_state_key"
+# nn.Module's own tables (hooks, parameters, buffers, children), which every copy gets its own of.
+_MODULE_TABLES = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
+_HOOKS = tuple(k for k in _MODULE_TABLES if k.endswith("_hooks"))
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 def trace_rank(

@@ -59,3 +59,13 @@ def test_cli_install_hint_names_the_package_and_the_extra(tmp_path, capsys, monk
     assert main(["estimate", "--hf-config", str(config), "--batch", "1", "--seq", "8", "--lora-r", "4"]) == 2
     err = capsys.readouterr().err
     assert "pip install peft" in err and "pip install -e '.[hf]'" in err
+
+
+def test_every_subpackage_is_shipped():
+    """A non-editable install ships only the packages pyproject.toml lists: each folder of preflight/ with an
+    __init__.py must be there (preflight.parallel was once left out, so `pip install .` lacked it)."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "preflight").rglob("__init__.py")}
+    assert found and found <= listed, sorted(found - listed)
+    assert "preflight.integrations" in listed

@@ -33,7 +33,7 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
-                              internal_failures, is_rank_zero, predict, predict_or_lower_bound)
+                              internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound)
 from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
@@ -225,7 +225,8 @@ class PreflightCallback(TrainerCallback):
                                     budget=report.budget_bytes, step=_loss_step(self.trainer),
                                     precision=_precision(args), device=_device(model), max_batch=current - 1,
                                     headroom=self.options.headroom, accumulate=args.gradient_accumulation_steps,
-                                    fast=self.options.fast)
+                                    fast=self.options.fast,
+                                    plan=options_plan(_unwrap(model), _parallel_plan(self.trainer)))
         if not result.batch_size:
             return None
         if is_rank_zero():

@@ -4,8 +4,13 @@ Every option is applied to a trace, never to the user's objects for good: a smal
 gradient accumulation, activation checkpointing is switched on for the trace and switched back (every module's
 attributes and hook tables restored, then checked), an 8-bit optimizer is built over the same parameters, LoRA
 is traced on a copy of the architecture built on the meta device (no weights copied), and precisions are the
-trace's own option. Sharding is the exception: it is derived from the traced breakdown with
-`preflight._target.shard_events` (every traced allocation rescaled to one rank's share), and says so.
+trace's own option. Sharding a single-device run is the exception: it is derived from the traced breakdown
+with `preflight._target.shard_events` (every traced allocation rescaled to one rank's share), and says so.
+
+Under a data-parallel plan (``plan=``, a `preflight.parallel.ParallelPlan`, as the callbacks read it off the
+trainer), the current set-up and every option are predicted per rank as `preflight.estimate` predicts that plan
+(FSDP traced through its own program for each rank, ZeRO rescaled with DeepSpeed's buffers from the config), and
+the sharding options become the stronger shardings of the same engine.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import round_events, shard_events
 from preflight._units import format_bytes
+from preflight.parallel import ParallelPlan
 from preflight.trace import NotRestoredError, float_dtype_for, restored_module
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
@@ -90,18 +96,20 @@ class _Setup:
     baseline: Estimate
     schedule: Schedule
     fast: bool = False
+    plan: ParallelPlan | None = None
 
     def trace(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
               batch: Any = None, step: StepFn | None = None, precision: Any = ...,
-              accumulate: int | None = None) -> Estimate:
-        """Trace the set-up with some parts replaced; a trace that fails is an error, not a lower bound."""
+              accumulate: int | None = None, plan: ParallelPlan | None = None) -> Estimate:
+        """Trace the set-up with some parts replaced (under ``plan`` instead of the run's, when given); a trace
+        that fails is an error, not a lower bound."""
         est = estimate(model if model is not None else self.model,
                        optimizer if optimizer is not None else self.optimizer,
                        batch if batch is not None else self.batch,
                        step=step if step is not None else self.step,
                        precision=self.precision if precision is ... else precision,
                        device=self.device, accumulate=accumulate or self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad, fast=self.fast)
+                       zero_grad=self.schedule.zero_grad, fast=self.fast, **_rank_kwargs(plan or self.plan))
         if est.coverage.lower_bound:
             raise RuntimeError(f"the trace failed at operator {est.coverage.failed_op}: {est.coverage.reason}")
         return est
@@ -131,6 +139,7 @@ def advise(
     accumulate: int = 1,
     zero_grad: str = "after_step",
     fast: bool = False,
+    plan: ParallelPlan | None = None,
 ) -> list[Suggestion]:
     """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
 
@@ -154,19 +163,27 @@ def advise(
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
     - ``zero1``/``zero2``/``zero3`` when ``world_size > 1``: every traced allocation rescaled to one rank's share.
     - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU), on any number of GPUs.
+    - Under a ``plan``, instead of the two above: the stronger shardings of the plan's engine over its ranks,
+      each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
+      (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
+      plan's DeepSpeed config with the stage changed).
     - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
       reserved peak is more than 10% above the allocated peak.
 
     Args:
         model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
         budget: bytes the run may use per device (int or e.g. ``"24GiB"``); None uses the CUDA device's capacity.
-        world_size: data-parallel GPUs available; above 1, sharding options are added.
+        world_size: data-parallel GPUs available; above 1, sharding options are added. Default under a
+            ``plan``: the plan's.
         make_batch: ``make_batch(b)`` returns a batch of ``b`` samples; default: `resize_batch` of ``batch``.
         headroom: the fraction of ``budget`` kept free, in [0, 1).
         accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`; ``batch`` is one
             micro-batch, so the global batch the micro-batch option keeps is ``batch size * accumulate``.
         fast: every trace (the current set-up and each option) is a depth-independent one
             (``preflight.estimate(..., fast=True)``).
+        plan: the run's data-parallel plan (`preflight.parallel.ParallelPlan`: ``fsdp_plan(...)``,
+            ``deepspeed_plan(...)``, or ``ParallelPlan(world_size, "ddp")``); every peak is then the largest
+            rank's under it, as `preflight.estimate` predicts that plan. None: one device.
 
     Returns:
         Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
@@ -185,8 +202,9 @@ def advise(
 
     Known limitations:
         - Options are traced one at a time, not combined.
-        - Sharding numbers rescale the single-GPU peak's categories; the sharded run's peak may fall at another
-          moment, and communication buffers are not counted (see `preflight._sharding`).
+        - Without a ``plan``, sharding numbers rescale the single-GPU peak's categories; the sharded run's peak may
+          fall at another moment, and communication buffers other than DeepSpeed's gradient reduction buffers
+          are not counted (see `preflight._sharding`).
         - Generic checkpointing wraps only the children of the largest ``nn.ModuleList``; models whose blocks
           live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
         - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
@@ -199,6 +217,11 @@ def advise(
         raise TypeError(f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` should be a positive integer, got {world_size!r}.")
+    if plan is not None and not isinstance(plan, ParallelPlan):
+        raise TypeError("`plan` should be None or a preflight.parallel.ParallelPlan (e.g. fsdp_plan('FULL_SHARD', "
+                        f"world_size=8) or deepspeed_plan(config, world_size=8)), got {type(plan).__name__}.")
+    if plan is not None and world_size == 1:
+        world_size = plan.world_size
     if make_batch is not None and not callable(make_batch):
         raise TypeError(f"`make_batch` should be None or a callable make_batch(batch_size) -> batch, got "
                         f"{type(make_batch).__name__}.")
@@ -210,7 +233,7 @@ def advise(
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
     baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target,
-                        accumulate=accumulate, zero_grad=zero_grad, fast=fast)
+                        accumulate=accumulate, zero_grad=zero_grad, fast=fast, **_rank_kwargs(plan))
     if baseline.coverage.lower_bound:
         raise RuntimeError(
             f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
@@ -218,7 +241,8 @@ def advise(
             "traces."
         )
     setup = _Setup(model, optimizer, batch, step, precision, target, budget_bytes,
-                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule, fast)
+                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule, fast,
+                   plan)
     options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
         ("micro-batch", _micro_batch),
         ("activation checkpointing", _checkpointing),
@@ -258,7 +282,7 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     result = max_batch_size(setup.model, setup.optimizer, make, budget=setup.budget_bytes, step=setup.step,
                             precision=setup.precision, device=setup.device, max_batch=micro - 1,
                             headroom=setup.headroom, accumulate=2, zero_grad=setup.schedule.zero_grad,
-                            fast=setup.fast)
+                            fast=setup.fast, plan=setup.plan)
     cost_micro = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, "
                   "lower throughput when the full batch kept the GPU busy")
     if result.batch_size == 0:
@@ -453,6 +477,8 @@ def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 
 def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    if setup.plan is not None:
+        return _stronger_sharding(setup)
     n = setup.world_size
     if n < 2:
         return []
@@ -484,6 +510,50 @@ def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
                 f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")
         out.append((stage, Suggestion({"sharding": stage, "world_size": n}, text, peak, peak <= setup.limit, cost)))
     return out
+
+
+# Under a plan: the stronger shardings of the same engine, with the cost class `_COST_ORDER` ranks them by.
+_STRONGER = {"ddp": (("fsdp-grad-op", "zero2"), ("fsdp2", "zero3")), "fsdp-grad-op": (("fsdp-full", "zero3"),),
+             "zero1": (("zero2", "zero2"), ("zero3", "zero3")), "zero2": (("zero3", "zero3"),)}
+_SHARDING_NAMES = {"fsdp-grad-op": "FSDP SHARD_GRAD_OP (gradients and optimizer state sharded)",
+                   "fsdp-full": "FSDP FULL_SHARD (parameters too)", "fsdp2": "FSDP2 (fully_shard on every block)",
+                   "zero2": "DeepSpeed ZeRO stage 2", "zero3": "DeepSpeed ZeRO stage 3"}
+
+
+def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The run's plan with a stronger sharding of the same engine, predicted as `preflight.estimate` predicts it."""
+    plan = setup.plan
+    assert plan is not None
+    base = setup.baseline
+    out = []
+    for sharding, cost_class in _STRONGER.get(plan.sharding or "", ()):
+        deepspeed, change = None, {"sharding": sharding, "world_size": plan.world_size}
+        if plan.deepspeed is not None:  # the same config, at the new stage
+            deepspeed = copy.deepcopy(dict(plan.deepspeed))
+            deepspeed.setdefault("zero_optimization", {})["stage"] = int(sharding[-1])
+            change["zero_stage"] = int(sharding[-1])
+        fsdp = plan.fsdp if plan.sharding.startswith("fsdp") else None  # FSDP1's units carry over to FULL_SHARD
+        other = dataclasses.replace(plan, sharding=sharding, fsdp=fsdp, deepspeed=deepspeed,
+                                    offload_params=plan.offload_params and sharding in ("zero3", "fsdp-full"))
+        peak = setup.trace(plan=other).peak_bytes
+        if peak >= base.peak_bytes:
+            continue
+        how = ("each rank's step traced through FSDP's own program" if sharding.startswith("fsdp") else
+               "the traced allocations rescaled to one rank's share, plus DeepSpeed's gradient reduction buffers "
+               "from the config")
+        text = (f"{_SHARDING_NAMES[sharding]} over the same {plan.world_size} GPUs instead of {plan.sharding}: "
+                f"{setup.versus(peak)} per GPU ({how})")
+        cost = ("more communication per step: sharded parameters are gathered for every forward and backward "
+                "(about 1.5x DDP's volume, ZeRO paper Sec 7)" if cost_class == "zero3" else
+                "about DDP's communication volume (a reduce-scatter instead of an all-reduce, then an all-gather "
+                "of the updated parameters; ZeRO paper Sec 7)")
+        out.append((cost_class, Suggestion(change, text, peak, peak <= setup.limit, cost)))
+    return out
+
+
+def _rank_kwargs(plan: ParallelPlan | None) -> dict[str, Any]:
+    """`preflight.estimate`'s keyword arguments for ``plan`` (none for one device)."""
+    return {} if plan is None else plan.estimate_kwargs()
 
 
 def _per_rank_peak(setup: _Setup, **sharding: Any) -> int:

@@ -27,6 +27,7 @@ from preflight._guard import untouched
 from preflight._result import Estimate, Event
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._units import format_bytes
+from preflight.parallel import ParallelPlan
 
 __all__ = [
     "BatchPeakModel",
@@ -188,9 +189,10 @@ class _Tracer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], Any],
                  step: StepFn | None, precision: str | None, device: Any, progress: Callable[[str], None] | None,
-                 limit: int, schedule: Schedule, fast: bool = False) -> None:
+                 limit: int, schedule: Schedule, fast: bool = False, plan: ParallelPlan | None = None) -> None:
         self.model, self.optimizer, self.make_batch = model, optimizer, make_batch
         self.fast = fast
+        self.rank_kwargs = {} if plan is None else plan.estimate_kwargs()  # each trace per rank under the plan
         self.step, self.precision, self.device, self.schedule = step, precision, device, schedule
         self.progress = progress
         self.limit = limit
@@ -202,7 +204,7 @@ class _Tracer:
         self._say(f"tracing batch size {batch_size} (trace {self.count})")
         est = estimate(self.model, self.optimizer, self.make_batch(batch_size), step=self.step,
                        precision=self.precision, device=self.device, accumulate=self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad, fast=self.fast)
+                       zero_grad=self.schedule.zero_grad, fast=self.fast, **self.rank_kwargs)
         _require_traced(est, "training", batch_size)
         self.peaks[batch_size] = est.peak_bytes
         verdict = "fits" if est.peak_bytes <= self.limit else "does not fit"
@@ -236,6 +238,7 @@ def max_batch_size(
     zero_grad: str = "after_step",
     progress: Callable[[str], None] | None = None,
     fast: bool = False,
+    plan: ParallelPlan | None = None,
 ) -> BatchSizeResult:
     """The largest micro-batch whose predicted training peak fits ``budget``, from at most a few fake traces.
 
@@ -263,6 +266,9 @@ def max_batch_size(
             micro-batches' gradients are alive during the next one's forward and backward.
         progress: optional ``progress(message)`` called before and after each trace.
         fast: each trace is a depth-independent one (``preflight.estimate(..., fast=True)``).
+        plan: the run's data-parallel plan (`preflight.parallel.ParallelPlan`, e.g. ``fsdp_plan("FULL_SHARD",
+            world_size=8)``): each trace is then the per-rank prediction `preflight.estimate` makes for it, and
+            the budget is one GPU's (the largest rank's peak must fit). None: one device.
 
     Returns:
         A `BatchSizeResult`; ``int(result)`` is the batch size. ``batch_size`` is 0 when not even the smallest
@@ -305,6 +311,9 @@ def max_batch_size(
                              "size is allowed. Lower multiple_of or raise max_batch.")
     check_headroom(headroom)
     schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
+    if plan is not None and not isinstance(plan, ParallelPlan):
+        raise TypeError("`plan` should be None or a preflight.parallel.ParallelPlan (e.g. fsdp_plan('FULL_SHARD', "
+                        f"world_size=8)), got {type(plan).__name__}.")
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` should be None or a callable progress(message), got {type(progress).__name__}.")
     budget_bytes = resolve_budget(budget, device=device if device is not None else model_device(model))
@@ -312,8 +321,10 @@ def max_batch_size(
         raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
                          "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
     limit = usable_bytes(budget_bytes, headroom)
-    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule, fast)
+    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule, fast, plan)
     notes: list[str] = []
+    if plan is not None:
+        notes.append(f"each trace per rank under the plan ({plan.note()})")
     if schedule.accumulate > 1:
         notes.append("traced with gradient accumulation (the accumulated gradients are alive)")
     capped = max_batch is None

@@ -68,6 +68,7 @@ from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "ON_OVERFLOW_CHOICES", "Options", "Report", "VerifySession", "ddp_bucket_bytes",
+    "options_plan",
     "check", "decide", "eval_resident", "internal_failures", "is_rank_zero", "lower_bound_report", "predict",
     "predict_or_lower_bound",
 ]
@@ -349,9 +350,7 @@ def predict(
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
-    if settings.world_size:  # `preflight check --world-size N --sharding S` plans for N ranks itself
-        parallel = ParallelPlan(settings.world_size, settings.sharding or ("ddp" if settings.world_size > 1 else None),
-                                source="preflight check --world-size")
+    parallel = _planned(settings, parallel)
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
     sharded = parallel if parallel is not None and parallel.sharded else None
     wrapped = already_sharded(model)
@@ -487,14 +486,33 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and talk and sharded is not None:
-        # advise plans from a single-device replica: its figures would not be this rank's under the plan
-        report.warnings.append(f"no suggestions: they are not predicted under a sharded plan yet ({sharded.note()})")
+    if report.fits is False and options.suggest and talk and fsdp2 is not None:
+        report.warnings.append("no suggestions: the model is already wrapped by fully_shard, and the options are "
+                               "traced on the model as built (call preflight before fully_shard to get them)")
     elif report.fits is False and options.suggest and talk:
         with progress("it does not fit: predicting what to change (about ten traces)"):
             report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
-                                              make_batch, report)
+                                              make_batch, report, options_plan(model, parallel))
     return report
+
+
+def options_plan(model: nn.Module, parallel: ParallelPlan | None) -> ParallelPlan | None:
+    """The plan the suggestions and the micro-batch search predict each option under: the run's, when it spans
+    several ranks (DDP included), unless the strategy has already wrapped the model (then `preflight.estimate`
+    reads the plan off the model itself, or there is none to follow)."""
+    parallel = _planned(settings_from_env(), parallel)
+    if parallel is None or parallel.world_size < 2 or already_sharded(model) is not None:
+        return None
+    return parallel
+
+
+def _planned(settings: Any, parallel: ParallelPlan | None) -> ParallelPlan | None:
+    """The trainer's plan, or the one `preflight check --world-size N --sharding S` asked for (it takes precedence:
+    the dry run plans for N ranks from one process)."""
+    if not settings.world_size:
+        return parallel
+    return ParallelPlan(settings.world_size, settings.sharding or ("ddp" if settings.world_size > 1 else None),
+                        source="preflight check --world-size")
 
 
 def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precision: str | None,
@@ -932,7 +950,8 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
 
 def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None,
                  precision: str | None, device: torch.device, options: Options, schedule: Schedule,
-                 make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
+                 make_batch: Callable[[int], Any] | None, report: Report,
+                 plan: ParallelPlan | None = None) -> list[dict[str, Any]]:
     try:
         from preflight._advise import advise
     except ImportError:
@@ -943,7 +962,7 @@ def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             found = advise(model, optimizer, batch, budget=report.budget_bytes, step=step,
                            precision=precision, device=device, world_size=_world_size(),
                            make_batch=make_batch, headroom=options.headroom, accumulate=schedule.accumulate,
-                           zero_grad=schedule.zero_grad, fast=options.fast)
+                           zero_grad=schedule.zero_grad, fast=options.fast, plan=plan)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
         return []

@@ -252,16 +252,22 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
 
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
              sharding: str | None, offload: dict[str, bool]) -> tuple[list[dict[str, Any]], str | None]:
-    """Ranked changes from `preflight.advise`, as the callbacks print them; or why there are none."""
-    if sharding or any(offload.values()):
-        # advise plans each change from an unsharded trace: its figures would not be this run's.
-        return [], "suggestions are not available with sharding or offload (pass --no-suggest to skip this line)"
+    """Ranked changes from `preflight.advise`, as the callbacks print them; or why there are none. Under
+    --world-size, --sharding, offload or --deepspeed-config each change is predicted per rank under that plan."""
     from preflight._advise import advise
+    from preflight._estimate import check_plan
+    from preflight.parallel import ParallelPlan, deepspeed_plan
 
+    plan = None
+    if args.deepspeed_config:
+        plan = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
+    elif args.world_size > 1 or sharding or any(offload.values()):
+        plan = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
+                            source="the command line", **offload)
     with _progress("ranking changes that would fit (--no-suggest skips this)"):
         found = advise(model, optimizer, batch, budget=budget, precision=args.precision,
                        device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
-                       make_batch=lambda b: _batch(args, config, batch_size=b), fast=args.fast)
+                       make_batch=lambda b: _batch(args, config, batch_size=b), fast=args.fast, plan=plan)
     return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
              "change": s.change, "cost": s.cost} for s in found], None
 

@@ -294,3 +294,49 @@ def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
     eight = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=8, is_paged=True)
     assert s.predicted_peak_bytes == preflight.estimate(model, eight, batch).peak_bytes < base
     assert opt.args.optim_bits == 32  # the user's optimizer is left as it was
+
+
+def test_under_a_plan_every_option_is_predicted_per_rank():
+    """Under a data-parallel plan (as the callbacks read it off the trainer), the current peak and every option are
+    the plan's per-rank prediction, and the sharding options are the stronger shardings of the same engine."""
+    from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
+
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = lm_batch(BATCH)
+    plan = ParallelPlan(4, "ddp")
+    base = preflight.estimate(model, opt, batch, world_size=4, sharding="ddp")
+    before = state_of(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        suggestions = advise(model, opt, batch, budget=int(base.peak_bytes * 0.8), plan=plan)
+    assert_unchanged(model, before)
+    micro = by_change(suggestions, "micro_batch_size")
+    assert micro.predicted_peak_bytes == preflight.estimate(
+        model, opt, resize_batch(batch, micro.change["micro_batch_size"]), accumulate=2, world_size=4,
+        sharding="ddp").peak_bytes
+    bf16 = next(s for s in suggestions if s.change == {"precision": "bf16-true"})
+    assert bf16.predicted_peak_bytes == preflight.estimate(model, opt, batch, precision="bf16-true", world_size=4,
+                                                           sharding="ddp").peak_bytes
+    # DDP -> FSDP, each rank traced through FSDP's own program, over the same 4 ranks; no rescaled ZeRO options.
+    sharded = {s.change["sharding"]: s for s in suggestions if "sharding" in s.change}
+    assert set(sharded) == {"fsdp-grad-op", "fsdp2"}
+    assert all(s.change["world_size"] == 4 for s in sharded.values())
+    for name, s in sharded.items():
+        assert s.predicted_peak_bytes == preflight.estimate(model, opt, batch, world_size=4,
+                                                            sharding=name).peak_bytes < base.peak_bytes
+    # A DeepSpeed plan keeps its config, at a higher stage.
+    config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 10_000}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zero = advise(model, opt, lm_batch(1, 8), budget=1, plan=deepspeed_plan(config, world_size=4))
+    stage3 = next(s for s in zero if s.change.get("zero_stage") == 3)
+    assert stage3.change == {"sharding": "zero3", "world_size": 4, "zero_stage": 3}
+    assert stage3.predicted_peak_bytes == preflight.estimate(
+        model, opt, lm_batch(1, 8), world_size=4,
+        deepspeed_config={"zero_optimization": {"stage": 3, "reduce_bucket_size": 10_000}}).peak_bytes
+    assert config["zero_optimization"]["stage"] == 1  # the plan's config is left as it was
+    with pytest.raises(TypeError, match="ParallelPlan"):
+        advise(model, opt, batch, budget="1GiB", plan={"world_size": 4})
+    with pytest.raises(TypeError, match="ParallelPlan"):
+        preflight.max_batch_size(model, opt, lm_batch, budget="1GiB", plan=fsdp_plan)

@@ -192,3 +192,22 @@ def test_split_global_batch_rejects_nothing_fits():
         split_global_batch(32, 0)
     with pytest.raises(ValueError, match="min_fraction"):
         split_global_batch(32, 4, min_fraction=0)
+
+
+def test_under_a_plan_the_largest_rank_decides(gpt2):
+    """With a data-parallel plan the search traces each size per rank: the answer fits one GPU on every rank, and
+    the next size does not."""
+    from preflight.parallel import fsdp_plan
+
+    model, opt = gpt2
+    plan = fsdp_plan("fsdp2", world_size=4)
+
+    def per_rank(b: int) -> int:
+        return preflight.estimate(model, opt, lm_batch(b), world_size=4, sharding="fsdp2").peak_bytes
+
+    budget = (per_rank(5) + per_rank(6)) // 2
+    result = preflight.max_batch_size(model, opt, lm_batch, budget=budget, plan=plan, max_batch=16)
+    assert result.batch_size == 5 and result.predicted_peak_bytes == per_rank(5) <= budget
+    assert any("per rank under the plan" in n for n in result.notes)
+    # One device needs more than a rank of the sharded run: the unsharded search picks a smaller batch.
+    assert preflight.max_batch_size(model, opt, lm_batch, budget=budget, max_batch=16).batch_size < 5

@@ -393,3 +393,25 @@ def test_the_overflow_message_names_the_evaluation_when_its_device_total_decides
     assert report.eval_predicted_device_total_bytes > report.predicted_device_total_bytes
     assert report.verdict_bytes == report.eval_predicted_device_total_bytes and report.fits is False
     assert "(evaluation peak)" in _overflow_message(report, [], False)
+
+
+def test_the_options_are_planned_under_the_runs_plan(monkeypatch):
+    """`options_plan`: the plan the suggestions and the HF batch step-down predict each option under."""
+    from preflight._check import options_plan
+    from preflight.parallel import ParallelPlan, fsdp_plan
+
+    model = make_gpt2(n_layer=1, n_embd=32)
+    full = fsdp_plan("FULL_SHARD", world_size=4)
+    assert options_plan(model, full) is full
+    assert options_plan(model, ParallelPlan(4, "ddp")) == ParallelPlan(4, "ddp")  # DDP's ranks: per rank too
+    assert options_plan(model, None) is None and options_plan(model, ParallelPlan(1, None)) is None
+    # A model the strategy already sharded (here marked as DeepSpeed ZeRO-3 marks its parameters) has no plan to
+    # follow: dividing its shards again would be wrong.
+    zero3 = make_gpt2(n_layer=1, n_embd=32)
+    next(zero3.parameters()).ds_numel = 123
+    assert options_plan(zero3, full) is None
+    # `preflight check --world-size 8 --sharding zero2` takes precedence over the trainer's plan.
+    monkeypatch.setenv("PREFLIGHT_WORLD_SIZE", "8")
+    monkeypatch.setenv("PREFLIGHT_SHARDING", "zero2")
+    planned = options_plan(model, full)
+    assert (planned.world_size, planned.sharding) == (8, "zero2")

@@ -511,3 +511,23 @@ def test_check_full_reaches_the_script_as_an_environment_variable(tmp_path):
 
     assert settings_from_env({"PREFLIGHT_FAST": "0"}).fast is False
     assert settings_from_env({}).fast is None
+
+
+def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys):
+    """--world-size/--sharding: each suggestion is predicted per rank under the same plan, the stronger sharding
+    of FSDP included (SHARD_GRAD_OP -> FULL_SHARD)."""
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hf-config", config, "--batch", "4", "--seq", "32", "--world-size", "2",
+                 "--sharding", "fsdp-grad-op", "--budget", "1MiB", "--json", str(out)]) == 3
+    printed = capsys.readouterr().out
+    assert "not available" not in printed
+    report = json.loads(out.read_text())
+    changes = {json.dumps(s["change"], sort_keys=True): s for s in report["suggestions"]}
+    full = changes[json.dumps({"sharding": "fsdp-full", "world_size": 2}, sort_keys=True)]
+    assert "FULL_SHARD" in full["description"] and "per GPU" in full["description"]
+    assert full["predicted_peak_bytes"] < report["peak_bytes"]
+    bf16 = changes[json.dumps({"precision": "bf16-true"}, sort_keys=True)]
+    # The same plan in one process: the figure the suggestion gives is the per-rank bf16-true peak.
+    assert main(["estimate", "--hf-config", config, "--batch", "4", "--seq", "32", "--world-size", "2",
+                 "--sharding", "fsdp-grad-op", "--precision", "bf16-true", "--json", str(out)]) == 0
+    assert bf16["predicted_peak_bytes"] == json.loads(out.read_text())["peak_bytes"]

@@ -80,11 +80,13 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
                           parallel=fsdp_plan("SHARD_GRAD_OP", world_size=2))
     assert (planned.predicted_peak_bytes, planned.eval_predicted_peak_bytes) == \
         (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
-    # Over budget under a plan: no suggestions (advise predicts from a single-device replica), and it says so.
+    # Over budget under a plan: the suggestions are predicted per rank under it too.
     tight = predict(model, optimizer, lm_batch(2, 16), options=Options(budget="100KiB", suggest=True, fast=False),
                     parallel=plan)
-    assert tight.fits is False and tight.suggestions == []
-    assert any("not predicted under a sharded plan" in w for w in tight.warnings)
+    assert tight.fits is False and tight.suggestions
+    bf16 = next(s for s in tight.suggestions if s["change"] == {"precision": "bf16-true"})
+    assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), precision="bf16-true",
+                                                              world_size=4, sharding="fsdp-full").peak_bytes
     # Plain data parallelism is not a sharded plan: the prediction is the replica's.
     ddp = predict(model, optimizer, lm_batch(2, 16), options=options, parallel=ParallelPlan(4, "ddp"))
     assert ddp.predicted_peak_bytes == alone.predicted_peak_bytes

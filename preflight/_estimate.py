@@ -59,6 +59,7 @@ def estimate(
     fast: bool = False,
     fsdp: FSDP2Plan | FSDP1Plan | None = None,
     deepspeed_config: dict | str | os.PathLike | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -130,6 +131,11 @@ def estimate(
             a `preflight.parallel.FSDP1Plan` (units, ``MixedPrecision``, ``use_orig_params``, prefetching);
             default: every entry of the largest ``nn.ModuleList`` and then the root, the engine's defaults
             (FSDP1 with ``use_orig_params=True``).
+        gradient_as_bucket_view: with ``sharding="ddp"``, DDP's option of the same name: DDP's buckets still hold
+            one flat copy of the gradients from construction on, but ``.grad`` becomes a view into them, so each
+            gradient the backward makes lives only until DDP copies it into its bucket. DDP's other options
+            (``bucket_cap_mb``, ``static_graph``, ``find_unused_parameters``) do not change the bytes: the buckets
+            together hold every gradient once whatever their cap.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -191,6 +197,11 @@ def estimate(
     if wrapped is not None:
         world_size, sharding, fsdp = _wrapped_plan(wrapped, world_size, sharding, fsdp, offload)
     sharding = check_plan(world_size, sharding, **offload)
+    if not isinstance(gradient_as_bucket_view, bool):
+        raise TypeError(f"`gradient_as_bucket_view` should be True or False, got {gradient_as_bucket_view!r}.")
+    if gradient_as_bucket_view and sharding != "ddp":
+        raise ValueError(f"`gradient_as_bucket_view` is DDP's option, but the sharding is {sharding!r}: pass "
+                         "sharding='ddp' (and world_size > 1), or leave gradient_as_bucket_view out.")
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
         device = "cuda"
@@ -260,7 +271,8 @@ def estimate(
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
         events, categories, note = shard_events(events, categories, model, world_size=world_size, sharding=sharding,
                                                 dtype=float_dtype_for(precision), **offload,
-                                                zero_buffers=zero_buffers_for(model, sharding, ds, precision))
+                                                zero_buffers=zero_buffers_for(model, sharding, ds, precision),
+                                                gradient_as_bucket_view=gradient_as_bucket_view)
         notes.append(note)
     reserved = total = None
     if target.type == "cuda":

@@ -26,8 +26,10 @@ gradients; ZeRO-3 and FSDP's ``FULL_SHARD`` also parameters, plus the unsharded 
 repeated block and the prefetched next one for the whole step (ZeRO paper, arXiv:1910.02054, Sec 5; FSDP's
 ``ShardingStrategy``). The optimizer step runs over the rank's shard, so the temporaries it allocates divide
 too; an offloaded optimizer step (ZeRO-Offload, FSDP ``CPUOffload``) and offloaded parameter shards leave the
-GPU. DDP without ``gradient_as_bucket_view`` holds a flat copy of every gradient in its buckets from
-construction on. ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`, sized from the DeepSpeed
+GPU. DDP holds a flat copy of every gradient in its buckets from construction on; with
+``gradient_as_bucket_view`` the gradients are views into them, so each gradient the backward makes lives only until
+DDP's hook copies it into its bucket (``Reducer::mark_variable_ready_dense``: the copy, then ``grad =
+bucket_view``), and the bucket is the gradient from then on. ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`, sized from the DeepSpeed
 config or DeepSpeed's defaults) are added in the communication category: during each backward at stages 1 and 2,
 from the start at stage 3. Shares round up per tensor. Other communication buffers are not counted.
 """
@@ -157,10 +159,12 @@ _GATHERED_UID, _DDP_BUCKETS_UID, _ZERO_BUFFERS_UID = -(2**62), -(2**62) + 1, -(2
 
 def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
                  sharding: str, dtype: torch.dtype | None, offload_optimizer: bool = False,
-                 offload_params: bool = False,
-                 zero_buffers: ZeroBuffers | None = None) -> tuple[list[Event], dict[int, Category], str]:
+                 offload_params: bool = False, zero_buffers: ZeroBuffers | None = None,
+                 gradient_as_bucket_view: bool = False) -> tuple[list[Event], dict[int, Category], str]:
     """One rank's events under ``sharding`` (module docstring), their categories, and a note saying how.
-    ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding.
+    ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding. ``gradient_as_bucket_view``:
+    DDP's option; each traced gradient is freed right after its allocation (DDP copies it into its bucket and
+    points ``.grad`` at the bucket), and its later free is dropped.
 
     The arguments are checked by `preflight._sharding.shard_breakdown` beforehand.
     """
@@ -177,6 +181,7 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
             return -(-nbytes // world_size)
         return nbytes
 
+    bucket_views = sharding == "ddp" and gradient_as_bucket_view
     sizes: dict[int, int] = {}
     out: list[Event] = []
     for e in events:
@@ -190,6 +195,8 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
             nbytes = -sizes.pop(e.uid, 0)
         if nbytes:
             out.append(dataclasses.replace(e, nbytes=nbytes))
+        if nbytes > 0 and bucket_views and category == Category.GRADIENTS.value:
+            out.append(dataclasses.replace(e, nbytes=-sizes.pop(e.uid)))  # copied into its bucket view
     categories = dict(categories)
     extra: list[Event] = []
     unit = largest_unit_bytes(model, dtype)
@@ -206,7 +213,11 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
     offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
     note = (f"per-rank figures for {sharding} over {world_size} rank(s): every traced allocation rescaled to one "
             f"rank's share (largest gathered unit: {unit} bytes)"
-            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else ""))
+            + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else "")
+            + ("; DDP's buckets counted from construction, gradients as views into them (gradient_as_bucket_view: "
+               "each gradient the backward makes is freed once copied into its bucket)" if bucket_views else
+               "; DDP's buckets, a flat copy of every gradient, counted from construction" if sharding == "ddp"
+               else ""))
     if zero_buffers is not None and zero_buffers.nbytes:
         categories[_ZERO_BUFFERS_UID] = Category.COMMUNICATION
         note += f"; {zero_buffers.note()}"

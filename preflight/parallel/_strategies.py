@@ -49,6 +49,7 @@ class ParallelPlan:
             engine's defaults.
         deepspeed: the DeepSpeed config (a dict) of a DeepSpeed plan, for `preflight.estimate`'s
             ``deepspeed_config``; None otherwise.
+        gradient_as_bucket_view: DDP's option (a ``"ddp"`` plan): gradients are views into DDP's buckets.
     """
 
     world_size: int
@@ -58,6 +59,7 @@ class ParallelPlan:
     source: str = ""
     fsdp: Any = None
     deepspeed: Mapping[str, Any] | None = None
+    gradient_as_bucket_view: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -72,6 +74,8 @@ class ParallelPlan:
             kwargs["fsdp"] = self.fsdp
         if self.deepspeed is not None and self.sharded:
             kwargs["deepspeed_config"] = dict(self.deepspeed)
+        if self.gradient_as_bucket_view and self.sharding == "ddp":
+            kwargs["gradient_as_bucket_view"] = True
         return kwargs
 
     def note(self) -> str:

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan_options(est)
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
+    est.add_argument("--gradient-as-bucket-view", action="store_true",
+                     help="DDP's gradient_as_bucket_view=True: gradients are views into DDP's buckets (needs "
+                          "--world-size above 1 and DDP, the default sharding there)")
     est.add_argument("--deepspeed-config", metavar="PATH",
                      help="read the ZeRO stage, offload settings and gradient reduction buffer sizes from a "
                           "DeepSpeed config (JSON)")
@@ -167,7 +170,7 @@ def _estimate(args: argparse.Namespace) -> int:
         est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
                                  device="cuda" if args.gpu else "cpu", world_size=args.world_size,
                                  sharding=sharding, fast=args.fast, deepspeed_config=args.deepspeed_config,
-                                 **offload)
+                                 gradient_as_bucket_view=args.gradient_as_bucket_view, **offload)
     params = _parameter_summary(model)
     print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
@@ -263,7 +266,8 @@ def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, c
         plan = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
     elif args.world_size > 1 or sharding or any(offload.values()):
         plan = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
-                            source="the command line", **offload)
+                            source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
+                            **offload)
     with _progress("ranking changes that would fit (--no-suggest skips this)"):
         found = advise(model, optimizer, batch, budget=budget, precision=args.precision,
                        device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
@@ -289,6 +293,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "precision": args.precision, "param_dtype": param_dtype, "optimizer": args.optimizer,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
+            "gradient_as_bucket_view": args.gradient_as_bucket_view,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
             "headroom": args.headroom, "fast": args.fast}
 
@@ -334,7 +339,7 @@ def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
     from preflight._estimate import check_plan
 
     try:
-        check_plan(args.world_size, sharding, **offload)
+        planned = check_plan(args.world_size, sharding, **offload)
     except ValueError as err:
         text = str(err)  # in the options' own words
         for name in ("offload_params", "offload_optimizer", "world_size", "sharding"):
@@ -342,6 +347,10 @@ def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
             text = text.replace(f"set {name}=False", f"drop {flag}").replace(f"{name}=True", flag)
             text = text.replace(f"`{name}`", flag).replace(f"{name}=", f"{flag} ")
         raise UsageError(text) from None
+    if getattr(args, "gradient_as_bucket_view", False) and planned != "ddp":
+        raise UsageError(f"--gradient-as-bucket-view is DDP's option, but the plan is {planned or 'one device'} "
+                         f"(--world-size {args.world_size}, --sharding {sharding}). Plan DDP (--world-size above 1, "
+                         "--sharding ddp or none), or drop --gradient-as-bucket-view.")
     return sharding, offload
 
 

@@ -531,3 +531,19 @@ def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys)
     assert main(["estimate", "--hf-config", config, "--batch", "4", "--seq", "32", "--world-size", "2",
                  "--sharding", "fsdp-grad-op", "--precision", "bf16-true", "--json", str(out)]) == 0
     assert bf16["predicted_peak_bytes"] == json.loads(out.read_text())["peak_bytes"]
+
+
+def test_gradient_as_bucket_view_plans_ddp_with_bucket_views(config, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    peaks = {}
+    for flags in ([], ["--gradient-as-bucket-view"]):
+        assert main(["estimate", "--hf-config", config, "--batch", "1", "--seq", "8", "--world-size", "2",
+                     *flags, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        peaks[bool(flags)] = report["peak_bytes"]
+        assert report["inputs"]["gradient_as_bucket_view"] is bool(flags)
+    assert peaks[True] < peaks[False]  # tiny batch: the peak holds every gradient, once instead of twice
+    capsys.readouterr()
+    assert main(["estimate", "--hf-config", config, "--batch", "1", "--seq", "8", "--world-size", "2",
+                 "--sharding", "zero2", "--gradient-as-bucket-view"]) == 2
+    assert "--gradient-as-bucket-view is DDP's option" in capsys.readouterr().err

@@ -213,6 +213,56 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
         dist.destroy_process_group()
 
 
+def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(monkeypatch):
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, group=None, **kwargs):
+        calls.append((tensor.numel(), dist.get_world_size(group)))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    model, optimizer, x = _setup()
+    step = lambda m, b: m(b)  # noqa: E731
+    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                             fsdp=FSDP2Plan(replicate=2))
+    assert any("fake 2-D mesh of 2 x 2 ranks" in n for n in est.coverage.notes), est.coverage.notes
+    assert rank_groups(model, WORLD, replicate=2) == [[0, 2], [1, 3]]  # a rank's shard: its index in its group
+    # Every unit's gradient shard (a block's 33 rows of 66 + 33 of bias; the head's row and bias padded to 2, one
+    # each) is all-reduced across the 2 replicas, in place: each rank peaks as its shard group's FSDP does.
+    assert set(calls) == {(33 * 66 + 33, 2), (66 + 1, 2)}
+    assert est.per_rank_peak_bytes == group.per_rank_peak_bytes * 2 and est.breakdown == group.breakdown
+    with pytest.raises(ValueError, match=r"`fsdp.replicate` \(3\) should divide the world size 4"):
+        preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                           fsdp=FSDP2Plan(replicate=3))
+
+
+def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from preflight.parallel import read_fsdp2
+
+    model, optimizer, x = _setup()
+    planned = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2",
+                                 fsdp=FSDP2Plan(replicate=2))
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        read = read_fsdp2(model)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b))
+    finally:
+        dist.destroy_process_group()
+    assert (read.world_size, read.rank, read.plan.replicate) == (WORLD, 3, 2)
+    assert est.per_rank_peak_bytes == planned.per_rank_peak_bytes
+    assert any("an HSDP mesh of 2 x 2 ranks; this process is rank 3" in n for n in est.coverage.notes)
+
+
 def test_plan_options_are_checked_and_passed_through():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -220,6 +270,8 @@ def test_plan_options_are_checked_and_passed_through():
         FSDP2Plan(mp_policy="bf16")
     with pytest.raises(ValueError, match="reshard_after_forward"):
         FSDP2Plan(reshard_after_forward=0)
+    with pytest.raises(ValueError, match="`replicate` should be a positive int"):
+        FSDP2Plan(replicate=0)
     model, optimizer, x = _setup()
     with pytest.raises(ValueError, match="pass sharding='fsdp2'"):
         preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=2, sharding="fsdp-full",

@@ -42,10 +42,10 @@ def fake_world(world_size: int, rank: int, replicate: int | None = None) -> Iter
     and take it down on exit; a process group the job already has is set aside meanwhile and put back as it was
     (module docstring).
 
-    ``replicate``: None gives a 1-D mesh; an int gives HSDP's 2-D mesh ``(replicate, world_size // replicate)`` with dims
-    named ``("replicate", "shard")``, as ``init_device_mesh`` lays it out: ranks ``k * shard .. (k + 1) * shard - 1``
-    form the ``k``-th shard group (one node's ranks), and ranks of equal index in the shard groups a replicate group.
-    Its sub-groups are fake groups too, made and taken down with the default one.
+    ``replicate``: None gives a 1-D mesh; an int gives HSDP's 2-D mesh ``(replicate, world_size // replicate)`` with
+    dims named ``("replicate", "shard")``, as ``init_device_mesh`` lays it out: ranks ``k * shard .. (k + 1) * shard -
+    1`` form the ``k``-th shard group (one node's ranks), and ranks of equal index in the shard groups a replicate
+    group. Its sub-groups are fake groups too, made and taken down with the default one.
 
     Raises:
         ProcessGroupInUseError: torch has no distributed support, or a process group is initialised and c10d's

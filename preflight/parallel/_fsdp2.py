@@ -20,8 +20,8 @@ dtype FSDP2 keeps each unit's reduce-dtype output alive into the next unit's red
 which the trace follows but no real run here has measured.
 
 Known limitations: ``CPUOffloadPolicy``, meshes of more than two dims (tensor parallelism), ``torch.compile`` of the
-sharded model and optimizers that already hold state are not traced here (the caller rescales a single-device trace instead);
-communication libraries' own buffers (NCCL's) are not tensors and are not counted.
+sharded model and optimizers that already hold state are not traced here (the caller rescales a single-device trace
+instead); communication libraries' own buffers (NCCL's) are not tensors and are not counted.
 """
 
 from __future__ import annotations

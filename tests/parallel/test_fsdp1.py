@@ -210,6 +210,7 @@ DEEP, NARROW, ROWS = 8, 128, 2048
 
 
 def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -225,9 +226,11 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
     try:
         model, _, _ = _setup(depth=DEEP, width=NARROW)
         batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
-        # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise.
+        # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise; a
+        # hybrid strategy over 2 "nodes" of consecutive ranks, as a 2-D mesh (FSDP1's intra- and inter-node groups).
+        mesh = init_device_mesh("cpu", (2, world_size // 2)) if strategy == "HYBRID_SHARD" else None
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
-                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"))
+                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"), device_mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters())
         flats = [m._handle.flat_param for m in FSDP.fsdp_modules(model) if m._handle is not None]
         before = live_storage_bytes([flats, batch], torch.device("cpu"))
@@ -240,24 +243,24 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy):
+@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("HYBRID_SHARD", 4)])
+def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy, world):
     import torch.multiprocessing as mp
 
     model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
     batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
     units = tuple(f"layers.{i}" for i in range(DEEP)) + ("head",)  # every Linear, as ModuleWrapPolicy({nn.Linear})
-    sharding = "fsdp-full" if strategy == "FULL_SHARD" else "fsdp-grad-op"
-    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding=sharding,
-                             fsdp=FSDP1Plan(units=units))
+    sharding = "fsdp-grad-op" if strategy == "SHARD_GRAD_OP" else "fsdp-full"
+    plan = FSDP1Plan(units=units, ranks_per_node=world // 2 if strategy == "HYBRID_SHARD" else None)
+    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=world, sharding=sharding, fsdp=plan)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_gloo_worker, args=(2, port, strategy, queue), nprocs=2, start_method="spawn")
-    measured = dict(queue.get() for _ in range(2))
-    for rank in range(2):
+    mp.start_processes(_gloo_worker, args=(world, port, strategy, queue), nprocs=world, start_method="spawn")
+    measured = dict(queue.get() for _ in range(world))
+    for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
 

@@ -300,7 +300,8 @@ def _deep_setup():
     return model, batch
 
 
-def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
+def _gloo_worker(rank: int, world_size: int, port: int, queue, replicate: int = 1) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from preflight._device import live_storage_bytes
@@ -313,9 +314,12 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model, batch = _deep_setup()
+        # HSDP: shard groups of consecutive ranks (one node's), replicated across groups.
+        mesh = (init_device_mesh("cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+                if replicate > 1 else None)
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters())
         # Inside the job, on the model as the job wrapped it: each rank traced beside the job's gloo group.
         inside = preflight.estimate(model, optimizer, batch, step=lambda m, b: m(b)).per_rank_peak_bytes
@@ -330,21 +334,22 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
 
 
 @pytest.mark.slow
-def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job():
+@pytest.mark.parametrize("world, replicate", [(2, 1), (4, 2)])  # FSDP over 2 ranks; HSDP, 2 replicas of 2 ranks
+def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job(world, replicate):
     import torch.multiprocessing as mp
 
     model, batch = _deep_setup()
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=lambda m, b: m(b),
-                             world_size=2, sharding="fsdp2")
+                             world_size=world, sharding="fsdp2", fsdp=FSDP2Plan(replicate=replicate))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_gloo_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
-    results = dict(queue.get() for _ in range(2))
+    mp.start_processes(_gloo_worker, args=(world, port, queue, replicate), nprocs=world, start_method="spawn")
+    results = dict(queue.get() for _ in range(world))
     measured = {rank: peak for rank, (peak, _) in results.items()}
-    for rank in range(2):
+    for rank in range(world):
         assert results[rank][1] == est.per_rank_peak_bytes  # traced inside the job as before it
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)

@@ -105,18 +105,26 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     assert type(model) is Stack and type(model.layers[0]) is nn.Linear  # fully_shard would swap the classes
 
 
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp-full"])
-def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding):
+@pytest.mark.parametrize("sharding, hybrid", [("fsdp2", False), ("fsdp-full", False), ("fsdp2", True),
+                                              ("fsdp-full", True)])
+def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding, hybrid):
     from torch.distributed import distributed_c10d as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from preflight.parallel import FSDP1Plan
+
+    # Hybrid: the fake world's 2-D mesh makes sub-groups too, which must go with it.
+    plan = (FSDP2Plan(replicate=2) if sharding == "fsdp2" else FSDP1Plan(ranks_per_node=2)) if hybrid else None
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
+                               fsdp=plan)
+    assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         job = dist.group.WORLD
         names = dict(c10d._world.pg_names)
-        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
+                                 fsdp=plan)
         assert dist.group.WORLD is job and dist.get_rank() == 1 and dist.get_world_size() == 2
         assert dict(c10d._world.pg_names) == names
         assert c10d._resolve_process_group(names[job]) is job  # the job's name is still in the C++ registry

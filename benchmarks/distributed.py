@@ -6,8 +6,8 @@ FSDP1, ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer class
 (Lightning's and accelerate's default) and ``device_id=cpu``, FSDP1's defaults otherwise; DDP,
 ``DistributedDataParallel(model)`` with its defaults. Hybrid sharding (FSDP2 HSDP, FSDP1 ``HYBRID_SHARD``) runs over
 a 2-D mesh ``init_device_mesh("cpu", (nodes, world // nodes), ("replicate", "shard"))``, given to ``fully_shard`` as
-its ``mesh`` and to FSDP1 as its ``device_mesh``, standing for ``nodes`` nodes. Each builds AdamW over the wrapped parameters and runs two real
-training steps on the same batch. Each rank's measured peak is the profiler's allocator events over the two steps
+its ``mesh`` and to FSDP1 as its ``device_mesh``, standing for ``nodes`` nodes. Each builds AdamW over the wrapped
+parameters and runs two real training steps on the same batch. Each rank's measured peak is the profiler's allocator events over the two steps
 (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before them (the padded parameter shards, or DDP's
 whole parameters, buffers, the batch; DDP is constructed inside the profiled session, see `_worker`). The profiler loses the frees gloo's worker threads make (a
 collective's buffers, dropped with its finished work): they are put back where the address is allocated again

@@ -241,6 +241,17 @@ def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(
     # each) is all-reduced across the 2 replicas, in place: each rank peaks as its shard group's FSDP does.
     assert set(calls) == {(33 * 66 + 33, 2), (66 + 1, 2)}
     assert est.per_rank_peak_bytes == group.per_rank_peak_bytes * 2 and est.breakdown == group.breakdown
+    # With a reduce dtype other than the gradients', FSDP2 keeps each unit's reduce-dtype output alive into the
+    # next unit's reduction: at the backward peak one block's bf16 gradient shard (2211 x 2 B) more than FSDP over
+    # the group (a real 2 x 2 gloo run measured the same bytes on ranks 0 and 1).
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2",
+                               fsdp=FSDP2Plan(mp_policy=bf16))
+    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                             fsdp=FSDP2Plan(replicate=2, mp_policy=bf16))
+    assert est.per_rank_peak_bytes == tuple(b + 2211 * 2 for b in group.per_rank_peak_bytes * 2)
     with pytest.raises(ValueError, match=r"`fsdp.replicate` \(3\) should divide the world size 4"):
         preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
                            fsdp=FSDP2Plan(replicate=3))

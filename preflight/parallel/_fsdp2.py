@@ -17,8 +17,8 @@ world_size // R)``: the rank's shards are those of its index in its shard group,
 reduce-scatter output across the replicas runs in the trace. It is in place: with the gradients' own reduce dtype it
 adds no buffer (a real 2 x 2 gloo run measured the same bytes as FSDP2 over one shard group); with another reduce
 dtype FSDP2 keeps each unit's reduce-dtype output alive into the next unit's reduction (``_all_reduce_state``),
-and so does the trace (on the tests' small model, 2 x 2 with bf16 reduction, a real gloo run measured ranks 0 and 1
-to the byte; ranks 2 and 3 read up to one fp32 copy of a unit's shard more, which is not traced).
+and so does the trace (on the tests' small model, 2 x 2 with bf16 reduction, the smaller of two real gloo runs
+measured ranks 0 and 1 to the byte; rank 3 read one fp32 copy of a unit's shard more in both, which is not traced).
 
 Known limitations: ``CPUOffloadPolicy``, meshes of more than two dims (tensor parallelism), ``torch.compile`` of the
 sharded model and optimizers that already hold state are not traced here (the caller rescales a single-device trace

@@ -243,7 +243,7 @@ def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(
     assert est.per_rank_peak_bytes == group.per_rank_peak_bytes * 2 and est.breakdown == group.breakdown
     # With a reduce dtype other than the gradients', FSDP2 keeps each unit's reduce-dtype output alive into the
     # next unit's reduction: at the backward peak one block's bf16 gradient shard (2211 x 2 B) more than FSDP over
-    # the group (a real 2 x 2 gloo run measured the same bytes on ranks 0 and 1).
+    # the group (the smaller of two real 2 x 2 gloo runs measured these bytes on ranks 0 and 1).
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)

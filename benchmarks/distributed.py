@@ -4,8 +4,10 @@ For each engine, model and world size, `torch.multiprocessing` starts WORLD_SIZE
 model (same seed) and wrap it as a user would: FSDP2, ``fully_shard`` on every decoder layer and then the root;
 FSDP1, ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer class})``, ``use_orig_params=True``
 (Lightning's and accelerate's default) and ``device_id=cpu``, FSDP1's defaults otherwise; DDP,
-``DistributedDataParallel(model)`` with its defaults. Each builds AdamW over the wrapped parameters and runs two real
-training steps on the same batch. Each rank's measured peak is the profiler's allocator events over the two steps
+``DistributedDataParallel(model)`` with its defaults. Hybrid sharding (FSDP2 HSDP, FSDP1 ``HYBRID_SHARD``) runs over
+a 2-D mesh ``init_device_mesh("cpu", (nodes, world // nodes), ("replicate", "shard"))``, given to ``fully_shard`` as
+its ``mesh`` and to FSDP1 as its ``device_mesh``, standing for ``nodes`` nodes. Each builds AdamW over the wrapped
+parameters and runs two real training steps on the same batch. Each rank's measured peak is the profiler's allocator events over the two steps
 (`preflight._measure.cpu_profiled_peak`) plus the bytes alive before them (the padded parameter shards, or DDP's
 whole parameters, buffers, the batch; DDP is constructed inside the profiled session, see `_worker`). The profiler loses the frees gloo's worker threads make (a
 collective's buffers, dropped with its finished work): they are put back where the address is allocated again
@@ -14,13 +16,16 @@ processes.
 
     predicted  preflight.estimate(model, AdamW, batch, world_size=N, sharding=...): "fsdp2", or "fsdp-full" /
                "fsdp-grad-op" (FSDP1's FULL_SHARD / SHARD_GRAD_OP): each rank's step traced through the engine
-               under a fake process group (preflight.parallel), one figure per rank; "ddp": the single-device trace
-               with DDP's buckets added, the same on every rank
+               under a fake process group (preflight.parallel), one figure per rank, hybrid sharding with
+               FSDP2Plan(replicate=nodes) / FSDP1Plan(ranks_per_node=N // nodes) over a fake 2-D mesh; "ddp": the
+               single-device trace with DDP's buckets added, the same on every rank
     rescaled   one unsharded trace rescaled per category (`preflight._target.shard_events`, what preflight does where
-               the per-rank trace cannot run), for comparison (not for the bf16 policies, which it cannot express)
+               the per-rank trace cannot run) to the ranks of one shard group, for comparison (not for the bf16
+               policies, which it cannot express)
+    FSDPMemTracker  torchtitan's memory estimator reproduced (`memtracker`): for FSDP2 only, rank 0's figure
     error      (predicted - largest measurement) / largest measurement, per rank; the rule is |error| <= 3%
 
-Run: python benchmarks/distributed.py            (about 25 minutes on 2 shared CPU cores)
+Run: python benchmarks/distributed.py            (about 15 minutes on 2 shared CPU cores)
 Writes benchmarks/results/distributed.md and prints the same table.
 
      python benchmarks/distributed.py --heap     (about 2 minutes)
@@ -44,12 +49,15 @@ import torch.multiprocessing as mp
 REPEATS = 3  # fresh processes per configuration
 BATCH, SEQ = 4, 128  # sequences x tokens per step
 VOCAB = 8192  # small enough that four processes fit the machine beside each other
-# (sharding, model family, world size, mixed precision: None or "bf16" = bf16 parameters, fp32 reduce-scatter)
-CONFIGS = (("fsdp2", "llama", 2, None), ("fsdp2", "llama", 4, None), ("fsdp2", "gpt2", 2, None),
-           ("fsdp2", "gpt2", 4, None), ("fsdp2", "llama", 2, "bf16"),
-           ("fsdp-full", "llama", 2, None), ("fsdp-full", "gpt2", 4, None), ("fsdp-grad-op", "llama", 2, None),
-           ("fsdp-full", "llama", 2, "bf16"), ("ddp", "llama", 2, None), ("ddp", "gpt2", 4, None))
+# (sharding, model family, world size, mixed precision: None or "bf16" = bf16 parameters, fp32 reduce-scatter,
+#  nodes: 1, or the replicate degree of hybrid sharding, whose shard groups hold world size / nodes ranks)
+CONFIGS = (("fsdp2", "llama", 2, None, 1), ("fsdp2", "llama", 4, None, 1), ("fsdp2", "gpt2", 2, None, 1),
+           ("fsdp2", "gpt2", 4, None, 1), ("fsdp2", "llama", 2, "bf16", 1), ("fsdp2", "llama", 4, None, 2),
+           ("fsdp-full", "llama", 2, None, 1), ("fsdp-full", "gpt2", 4, None, 1), ("fsdp-grad-op", "llama", 2, None, 1),
+           ("fsdp-full", "llama", 2, "bf16", 1), ("fsdp-full", "llama", 4, None, 2), ("ddp", "llama", 2, None, 1),
+           ("ddp", "gpt2", 4, None, 1))
 ENGINES = {"fsdp2": "FSDP2", "fsdp-full": "FSDP1 FULL_SHARD", "fsdp-grad-op": "FSDP1 SHARD_GRAD_OP", "ddp": "DDP"}
+HYBRID = {"fsdp2": "FSDP2 HSDP", "fsdp-full": "FSDP1 HYBRID_SHARD"}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distributed.md")
 
 
@@ -87,22 +95,36 @@ def mp_policy(name: str | None, sharding: str = "fsdp2") -> object:
     return policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def wrap(model: torch.nn.Module, sharding: str, mixed: str | None) -> torch.nn.Module:
-    """``model`` wrapped as a user would (module docstring)."""
+def hybrid_mesh(world_size: int, nodes: int) -> object:
+    """HSDP's 2-D mesh: ``nodes`` replicas of shard groups of ``world_size // nodes`` consecutive ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (nodes, world_size // nodes), mesh_dim_names=("replicate", "shard"))
+
+
+def wrap(model: torch.nn.Module, sharding: str, mixed: str | None, nodes: int = 1) -> torch.nn.Module:
+    """``model`` wrapped as a user would (module docstring); ``nodes > 1``: hybrid sharding over `hybrid_mesh`."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     if sharding == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    mesh = hybrid_mesh(dist.get_world_size(), nodes) if nodes > 1 else None
     if sharding == "fsdp2":
         options = {} if mixed is None else {"mp_policy": mp_policy(mixed)}
+        if mesh is not None:
+            options["mesh"] = mesh
         for layer in decoder_layers(model):
             fully_shard(layer, **options)
         return fully_shard(model, **options)
-    strategy = ShardingStrategy.FULL_SHARD if sharding == "fsdp-full" else ShardingStrategy.SHARD_GRAD_OP
+    if mesh is not None:  # FSDP1 takes the mesh's second dim as its intra-node group, its first as the inter-node one
+        strategy = ShardingStrategy.HYBRID_SHARD if sharding == "fsdp-full" else ShardingStrategy._HYBRID_SHARD_ZERO2
+    else:
+        strategy = ShardingStrategy.FULL_SHARD if sharding == "fsdp-full" else ShardingStrategy.SHARD_GRAD_OP
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(decoder_layers(model)[0])}),
                                     sharding_strategy=strategy, mixed_precision=mp_policy(mixed, sharding),
-                                    use_orig_params=True, device_id=torch.device("cpu"))
+                                    use_orig_params=True, device_id=torch.device("cpu"), device_mesh=mesh)
 
 
 def _heap_in_use() -> int:
@@ -136,8 +158,8 @@ def _heap_peak(fn: object) -> int:
     return sampler.peak - base
 
 
-def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str | None, port: int, queue: object,
-            heap: bool = False) -> None:
+def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str | None, nodes: int, port: int,
+            queue: object, heap: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -165,7 +187,7 @@ def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str |
                 run_steps(wrapped, torch.optim.AdamW(wrapped.parameters()), batch, step=None, precision=None,
                           device_type="cpu", steps=2)
         else:
-            model = wrap(model, sharding, mixed)
+            model = wrap(model, sharding, mixed, nodes)
             optimizer = torch.optim.AdamW(model.parameters())
             model.train()
             if sharding == "fsdp2":
@@ -187,20 +209,21 @@ def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str |
         dist.destroy_process_group()
 
 
-def measure(sharding: str, family: str, world_size: int, mixed: str | None = None, heap: bool = False) -> list[int]:
+def measure(sharding: str, family: str, world_size: int, mixed: str | None = None, nodes: int = 1,
+            heap: bool = False) -> list[int]:
     """Each rank's measured peak in one run of ``world_size`` fresh processes."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world_size, sharding, family, mixed, port, queue, heap), nprocs=world_size,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, sharding, family, mixed, nodes, port, queue, heap),
+                       nprocs=world_size, start_method="spawn")
     peaks = dict(queue.get() for _ in range(world_size))
     return [peaks[r] for r in range(world_size)]
 
 
-def predict(family: str, world_size: int, sharding: str, mixed: str | None = None) -> list[int]:
+def predict(family: str, world_size: int, sharding: str, mixed: str | None = None, nodes: int = 1) -> list[int]:
     """Each rank's prediction, traced through the engine."""
     import preflight
     from preflight.parallel import FSDP1Plan, FSDP2Plan
@@ -211,9 +234,10 @@ def predict(family: str, world_size: int, sharding: str, mixed: str | None = Non
                                  sharding="ddp")
         return [est.peak_bytes] * world_size
     if sharding == "fsdp2":
-        plan = FSDP2Plan(mp_policy=mp_policy(mixed))
+        plan = FSDP2Plan(mp_policy=mp_policy(mixed), replicate=nodes)
     else:
-        plan = FSDP1Plan(mixed_precision=mp_policy(mixed, sharding))
+        plan = FSDP1Plan(mixed_precision=mp_policy(mixed, sharding),
+                         ranks_per_node=world_size // nodes if nodes > 1 else None)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
                              sharding=sharding, fsdp=plan)
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per rank, not rescaled
@@ -221,7 +245,8 @@ def predict(family: str, world_size: int, sharding: str, mixed: str | None = Non
 
 
 def rescale(family: str, world_size: int, sharding: str) -> int:
-    """One unsharded trace rescaled per category to one rank's share (``fsdp2`` as ``fsdp-full``)."""
+    """One unsharded trace rescaled per category to one rank's share of ``world_size`` ranks (``fsdp2`` as
+    ``fsdp-full``; hybrid sharding over the ranks of one shard group, as preflight rescales it)."""
     import preflight
     from preflight._estimate import summarize_events
     from preflight._target import shard_events
@@ -231,6 +256,49 @@ def rescale(family: str, world_size: int, sharding: str) -> int:
     events, categories, _ = shard_events(est.events, est.categories, model, world_size=world_size,
                                          sharding="fsdp-full" if sharding == "fsdp2" else sharding, dtype=None)
     return summarize_events(events, categories)[0]
+
+
+def memtracker(family: str, world_size: int, mixed: str | None = None, nodes: int = 1) -> int:
+    """torchtitan's memory estimator (``scripts/estimate/estimation.py``), reproduced for this model: in one process,
+    as rank 0 of a fake process group (``FakeStore``, ``init_process_group("fake")``) of ``world_size`` ranks, the
+    model is built on the meta device under ``FakeTensorMode``, wrapped with ``fully_shard`` as `wrap` wraps it,
+    materialised with ``to_empty``, and the same two AdamW steps run under PyTorch's ``FSDPMemTracker``; its peak
+    (``get_tracker_snapshot("peak")``, the device's ``"Total"``) is the figure. As torchtitan does, the module stats
+    are reset after the first step (the tracker's peak spans both)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        # The mesh is made outside FakeTensorMode, as torchtitan builds its ParallelDims' mesh first.
+        mesh = hybrid_mesh(world_size, nodes) if nodes > 1 else init_device_mesh("cpu", (world_size,))
+        with FakeTensorMode():
+            with torch.device("meta"):
+                model, _ = build(family)
+            options = {"mesh": mesh} if mixed is None else {"mesh": mesh, "mp_policy": mp_policy(mixed)}
+            for layer in decoder_layers(model):
+                fully_shard(layer, **options)
+            fully_shard(model, **options)
+            model.to_empty(device="cpu")
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters())
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+            tracker = FSDPMemTracker(mod=model, optm=optimizer)
+            tracker.track_inputs((ids,))
+            with tracker:
+                for step in range(2):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if step == 0:
+                        tracker.reset_mod_stats()  # torchtitan: "iter 0 does not have optimizer state"
+            return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> int:
@@ -243,33 +311,44 @@ def main() -> int:
     rows = []
     worst = 0.0
     start = time.perf_counter()
-    for sharding, family, world_size, mixed in CONFIGS:
-        runs = [measure(sharding, family, world_size, mixed) for _ in range(REPEATS)]
-        predicted = predict(family, world_size, sharding, mixed)
-        rescaled = rescale(family, world_size, sharding) if mixed is None and sharding != "ddp" else None
+    for sharding, family, world_size, mixed, nodes in CONFIGS:
+        runs = [measure(sharding, family, world_size, mixed, nodes) for _ in range(REPEATS)]
+        predicted = predict(family, world_size, sharding, mixed, nodes)
+        rescaled = (rescale(family, world_size // nodes, sharding) if mixed is None and sharding != "ddp"
+                    else None)
+        tracked = memtracker(family, world_size, mixed, nodes) if sharding == "fsdp2" else None
         for rank in range(world_size):
             low, high = min(r[rank] for r in runs), max(r[rank] for r in runs)
             error = (predicted[rank] - high) / high
             worst = max(worst, abs(error))
             old = "n/a" if rescaled is None else f"{(rescaled - high) / high:+.1%}"
-            engine = f"{ENGINES[sharding]} {family}" + (f" {mixed} params" if mixed else "")
+            titan = ("n/a" if tracked is None else
+                     f"{tracked / (1 << 20):.2f} ({(tracked - low) / low:+.1%} / {(tracked - high) / high:+.1%})")
+            engine = (HYBRID[sharding] + f" {nodes}x{world_size // nodes}" if nodes > 1 else ENGINES[sharding])
+            engine += f" {family}" + (f" {mixed} params" if mixed else "")
             rows.append((engine, world_size, rank, low, high, predicted[rank], (predicted[rank] - low) / low, error,
-                         old))
-        print(f"  {sharding} {family} x{world_size} {mixed}: measured {runs}, predicted {predicted}", file=sys.stderr)
+                         old, titan))
+        print(f"  {sharding} {family} x{world_size} {mixed} nodes={nodes}: measured {runs}, predicted {predicted}, "
+              f"FSDPMemTracker {tracked}", file=sys.stderr)
     mib = 1 << 20
     lines = [
         "Real FSDP2 (fully_shard per decoder layer + root), FSDP1 (FullyShardedDataParallel, decoder layers "
         "auto-wrapped, use_orig_params=True) and DDP (defaults), gloo on CPU processes, 4 layers, hidden 256, vocab "
-        f"{VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs per configuration. "
-        f"Command: `python benchmarks/distributed.py`. torch {torch.__version__}.",
+        f"{VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs per configuration. HSDP / HYBRID_SHARD "
+        "RxS: a 2-D mesh of R replicas of S-rank shard groups (ranks 0-1 and 2-3). FSDPMemTracker (torchtitan's "
+        "approach): torchtitan's memory estimator reproduced (fake process group, FakeTensorMode, fully_shard, "
+        "PyTorch's FSDPMemTracker over the same two steps), one process as rank 0 as torchtitan runs it, so every "
+        "rank's row shows rank 0's figure, with its errors against that rank's measurements; n/a for FSDP1 and "
+        "DDP, which FSDPMemTracker (written for fully_shard's modules) and torchtitan's estimator (FSDP2 / HSDP "
+        f"only) do not cover. Command: `python benchmarks/distributed.py`. torch {torch.__version__}.",
         "",
         "| engine | world size | rank | measured min (MiB) | measured max (MiB) | predicted (MiB) | error vs min "
-        "| error vs max | rescaled vs max |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| error vs max | rescaled vs max | FSDPMemTracker (torchtitan's approach): MiB (error vs min / vs max) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for engine, world_size, rank, low, high, predicted, vs_low, error, rescaled in rows:
+    for engine, world_size, rank, low, high, predicted, vs_low, error, rescaled, titan in rows:
         lines.append(f"| {engine} | {world_size} | {rank} | {low / mib:.2f} | {high / mib:.2f} | "
-                     f"{predicted / mib:.2f} | {vs_low:+.1%} | {error:+.1%} | {rescaled} |")
+                     f"{predicted / mib:.2f} | {vs_low:+.1%} | {error:+.1%} | {rescaled} | {titan} |")
     lines += ["", f"largest |error| vs the largest measurement: {worst:.1%} "
               f"({time.perf_counter() - start:.0f} s)"]
     text = "\n".join(lines)

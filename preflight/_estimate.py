@@ -104,7 +104,7 @@ def estimate(
             the ``communication`` category. Inside a real job (a process group already initialised) the fake group is
             made beside the job's, which is left as it was. Where a rank cannot be traced (offloading, a paged
             optimizer, a program FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as
-            ``"fsdp-full"``) and ``coverage.notes`` says why.
+            ``"fsdp-full"``; hybrid sharding over the ranks of one shard group) and ``coverage.notes`` says why.
         offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
             or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
         deepspeed_config: the run's DeepSpeed config (a dict, a JSON string or a path to its file): its ZeRO stage
@@ -127,10 +127,11 @@ def estimate(
             (`preflight.trace._compose`): the trace's cost no longer grows with depth. Models without such a stack,
             shallow ones, or whose shallow traces do not compose are traced in full; ``coverage.notes`` says which.
         fsdp: how FSDP wraps the model: with ``sharding="fsdp2"`` a `preflight.parallel.FSDP2Plan` (the wrapped
-            units, ``MixedPrecisionPolicy``, ``reshard_after_forward``), with ``"fsdp-full"`` / ``"fsdp-grad-op"``
-            a `preflight.parallel.FSDP1Plan` (units, ``MixedPrecision``, ``use_orig_params``, prefetching);
-            default: every entry of the largest ``nn.ModuleList`` and then the root, the engine's defaults
-            (FSDP1 with ``use_orig_params=True``).
+            units, ``MixedPrecisionPolicy``, ``reshard_after_forward``, HSDP's ``replicate``), with ``"fsdp-full"``
+            / ``"fsdp-grad-op"`` a `preflight.parallel.FSDP1Plan` (units, ``MixedPrecision``, ``use_orig_params``,
+            prefetching, a hybrid strategy's ``ranks_per_node``); default: every entry of the largest
+            ``nn.ModuleList`` and then the root, the engine's defaults (FSDP1 with ``use_orig_params=True``). A
+            hybrid plan is traced over a fake 2-D mesh (replicas x shard group) of ``world_size`` ranks.
         gradient_as_bucket_view: with ``sharding="ddp"``, DDP's option of the same name: DDP's buckets still hold
             one flat copy of the gradients from construction on, but ``.grad`` becomes a view into them, so each
             gradient the backward makes lives only until DDP copies it into its bucket. DDP's other options
@@ -218,6 +219,9 @@ def estimate(
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     plan = fsdp_trace_plan(fsdp, sharding)
+    # The ranks one rank's state is cut among: under hybrid sharding one shard group's (a ValueError where they do
+    # not divide the world), which a rescaled estimate divides by.
+    shard_ranks = world_size if plan is None else plan.shard_size(world_size)
     composed_note = None
     ranks = rank_note = None
     if plan is not None:
@@ -251,7 +255,8 @@ def estimate(
             "with `.to(...)`. No memory was predicted: a step that fails has no peak.") from result.error
     if result.error is not None:
         return _fallback(model, optimizer, batch, target, precision, steps, result, notes,
-                         gpu=gpu_info, world_size=world_size, sharding=sharding, offload=offload, ds=ds)
+                         gpu=gpu_info, world_size=world_size, shard_ranks=shard_ranks, sharding=sharding,
+                         offload=offload, ds=ds)
 
     scratch = calibrator(result.events, result.op_log)
     notes.extend(_uncalibrated_notes(calibrator.skipped, target))
@@ -269,7 +274,7 @@ def estimate(
     unsharded = None
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
-        events, categories, note = shard_events(events, categories, model, world_size=world_size, sharding=sharding,
+        events, categories, note = shard_events(events, categories, model, world_size=shard_ranks, sharding=sharding,
                                                 dtype=float_dtype_for(precision), **offload,
                                                 zero_buffers=zero_buffers_for(model, sharding, ds, precision),
                                                 gradient_as_bucket_view=gradient_as_bucket_view)
@@ -377,8 +382,9 @@ def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool
 # FSDP1 rank groups traced at most (the ranks' distinct shard cuts); beyond, only the rank holding the most is
 # traced, and its figure bounds the others'.
 _MAX_RANK_TRACES = 4
-# The FSDP1 sharding strategy each per-rank sharding name traces (`preflight.parallel.FSDP1Plan`).
+# The FSDP1 sharding strategy each per-rank sharding name traces (`preflight.parallel.FSDP1Plan`), and its hybrid one.
 _FSDP1_STRATEGIES = {"fsdp-full": "FULL_SHARD", "fsdp-grad-op": "SHARD_GRAD_OP"}
+_FSDP1_HYBRID = {"fsdp-full": "HYBRID_SHARD", "fsdp-grad-op": "_HYBRID_SHARD_ZERO2"}
 
 
 def fsdp_trace_plan(fsdp: Any, sharding: str | None) -> FSDP1Plan | FSDP2Plan | None:
@@ -396,7 +402,8 @@ def fsdp_trace_plan(fsdp: Any, sharding: str | None) -> FSDP1Plan | FSDP2Plan | 
         if isinstance(fsdp, FSDP2Plan):
             raise ValueError(f"`fsdp` is an FSDP2Plan (fully_shard), but `sharding` is {sharding!r} "
                              "(FullyShardedDataParallel): pass sharding='fsdp2', or an FSDP1Plan.")
-        plan, strategy = fsdp or FSDP1Plan(), _FSDP1_STRATEGIES[sharding]
+        plan = fsdp or FSDP1Plan()
+        strategy = (_FSDP1_HYBRID if plan.hybrid else _FSDP1_STRATEGIES)[sharding]
         if plan.sharding_strategy not in (None, strategy):
             raise ValueError(f"`fsdp` says sharding_strategy={plan.sharding_strategy!r}, but `sharding` is "
                              f"{sharding!r} ({strategy}): leave the plan's strategy to `sharding`, or make them "
@@ -415,7 +422,10 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     caller rescales a single-device trace instead."""
     fsdp1 = isinstance(plan, FSDP1Plan)
     engine = f"FullyShardedDataParallel({plan.sharding_strategy})" if fsdp1 else "fully_shard"
-    rescaled = f"rescaled as {'fsdp-full' if sharding == 'fsdp2' else sharding} from a single-device trace"
+    shard = plan.shard_size(world_size)
+    hybrid = shard != world_size or getattr(plan, "hybrid", False)
+    rescaled = f"rescaled as {'fsdp-full' if sharding == 'fsdp2' else sharding} from a single-device trace" + (
+        f" over the {shard} ranks of one shard group (the all-reduce across groups not counted)" if hybrid else "")
     if any(offload.values()):
         return None, f"{sharding}: CPU offload is not traced per rank yet; {rescaled}"
     if getattr(optimizer, "is_paged", False):
@@ -434,7 +444,8 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     bounded = None
     try:
         block = 512 if options["target_device"].type == "cuda" else 1  # the CUDA allocator's rounding
-        groups = fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1 else rank_groups(model, world_size)
+        groups = (fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1
+                  else rank_groups(model, world_size, plan.replicate))
     except ProcessGroupInUseError as err:
         return None, f"{sharding}: {err}; {rescaled}"
     except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
@@ -473,8 +484,10 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         wrapped = f"{len(plan.units)} unit(s)"
     else:
         wrapped = "each entry of the largest nn.ModuleList"
-    note = (f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under a fake process "
-            f"group of {world_size} ranks; {shared}")
+    world = (f"a fake 2-D mesh of {world_size // shard} x {shard} ranks (hybrid sharding: each rank's shards cut "
+             f"among the {shard} ranks of its shard group, its gradient shards all-reduced across the "
+             f"{world_size // shard} group(s))" if hybrid else f"a fake process group of {world_size} ranks")
+    note = f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under {world}; {shared}"
     if fast:
         note += "; fast=True does not apply to the sharded trace (traced in full)"
     return traced, note
@@ -611,7 +624,8 @@ def _timeline(events: Iterable[Event]) -> tuple[TimelinePoint, ...]:
 
 def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, target: torch.device,
               precision: str | None, steps: int, result: Any, notes: list[str], *, gpu: GPU | None,
-              world_size: int, sharding: str | None, offload: dict[str, bool], ds: dict[str, Any] | None) -> Estimate:
+              world_size: int, shard_ranks: int, sharding: str | None, offload: dict[str, bool],
+              ds: dict[str, Any] | None) -> Estimate:
     state = model_state(model, optimizer, batch, target, param_dtype=float_dtype_for(precision))
     breakdown = {c.value: 0 for c in Category}
     breakdown.update(parameters=state.parameters, buffers=state.buffers, gradients=state.gradients,
@@ -621,7 +635,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())
-        breakdown, note = per_rank_breakdown(breakdown, model, world_size=world_size, sharding=sharding,
+        breakdown, note = per_rank_breakdown(breakdown, model, world_size=shard_ranks, sharding=sharding,
                                              dtype=float_dtype_for(precision), **offload,
                                              zero_buffers=zero_buffers_for(model, sharding, ds, precision))
         notes.append(note)

@@ -4,9 +4,11 @@
 an `FSDP1Plan` says) copy the user's model onto fake tensors, wrap the copy inside a fake process group of the real
 world size (`fake_world`), and run the real training step under the same storage tracker as a single-device trace
 (`preflight.trace`; the shared part is `preflight.parallel._rank`), so one rank's events include the padded
-parameter shards, the all-gather and reduce-scatter buffers and the sharded optimizer state. `rank_groups` and
-`fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the same; `read_fsdp2` reads the plan
-off a model ``fully_shard`` already wrapped, whose copy is traced unwrapped and wrapped again in the fake world.
+parameter shards, the all-gather and reduce-scatter buffers and the sharded optimizer state. Hybrid sharding
+(FSDP2's HSDP, FSDP1's ``HYBRID_SHARD``) is traced over a fake 2-D mesh of the same shape, both groups' collectives
+in the program. `rank_groups` and `fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the
+same; `read_fsdp2` reads the plan off a model ``fully_shard`` already wrapped, whose copy is traced unwrapped and
+wrapped again in the fake world.
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the
 integrations, into the arguments a per-rank estimate takes. Imports flow one way: this package uses
 `preflight.trace`; `preflight._estimate` uses this package.

@@ -37,15 +37,22 @@ class ProcessGroupInUseError(RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int) -> Iterator[Any]:
-    """Initialise a fake default process group of ``world_size`` ranks as ``rank``, yield a 1-D CPU device mesh over
-    it, and take it down on exit; a process group the job already has is set aside meanwhile and put back as it
-    was (module docstring).
+def fake_world(world_size: int, rank: int, replicate: int | None = None) -> Iterator[Any]:
+    """Initialise a fake default process group of ``world_size`` ranks as ``rank``, yield a CPU device mesh over it,
+    and take it down on exit; a process group the job already has is set aside meanwhile and put back as it was
+    (module docstring).
+
+    ``replicate``: None gives a 1-D mesh; an int gives HSDP's 2-D mesh ``(replicate, world_size // replicate)`` with
+    dims named ``("replicate", "shard")``, as ``init_device_mesh`` lays it out: ranks ``k * shard .. (k + 1) * shard -
+    1`` form the ``k``-th shard group (one node's ranks), and ranks of equal index in the shard groups a replicate
+    group. Its sub-groups are fake groups too, made and taken down with the default one.
 
     Raises:
         ProcessGroupInUseError: torch has no distributed support, or a process group is initialised and c10d's
             registry does not have the layout this module sets aside; the job's group is then not touched.
     """
+    if replicate is not None and (replicate < 1 or world_size % replicate):
+        raise ValueError(f"`replicate` should divide the world size {world_size}, got {replicate!r}.")
     if not dist.is_available():
         raise ProcessGroupInUseError("torch.distributed is not available in this build of torch")
     # Imported here: importing preflight stays cheap, and works on builds of torch without distributed support.
@@ -63,7 +70,11 @@ def fake_world(world_size: int, rank: int) -> Iterator[Any]:
         with _set_aside() if beside else contextlib.nullcontext():
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             try:
-                yield init_device_mesh("cpu", (world_size,))
+                if replicate is None:
+                    yield init_device_mesh("cpu", (world_size,))
+                else:
+                    yield init_device_mesh("cpu", (replicate, world_size // replicate),
+                                           mesh_dim_names=("replicate", "shard"))
             finally:
                 if not beside:  # beside a job, `_set_aside` unregisters the fake groups one by one: destroying the
                     dist.destroy_process_group()  # default group would clear the job's names from the C++ registry

@@ -16,8 +16,11 @@ What the gradient reduction allocates (``_runtime_utils._reduce_grad``: the padd
 reduce-scatter output) is in `Category.COMMUNICATION` until it is the flat parameter's sharded gradient, in
 `Category.GRADIENTS`.
 
-Known limitations: ``CPUOffload``, HSDP's two groups (the caller traces a hybrid strategy as its intra-node
-sharding over the ranks of one node), ``torch.compile`` and communication libraries' own buffers (NCCL's) are not
+A hybrid strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``, with ``ranks_per_node``) is wrapped over a fake 2-D
+mesh ``(nodes, ranks_per_node)`` given as FSDP1's ``device_mesh``: the rank's flat shards are those of its index in
+its node, and FSDP1's all-reduce of each gradient shard across nodes runs in the trace (in place, on the shard).
+
+Known limitations: ``CPUOffload``, ``torch.compile`` and communication libraries' own buffers (NCCL's) are not
 traced here.
 """
 
@@ -44,7 +47,9 @@ from preflight.trace._twin import TwinMaker, clone_optimizer
 
 __all__ = ["FSDP1Plan", "fsdp1_rank_groups", "trace_fsdp1"]
 
-_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+# Each hybrid strategy and the strategy it applies inside a shard group (one node).
+HYBRID = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +62,14 @@ class FSDP1Plan:
             the model's largest ``nn.ModuleList``, what a transformer-layer policy picks.
         unit_types: instead of ``units``, the module classes that become units (``ModuleWrapPolicy``, Lightning's
             ``auto_wrap_policy={Block}``, accelerate's ``transformer_cls_names_to_wrap``).
-        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (a ``ShardingStrategy`` member or
-            its name); None: the one `preflight.estimate`'s ``sharding`` names (``"fsdp-full"``: ``FULL_SHARD``,
-            ``"fsdp-grad-op"``: ``SHARD_GRAD_OP``). A hybrid strategy is traced as its intra-node strategy over the
-            ranks of one node.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
+            ``"_HYBRID_SHARD_ZERO2"`` (a ``ShardingStrategy`` member or its name); None: the one `preflight.estimate`'s
+            ``sharding`` names (``"fsdp-full"``: ``FULL_SHARD``, or ``HYBRID_SHARD`` with ``ranks_per_node``;
+            ``"fsdp-grad-op"``: ``SHARD_GRAD_OP``, or ``_HYBRID_SHARD_ZERO2``).
+        ranks_per_node: for a hybrid strategy, the ranks of one node: FSDP1 shards over them (its intra-node group)
+            and all-reduces the gradient shards across nodes (its inter-node group), as a 2-D device mesh ``(nodes,
+            ranks_per_node)`` gives it. Required with a hybrid strategy, refused with another; the world size must
+            be a multiple.
         mixed_precision: ``torch.distributed.fsdp.MixedPrecision`` or None.
         use_orig_params: as FSDP's argument (True is Lightning's and the HF Trainer's default; accelerate's own
             plugin and FSDP1 itself default to False).
@@ -76,6 +85,7 @@ class FSDP1Plan:
     backward_prefetch: str | None = "BACKWARD_PRE"
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.units is not None:
@@ -91,11 +101,20 @@ class FSDP1Plan:
             object.__setattr__(self, "unit_types", types)
         strategy = self.sharding_strategy
         strategy = None if strategy is None else str(getattr(strategy, "name", strategy)).upper()
+        strategy = "_HYBRID_SHARD_ZERO2" if strategy == "HYBRID_SHARD_ZERO2" else strategy  # the HF spelling
         if strategy is not None and strategy not in _STRATEGIES:
             raise ValueError(f"`sharding_strategy` should be one of {list(_STRATEGIES)}, got "
-                             f"{self.sharding_strategy!r} (trace a hybrid strategy as its intra-node one over the "
-                             "ranks of one node).")
+                             f"{self.sharding_strategy!r}.")
         object.__setattr__(self, "sharding_strategy", strategy)
+        per_node = self.ranks_per_node
+        if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1):
+            raise ValueError(f"`ranks_per_node` should be a positive int or None, got {per_node!r}.")
+        if strategy in HYBRID and per_node is None:
+            raise ValueError(f"`sharding_strategy={strategy!r}` shards over the ranks of one node: pass "
+                             "`ranks_per_node` (e.g. LOCAL_WORLD_SIZE).")
+        if per_node is not None and strategy not in (None, *HYBRID):
+            raise ValueError(f"`ranks_per_node` is for hybrid strategies ({', '.join(HYBRID)}), but "
+                             f"`sharding_strategy` is {strategy!r}: drop one of them.")
         prefetch = self.backward_prefetch
         prefetch = None if prefetch is None else str(getattr(prefetch, "name", prefetch)).upper()
         if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST"):
@@ -109,9 +128,30 @@ class FSDP1Plan:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the plan shards over one node's ranks and replicates across nodes."""
+        return self.ranks_per_node is not None
 
-def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
-    """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group."""
+    def shard_size(self, world_size: int) -> int:
+        """The ranks one rank's shards are cut among: one node's under a hybrid strategy, else ``world_size``; a
+        ValueError where the nodes do not divide ``world_size``."""
+        if not self.hybrid:
+            return world_size
+        if world_size % self.ranks_per_node:
+            raise ValueError(f"`fsdp.ranks_per_node` ({self.ranks_per_node}) should divide the world size "
+                             f"{world_size}: a hybrid strategy's nodes hold equally many ranks.")
+        return self.ranks_per_node
+
+    def replicate(self, world_size: int) -> int | None:
+        """The nodes (the 2-D mesh's first dim) of a hybrid plan over ``world_size`` ranks; None otherwise."""
+        return world_size // self.shard_size(world_size) if self.hybrid else None
+
+
+def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan, mesh: Any) -> nn.Module:
+    """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group, or
+    for a hybrid strategy over ``mesh`` (``(nodes, ranks_per_node)``: FSDP1 takes its second dim's group as the
+    intra-node group and its first's as the inter-node one)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
@@ -123,7 +163,8 @@ def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan) -> nn.Module:
         unit_ids = {id(replica.get_submodule(name)) for name in units}
         policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in unit_ids)
     strategy = ShardingStrategy[plan.sharding_strategy or "FULL_SHARD"]
-    return FSDP(replica, auto_wrap_policy=policy, sharding_strategy=strategy,
+    hybrid = {"device_mesh": mesh} if plan.hybrid else {}
+    return FSDP(replica, auto_wrap_policy=policy, sharding_strategy=strategy, **hybrid,
                 mixed_precision=plan.mixed_precision, use_orig_params=plan.use_orig_params,
                 backward_prefetch=None if plan.backward_prefetch is None else BackwardPrefetch[plan.backward_prefetch],
                 forward_prefetch=plan.forward_prefetch, limit_all_gathers=plan.limit_all_gathers,
@@ -138,7 +179,8 @@ def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int, *, blo
     are cut elsewhere, a CUDA target's 512-byte rounding of each part's state can differ by less than a block per
     part cut. The group holding the most comes first: by the bytes of its parts, each rounded up to ``block`` (the
     allocator's, 512 on CUDA), then by their number."""
-    if plan.sharding_strategy == "NO_SHARD" or not plan.use_orig_params or world_size == 1:
+    shard = plan.shard_size(world_size)  # under a hybrid strategy a rank's shard is its index in its node
+    if plan.sharding_strategy == "NO_SHARD" or not plan.use_orig_params or shard == 1:
         return [list(range(world_size))]
     with fake_region(), isolated_rng():
         layouts = _flat_layouts(model, plan, world_size)
@@ -146,8 +188,9 @@ def fsdp1_rank_groups(model: nn.Module, plan: FSDP1Plan, world_size: int, *, blo
     for rank in range(world_size):
         held = []
         for numels, padding, itemsize in layouts:
-            chunk = -(-sum(numels) // world_size)
-            low, high, offset, parts = rank * chunk, (rank + 1) * chunk, 0, []
+            chunk = -(-sum(numels) // shard)
+            index = rank % shard
+            low, high, offset, parts = index * chunk, (index + 1) * chunk, 0, []
             for numel, is_padding in zip(numels, padding):
                 if not is_padding:
                     parts.append(max(0, min(high, offset + numel) - max(low, offset)))
@@ -165,10 +208,10 @@ def _flat_layouts(model: nn.Module, plan: FSDP1Plan, world_size: int) -> list[tu
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(world_size, 0):
+    with fake_world(world_size, 0, plan.replicate(world_size)) as mesh:
         replica = fake_replica(model, TwinMaker(fake_mode, torch.device("cpu")))
         with fake_mode:
-            wrapped = wrap_fsdp1(replica, plan)
+            wrapped = wrap_fsdp1(replica, plan, mesh)
         return [(m._handle.flat_param._numels_with_padding, m._handle.flat_param._is_padding_mask,
                  m._handle.flat_param.element_size()) for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
 
@@ -193,12 +236,12 @@ def trace_fsdp1(
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
     arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`."""
-    return trace_rank(_engine(plan), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
+    return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep)
 
 
-def _engine(plan: FSDP1Plan) -> Engine:
+def _engine(plan: FSDP1Plan, world_size: int) -> Engine:
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
 
@@ -214,8 +257,9 @@ def _engine(plan: FSDP1Plan) -> Engine:
 
         return [m._handle.flat_param for m in FSDP.fsdp_modules(wrapped) if m._handle is not None]
 
-    return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan),
-                  optimizer=optimizer, parameters=parameters, watch=watched_fsdp1)
+    return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan, mesh),
+                  optimizer=optimizer, parameters=parameters, watch=watched_fsdp1,
+                  replicate=plan.replicate(world_size))
 
 
 @contextlib.contextmanager

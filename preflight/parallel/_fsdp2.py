@@ -12,9 +12,17 @@ the trace to report each resize to the tracker. Storages made inside FSDP2's col
 ``foreach_all_gather_copy_out``, ``foreach_reduce``) and the unsharded parameters are in `Category.COMMUNICATION`;
 the sharded gradient the reduce-scatter writes is in `Category.GRADIENTS` from the moment it is assigned.
 
-Known limitations: ``CPUOffloadPolicy``, HSDP (2-D meshes), ``torch.compile`` of the sharded model and
-optimizers that already hold state are not traced here (the caller rescales a single-device trace instead);
-communication libraries' own buffers (NCCL's) are not tensors and are not counted.
+HSDP (``FSDP2Plan(replicate=R)``, or a model wrapped over a 2-D mesh) is traced over a fake 2-D mesh ``(R,
+world_size // R)``: the rank's shards are those of its index in its shard group, and FSDP2's all-reduce of each
+reduce-scatter output across the replicas runs in the trace. It is in place: with the gradients' own reduce dtype it
+adds no buffer (a real 2 x 2 gloo run measured the same bytes as FSDP2 over one shard group); with another reduce
+dtype FSDP2 keeps each unit's reduce-dtype output alive into the next unit's reduction (``_all_reduce_state``),
+and so does the trace (on the tests' small model, 2 x 2 with bf16 reduction, the smaller of two real gloo runs
+measured ranks 0 and 1 to the byte; rank 3 read one fp32 copy of a unit's shard more in both, which is not traced).
+
+Known limitations: ``CPUOffloadPolicy``, meshes of more than two dims (tensor parallelism), ``torch.compile`` of the
+sharded model and optimizers that already hold state are not traced here (the caller rescales a single-device trace
+instead); communication libraries' own buffers (NCCL's) are not tensors and are not counted.
 """
 
 from __future__ import annotations
@@ -53,11 +61,16 @@ class FSDP2Plan:
         reshard_after_forward: as ``fully_shard``'s argument (True: parameters are freed after forward and gathered
             again in backward; False: kept gathered until backward; an int: resharded to that smaller world).
             The root always keeps its parameters (FSDP2 does that itself).
+        replicate: HSDP's replicate degree: ``fully_shard`` gets the 2-D mesh ``(replicate, world_size //
+            replicate)`` (dims ``("replicate", "shard")``, ``init_device_mesh``'s layout), so each rank holds the
+            shards of the ``world_size // replicate`` ranks of its shard group and all-reduces its gradient shards
+            with the ranks of equal shard index; 1: a 1-D mesh (plain FSDP). The world size must be a multiple.
     """
 
     units: tuple[str, ...] | None = None
     mp_policy: Any = None
     reshard_after_forward: bool | int = True
+    replicate: int = 1  # 1: plain FSDP over every rank
 
     def __post_init__(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -72,6 +85,16 @@ class FSDP2Plan:
         flag = self.reshard_after_forward
         if not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1):
             raise ValueError(f"`reshard_after_forward` should be True, False or a positive int, got {flag!r}.")
+        if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
+            raise ValueError(f"`replicate` should be a positive int (HSDP's replicate degree), got {self.replicate!r}.")
+
+    def shard_size(self, world_size: int) -> int:
+        """The ranks one shard group holds (``world_size // replicate``); a ValueError where ``replicate`` does not
+        divide ``world_size``."""
+        if world_size % self.replicate:
+            raise ValueError(f"`fsdp.replicate` ({self.replicate}) should divide the world size {world_size}: HSDP's "
+                             "mesh is (replicate, world_size // replicate).")
+        return world_size // self.replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +108,20 @@ class WrappedFSDP2:
 
     def note(self) -> str:
         units = len(self.plan.units or ())
-        return (f"the model was already wrapped by fully_shard ({units} unit(s) and the root, over {self.world_size} "
-                f"rank(s); this process is rank {self.rank}): its plan was read from the model and each rank traced "
-                "on an unsharded fake copy of it")
+        mesh = (f"{self.world_size} rank(s)" if self.plan.replicate == 1 else
+                f"an HSDP mesh of {self.plan.replicate} x {self.world_size // self.plan.replicate} ranks")
+        return (f"the model was already wrapped by fully_shard ({units} unit(s) and the root, over {mesh}; this "
+                f"process is rank {self.rank}): its plan was read from the model and each rank traced on an "
+                "unsharded fake copy of it")
 
 
 def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
     """The plan ``fully_shard`` was applied to ``model`` with, or None where no module of it is an ``FSDPModule``.
 
     Raises:
-        ValueError: the wrapping is one the per-rank trace does not follow (the root not wrapped, a 2-D mesh (HSDP),
-            units with different ``reshard_after_forward`` or ``mp_policy``, an ``OffloadPolicy`` that offloads,
-            parameters sharded other than on dim 0): the message says which.
+        ValueError: the wrapping is one the per-rank trace does not follow (the root not wrapped, a mesh of more than
+            two dims, units with different meshes, ``reshard_after_forward`` or ``mp_policy``, an ``OffloadPolicy``
+            that offloads, parameters sharded other than on dim 0): the message says which.
     """
     try:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
@@ -117,9 +142,13 @@ def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
         raise ValueError("fully_shard wrapped the model, but no unit holds parameters")
     meshes = [g.mesh_info.mesh for g in groups.values()]  # each fully_shard call without a mesh makes its own
     mesh = meshes[0]
-    if any(m.ndim != 1 or m.size() != mesh.size() or m.get_local_rank() != mesh.get_local_rank() for m in meshes):
-        raise ValueError("the model was wrapped by fully_shard over a 2-D mesh (HSDP) or over meshes of different "
-                         "ranks; the per-rank trace follows one 1-D mesh")
+    if any(m.ndim != mesh.ndim or m.shape != mesh.shape or m.get_coordinate() != mesh.get_coordinate()
+           for m in meshes):
+        raise ValueError("the model's fully_shard units were wrapped over meshes of different shapes or ranks; the "
+                         "per-rank trace follows one mesh")
+    if mesh.ndim > 2:
+        raise ValueError(f"the model was wrapped by fully_shard over a {mesh.ndim}-D mesh; the per-rank trace follows "
+                         "a 1-D mesh (FSDP) or a 2-D one (HSDP: replicate, shard)")
     policies = {repr(g.mp_policy) for g in groups.values()}
     if len(policies) > 1:
         raise ValueError(f"the model's fully_shard units use different mixed-precision policies ({sorted(policies)}); "
@@ -131,16 +160,20 @@ def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
     if len(flags) > 1:
         raise ValueError("the model's fully_shard units differ in reshard_after_forward; the per-rank trace follows "
                          "one setting for all units")
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # HSDP: replicated, then sharded
     for name, p in model.named_parameters():
         placements = p.placements if isinstance(p, DTensor) else None
-        if placements is not None and placements != (Shard(0),):
-            raise ValueError(f"parameter {name!r} is placed as {placements}, not sharded on dim 0 of a 1-D mesh "
-                             "(a shard_placement_fn, or tensor parallelism): the per-rank trace follows dim-0 shards")
+        if placements is not None and placements != expected:
+            raise ValueError(f"parameter {name!r} is placed as {placements}, not {expected} (a shard_placement_fn, "
+                             "or tensor parallelism): the per-rank trace follows dim-0 shards")
+    replicate, shard = (1, mesh.size()) if mesh.ndim == 1 else tuple(mesh.shape)
+    coordinate = mesh.get_coordinate()  # this process's place in the mesh, which init_device_mesh lays out row-major
+    rank = coordinate[-1] if mesh.ndim == 1 else coordinate[0] * shard + coordinate[1]
     plan = FSDP2Plan(units=tuple(name for name, _ in units[1:]), mp_policy=next(iter(groups.values())).mp_policy,
-                     reshard_after_forward=flags.pop() if flags else True)
-    return WrappedFSDP2(plan=plan, world_size=mesh.size(), rank=mesh.get_local_rank())
+                     reshard_after_forward=flags.pop() if flags else True, replicate=replicate)
+    return WrappedFSDP2(plan=plan, world_size=mesh.size(), rank=rank)
 
 
 def _reshard_flag(group: Any) -> bool | int:
@@ -153,17 +186,19 @@ def _reshard_flag(group: Any) -> bool | int:
     return int(after.shard_mesh_size)
 
 
-def rank_groups(model: nn.Module, world_size: int) -> list[list[int]]:
-    """Ranks grouped by the local shard sizes FSDP2 gives them (``torch.chunk`` of dim 0 into ``world_size``
-    pieces): ranks of one group hold equal shapes everywhere and trace the same. Every dim 0 divisible by the world
+def rank_groups(model: nn.Module, world_size: int, replicate: int = 1) -> list[list[int]]:
+    """Ranks grouped by the local shard sizes FSDP2 gives them (``torch.chunk`` of dim 0 into as many pieces as a
+    shard group has ranks, ``world_size // replicate``; under HSDP a rank's shard is its index in its shard group):
+    ranks of one group hold equal shapes everywhere and trace the same. Every dim 0 divisible by the shard group's
     size gives one group."""
+    shard = world_size // replicate
     signatures: dict[tuple[int, ...], list[int]] = {}
     for rank in range(world_size):
         shapes = []
         for p in model.parameters():
             dim0 = p.shape[0] if p.dim() > 0 else 1
-            chunk = -(-dim0 // world_size)
-            shapes.append(max(0, min(chunk, dim0 - rank * chunk)))
+            chunk = -(-dim0 // shard)
+            shapes.append(max(0, min(chunk, dim0 - (rank % shard) * chunk)))
         signatures.setdefault(tuple(shapes), []).append(rank)
     return list(signatures.values())
 
@@ -225,7 +260,8 @@ def _engine(plan: FSDP2Plan) -> Engine:
         return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "FSDP2"), foreach=None)
 
     return Engine(name="fully_shard", wrap=wrap, optimizer=optimizer,
-                  parameters=lambda wrapped: list(wrapped.parameters()), watch=watched_fsdp2)
+                  parameters=lambda wrapped: list(wrapped.parameters()), watch=watched_fsdp2,
+                  replicate=plan.replicate if plan.replicate > 1 else None)
 
 
 @contextlib.contextmanager

@@ -56,6 +56,8 @@ class Engine:
         optimizer: ``optimizer(user_optimizer, user_model, wrapped) -> optimizer`` over the wrapped parameters.
         parameters: ``parameters(wrapped) -> tensors``: the rank's resident parameter storages, to register.
         watch: ``watch(tracker, gloo=...)``: a context manager in force while the step runs.
+        replicate: the replicate degree of hybrid sharding (HSDP): ``wrap`` gets the 2-D fake mesh
+            ``(replicate, world_size // replicate)`` (`preflight.parallel.fake_world`); None: a 1-D mesh.
     """
 
     name: str
@@ -63,6 +65,7 @@ class Engine:
     optimizer: Callable[[torch.optim.Optimizer, nn.Module, nn.Module], torch.optim.Optimizer]
     parameters: Callable[[nn.Module], list[torch.Tensor]]
     watch: Callable[..., contextlib.AbstractContextManager[Any]]
+    replicate: int | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -221,7 +224,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
-    with fake_world(world_size, rank) as mesh, isolated_rng():
+    with fake_world(world_size, rank, engine.replicate) as mesh, isolated_rng():
         try:
             replica = fake_replica(model, twins)
             with fake_mode:

@@ -8,11 +8,12 @@ vocabulary), and what is offloaded to the CPU, with a note saying where it came 
 - FSDP (``torch.distributed.fsdp.ShardingStrategy`` or its name, in any case, as FSDP1 configs spell it):
   ``FULL_SHARD`` shards parameters, gradients and optimizer state (``fsdp-full``); ``SHARD_GRAD_OP`` gradients and
   optimizer state (``fsdp-grad-op``); ``NO_SHARD`` is data parallelism (``ddp``); ``HYBRID_SHARD`` and
-  ``_HYBRID_SHARD_ZERO2`` shard as ``FULL_SHARD`` / ``SHARD_GRAD_OP`` inside a node and replicate across nodes,
-  so one rank holds the share of the ranks in its node. ``CPUOffload(offload_params=True)`` keeps parameters,
+  ``_HYBRID_SHARD_ZERO2`` shard as ``FULL_SHARD`` / ``SHARD_GRAD_OP`` inside a node and replicate across nodes
+  (an `FSDP1Plan` with ``ranks_per_node``: each rank is traced over the two groups, holding the shards of the ranks
+  in its node). ``CPUOffload(offload_params=True)`` keeps parameters,
   gradients and the optimizer step on the CPU; with ``SHARD_GRAD_OP``, whose parameters are whole on the GPU
   through forward and backward, the plan is predicted without the offload and says so (an upper bound). FSDP2
-  (``fully_shard``) is ``fsdp2``.
+  (``fully_shard``) is ``fsdp2``; its HSDP (a 2-D mesh) an `FSDP2Plan` with ``replicate``.
 - accelerate (`accelerate_plan`): the plugin its state says it applied, read by attribute name.
 - DeepSpeed (its JSON config, as a dict, a path or a JSON string, read by
   `preflight._sharding.read_deepspeed_config`): ``zero_optimization.stage`` 1, 2, 3 is ``zero1``, ``zero2``,
@@ -41,7 +42,7 @@ class ParallelPlan:
     """One rank's share of a data-parallel run.
 
     Attributes:
-        world_size: the ranks that share the sharded state (for hybrid sharding: the ranks of one node).
+        world_size: the job's ranks (hybrid sharding's shard groups, one node's ranks, are in ``fsdp``).
         sharding: a `preflight._sharding.SHARDING_CHOICES` name; None for a single process.
         offload_optimizer, offload_params: what lives on the CPU instead of the GPU.
         source: where the plan was read, for the report (``"Lightning FSDPStrategy(SHARD_GRAD_OP)"``).
@@ -82,39 +83,48 @@ class ParallelPlan:
         """The coverage note: where the plan came from and what it shards and offloads."""
         offloaded = [name for name, on in (("optimizer state", self.offload_optimizer),
                                            ("parameters", self.offload_params)) if on]
-        return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {self.world_size} "
-                f"rank(s)" + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
+        shard = self.fsdp.shard_size(self.world_size) if self.fsdp is not None else self.world_size
+        over = (f"{self.world_size} rank(s)" if shard == self.world_size and not getattr(self.fsdp, "hybrid", False)
+                else f"{self.world_size} rank(s) as {self.world_size // shard} replica(s) of {shard}-rank shard groups")
+        return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {over}"
+                + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
 
 
 def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = None, cpu_offload: bool = False,
               source: str = "", use_orig_params: bool | None = None, unit_types: tuple[type, ...] | None = None,
-              reshard_after_forward: bool = True) -> ParallelPlan:
+              reshard_after_forward: bool = True, replicate: int = 1) -> ParallelPlan:
     """The plan of an FSDP run.
 
     Args:
         strategy: a ``ShardingStrategy`` member or name (``"FULL_SHARD"``, ``"shard_grad_op"``, HF's
             ``"hybrid_shard"``, ...), or ``"fsdp2"`` for ``fully_shard``; None: FSDP's default, ``FULL_SHARD``.
         world_size: all ranks of the job.
-        ranks_per_node: the ranks of one node, the group a hybrid strategy shards over (default ``world_size``).
+        ranks_per_node: the ranks of one node, the group a hybrid strategy shards over (default ``world_size``:
+            one node); it must divide ``world_size``.
         cpu_offload: ``CPUOffload(offload_params=True)`` (FSDP1) or ``CPUOffloadPolicy`` (FSDP2).
         use_orig_params, unit_types: FSDP1's ``use_orig_params`` and the module classes its wrap policy makes units
             of (``()``: no policy, the root alone), where the strategy says; None: `FSDP1Plan`'s defaults.
         reshard_after_forward: FSDP2's; False keeps each unit's parameters gathered from forward to backward.
+        replicate: FSDP2's HSDP replicate degree (the first dim of its 2-D mesh); 1: a 1-D mesh.
 
     Example:
-        >>> fsdp_plan("hybrid_shard", world_size=16, ranks_per_node=8).estimate_kwargs()["world_size"]
+        >>> fsdp_plan("hybrid_shard", world_size=16, ranks_per_node=8).fsdp.ranks_per_node
         8
     """
     name = "FULL_SHARD" if strategy is None else str(getattr(strategy, "name", strategy)).upper()
     if name == "FSDP2":
-        sharding, group = "fsdp2", world_size
+        sharding = "fsdp2"
     elif name in _FSDP:
         sharding = _FSDP[name]
-        group = (ranks_per_node or world_size) if "HYBRID" in name else world_size
     else:
         raise ValueError(f"Unknown FSDP sharding strategy {strategy!r}: expected one of "
                          f"{sorted(n for n in _FSDP if not n.startswith('_'))} or 'fsdp2'.")
     _check_world(world_size)
+    hybrid = "HYBRID" in name
+    per_node = min(ranks_per_node or world_size, world_size)
+    if hybrid and world_size % per_node:
+        raise ValueError(f"`ranks_per_node` ({ranks_per_node}) should divide `world_size` ({world_size}): a hybrid "
+                         "strategy's nodes hold equally many ranks.")
     if sharding == "ddp":
         cpu_offload = False  # NO_SHARD: predicted as data parallelism, whose replicas stay on the GPU
     source = source or f"FSDP {name}"
@@ -124,16 +134,19 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
         cpu_offload = False
         source += " with CPU offload, predicted without it (an upper bound)"
     fsdp = None
-    if sharding == "fsdp2" and not reshard_after_forward:
+    if sharding == "fsdp2" and (not reshard_after_forward or replicate != 1):
         from preflight.parallel._fsdp2 import FSDP2Plan
 
-        fsdp = FSDP2Plan(reshard_after_forward=False)
-    elif sharding in ("fsdp-full", "fsdp-grad-op") and (use_orig_params is not None or unit_types is not None):
+        fsdp = FSDP2Plan(reshard_after_forward=bool(reshard_after_forward), replicate=replicate)
+        fsdp.shard_size(world_size)  # a ValueError where the replicas do not divide the world
+    elif sharding in ("fsdp-full", "fsdp-grad-op") and (use_orig_params is not None or unit_types is not None
+                                                         or hybrid):
         from preflight.parallel._fsdp1 import FSDP1Plan
 
         fsdp = FSDP1Plan(units=() if unit_types == () else None, unit_types=unit_types or None,
-                         use_orig_params=True if use_orig_params is None else bool(use_orig_params))
-    return ParallelPlan(world_size=min(group, world_size), sharding=sharding, offload_optimizer=cpu_offload,
+                         use_orig_params=True if use_orig_params is None else bool(use_orig_params),
+                         ranks_per_node=per_node if hybrid else None)
+    return ParallelPlan(world_size=world_size, sharding=sharding, offload_optimizer=cpu_offload,
                         offload_params=cpu_offload, source=source, fsdp=fsdp)
 
 

@@ -39,8 +39,8 @@ def _real_shards(model: nn.Module, plan: FSDP1Plan, rank: int, x: torch.Tensor) 
 
     from preflight.parallel._fsdp1 import wrap_fsdp1
 
-    with fake_world(WORLD, rank):
-        wrapped = wrap_fsdp1(copy.deepcopy(model), plan)
+    with fake_world(WORLD, rank, plan.replicate(WORLD)) as mesh:
+        wrapped = wrap_fsdp1(copy.deepcopy(model), plan, mesh)
         optimizer = torch.optim.AdamW(wrapped.parameters())
         wrapped(x).backward()
         optimizer.step()
@@ -81,11 +81,41 @@ def test_the_rank_holding_the_padding_holds_less_state():
     assert len(set(flat.per_rank_peak_bytes)) == 1  # state over the padded flat shards: every rank alike
 
 
+@pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
+def test_hybrid_ranks_hold_their_nodes_shards_and_all_reduce_them_in_place(strategy, monkeypatch):
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, group=None, **kwargs):
+        calls.append((tensor.numel(), dist.get_world_size(group)))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    model, optimizer, x = _setup()
+    node = preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding=strategy)
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    plan = FSDP1Plan(ranks_per_node=2)  # 2 nodes of 2 ranks: HYBRID_SHARD / _HYBRID_SHARD_ZERO2
+    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy, fsdp=plan)
+    hybrid = "HYBRID_SHARD" if strategy == "fsdp-full" else "_HYBRID_SHARD_ZERO2"
+    assert any(f"FullyShardedDataParallel({hybrid})" in n and "fake 2-D mesh of 2 x 2 ranks" in n
+               for n in est.coverage.notes), est.coverage.notes
+    # Each rank holds the flat shards and state of its index in its node, as FSDP1 gives them over the two groups.
+    flat, state = _real_shards(model, FSDP1Plan(sharding_strategy=hybrid, ranks_per_node=2), est.peak_rank, x)
+    assert (est.breakdown["parameters"], est.breakdown["optimizer_state"]) == (flat, state)
+    assert fsdp1_rank_groups(model, plan, WORLD) == [[0, 2], [1, 3]]  # a rank's shard: its index in its node
+    # Every unit's gradient shard is all-reduced across the two nodes, in place (a block's 4422 elements / 2; the
+    # root's head, 66 + 1 with FSDP1's alignment padding after the weight to 68 + 1, and 1 more to split in two:
+    # 70 / 2), so each rank peaks as one node's FSDP does.
+    assert set(calls) == {(2211, 2), (35, 2)}
+    assert est.per_rank_peak_bytes == node.per_rank_peak_bytes * 2
+
+
 def test_plan_options_are_checked_and_change_the_figure():
     from torch.distributed.fsdp import MixedPrecision
 
-    with pytest.raises(ValueError, match="hybrid"):
+    with pytest.raises(ValueError, match="shards over the ranks of one node: pass `ranks_per_node`"):
         FSDP1Plan(sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="`ranks_per_node` is for hybrid strategies"):
+        FSDP1Plan(sharding_strategy="FULL_SHARD", ranks_per_node=2)
     with pytest.raises(TypeError, match="MixedPrecision"):
         FSDP1Plan(mixed_precision="bf16")
     with pytest.raises(ValueError, match="backward_prefetch"):
@@ -180,6 +210,7 @@ DEEP, NARROW, ROWS = 8, 128, 2048
 
 
 def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -195,9 +226,11 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
     try:
         model, _, _ = _setup(depth=DEEP, width=NARROW)
         batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
-        # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise.
+        # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise; a
+        # hybrid strategy over 2 "nodes" of consecutive ranks, as a 2-D mesh (FSDP1's intra- and inter-node groups).
+        mesh = init_device_mesh("cpu", (2, world_size // 2)) if strategy == "HYBRID_SHARD" else None
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
-                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"))
+                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"), device_mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters())
         flats = [m._handle.flat_param for m in FSDP.fsdp_modules(model) if m._handle is not None]
         before = live_storage_bytes([flats, batch], torch.device("cpu"))
@@ -210,24 +243,24 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy):
+@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("HYBRID_SHARD", 4)])
+def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy, world):
     import torch.multiprocessing as mp
 
     model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
     batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
     units = tuple(f"layers.{i}" for i in range(DEEP)) + ("head",)  # every Linear, as ModuleWrapPolicy({nn.Linear})
-    sharding = "fsdp-full" if strategy == "FULL_SHARD" else "fsdp-grad-op"
-    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding=sharding,
-                             fsdp=FSDP1Plan(units=units))
+    sharding = "fsdp-grad-op" if strategy == "SHARD_GRAD_OP" else "fsdp-full"
+    plan = FSDP1Plan(units=units, ranks_per_node=world // 2 if strategy == "HYBRID_SHARD" else None)
+    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=world, sharding=sharding, fsdp=plan)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_gloo_worker, args=(2, port, strategy, queue), nprocs=2, start_method="spawn")
-    measured = dict(queue.get() for _ in range(2))
-    for rank in range(2):
+    mp.start_processes(_gloo_worker, args=(world, port, strategy, queue), nprocs=world, start_method="spawn")
+    measured = dict(queue.get() for _ in range(world))
+    for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
 

@@ -105,18 +105,26 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     assert type(model) is Stack and type(model.layers[0]) is nn.Linear  # fully_shard would swap the classes
 
 
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp-full"])
-def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding):
+@pytest.mark.parametrize("sharding, hybrid", [("fsdp2", False), ("fsdp-full", False), ("fsdp2", True),
+                                              ("fsdp-full", True)])
+def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding, hybrid):
     from torch.distributed import distributed_c10d as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from preflight.parallel import FSDP1Plan
+
+    # Hybrid: the fake world's 2-D mesh makes sub-groups too, which must go with it.
+    plan = (FSDP2Plan(replicate=2) if sharding == "fsdp2" else FSDP1Plan(ranks_per_node=2)) if hybrid else None
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
+                               fsdp=plan)
+    assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         job = dist.group.WORLD
         names = dict(c10d._world.pg_names)
-        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding)
+        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
+                                 fsdp=plan)
         assert dist.group.WORLD is job and dist.get_rank() == 1 and dist.get_world_size() == 2
         assert dict(c10d._world.pg_names) == names
         assert c10d._resolve_process_group(names[job]) is job  # the job's name is still in the C++ registry
@@ -213,6 +221,67 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
         dist.destroy_process_group()
 
 
+def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(monkeypatch):
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, group=None, **kwargs):
+        calls.append((tensor.numel(), dist.get_world_size(group)))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    model, optimizer, x = _setup()
+    step = lambda m, b: m(b)  # noqa: E731
+    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                             fsdp=FSDP2Plan(replicate=2))
+    assert any("fake 2-D mesh of 2 x 2 ranks" in n for n in est.coverage.notes), est.coverage.notes
+    assert rank_groups(model, WORLD, replicate=2) == [[0, 2], [1, 3]]  # a rank's shard: its index in its group
+    # Every unit's gradient shard (a block's 33 rows of 66 + 33 of bias; the head's row and bias padded to 2, one
+    # each) is all-reduced across the 2 replicas, in place: each rank peaks as its shard group's FSDP does.
+    assert set(calls) == {(33 * 66 + 33, 2), (66 + 1, 2)}
+    assert est.per_rank_peak_bytes == group.per_rank_peak_bytes * 2 and est.breakdown == group.breakdown
+    # With a reduce dtype other than the gradients', FSDP2 keeps each unit's reduce-dtype output alive into the
+    # next unit's reduction: at the backward peak one block's bf16 gradient shard (2211 x 2 B) more than FSDP over
+    # the group (the smaller of two real 2 x 2 gloo runs measured these bytes on ranks 0 and 1).
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2",
+                               fsdp=FSDP2Plan(mp_policy=bf16))
+    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                             fsdp=FSDP2Plan(replicate=2, mp_policy=bf16))
+    assert est.per_rank_peak_bytes == tuple(b + 2211 * 2 for b in group.per_rank_peak_bytes * 2)
+    with pytest.raises(ValueError, match=r"`fsdp.replicate` \(3\) should divide the world size 4"):
+        preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
+                           fsdp=FSDP2Plan(replicate=3))
+
+
+def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from preflight.parallel import read_fsdp2
+
+    model, optimizer, x = _setup()
+    planned = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2",
+                                 fsdp=FSDP2Plan(replicate=2))
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        read = read_fsdp2(model)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b))
+    finally:
+        dist.destroy_process_group()
+    assert (read.world_size, read.rank, read.plan.replicate) == (WORLD, 3, 2)
+    assert est.per_rank_peak_bytes == planned.per_rank_peak_bytes
+    assert any("an HSDP mesh of 2 x 2 ranks; this process is rank 3" in n for n in est.coverage.notes)
+
+
 def test_plan_options_are_checked_and_passed_through():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -220,6 +289,8 @@ def test_plan_options_are_checked_and_passed_through():
         FSDP2Plan(mp_policy="bf16")
     with pytest.raises(ValueError, match="reshard_after_forward"):
         FSDP2Plan(reshard_after_forward=0)
+    with pytest.raises(ValueError, match="`replicate` should be a positive int"):
+        FSDP2Plan(replicate=0)
     model, optimizer, x = _setup()
     with pytest.raises(ValueError, match="pass sharding='fsdp2'"):
         preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=2, sharding="fsdp-full",
@@ -248,7 +319,8 @@ def _deep_setup():
     return model, batch
 
 
-def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
+def _gloo_worker(rank: int, world_size: int, port: int, queue, replicate: int = 1) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from preflight._device import live_storage_bytes
@@ -261,9 +333,12 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model, batch = _deep_setup()
+        # HSDP: shard groups of consecutive ranks (one node's), replicated across groups.
+        mesh = (init_device_mesh("cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+                if replicate > 1 else None)
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters())
         # Inside the job, on the model as the job wrapped it: each rank traced beside the job's gloo group.
         inside = preflight.estimate(model, optimizer, batch, step=lambda m, b: m(b)).per_rank_peak_bytes
@@ -278,21 +353,22 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue) -> None:
 
 
 @pytest.mark.slow
-def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job():
+@pytest.mark.parametrize("world, replicate", [(2, 1), (4, 2)])  # FSDP over 2 ranks; HSDP, 2 replicas of 2 ranks
+def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job(world, replicate):
     import torch.multiprocessing as mp
 
     model, batch = _deep_setup()
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=lambda m, b: m(b),
-                             world_size=2, sharding="fsdp2")
+                             world_size=world, sharding="fsdp2", fsdp=FSDP2Plan(replicate=replicate))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_gloo_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
-    results = dict(queue.get() for _ in range(2))
+    mp.start_processes(_gloo_worker, args=(world, port, queue, replicate), nprocs=world, start_method="spawn")
+    results = dict(queue.get() for _ in range(world))
     measured = {rank: peak for rank, (peak, _) in results.items()}
-    for rank in range(2):
+    for rank in range(world):
         assert results[rank][1] == est.per_rank_peak_bytes  # traced inside the job as before it
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)

@@ -26,11 +26,19 @@ def test_fsdp_strategies_in_any_spelling(strategy, sharding):
     check_plan(**fsdp_plan(strategy, world_size=8, cpu_offload=True).estimate_kwargs())  # estimate accepts it
 
 
-def test_hybrid_sharding_shards_over_one_node_and_offload_moves_state_to_the_cpu():
+def test_hybrid_sharding_plans_every_rank_sharded_over_one_node_and_offload_moves_state_to_the_cpu():
     plan = fsdp_plan(ShardingStrategy.HYBRID_SHARD, world_size=16, ranks_per_node=8, cpu_offload=True)
-    assert plan.estimate_kwargs() == {"world_size": 8, "sharding": "fsdp-full", "offload_optimizer": True,
-                                      "offload_params": True}
-    assert fsdp_plan("_HYBRID_SHARD_ZERO2", world_size=4).sharding == "fsdp-grad-op"
+    assert plan.estimate_kwargs() == {"world_size": 16, "sharding": "fsdp-full", "offload_optimizer": True,
+                                      "offload_params": True, "fsdp": FSDP1Plan(ranks_per_node=8)}
+    assert "fsdp-full over 16 rank(s) as 2 replica(s) of 8-rank shard groups" in plan.note()
+    one_node = fsdp_plan("_HYBRID_SHARD_ZERO2", world_size=4)  # no ranks_per_node: one node holds every rank
+    assert (one_node.sharding, one_node.fsdp) == ("fsdp-grad-op", FSDP1Plan(ranks_per_node=4))
+    hsdp = fsdp_plan("fsdp2", world_size=8, replicate=2)
+    assert (hsdp.world_size, hsdp.fsdp) == (8, FSDP2Plan(replicate=2))
+    with pytest.raises(ValueError, match=r"`ranks_per_node` \(4\) should divide `world_size` \(6\)"):
+        fsdp_plan("HYBRID_SHARD", world_size=6, ranks_per_node=4)
+    with pytest.raises(ValueError, match=r"`fsdp.replicate` \(4\) should divide the world size 6"):
+        fsdp_plan("fsdp2", world_size=6, replicate=4)
     with pytest.raises(ValueError, match="Unknown FSDP sharding strategy 'SHARD_EVERYTHING'"):
         fsdp_plan("SHARD_EVERYTHING", world_size=2)
     with pytest.raises(ValueError, match="world_size"):
@@ -113,8 +121,9 @@ def test_lightning_strategies_are_read_into_plans():
     assert "Lightning FSDPStrategy(SHARD_GRAD_OP)" in plan.note()
     hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={torch.nn.Linear},
                           use_orig_params=False)
-    assert _parallel_plan(trainer(hybrid)).world_size == 4  # the ranks of one node
-    assert _parallel_plan(trainer(hybrid)).fsdp == FSDP1Plan(unit_types=(torch.nn.Linear,), use_orig_params=False)
+    assert _parallel_plan(trainer(hybrid)).world_size == 8  # every rank, each sharded over the ranks of its node
+    assert _parallel_plan(trainer(hybrid)).fsdp == FSDP1Plan(unit_types=(torch.nn.Linear,), use_orig_params=False,
+                                                             ranks_per_node=4)
     assert _parallel_plan(trainer(FSDPStrategy())).sharding == "fsdp-full"  # FSDP's default
     model_parallel = _parallel_plan(trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=4)))
     assert _parallel_plan(trainer(ModelParallelStrategy(), world_size=8)).world_size == 2  # "auto": num_nodes

@@ -177,8 +177,9 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     the HF Trainer made): ``DeepSpeedPlugin`` (its config, with the values accelerate filled in) under
     ``DistributedType.DEEPSPEED``; ``FullyShardedDataParallelPlugin`` under ``DistributedType.FSDP`` (FSDP2, with
     its ``reshard_after_forward``; FSDP1: its sharding strategy and ``use_orig_params``; offload only for
-    ``CPUOffload(offload_params=True)`` or ``CPUOffloadPolicy``, not FSDP2's default ``OffloadPolicy()``), hybrid
-    strategies over ``LOCAL_WORLD_SIZE`` ranks. None otherwise: a plugin accelerate did not apply (FSDP asked for on
+    ``CPUOffload(offload_params=True)`` or ``CPUOffloadPolicy``, not FSDP2's default ``OffloadPolicy()``), FSDP1's
+    hybrid strategies over ``LOCAL_WORLD_SIZE`` ranks, FSDP2's HSDP over ``parallelism_config.dp_replicate_size``
+    replicas. None otherwise: a plugin accelerate did not apply (FSDP asked for on
     CPU processes runs DDP) is not read."""
     kind = getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
@@ -195,6 +196,10 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     if getattr(fsdp, "fsdp_version", 1) == 2:
         strategy = "fsdp2"
         options["reshard_after_forward"] = reshard is not False
+        # HSDP: accelerate's ParallelismConfig (dp_replicate_size replicas of dp_shard_size-rank shard groups)
+        replicas = getattr(getattr(state, "parallelism_config", None), "dp_replicate_size", None)
+        if isinstance(replicas, int) and replicas > 1:
+            options["replicate"] = replicas
     else:
         strategy = reshard if reshard not in (None, True, False) else getattr(fsdp, "sharding_strategy", None)
         options["use_orig_params"] = bool(getattr(fsdp, "use_orig_params", False))  # accelerate's default: False

@@ -174,6 +174,13 @@ def test_accelerate_plugins_are_read_into_plans_when_applied():
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)
     plan = accelerate_plan(state(DistributedType.FSDP, fsdp_plugin=plugin))
     assert (plan.sharding, plan.fsdp) == ("fsdp2", FSDP2Plan(reshard_after_forward=False))
+    # HSDP: accelerate's ParallelismConfig with 2 replicas of 2-rank shard groups.
+    from accelerate.parallelism_config import ParallelismConfig
+
+    hsdp = state(DistributedType.FSDP, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    hsdp.parallelism_config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    plan = accelerate_plan(hsdp)
+    assert (plan.sharding, plan.world_size, plan.fsdp) == ("fsdp2", 4, FSDP2Plan(replicate=2))
     ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     plan = accelerate_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
     assert (plan.sharding, plan.offload_optimizer) == ("zero1", True)

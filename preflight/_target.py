@@ -144,6 +144,8 @@ def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_siz
     unit = largest_unit_bytes(model, dtype)
     out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
+    if sharding in ("zero1", "zero2") and not offload_optimizer:
+        out["optimizer_state"] += zero12_master_bytes(model, world_size)
     if zero3 is not None:
         out["temporaries"] -= min(2 * (unit or breakdown["parameters"]), breakdown["parameters"])
         out["gradients"] = zero3.grad_partition_bytes
@@ -167,6 +169,16 @@ _GATHERED_UID, _DDP_BUCKETS_UID, _ZERO_BUFFERS_UID = -(2**62), -(2**62) + 1, -(2
 # ZeRO-3's terms (`Zero3Terms`): fp32 partition copy, gradient partitions, the first step's gathered module, the
 # persistent and gathered parameters from the second step, the initial fp32 gradient, each step's fp32 gradient.
 _Z3_MASTER, _Z3_GRADS, _Z3_FIRST, _Z3_STEADY, _Z3_INIT_GRAD, _Z3_STEP_GRAD = (-(2**62) + 3 + i for i in range(6))
+_Z12_MASTER = -(2**62) + 9  # stages 1 and 2: the fp32 partition copy
+
+
+def zero12_master_bytes(model: nn.Module, world_size: int) -> int:
+    """ZeRO stages 1 and 2's fp32 copy of the rank's partition of the flat 16-bit (or model-dtype) parameter group:
+    ``stage_1_and_2.py __init__``, ``weights_partition = ...[partition_id].detach().clone().to(dtype=
+    master_weights_and_grads_dtype)``, a copy even when the model is fp32 (DeepSpeed 0.19.8). The flat group's
+    padding for alignment is not counted."""
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    return 4 * -(-numel // world_size)
 
 
 def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
@@ -214,6 +226,9 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
     categories = dict(categories)
     extra: list[Event] = []
     unit = largest_unit_bytes(model, dtype)
+    if sharding in ("zero1", "zero2") and not offload_optimizer:
+        extra.append(Event(_Z12_MASTER, zero12_master_bytes(model, world_size), -1, "setup"))
+        categories[_Z12_MASTER] = Category.OPTIMIZER_STATE
     if zero3 is not None:
         out = _with_zero3(out, zero3)
         categories.update({_Z3_MASTER: Category.OPTIMIZER_STATE, _Z3_GRADS: Category.GRADIENTS,
@@ -241,7 +256,8 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
         if not zero_buffers.during_backward:
             extra.append(Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, "setup"))
         else:
-            out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""))
+            gradients = {uid for uid, c in categories.items() if c is Category.GRADIENTS}
+            out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""), gradients)
     return extra + out, categories, note
 
 
@@ -277,19 +293,23 @@ def _with_zero3(events: list[Event], z: Zero3Terms) -> list[Event]:
     return [e for e in out if e.nbytes]
 
 
-def _during_backward(events: list[Event], buffer: Event) -> list[Event]:
-    """``events`` with ``buffer`` allocated before the first event of each backward phase and freed after its
-    last (DeepSpeed's ``setup_buckets`` at the backward's start, its release when the reduction ends)."""
+def _during_backward(events: list[Event], buffer: Event, gradients: set[int]) -> list[Event]:
+    """``events`` with ``buffer`` allocated at the first gradient (a uid in ``gradients``) each backward makes and
+    freed after the backward's last event: DeepSpeed's ``setup_buckets`` runs in the first gradient's hook
+    (``stage_1_and_2.py grad_handling_hook`` -> ``process_gradients``), and the buffers are released when the
+    backward's reduction ends."""
     out: list[Event] = []
-    inside = False
+    inside = alive = False
     for e in events:
         backward = e.phase.endswith("/backward")
-        if backward and not inside:
-            out.append(dataclasses.replace(buffer, op=e.op, phase=e.phase))
-        elif inside and not backward:
+        if inside and not backward and alive:
             out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=e.op, phase=e.phase))
+            alive = False
         inside = backward
+        if backward and not alive and e.nbytes > 0 and e.uid in gradients:
+            out.append(dataclasses.replace(buffer, op=e.op, phase=e.phase))
+            alive = True
         out.append(e)
-    if inside:
+    if alive:
         out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=events[-1].op, phase=events[-1].phase))
     return out

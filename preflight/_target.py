@@ -290,6 +290,8 @@ def _with_zero3(events: list[Event], z: Zero3Terms) -> list[Event]:
                     event(_Z3_STEADY, z.persistent_bytes + z.gathered_bytes, e)]
             first_alive = False
         out.append(e)
+    if in_step and out:
+        out.append(event(_Z3_STEP_GRAD, -z.step_grad_bytes, out[-1]))
     return [e for e in out if e.nbytes]
 
 

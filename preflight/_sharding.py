@@ -26,15 +26,17 @@ Sources:
       ``overlap_comm``, and release them when the backward's reduction ends (stage_1_and_2.py ``setup_buckets``,
       ``_release_ipg_buffers``); stage 3 allocates one per dtype when the optimizer is built and keeps it
       (stage3.py). Their dtype is the gradient accumulation dtype, by default the model's (bf16 or fp16 when
-      enabled). Measured on CPU processes: ``benchmarks/deepspeed_cpu.py``.
+      enabled). ZeRO-3's own terms (fp32 partition copy, gradient partitions, persistent and gathered parameters):
+      `zero3_terms`. Measured on CPU processes: ``benchmarks/deepspeed_cpu.py``.
 
 Known limitations (all functions):
     * Sharded bytes are rounded up to a whole share per rank (FSDP pads flat parameters to a multiple of the
       world size); per-tensor padding and alignment are not modelled.
-    * Communication buffers other than ZeRO's gradient reduction buffers are not counted: NCCL's own buffers,
-      DeepSpeed's all-gather buckets and stage-3 prefetch, FSDP's unsharded gradient of the unit being
-      reduce-scattered (a per-rank trace has that one, `preflight.parallel`). ``data_types.grad_accum_dtype``
-      is not read (its default, the model's dtype, is assumed).
+    * Communication buffers other than ZeRO's gradient reduction buffers and ZeRO-3's gathered parameters
+      (`zero3_terms`) are not counted: NCCL's own buffers, the reduce-scatter copy of a full bucket, stage 1 and
+      2's all-gather of updated parameters, FSDP's unsharded gradient of the unit being reduce-scattered (a per-rank
+      trace has that one, `preflight.parallel`). ``data_types.grad_accum_dtype`` is not read (its default, the
+      model's dtype, is assumed).
     * DeepSpeed ZeRO-Offload also moves the gradient partitions to CPU; here they stay on the GPU, which
       over-estimates by the sharded gradient bytes.
 """

@@ -28,8 +28,13 @@ repeated block and the prefetched next one for the whole step (ZeRO paper, arXiv
 too; an offloaded optimizer step (ZeRO-Offload, FSDP ``CPUOffload``) and offloaded parameter shards leave the
 GPU. DDP without ``gradient_as_bucket_view`` holds a flat copy of every gradient in its buckets from
 construction on. ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`, sized from the DeepSpeed
-config or DeepSpeed's defaults) are added in the communication category: during each backward at stages 1 and 2,
-from the start at stage 3. Shares round up per tensor. Other communication buffers are not counted.
+config or DeepSpeed's defaults) are added in the communication category: at stages 1 and 2 from each backward's
+first gradient to its end, at stage 3 from the start. Stages 1 and 2 also hold an fp32 copy of the rank's parameter
+partition (`zero12_master_bytes`). At stage 3 without offload, DeepSpeed's own terms replace the two gathered blocks
+(`preflight._sharding.zero3_terms`): the fp32 partition copy and the gradient partitions from the start, each full
+gradient only as a transient, the first step's gathered module, and from the second step the persistent parameters
+and those kept from forward to backward, in the communication category. Shares round up per tensor. Other
+communication buffers are not counted.
 """
 
 from __future__ import annotations

@@ -373,8 +373,8 @@ def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | N
         ``"nvme"``), ``overlap_comm`` (DeepSpeed: True for stage 3, else False), ``contiguous_gradients``,
         ``reduce_scatter``, the element counts ``reduce_bucket_size``, ``allgather_bucket_size``,
         ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``,
-        ``stage3_max_reuse_distance``, ``stage3_model_persistence_threshold``, ``sub_group_size``, and ``bf16`` / ``fp16``
-        (None when ``"auto"``).
+        ``stage3_max_reuse_distance``, ``stage3_model_persistence_threshold``, ``sub_group_size``, and ``bf16`` /
+        ``fp16`` (None when ``"auto"``).
 
     Raises:
         ValueError: the stage is not 0-3, an offload device is unknown, or ``obj`` is not a config.
@@ -642,8 +642,8 @@ def zero3_terms(ds: dict[str, Any], params: list[tuple[int, int, bool]], modules
         first_step_gathered_bytes=param_itemsize * first,
         gathered_bytes=param_itemsize * gathered,
     )
-    how = (f"fp32 partition copy {terms['master_bytes']:,} B and gradient partitions {terms['grad_partition_bytes']:,} B "
-           f"from construction; {len(persistent)} persistent parameter(s) (<= "
+    how = (f"fp32 partition copy {terms['master_bytes']:,} B and gradient partitions "
+           f"{terms['grad_partition_bytes']:,} B from construction; {len(persistent)} persistent parameter(s) (<= "
            f"{ds['stage3_param_persistence_threshold']:,} elements) kept whole: {terms['persistent_bytes']:,} B; "
            f"gathered parameters {terms['first_step_gathered_bytes']:,} B in the first step, "
            f"{terms['gathered_bytes']:,} B from the second ({len(kept)} of {len(everything)} non-persistent "

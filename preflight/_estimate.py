@@ -18,8 +18,8 @@ from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import Calibrator, calibrate, scratch_ops
-from preflight._sharding import (ZeroBuffers, hf_hidden_size, read_deepspeed_config, shard_breakdown,
-                                zero_buffers)
+from preflight._sharding import (Zero3Terms, ZeroBuffers, hf_hidden_size, read_deepspeed_config,
+                                shard_breakdown, zero3_terms, zero_buffers)
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
@@ -30,7 +30,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
 from preflight.parallel import trace_fsdp1, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
-__all__ = ["check_plan", "estimate", "summarize_events"]
+__all__ = ["check_plan", "estimate", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -274,11 +274,12 @@ def estimate(
     unsharded = None
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
+        zero3, zero3_note = zero3_terms_for(model, sharding, ds, precision, shard_ranks, offload)
         events, categories, note = shard_events(events, categories, model, world_size=shard_ranks, sharding=sharding,
                                                 dtype=float_dtype_for(precision), **offload,
                                                 zero_buffers=zero_buffers_for(model, sharding, ds, precision),
-                                                gradient_as_bucket_view=gradient_as_bucket_view)
-        notes.append(note)
+                                                zero3=zero3, gradient_as_bucket_view=gradient_as_bucket_view)
+        notes.extend([note] + ([zero3_note] if zero3_note else []))
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
@@ -337,15 +338,50 @@ def zero_buffers_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] 
     given = ds is not None
     if ds is None:
         ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
-    if ds["bf16"] or ds["fp16"]:
-        low = torch.bfloat16 if ds["bf16"] else torch.float16
-    elif ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
-        low = _HALF.get(precision or "")
-    else:
-        low = None
+    low = _half_dtype(ds, precision, given)
     dtypes = {low if low is not None and p.is_floating_point() else p.dtype
               for p in model.parameters() if p.requires_grad}
     return zero_buffers(ds, sorted(d.itemsize for d in dtypes), given=given)
+
+
+def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch.dtype | None:
+    """The 16-bit dtype DeepSpeed casts the model to under ``ds`` (its bf16 / fp16 sections, or, where the config
+    does not say, ``precision``), or None."""
+    if ds["bf16"] or ds["fp16"]:
+        return torch.bfloat16 if ds["bf16"] else torch.float16
+    if ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
+        return _HALF.get(precision or "")
+    return None
+
+
+def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
+                    world_size: int, offload: dict[str, bool]) -> tuple[Zero3Terms | None, str | None]:
+    """DeepSpeed ZeRO-3's own terms (`preflight._sharding.zero3_terms`) for ``model`` under ``ds`` (DeepSpeed's
+    defaults without one), and a note where they are not counted; (None, None) for other shardings."""
+    if sharding != "zero3":
+        return None, None
+    if any(offload.values()):
+        return None, ("zero3 with offloading: DeepSpeed ZeRO-3's own buffers (fp32 partition copy, gradient "
+                      "partitions, gathered and persistent parameters) are not counted yet; the gathered largest "
+                      "unit and prefetched next one stand for the gathered parameters")
+    given = ds is not None
+    if ds is None:
+        ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
+    low = _half_dtype(ds, precision, given)
+    seen: set[int] = set()
+    params = []
+    for _, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append((id(p), p.numel(), p.requires_grad))
+    modules = [[id(p) for p in m.parameters(recurse=False)] for m in model.modules()]
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    itemsize = low.itemsize if low is not None else (floating[0].element_size() if floating else 4)
+    traced = float_dtype_for(precision)
+    if low is None and traced is not None:
+        itemsize = traced.itemsize
+    terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
+    return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
 
 
 def _wrapped_plan(wrapped: WrappedFSDP2, world_size: int, sharding: str | None, fsdp: Any,
@@ -635,10 +671,12 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())
+        zero3, zero3_note = zero3_terms_for(model, sharding, ds, precision, shard_ranks, offload)
         breakdown, note = per_rank_breakdown(breakdown, model, world_size=shard_ranks, sharding=sharding,
                                              dtype=float_dtype_for(precision), **offload,
-                                             zero_buffers=zero_buffers_for(model, sharding, ds, precision))
-        notes.append(note)
+                                             zero_buffers=zero_buffers_for(model, sharding, ds, precision),
+                                             zero3=zero3)
+        notes.extend([note] + ([zero3_note] if zero3_note else []))
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warnings.warn(
         f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "

@@ -26,15 +26,17 @@ Sources:
       ``overlap_comm``, and release them when the backward's reduction ends (stage_1_and_2.py ``setup_buckets``,
       ``_release_ipg_buffers``); stage 3 allocates one per dtype when the optimizer is built and keeps it
       (stage3.py). Their dtype is the gradient accumulation dtype, by default the model's (bf16 or fp16 when
-      enabled). Measured on CPU processes: ``benchmarks/deepspeed_cpu.py``.
+      enabled). ZeRO-3's own terms (fp32 partition copy, gradient partitions, persistent and gathered parameters):
+      `zero3_terms`. Measured on CPU processes: ``benchmarks/deepspeed_cpu.py``.
 
 Known limitations (all functions):
     * Sharded bytes are rounded up to a whole share per rank (FSDP pads flat parameters to a multiple of the
       world size); per-tensor padding and alignment are not modelled.
-    * Communication buffers other than ZeRO's gradient reduction buffers are not counted: NCCL's own buffers,
-      DeepSpeed's all-gather buckets and stage-3 prefetch, FSDP's unsharded gradient of the unit being
-      reduce-scattered (a per-rank trace has that one, `preflight.parallel`). ``data_types.grad_accum_dtype``
-      is not read (its default, the model's dtype, is assumed).
+    * Communication buffers other than ZeRO's gradient reduction buffers and ZeRO-3's gathered parameters
+      (`zero3_terms`) are not counted: NCCL's own buffers, the reduce-scatter copy of a full bucket, stage 1 and
+      2's all-gather of updated parameters, FSDP's unsharded gradient of the unit being reduce-scattered (a per-rank
+      trace has that one, `preflight.parallel`). ``data_types.grad_accum_dtype`` is not read (its default, the
+      model's dtype, is assumed).
     * DeepSpeed ZeRO-Offload also moves the gradient partitions to CPU; here they stay on the GPU, which
       over-estimates by the sharded gradient bytes.
 """
@@ -46,8 +48,8 @@ import json
 import os
 from typing import Any
 
-__all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "ZeroBuffers", "hf_hidden_size",
-           "model_state_bytes", "read_deepspeed_config", "shard_breakdown", "zero_buffers"]
+__all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "Zero3Terms", "ZeroBuffers", "hf_hidden_size",
+           "model_state_bytes", "read_deepspeed_config", "shard_breakdown", "zero3_terms", "zero_buffers"]
 
 SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op", "fsdp2")
 
@@ -308,12 +310,13 @@ _DS_DEFAULTS: dict[str, Any] = {
     "stage3_param_persistence_threshold": 100_000,
     "stage3_max_live_parameters": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_model_persistence_threshold": 2**63 - 1,  # sys.maxsize: no cap on the persistent parameters together
     "sub_group_size": 1_000_000_000,
 }
 _DS_ELEMENT_COUNTS = (
     "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "sub_group_size",
+    "stage3_model_persistence_threshold", "sub_group_size",
 )
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -370,7 +373,8 @@ def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | N
         ``"nvme"``), ``overlap_comm`` (DeepSpeed: True for stage 3, else False), ``contiguous_gradients``,
         ``reduce_scatter``, the element counts ``reduce_bucket_size``, ``allgather_bucket_size``,
         ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``,
-        ``stage3_max_reuse_distance``, ``sub_group_size``, and ``bf16`` / ``fp16`` (None when ``"auto"``).
+        ``stage3_max_reuse_distance``, ``stage3_model_persistence_threshold``, ``sub_group_size``, and ``bf16`` /
+        ``fp16`` (None when ``"auto"``).
 
     Raises:
         ValueError: the stage is not 0-3, an offload device is unknown, or ``obj`` is not a config.
@@ -483,6 +487,171 @@ def zero_buffers(ds: dict[str, Any], grad_itemsizes: list[int], *, given: bool =
     how = (f"reduce_bucket_size {elements:,} elements ({source}) x {copies} buffer(s) x "
            f"{' + '.join(f'{n} B' for n in grad_itemsizes)} per element = {nbytes:,} bytes")
     return ZeroBuffers(nbytes, stage != 3, how)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Terms:
+    """What DeepSpeed ZeRO-3 (0.19.8, no offload) holds on one rank besides the rescaled parameter, gradient and
+    optimizer-state shares and the gradient reduction buffer (`zero3_terms`). Bytes; sources in `zero3_terms`.
+
+    Attributes:
+        master_bytes: the fp32 copy of the rank's parameter partitions, from construction on.
+        grad_partition_bytes: the flat buffer of the rank's gradient partitions, from construction on.
+        init_grad_bytes: the fp32 gradient buffer of the largest sub-group made when the optimizer state is
+            initialised, alive until the first optimizer step replaces it.
+        step_grad_bytes: the flattened fp32 gradient of the largest sub-group, alive during each optimizer step.
+        persistent_bytes: parameters at or under ``stage3_param_persistence_threshold``, kept whole on every rank
+            from the end of the first optimizer step on.
+        first_step_gathered_bytes: gathered parameters in the first step (no module trace yet: only the module in
+            use, with its all-gather buffer).
+        gathered_bytes: gathered non-persistent parameters from the second step on (reuse distance, prefetch).
+        how: the sizes and settings, for the coverage note.
+    """
+
+    master_bytes: int
+    grad_partition_bytes: int
+    init_grad_bytes: int
+    step_grad_bytes: int
+    persistent_bytes: int
+    first_step_gathered_bytes: int
+    gathered_bytes: int
+    how: str
+
+    def note(self) -> str:
+        return f"DeepSpeed ZeRO-3's own terms counted: {self.how}"
+
+
+def zero3_terms(ds: dict[str, Any], params: list[tuple[int, int, bool]], modules: list[list[int]], *,
+                world_size: int, param_itemsize: int, grad_itemsize: int) -> Zero3Terms:
+    """ZeRO-3's per-rank terms, counted from DeepSpeed 0.19.8's source (no parameter offload, optimizer on the GPU).
+
+    Args:
+        ds: `read_deepspeed_config`'s output (its ``"auto"`` values resolved).
+        params: every parameter once, in ``model.named_parameters()`` order, as ``(id, numel, trainable)``.
+        modules: the parameters each module owns directly (``recurse=False``), modules in forward order; modules
+            without parameters may be left out.
+        world_size: ranks the parameters are partitioned over.
+        param_itemsize: bytes per element of the parameters as DeepSpeed holds them (2 with bf16 / fp16 enabled).
+        grad_itemsize: bytes per element of the gradient partitions (``data_types.grad_accum_dtype``, by default
+            the parameters' dtype).
+
+    Terms (each partition is ``ceil(numel / world_size)`` elements: ``partition_parameters.py`` pads every
+    parameter to a multiple of the world size, ``_padding_size``, so every rank holds the same sizes):
+
+    * ``master_bytes``: ``stage3.py _create_fp32_partitions`` clones the flat partition to fp32
+      (``converted.clone().detach()``). Its branch that would alias the partition instead compares a tensor's
+      ``torch.device`` with the accelerator's device name, a string, which is never equal, so the copy is made in
+      fp32 training too (measured: ``benchmarks/deepspeed_cpu.py``).
+    * ``grad_partition_bytes``: ``stage3.py _setup_for_real_optimizer``: ``grad_partitions_flat_buffer``, the sum
+      of the partitions, in the gradient accumulation dtype.
+    * ``init_grad_bytes``: ``stage3.py initialize_optimizer_states``: ``gradient_buffer`` of the largest sub-group's
+      partition (``_create_fp16_sub_groups`` closes a sub-group once it reaches ``sub_group_size`` elements), fp32,
+      set as the master's ``.grad`` until ``_prepare_fp32_grad_for_sub_group`` replaces it in the first step.
+    * ``step_grad_bytes``: ``_prepare_fp32_grad_for_sub_group`` flattens a sub-group's gradient partitions into a
+      new fp32 tensor for its optimizer step; ``_release_sub_group`` drops it.
+    * ``persistent_bytes``: ``parameter_offload.py mark_persistent_parameters``: parameters of at most
+      ``stage3_param_persistence_threshold`` elements (while their running total stays within
+      ``stage3_model_persistence_threshold``) are never released once the module trace is complete
+      (``partitioned_param_coordinator.py __params_to_release`` skips ``ds_persist``); ``stage3.py _post_step``
+      gathers them after each optimizer step. Their partitions stay too.
+    * ``first_step_gathered_bytes``: the first forward starts the trace recording (``reset_step`` at the start of
+      each forward: INVALID, then RECORD, then COMPLETE), and until the trace is complete ``release_sub_module``
+      releases every parameter of a module after its forward and its backward, and nothing is prefetched. So the
+      module in use is gathered, with its all-gather output (``_all_gather_dtype``: ``partition * world_size``
+      elements, copied into each parameter by ``torch.cat`` in ``AllGatherCoalescedHandle.wait``): twice the
+      largest module's parameters.
+    * ``gathered_bytes``: with the trace complete (from the second step), a module's parameters are kept after
+      its forward when the module that uses them next is reached within ``stage3_max_reuse_distance`` elements of
+      the modules in between (``__params_to_release``), and the coordinator prefetches the next parameters up to
+      ``min(stage3_max_live_parameters - available, stage3_prefetch_bucket_size)`` elements (``fetch_sub_module``).
+      The parameters kept at the end of the forward (backward order taken as the forward's reverse), plus the
+      largest module and the prefetch window with their all-gather buffers, capped at every non-persistent
+      parameter (when every parameter is kept, nothing is in flight at the end of the forward).
+
+    Known limitations: the forward order is the order the modules are registered in (``model.modules()``), not
+    the traced call order, and the backward is taken as its reverse; the all-gather buffer's lifetime (until
+    its handle is dropped) is taken as the module's; ``stage3_max_live_parameters`` only limits prefetching, as in
+    DeepSpeed; the reduce-scatter buffers of a full bucket are not counted; offloading is not modelled here.
+
+    Example:
+        >>> ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
+        >>> t = zero3_terms(ds, [(1, 1000, True), (2, 10, True)], [[1, 2]], world_size=2, param_itemsize=4,
+        ...                 grad_itemsize=4)
+        >>> t.master_bytes, t.persistent_bytes
+        (2020, 4040)
+    """
+    _check_int("world_size", world_size, 1)
+    for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        if ds[key] is None:
+            raise ValueError(f"DeepSpeed config: `zero_optimization.{key}` is \"auto\", which the HF Trainer fills "
+                             "from the model's hidden_size, but the model's config has none: give the number.")
+    numel = {pid: n for pid, n, _ in params}
+    part = {pid: _ceil_div(n, world_size) for pid, n in numel.items()}
+    trainable = [pid for pid, _, t in params if t]
+
+    persistent, total = set(), 0
+    for pid, n, _ in params:  # mark_persistent_parameters: named_parameters order, a running total
+        if n + total > ds["stage3_model_persistence_threshold"]:
+            continue
+        if n <= ds["stage3_param_persistence_threshold"]:
+            persistent.add(pid)
+            total += n
+
+    sub_groups, current = [], 0  # _create_fp16_sub_groups over the partitions
+    for pid in trainable:
+        current += part[pid]
+        if current >= ds["sub_group_size"]:
+            sub_groups.append(current)
+            current = 0
+    sub_groups.append(current)
+    largest_sub_group = max(sub_groups)
+
+    modules = [m for m in modules if m]
+    order = modules + modules[::-1]  # the recorded trace: forward, then backward in reverse
+    sizes = [sum(numel[pid] for pid in m) for m in order]
+    kept: set[int] = set()
+    for i in range(len(modules)):  # released after module i's forward unless reused within the distance
+        traversed = 0
+        seen: set[int] = set()
+        for j in range(i + 1, len(order)):
+            if traversed >= ds["stage3_max_reuse_distance"]:
+                break
+            seen.update(order[j])
+            traversed += sizes[j]
+        kept |= {pid for pid in modules[i] if pid in seen}
+        kept -= {pid for pid in modules[i] if pid not in seen}
+    kept -= persistent
+    everything = set(numel) - persistent
+    kept_numel = sum(numel[pid] for pid in kept)
+    largest_module = max((sum(numel[pid] for pid in m if pid not in persistent) for m in modules), default=0)
+    prefetch = max(0, min(ds["stage3_max_live_parameters"] - kept_numel, ds["stage3_prefetch_bucket_size"]))
+    if prefetch:
+        prefetch += max((numel[pid] for pid in everything), default=0) - 1  # the loop adds whole parameters
+    in_flight = 2 * (largest_module + prefetch)  # gathered, and their all-gather output while it is in flight
+    every = sum(numel[pid] for pid in everything)
+    gathered = min(every, kept_numel + in_flight)
+    first = min(2 * max((sum(numel[pid] for pid in m) for m in modules), default=0), sum(numel.values()))
+
+    trainable_partitions = sum(part[pid] for pid in trainable)
+    terms = dict(
+        master_bytes=4 * trainable_partitions,
+        grad_partition_bytes=grad_itemsize * trainable_partitions,
+        init_grad_bytes=4 * largest_sub_group,
+        step_grad_bytes=4 * largest_sub_group,
+        persistent_bytes=param_itemsize * sum(numel[pid] for pid in persistent),
+        first_step_gathered_bytes=param_itemsize * first,
+        gathered_bytes=param_itemsize * gathered,
+    )
+    how = (f"fp32 partition copy {terms['master_bytes']:,} B and gradient partitions "
+           f"{terms['grad_partition_bytes']:,} B from construction; {len(persistent)} persistent parameter(s) (<= "
+           f"{ds['stage3_param_persistence_threshold']:,} elements) kept whole: {terms['persistent_bytes']:,} B; "
+           f"gathered parameters {terms['first_step_gathered_bytes']:,} B in the first step, "
+           f"{terms['gathered_bytes']:,} B from the second ({len(kept)} of {len(everything)} non-persistent "
+           f"parameter(s) kept from forward to backward within stage3_max_reuse_distance "
+           f"{ds['stage3_max_reuse_distance']:,}, prefetch window {prefetch:,} elements; modules in registration "
+           f"order); fp32 gradient of the largest sub-group {terms['step_grad_bytes']:,} B in each optimizer step and "
+           "until the first")
+    return Zero3Terms(**terms, how=how)
 
 
 def hf_hidden_size(model: Any) -> int | None:

@@ -29,9 +29,14 @@ too; an offloaded optimizer step (ZeRO-Offload, FSDP ``CPUOffload``) and offload
 GPU. DDP holds a flat copy of every gradient in its buckets from construction on; with
 ``gradient_as_bucket_view`` the gradients are views into them, so each gradient the backward makes lives only until
 DDP's hook copies it into its bucket (``Reducer::mark_variable_ready_dense``: the copy, then ``grad =
-bucket_view``), and the bucket is the gradient from then on. ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`, sized from the DeepSpeed
-config or DeepSpeed's defaults) are added in the communication category: during each backward at stages 1 and 2,
-from the start at stage 3. Shares round up per tensor. Other communication buffers are not counted.
+bucket_view``), and the bucket is the gradient from then on. ZeRO's gradient reduction buffers
+(`preflight._sharding.zero_buffers`, sized from the DeepSpeed config or DeepSpeed's defaults) are added in the
+communication category: at stages 1 and 2 from each backward's first gradient to its end, at stage 3 from the
+start. Stages 1 and 2 also hold an fp32 copy of the rank's parameter partition (`zero12_master_bytes`). At stage 3
+without offload, DeepSpeed's own terms replace the two gathered blocks (`preflight._sharding.zero3_terms`): the
+fp32 partition copy and the gradient partitions from the start, each full gradient only as a transient, the first
+step's gathered module, and from the second step the persistent parameters and those kept from forward to
+backward, in the communication category. Shares round up per tensor. Other communication buffers are not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from preflight._device import cuda_available
 from preflight._gpus import GPU, get_gpu
 from preflight._result import Category, Event
 from preflight.cuda import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
-from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, ZeroBuffers, shard_breakdown
+from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, Zero3Terms, ZeroBuffers, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
 
 __all__ = ["CudaTerms", "add_workspaces", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu",
@@ -136,13 +141,24 @@ def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
 
 def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
                        dtype: torch.dtype | None, offload_optimizer: bool = False, offload_params: bool = False,
-                       zero_buffers: ZeroBuffers | None = None) -> tuple[dict[str, int], str]:
+                       zero_buffers: ZeroBuffers | None = None,
+                       zero3: Zero3Terms | None = None) -> tuple[dict[str, int], str]:
     """One rank's breakdown, rescaled by category from a single-device breakdown (for a lower bound, which has no
     event timeline to rescale, and for evaluation), and a note saying how it was derived. ``zero_buffers``: ZeRO's
-    gradient reduction buffers alive at that moment, added as communication."""
+    gradient reduction buffers alive at that moment, added as communication. ``zero3``: DeepSpeed ZeRO-3's own
+    terms (`preflight._sharding.zero3_terms`), as they stand from the second step on: they replace the gathered
+    unit and the gradient share."""
     unit = largest_unit_bytes(model, dtype)
     out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
+    if sharding in ("zero1", "zero2") and not offload_optimizer:
+        out["optimizer_state"] += zero12_master_bytes(model, world_size)
+    if zero3 is not None:
+        out["temporaries"] -= min(2 * (unit or breakdown["parameters"]), breakdown["parameters"])
+        out["gradients"] = zero3.grad_partition_bytes
+        out["optimizer_state"] += zero3.master_bytes
+        communication = zero3.persistent_bytes + zero3.gathered_bytes
+        out[Category.COMMUNICATION.value] = out.get(Category.COMMUNICATION.value, 0) + communication
     offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
     note = (f"per-rank figures for {sharding} over {world_size} rank(s), derived from the single-device trace's "
             f"breakdown at its peak (largest gathered unit: {unit} bytes)"
@@ -150,21 +166,38 @@ def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_siz
     if zero_buffers is not None and zero_buffers.nbytes:
         out[Category.COMMUNICATION.value] = out.get(Category.COMMUNICATION.value, 0) + zero_buffers.nbytes
         note += f"; {zero_buffers.note()}"
+    if zero3 is not None:
+        note += f"; {zero3.note()}"
     return out, note
 
 
 # uids for the per-rank terms shard_events adds (the tracker's uids are >= 0, calibrated scratch's are < 0).
 _GATHERED_UID, _DDP_BUCKETS_UID, _ZERO_BUFFERS_UID = -(2**62), -(2**62) + 1, -(2**62) + 2
+# ZeRO-3's terms (`Zero3Terms`): fp32 partition copy, gradient partitions, the first step's gathered module, the
+# persistent and gathered parameters from the second step, the initial fp32 gradient, each step's fp32 gradient.
+_Z3_MASTER, _Z3_GRADS, _Z3_FIRST, _Z3_STEADY, _Z3_INIT_GRAD, _Z3_STEP_GRAD = (-(2**62) + 3 + i for i in range(6))
+_Z12_MASTER = -(2**62) + 9  # stages 1 and 2: the fp32 partition copy
+
+
+def zero12_master_bytes(model: nn.Module, world_size: int) -> int:
+    """ZeRO stages 1 and 2's fp32 copy of the rank's partition of the flat 16-bit (or model-dtype) parameter group:
+    ``stage_1_and_2.py __init__``, ``weights_partition = ...[partition_id].detach().clone().to(dtype=
+    master_weights_and_grads_dtype)``, a copy even when the model is fp32 (DeepSpeed 0.19.8). The flat group's
+    padding for alignment is not counted."""
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    return 4 * -(-numel // world_size)
 
 
 def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
                  sharding: str, dtype: torch.dtype | None, offload_optimizer: bool = False,
                  offload_params: bool = False, zero_buffers: ZeroBuffers | None = None,
+                 zero3: Zero3Terms | None = None,
                  gradient_as_bucket_view: bool = False) -> tuple[list[Event], dict[int, Category], str]:
     """One rank's events under ``sharding`` (module docstring), their categories, and a note saying how.
-    ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding. ``gradient_as_bucket_view``:
-    DDP's option; each traced gradient is freed right after its allocation (DDP copies it into its bucket and
-    points ``.grad`` at the bucket), and its later free is dropped.
+    ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding. ``zero3``: DeepSpeed ZeRO-3's
+    own terms (`_with_zero3`), for ``"zero3"``: they replace the gathered unit and the gradient share.
+    ``gradient_as_bucket_view``: DDP's option; each traced gradient is freed right after its allocation (DDP copies
+    it into its bucket and points ``.grad`` at the bucket), and its later free is dropped.
 
     The arguments are checked by `preflight._sharding.shard_breakdown` beforehand.
     """
@@ -189,6 +222,11 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
             category = categories.get(e.uid, Category.TEMPORARIES).value
             if category == Category.TEMPORARIES.value and e.phase.endswith("/optimizer"):
                 category = Category.OPTIMIZER_STATE.value  # the step's temporaries live and die with the shard
+            if zero3 is not None and category == Category.GRADIENTS.value:
+                # stage3.py __add_grad_to_ipg_bucket copies each full gradient into the reduction buffer as it is
+                # made and drops it: a transient here, the rank's share being the gradient partitions (zero3).
+                out.extend([e, dataclasses.replace(e, nbytes=-e.nbytes)])
+                continue
             sizes[e.uid] = share(e.nbytes, category)
             nbytes = sizes[e.uid]
         else:
@@ -200,7 +238,15 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
     categories = dict(categories)
     extra: list[Event] = []
     unit = largest_unit_bytes(model, dtype)
-    if Category.PARAMETERS.value in sharded:
+    if sharding in ("zero1", "zero2") and not offload_optimizer:
+        extra.append(Event(_Z12_MASTER, zero12_master_bytes(model, world_size), -1, "setup"))
+        categories[_Z12_MASTER] = Category.OPTIMIZER_STATE
+    if zero3 is not None:
+        out = _with_zero3(out, zero3)
+        categories.update({_Z3_MASTER: Category.OPTIMIZER_STATE, _Z3_GRADS: Category.GRADIENTS,
+                           _Z3_FIRST: Category.COMMUNICATION, _Z3_STEADY: Category.COMMUNICATION,
+                           _Z3_INIT_GRAD: Category.GRADIENTS, _Z3_STEP_GRAD: Category.GRADIENTS})
+    elif Category.PARAMETERS.value in sharded:
         total = sum(e.nbytes for e in events if e.nbytes > 0 and categories.get(e.uid) is Category.PARAMETERS)
         gathered = min(2 * (unit or total), total)  # the unit in use and the prefetched next one
         extra.append(Event(_GATHERED_UID, gathered, -1, "setup"))
@@ -212,35 +258,76 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
         categories[_DDP_BUCKETS_UID] = Category.GRADIENTS
     offloaded = [name for name, on in (("optimizer state", offload_optimizer), ("parameters", offload_params)) if on]
     note = (f"per-rank figures for {sharding} over {world_size} rank(s): every traced allocation rescaled to one "
-            f"rank's share (largest gathered unit: {unit} bytes)"
+            f"rank's share" + ("" if zero3 is not None else f" (largest gathered unit: {unit} bytes)")
             + (f"; {' and '.join(offloaded)} offloaded to the CPU" if offloaded else "")
             + ("; DDP's buckets counted from construction, gradients as views into them (gradient_as_bucket_view: "
                "each gradient the backward makes is freed once copied into its bucket)" if bucket_views else
                "; DDP's buckets, a flat copy of every gradient, counted from construction" if sharding == "ddp"
                else ""))
+    if zero3 is not None:
+        note += f"; {zero3.note()}"
     if zero_buffers is not None and zero_buffers.nbytes:
         categories[_ZERO_BUFFERS_UID] = Category.COMMUNICATION
         note += f"; {zero_buffers.note()}"
         if not zero_buffers.during_backward:
             extra.append(Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, "setup"))
         else:
-            out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""))
+            gradients = {uid for uid, c in categories.items() if c is Category.GRADIENTS}
+            out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""), gradients)
     return extra + out, categories, note
 
 
-def _during_backward(events: list[Event], buffer: Event) -> list[Event]:
-    """``events`` with ``buffer`` allocated before the first event of each backward phase and freed after its
-    last (DeepSpeed's ``setup_buckets`` at the backward's start, its release when the reduction ends)."""
+def _with_zero3(events: list[Event], z: Zero3Terms) -> list[Event]:
+    """``events`` with ZeRO-3's terms (`preflight._sharding.zero3_terms` for their sources) placed in time: the fp32
+    partition copy, the gradient partitions, the initial fp32 gradient and the first step's gathered module from the
+    start; at the first optimizer phase the initial gradient gives way to the step's; in each optimizer phase the
+    step's fp32 gradient; from the second step on the persistent and gathered parameters replace the first step's."""
+    def event(uid: int, nbytes: int, at: Event) -> Event:
+        return Event(uid, nbytes, at.op, at.phase)
+
+    start = Event(0, 0, -1, "setup")
+    out = [event(_Z3_MASTER, z.master_bytes, start), event(_Z3_GRADS, z.grad_partition_bytes, start),
+           event(_Z3_INIT_GRAD, z.init_grad_bytes, start), event(_Z3_FIRST, z.first_step_gathered_bytes, start)]
+    init_alive = first_alive = True
+    in_step = False
+    for e in events:
+        step, _, phase = e.phase.partition("/")
+        optimizer = phase == "optimizer"
+        if optimizer and not in_step:
+            out.append(event(_Z3_STEP_GRAD, z.step_grad_bytes, e))
+            if init_alive:
+                out.append(event(_Z3_INIT_GRAD, -z.init_grad_bytes, e))
+                init_alive = False
+        elif in_step and not optimizer:
+            out.append(event(_Z3_STEP_GRAD, -z.step_grad_bytes, e))
+        in_step = optimizer
+        if first_alive and step.startswith("step") and step[4:].isdigit() and int(step[4:]) >= 2:
+            out += [event(_Z3_FIRST, -z.first_step_gathered_bytes, e),
+                    event(_Z3_STEADY, z.persistent_bytes + z.gathered_bytes, e)]
+            first_alive = False
+        out.append(e)
+    if in_step and out:
+        out.append(event(_Z3_STEP_GRAD, -z.step_grad_bytes, out[-1]))
+    return [e for e in out if e.nbytes]
+
+
+def _during_backward(events: list[Event], buffer: Event, gradients: set[int]) -> list[Event]:
+    """``events`` with ``buffer`` allocated at the first gradient (a uid in ``gradients``) each backward makes and
+    freed after the backward's last event: DeepSpeed's ``setup_buckets`` runs in the first gradient's hook
+    (``stage_1_and_2.py grad_handling_hook`` -> ``process_gradients``), and the buffers are released when the
+    backward's reduction ends."""
     out: list[Event] = []
-    inside = False
+    inside = alive = False
     for e in events:
         backward = e.phase.endswith("/backward")
-        if backward and not inside:
-            out.append(dataclasses.replace(buffer, op=e.op, phase=e.phase))
-        elif inside and not backward:
+        if inside and not backward and alive:
             out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=e.op, phase=e.phase))
+            alive = False
         inside = backward
+        if backward and not alive and e.nbytes > 0 and e.uid in gradients:
+            out.append(dataclasses.replace(buffer, op=e.op, phase=e.phase))
+            alive = True
         out.append(e)
-    if inside:
+    if alive:
         out.append(dataclasses.replace(buffer, nbytes=-buffer.nbytes, op=events[-1].op, phase=events[-1].phase))
     return out

@@ -13,6 +13,7 @@ from conftest import (classify_step, image_batch, lm_batch, make_depthwise_cnn, 
 from torch import nn
 
 import preflight
+from preflight._result import Category
 
 TRANSFORMER_TOL = 0.005  # issue 2: within 0.5% for transformer models
 CNN_TOL = 0.03  # and 3% for CNNs
@@ -331,11 +332,34 @@ def test_lower_bound_is_per_rank_when_sharded():
                                      sharding="zero2", gpu="A100-80GB")
     assert sharded.coverage.lower_bound and sharded.world_size == 4 and sharded.gpu == "A100-80GB"
     assert sharded.unsharded_peak_bytes == single.peak_bytes
-    assert sharded.breakdown["optimizer_state"] == -(-single.breakdown["optimizer_state"] // 4)
+    # The rank's share of the optimizer state, plus DeepSpeed's fp32 copy of its parameter partition (4 bytes for each
+    # of its quarter of the parameters: stage_1_and_2.py __init__, `weights_partition`).
+    params = sum(p.numel() for p in model.parameters())
+    assert sharded.breakdown["optimizer_state"] == -(-single.breakdown["optimizer_state"] // 4) + 4 * -(-params // 4)
     # DeepSpeed's gradient reduction buffer is its default reduce_bucket_size in fp32, whatever the model's size;
     # everything else is this rank's share of the bound.
     assert sharded.breakdown["communication"] == 500_000_000 * 4
     assert sharded.peak_bytes - sharded.breakdown["communication"] < single.peak_bytes
+
+
+def test_zero3_counts_deepspeeds_own_terms():
+    # Two linear layers of 64 x 64 over 2 ranks; biases (64 elements) under the persistence threshold stay whole.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                    "stage3_param_persistence_threshold": 64}}
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(8, 64), world_size=2,
+                             deepspeed_config=config, step=lambda m, x: m(x).square().mean())
+    alive = {}
+    for e in est.events:  # what each category holds after the second step
+        category = est.categories.get(e.uid, Category.TEMPORARIES).value
+        alive[category] = alive.get(category, 0) + e.nbytes
+    # The reduction buffer (1000 fp32 elements), the persistent biases and both weights, gathered whole (DeepSpeed's
+    # default reuse distance keeps them from forward to backward).
+    assert alive["communication"] == 1000 * 4 + 2 * 64 * 4 + 2 * 64 * 64 * 4
+    # The rank's gradient partitions, half of every parameter in fp32; the full gradients were transients.
+    assert alive["gradients"] == (64 * 64 + 64) * 4
+    assert "fp32 partition copy 16,640 B" in " ".join(est.coverage.notes)
 
 
 def _hf_optimizer_names():

@@ -12,6 +12,7 @@ from preflight._sharding import (
     model_state_bytes,
     read_deepspeed_config,
     shard_breakdown,
+    zero3_terms,
 )
 
 GB = 10**9
@@ -181,6 +182,7 @@ def test_deepspeed_defaults():
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": 1_000_000_000,
+        "stage3_model_persistence_threshold": 2**63 - 1,
         "sub_group_size": 1_000_000_000,
         "bf16": False,
         "fp16": False,
@@ -248,3 +250,74 @@ def test_deepspeed_errors(tmp_path):
         read_deepspeed_config(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="should be a dict, a JSON string or a path"):
         read_deepspeed_config(3)
+
+
+def _z3(world_size=2, itemsize=4, grad_itemsize=None, params=None, modules=None, **zero):
+    ds = read_deepspeed_config({"zero_optimization": {"stage": 3, **zero}})
+    if params is None:  # eight modules of one 1000-element parameter each
+        params = [(i, 1000, True) for i in range(8)]
+        modules = [[i] for i in range(8)]
+    return zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize,
+                       grad_itemsize=grad_itemsize or itemsize)
+
+
+def test_zero3_partitions_master_and_gradient_buffers():
+    # Partitions round up per parameter (10 -> 3, 7 -> 2 over 4 ranks); the frozen one has neither master nor
+    # gradient partition. fp32 master (4 B) whatever the model's dtype; gradients in their own dtype.
+    t = _z3(world_size=4, itemsize=2, params=[(1, 10, True), (2, 7, True), (3, 100, False)], modules=[[1, 2, 3]])
+    assert t.master_bytes == 4 * 5 and t.grad_partition_bytes == 2 * 5
+    assert t.init_grad_bytes == t.step_grad_bytes == 4 * 5  # one sub-group
+
+
+def test_zero3_sub_groups():
+    # sub_group_size 4 over partitions of 3, 2, 5 elements: the first sub-group closes at 5 (>= 4), the second at 5.
+    t = _z3(world_size=4, params=[(1, 10, True), (2, 7, True), (3, 20, True)], modules=[[1, 2, 3]],
+            sub_group_size=4)
+    assert t.master_bytes == 4 * 10 and t.init_grad_bytes == t.step_grad_bytes == 4 * 5
+
+
+def test_zero3_persistent_parameters_stay_whole():
+    params = [(1, 1000, True), (2, 10, True), (3, 50, True)]
+    t = _z3(params=params, modules=[[1, 2], [3]], stage3_param_persistence_threshold=50)
+    assert t.persistent_bytes == 4 * 60  # both small ones, whole on every rank
+    # The running total is capped by stage3_model_persistence_threshold: 10 fits, 10 + 50 does not.
+    t = _z3(params=params, modules=[[1, 2], [3]], stage3_param_persistence_threshold=50,
+            stage3_model_persistence_threshold=55)
+    assert t.persistent_bytes == 4 * 10
+    # Only non-persistent parameters count as gathered (the one of 1000 elements, all kept by default).
+    assert t.gathered_bytes == 4 * 1050
+
+
+def test_zero3_first_step_gathers_one_module_at_a_time():
+    t = _z3(stage3_param_persistence_threshold=0)
+    assert t.first_step_gathered_bytes == 4 * 2 * 1000  # the module in use and its all-gather output
+
+
+def test_zero3_reuse_distance_keeps_parameters_for_backward():
+    # By default (1e9 elements) every parameter is kept from its forward to its backward.
+    assert _z3(stage3_param_persistence_threshold=0).gathered_bytes == 4 * 8000
+    # Within 1500 elements only the last module reaches its backward use (the next module); the others are
+    # released. Gathered: the kept one + 2 x (largest module + prefetch window). With no prefetch:
+    t = _z3(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=1500, stage3_prefetch_bucket_size=0)
+    assert t.gathered_bytes == 4 * (1000 + 2 * 1000)
+
+
+def test_zero3_prefetch_bucket_and_max_live_parameters_cap_the_gathered_bytes():
+    small = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=1500)
+    # Prefetch window: the bucket (500) plus at most one parameter's overshoot (999), as DeepSpeed adds whole ones.
+    t = _z3(**small, stage3_prefetch_bucket_size=500)
+    assert t.gathered_bytes == 4 * (1000 + 2 * (1000 + 500 + 999))
+    # stage3_max_live_parameters 1200 leaves 200 beside the 1000 kept.
+    t = _z3(**small, stage3_prefetch_bucket_size=500, stage3_max_live_parameters=1200)
+    assert t.gathered_bytes == 4 * (1000 + 2 * (1000 + 200 + 999))
+    # With nothing left under it, nothing is prefetched.
+    t = _z3(**small, stage3_prefetch_bucket_size=500, stage3_max_live_parameters=1000)
+    assert t.gathered_bytes == 4 * (1000 + 2 * 1000)
+    # Never more than every non-persistent parameter.
+    assert _z3(**small, stage3_prefetch_bucket_size=10**6).gathered_bytes == 4 * 8000
+
+
+def test_zero3_terms_need_resolved_auto_values():
+    ds = read_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}})
+    with pytest.raises(ValueError, match="stage3_param_persistence_threshold` is \"auto\""):
+        zero3_terms(ds, [(1, 10, True)], [[1]], world_size=2, param_itemsize=4, grad_itemsize=4)

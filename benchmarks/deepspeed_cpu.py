@@ -11,11 +11,13 @@ move them into flat buffers): frees of blocks allocated before a session are not
 would stay counted.
 
 The profiler also loses frees made on gloo's worker threads (`preflight._measure.repaired_memory_peak`): a
-collective's buffer whose last reference the worker drops. The blocks the replay still holds at the end that no live
-tensor holds (``gc.get_objects()`` after the steps) are those lost frees; each peak is given three ways:
+collective's buffer whose last reference the worker drops. An address allocated again with no free in between, and
+a block the replay still holds at the end that no live tensor holds (``gc.get_objects()`` after the steps), are
+those lost frees (`preflight._measure.lost_free_peaks`); each peak is given three ways:
     repaired         an unrecorded free is placed where the address is allocated again, or never (the measurement
                      of earlier versions; it varies from run to run with the threads' timing).
-    call end         a lost free is placed at the end of the profiled call that allocated the block (build,
+    call end         a lost free is placed at the end of the profiled call that allocated the block, or before the
+                     address is allocated again if that comes first (build,
                      ``initialize``, forward, backward, step): DeepSpeed waits for each collective within the call
                      that starts it, and gloo's worker drops a finished work right after running it
                      (``ProcessGroupGloo::runLoop``). An upper bound under that reading of the source.
@@ -75,6 +77,7 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -92,51 +95,11 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
                 engine.step()
     gc.collect()
     alive = {obj.untyped_storage().data_ptr() for obj in gc.get_objects() if isinstance(obj, torch.Tensor)}
-    queue.put((rank, _peaks(prof, alive)))
+    queue.put((rank, lost_free_peaks(prof, alive, _CALL)))
     del engine
 
 
 _CALL = "## "  # names the profiled calls (build, initialize, forward, backward, step)
-
-
-def _peaks(prof: object, alive: set[int]) -> tuple[int, ...]:
-    """Each rank's peak three ways (module docstring): the repaired replay; lost frees placed at the end of the call
-    that allocated them; lost frees dropped."""
-    from torch._C._profiler import _EventType
-
-    from preflight._measure import replayed_peak
-
-    allocations, calls = [], []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            allocations.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr))
-        else:
-            try:
-                if node.name.startswith(_CALL):
-                    calls.append((node.start_time_ns, node.end_time_ns))
-            except UnicodeDecodeError:  # some Python frames' names do not decode; none of them is ours
-                pass
-        stack.extend(node.children)
-    allocations.sort(key=lambda a: a[0])
-    live: dict[int, int] = {}  # address -> index of the allocation live there at the end of the replay
-    for i, (_, nbytes, ptr) in enumerate(allocations):
-        if nbytes > 0:
-            live[ptr] = i
-        else:
-            live.pop(ptr, None)
-    lost = {i for ptr, i in live.items() if ptr not in alive}
-    at_call_end = list(allocations)
-    for i in lost:  # no later allocation reuses these addresses (they are live at the end of the replay)
-        start, nbytes, ptr = allocations[i]
-        ends = [end for begin, end in calls if begin <= start <= end]
-        if ends:
-            at_call_end.append((min(ends), -nbytes, ptr))
-    at_call_end.sort(key=lambda a: a[0])
-    dropped = [a for i, a in enumerate(allocations) if i not in lost]
-    return tuple(replayed_peak([(nbytes, ptr) for _, nbytes, ptr in replay])
-                 for replay in (allocations, at_call_end, dropped))
 
 
 def measure(config: dict) -> list[int]:

@@ -14,7 +14,8 @@ from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps, run_steps
 from preflight.trace import float_dtype_for
 
-__all__ = ["measure", "cpu_profiled_peak", "profiled_memory_peak", "repaired_memory_peak", "replayed_peak"]
+__all__ = ["measure", "cpu_profiled_peak", "lost_free_peaks", "placed_peaks", "profiled_memory_peak",
+           "repaired_memory_peak", "replayed_peak"]
 
 
 def measure(
@@ -122,17 +123,86 @@ def repaired_memory_peak(prof: Any) -> int:
     is placed just before that allocation, the latest it can have happened, so the result is still an upper bound
     of the true peak (a lost block whose address is never reused stays counted).
     """
+    allocations, _ = _profiled_allocations(prof)
+    return replayed_peak([(nbytes, ptr) for _, nbytes, ptr in allocations])
+
+
+def lost_free_peaks(prof: Any, alive: set[int], call_prefix: str) -> tuple[int, int, int]:
+    """The peak of a profiled session three ways, for runs whose collectives free blocks on gloo's worker threads,
+    where the profiler loses the free (`repaired_memory_peak`): ``(repaired, lost frees at call end, lost frees
+    dropped)``, from `placed_peaks` over the session's CPU allocations and its ranges named with ``call_prefix``
+    (``record_function(call_prefix + "forward")``, ...). ``alive``: the storage addresses of the tensors alive at
+    the end (e.g. from ``gc.get_objects()``)."""
+    allocations, calls = _profiled_allocations(prof, call_prefix)
+    return placed_peaks(allocations, calls, alive)
+
+
+def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int, int]],
+                 alive: set[int]) -> tuple[int, int, int]:
+    """``(repaired, lost frees at call end, lost frees dropped)`` peaks of ``(time, nbytes, address)`` allocation
+    (> 0) and free (< 0) events in time order, with ``calls`` the ``(start, end)`` times of the profiled phases.
+
+    A free is lost where an address is allocated again with no free recorded in between (the reuse proves it), or
+    where a block is still allocated at the end while no live tensor holds it (``alive``; a block held only by C++,
+    such as DDP's gradient buckets, would be taken as lost, so do not use this there). ``repaired`` places each
+    proven free just before the reuse and keeps the rest to the end (an upper bound, `replayed_peak`); ``at call
+    end`` places every lost free at the end of the innermost call that encloses the allocation, or before the reuse
+    when that comes first: gloo's worker loop drops a finished collective right after running it, and the engines
+    wait for each collective inside the phase that issued it, so this is the latest such a free can happen;
+    ``dropped`` leaves lost blocks out (a lower bound). Where the last two agree, no lost block is alive at the peak.
+
+    Example:
+        >>> placed_peaks([(0, 10, 1), (1, 20, 2), (5, 30, 3)], [(0, 2)], alive={3})  # 1 and 2: lost in the call
+        (60, 30, 30)
+    """
+    lost: dict[int, int | None] = {}  # allocation index -> time of the reuse that proves its free, or None
+    live: dict[int, int] = {}  # address -> index of the allocation live there
+    for i, (when, nbytes, ptr) in enumerate(allocations):
+        if nbytes > 0:
+            if ptr in live:
+                lost[live[ptr]] = when
+            live[ptr] = i
+        else:
+            live.pop(ptr, None)
+    for ptr, i in live.items():
+        if ptr not in alive:
+            lost[i] = None
+    placed = list(allocations)
+    for i, reused in lost.items():
+        start, nbytes, ptr = allocations[i]
+        ends = [end for begin, end in calls if begin <= start <= end]
+        at = min(ends) if ends else reused
+        if at is not None and reused is not None:
+            at = min(at, reused - 1)
+        if at is not None:
+            placed.append((at, -nbytes, ptr))
+    placed.sort(key=lambda a: a[0])
+    dropped = [a for i, a in enumerate(allocations) if i not in lost]
+    return tuple(replayed_peak([(nbytes, ptr) for _, nbytes, ptr in replay])  # type: ignore[return-value]
+                 for replay in (allocations, placed, dropped))
+
+
+def _profiled_allocations(prof: Any, call_prefix: str | None = None) -> tuple[list[tuple[int, int, int]],
+                                                                            list[tuple[int, int]]]:
+    """A finished CPU profile's allocation events ``(time, nbytes, address)`` in time order, and the ``(start,
+    end)`` times of its ranges named with ``call_prefix``."""
     from torch._C._profiler import _EventType
 
-    allocations = []
+    allocations, calls = [], []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
             allocations.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr))
+        elif call_prefix is not None:
+            try:
+                if node.name.startswith(call_prefix):
+                    calls.append((node.start_time_ns, node.end_time_ns))
+            except UnicodeDecodeError:  # some Python frames' names do not decode; none of them is a call
+                pass
         stack.extend(node.children)
     allocations.sort(key=lambda a: a[0])
-    return replayed_peak([(nbytes, ptr) for _, nbytes, ptr in allocations])
+    return allocations, calls
 
 
 def replayed_peak(events: list[tuple[int, int]]) -> int:

@@ -259,7 +259,8 @@ def _wrapper_of(module: nn.Module, wrapper_cls: type) -> nn.Module | None:
 
     if not getattr(module, "_is_fsdp_managed_module", False):  # FSDP1 marks every module under a wrapper
         return None
-    wrappers = {id(w._fsdp_wrapped_module): w for w in gc.get_objects() if isinstance(w, wrapper_cls)}
+    # By type, not isinstance: some objects' `__class__` is a property that warns (torch's deprecated `reduce_op`).
+    wrappers = {id(w._fsdp_wrapped_module): w for w in gc.get_objects() if issubclass(type(w), wrapper_cls)}
     found = None
     while id(module) in wrappers:
         found = module = wrappers[id(module)]

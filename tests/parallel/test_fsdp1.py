@@ -403,3 +403,85 @@ def test_a_model_fsdp1_already_wrapped_is_traced_per_rank_from_its_own_plan():
         error = (before[rank] - result["measured"]) / result["measured"]
         print(f"rank {rank}: predicted {before[rank]} measured {result['measured']} ({error:+.2%})")
         assert abs(error) <= 0.03, (rank, before, result["measured"])
+
+
+def _wrapped_in_a_job(rank: int = 3, world: int = WORLD, **options):
+    """`_setup`'s model wrapped by FullyShardedDataParallel (each Linear a unit, then the root, as Lightning's
+    FSDPStrategy with ``auto_wrap_policy={nn.Linear}`` does) in a fake job of ``world`` ranks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model, _, x = _setup()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"),
+                 **{"use_orig_params": True, **options})
+    return model, torch.optim.AdamW(model.parameters()), x
+
+
+_UNITS = ("layers.0", "layers.1", "layers.2", "head")
+
+
+@pytest.mark.parametrize("orig", [True, False])
+def test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped(orig):
+    model, optimizer, x = _setup()
+    plan = FSDP1Plan(units=_UNITS, use_orig_params=orig)
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    model, optimizer, x = _wrapped_in_a_job(use_orig_params=orig)
+    try:
+        held = _storages(model)
+        est = preflight.estimate(model, optimizer, x, step=_step)
+        inner = preflight.estimate(model.module, optimizer, x, step=_step)  # what Lightning's callback sees
+        assert _same(held, _storages(model)) and not optimizer.state and dist.get_rank() == 3
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == inner.per_rank_peak_bytes == alone.per_rank_peak_bytes
+    assert (est.sharding, est.world_size) == ("fsdp-full", WORLD)
+    assert any("already wrapped by FullyShardedDataParallel" in n and "rank 3" in n for n in est.coverage.notes)
+    if orig:  # rank 3 holds the padding: less optimizer state over its views
+        assert est.step_peaks(3) != est.step_peaks(0)
+
+
+def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_are_refused():
+    from torch.distributed.fsdp import CPUOffload
+
+    from preflight.parallel import read_fsdp1
+
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2)
+    try:
+        read = read_fsdp1(model)
+        assert (read.world_size, read.rank, read.root) == (2, 0, model)
+        assert read_fsdp1(model.module).root is model  # the wrapper found around the module it holds
+        with pytest.raises(ValueError, match="world_size=4 says otherwise"):
+            preflight.estimate(model, optimizer, x, step=_step, world_size=4)
+        with pytest.raises(ValueError, match="sharding='fsdp-grad-op'"):
+            preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-grad-op")
+    finally:
+        dist.destroy_process_group()
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2, cpu_offload=CPUOffload(offload_params=True))
+    try:
+        with pytest.raises(ValueError, match="CPUOffload"):
+            read_fsdp1(model)
+    finally:
+        dist.destroy_process_group()
+    assert read_fsdp1(_setup()[0]) is None
+
+
+def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
+    from preflight._check import Options, predict
+    from preflight.parallel import fsdp_plan
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=_UNITS))
+    model, optimizer, x = _wrapped_in_a_job()
+    try:  # the module the wrapper holds and the strategy's own plan, as Lightning's callback passes them
+        reports = [predict(model.module, optimizer, x, step=_step, options=Options(budget=budget, suggest=False),
+                           parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy"))
+                   for budget in (alone.peak_bytes * 2, alone.peak_bytes // 2)]
+    finally:
+        dist.destroy_process_group()
+    assert [r.fits for r in reports] == [True, False]
+    for report in reports:
+        assert report.predicted_peak_bytes == alone.peak_bytes and not report.coverage["lower_bound"]
+        assert not any(w.startswith("no verdict") for w in report.warnings)

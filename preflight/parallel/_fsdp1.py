@@ -178,8 +178,8 @@ class WrappedFSDP1:
 
 
 def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
-    """The plan ``FullyShardedDataParallel`` was applied to ``model`` with, or None where no module of it (nor a
-    wrapper around it) is one.
+    """The plan ``FullyShardedDataParallel`` was applied to ``model`` with, or None where no module of it is one
+    and no wrapper holds it.
 
     ``model`` may be the outermost wrapper, or the module it wraps (its submodules then are the inner wrappers): the
     wrapper around it is found among the objects the garbage collector tracks (``gc.get_objects``, once). The units are the
@@ -197,15 +197,13 @@ def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
     except ImportError:  # a build of torch without distributed support cannot have wrapped it
         return None
-    root = model if isinstance(model, FSDP) else None
+    root = model if isinstance(model, FSDP) else _wrapper_of(model, FSDP)
     if root is None:
         if not any(isinstance(m, FSDP) for m in model.modules()):
             return None
-        root = _wrapper_of(model, FSDP)
-        if root is None:
-            raise ValueError("the model's submodules are wrapped by FullyShardedDataParallel but no wrapper holds the "
-                             "model itself (each top-level wrapper is then its own root): preflight traces a model "
-                             "whose root is wrapped too, as the trainers and FSDP's auto_wrap_policy do")
+        raise ValueError("the model's submodules are wrapped by FullyShardedDataParallel but no wrapper holds the "
+                         "model itself (each top-level wrapper is then its own root): preflight traces a model whose "
+                         "root is wrapped too, as the trainers and FSDP's auto_wrap_policy do")
     units = [(clean_tensor_name(name), m) for name, m in root.named_modules() if isinstance(m, FSDP)]
     first = units[0][1]
     for name, unit in units:

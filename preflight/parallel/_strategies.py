@@ -230,6 +230,8 @@ def already_sharded(model: Any) -> str | None:
     for module in model.modules():
         if type(module).__name__ == "FullyShardedDataParallel":
             return "a submodule is wrapped in FullyShardedDataParallel"
+    if getattr(model, "_is_fsdp_managed_module", False):  # a wrapper holds it (its parameters are views of shards)
+        return "the model is held by a FullyShardedDataParallel wrapper"
     return None
 
 

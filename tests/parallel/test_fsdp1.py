@@ -414,8 +414,8 @@ def _wrapped_in_a_job(rank: int = 3, world: int = WORLD, **options):
 
     model, _, x = _setup()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"),
-                 **{"use_orig_params": True, **options})
+    options = {"use_orig_params": True, "auto_wrap_policy": ModuleWrapPolicy({nn.Linear}), **options}
+    model = FSDP(model, device_id=torch.device("cpu"), **options)
     return model, torch.optim.AdamW(model.parameters()), x
 
 
@@ -467,6 +467,23 @@ def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_a
     assert read_fsdp1(_setup()[0]) is None
 
 
+def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
+    from preflight.parallel import already_sharded, read_fsdp1
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=()))
+    model, optimizer, x = _wrapped_in_a_job(auto_wrap_policy=None)  # the root alone: no wrapper inside the module
+    try:
+        assert not any(isinstance(m, type(model)) for m in model.module.modules())
+        assert already_sharded(model.module) == "the model is held by a FullyShardedDataParallel wrapper"
+        assert read_fsdp1(model.module).plan == FSDP1Plan(units=(), sharding_strategy="FULL_SHARD")
+        est = preflight.estimate(model.module, optimizer, x, step=_step)
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
+
+
 def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
     from preflight._check import Options, predict
     from preflight.parallel import fsdp_plan
@@ -485,3 +502,28 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
     for report in reports:
         assert report.predicted_peak_bytes == alone.peak_bytes and not report.coverage["lower_bound"]
         assert not any(w.startswith("no verdict") for w in report.warnings)
+
+
+def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from preflight.parallel import read_fsdp1
+
+    model, optimizer, x = _setup()
+    plan = FSDP1Plan(units=_UNITS, sharding_strategy="HYBRID_SHARD", ranks_per_node=2)
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
+    try:  # rank 3: node 1, index 1 in its node
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+                     sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)),
+                     device_id=torch.device("cpu"))
+        read = read_fsdp1(model)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, step=_step)
+    finally:
+        dist.destroy_process_group()
+    assert (read.plan, read.world_size, read.rank) == (plan, WORLD, 3)
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes

@@ -187,6 +187,16 @@ def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
     sharding group's size times, for a hybrid strategy, the inter-node group's (``ranks_per_node`` is the former).
     Reads only: nothing of the model, its FSDP state or the process group is changed, and no collective runs.
 
+    Example (inside the job, after Lightning's ``FSDPStrategy`` wrapped the LightningModule's units)::
+
+        wrapped = read_fsdp1(pl_module)  # FSDP1Plan(units=("layers.0", ...), sharding_strategy="FULL_SHARD", ...)
+        est = preflight.estimate(pl_module, optimizer, batch)  # each rank traced from that plan
+
+    Known limitations: the lookup of the wrapper around ``model`` walks every object the garbage collector tracks
+    (a fraction of a second in a large process); a plan whose units are not all alike is refused rather than
+    traced approximately; ``sync_module_states``, ``param_init_fn`` and communication hooks are not read (they do
+    not change the steady-state bytes FSDP1 holds, except a comm hook's own buffers, which are not traced).
+
     Raises:
         ValueError: the wrapping is one the per-rank trace does not follow (no wrapper around the model whose
             submodules are wrapped, ``CPUOffload``, ``NO_SHARD``, units with different settings or groups, ignored

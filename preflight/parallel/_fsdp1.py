@@ -194,13 +194,13 @@ def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
 
     Known limitations: the lookup of the wrapper around ``model`` walks every object the garbage collector tracks
     (a fraction of a second in a large process); a plan whose units are not all alike is refused rather than
-    traced approximately; ``sync_module_states``, ``param_init_fn`` and communication hooks are not read (they do
-    not change the steady-state bytes FSDP1 holds, except a comm hook's own buffers, which are not traced).
+    traced approximately (a communication hook too); ``sync_module_states`` and ``param_init_fn`` are not read
+    (they act at construction, before preflight sees the model).
 
     Raises:
         ValueError: the wrapping is one the per-rank trace does not follow (no wrapper around the model whose
             submodules are wrapped, ``CPUOffload``, ``NO_SHARD``, units with different settings or groups, ignored
-            parameters or modules): the message says which.
+            parameters or modules, a communication hook): the message says which.
     """
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -225,6 +225,9 @@ def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
         if unit.process_group.size() != first.process_group.size():
             raise ValueError("the model's FullyShardedDataParallel units shard over groups of different sizes; the "
                              "per-rank trace follows one group")
+        if unit._comm_hook is not None:
+            raise ValueError(f"unit {name!r} of the model has a communication hook ({unit._comm_hook!r}, "
+                             "register_comm_hook); the per-rank trace follows FSDP1's own reduction")
         if unit._ignored_params or unit._ignored_modules:
             raise ValueError(f"unit {name!r} of the model ignores parameters or modules (ignored_states); the "
                              "per-rank trace does not follow them yet")

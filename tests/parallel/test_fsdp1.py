@@ -464,6 +464,13 @@ def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_a
             read_fsdp1(model)
     finally:
         dist.destroy_process_group()
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2)
+    try:
+        model.register_comm_hook(None, lambda state, grad: None)
+        with pytest.raises(ValueError, match="communication hook"):
+            read_fsdp1(model)
+    finally:
+        dist.destroy_process_group()
     assert read_fsdp1(_setup()[0]) is None
 
 

@@ -233,8 +233,10 @@ def estimate(
     composed_note = None
     ranks = rank_note = None
     if plan is not None:
+        # The module a wrapper holds (what the callbacks pass): each step runs through the root wrapper's forward.
+        through_root = isinstance(wrapped, WrappedFSDP1) and wrapped.root is not model
         ranks, rank_note = _trace_ranks(traced_model, optimizer, batch, world_size, plan, sharding, offload,
-                                        options, fast=fast, wrapped=wrapped is not None)
+                                        options, fast=fast, wrapped=wrapped is not None, through_root=through_root)
     if wrapped is not None:
         if ranks is None:  # a single-device trace of the wrapped model would run FSDP's hooks on the user's groups
             engine = "fully_shard" if isinstance(wrapped, WrappedFSDP2) else "FullyShardedDataParallel"
@@ -465,10 +467,12 @@ def fsdp_trace_plan(fsdp: Any, sharding: str | None) -> FSDP1Plan | FSDP2Plan | 
 
 def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, world_size: int,
                  plan: FSDP1Plan | FSDP2Plan, sharding: str, offload: dict[str, bool], options: dict[str, Any], *,
-                 fast: bool, wrapped: bool = False) -> tuple[list[tuple[list[int], Any]] | None, str]:
+                 fast: bool, wrapped: bool = False,
+                 through_root: bool = False) -> tuple[list[tuple[list[int], Any]] | None, str]:
     """Each distinct rank's sharded trace as ``[(ranks, TraceResult), ...]`` and a note, or None and the reason the
     caller rescales a single-device trace instead. ``wrapped``: the plan was read off the model (its units are
-    its own, named without the wrappers' prefixes)."""
+    its own, named without the wrappers' prefixes); ``through_root``: FSDP1's steps run through the root wrapper's
+    forward (`preflight.parallel._fsdp1.through_root_step`)."""
     fsdp1 = isinstance(plan, FSDP1Plan)
     engine = f"FullyShardedDataParallel({plan.sharding_strategy})" if fsdp1 else "fully_shard"
     shard = plan.shard_size(world_size)
@@ -513,7 +517,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
                            schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                           cuda=cuda)
+                           cuda=cuda, **({"through_root": True} if through_root else {}))
             if result.error is not None:
                 reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
                 return None, f"{sharding}: the sharded trace of rank {group[0]} stopped at {result.failed_op} " \

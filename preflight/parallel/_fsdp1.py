@@ -49,7 +49,7 @@ from preflight.trace import Sweep, TraceResult, fake_region, isolated_rng, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import TwinMaker, clone_optimizer
 
-__all__ = ["FSDP1Plan", "WrappedFSDP1", "fsdp1_rank_groups", "read_fsdp1", "trace_fsdp1"]
+__all__ = ["FSDP1Plan", "WrappedFSDP1", "fsdp1_rank_groups", "read_fsdp1", "through_root_step", "trace_fsdp1"]
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 # Each hybrid strategy and the strategy it applies inside a shard group (one node).
@@ -182,9 +182,10 @@ def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
     and no wrapper holds it.
 
     ``model`` may be the outermost wrapper, or the module it wraps (its submodules then are the inner wrappers): the
-    wrapper around it is found among the objects the garbage collector tracks (``gc.get_objects``, once). The units are the
-    inner wrappers' qualified names without FSDP1's ``_fsdp_wrapped_module.`` prefixes; the world size is the
-    sharding group's size times, for a hybrid strategy, the inter-node group's (``ranks_per_node`` is the former).
+    wrapper around it is found among the objects the garbage collector tracks (``gc.get_objects``, once). The units
+    are the inner wrappers' qualified names without FSDP1's ``_fsdp_wrapped_module.`` prefixes; the world size is
+    the sharding group's size times, for a hybrid strategy, the inter-node group's (``ranks_per_node`` is the
+    former).
     Reads only: nothing of the model, its FSDP state or the process group is changed, and no collective runs.
 
     Example (inside the job, after Lightning's ``FSDPStrategy`` wrapped the LightningModule's units)::
@@ -362,13 +363,53 @@ def trace_fsdp1(
     record_op: Any = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
+    through_root: bool = False,
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
-    arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`."""
+    arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`. With
+    ``through_root``, each step runs inside the root wrapper's forward on the module it holds (`through_root_step`)."""
+    if through_root:
+        step = through_root_step(step)
     return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep)
+
+
+def through_root_step(step: StepFn | None) -> StepFn:
+    """``step`` as a trainer runs it on a model whose root ``FullyShardedDataParallel`` wraps the module the trainer
+    hands its step: inside the root wrapper's forward, the batch passing through it (so FSDP1's root pre- and
+    post-forward run, its input casting included), on the module it holds. That is Lightning's ``FSDPStrategy``
+    (its ``_ForwardRedirection`` runs ``training_step`` as the root's forward) and the HF Trainer / accelerate (they
+    call the root wrapper; the callbacks step the module it holds). Without it the root's own work, which gathers
+    and frees the units, would not run and the first unit would become FSDP1's root instead."""
+    def redirected(wrapped: nn.Module, batch: Any) -> Any:
+        inner = wrapped.module
+        table = vars(inner)
+        saved = table.get("forward", _ABSENT)  # a forward set on the instance (Lightning leaves one after a step)
+
+        def restore() -> None:
+            if saved is _ABSENT:
+                table.pop("forward", None)
+            else:
+                table["forward"] = saved
+
+        def forward(passed: Any) -> Any:
+            restore()  # the step's own calls of the module run its real forward
+            if step is not None:
+                return step(inner, passed)
+            return inner(**passed) if isinstance(passed, dict) else inner(passed)
+
+        table["forward"] = forward
+        try:
+            return wrapped(batch)
+        finally:
+            restore()
+
+    return redirected
+
+
+_ABSENT = object()
 
 
 def _engine(plan: FSDP1Plan, world_size: int) -> Engine:

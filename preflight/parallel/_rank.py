@@ -155,6 +155,10 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
             if key not in _MODULE_TABLES and isinstance(value, (list, tuple, dict)):
                 tables[key] = _of_copies(value, copies)
+            elif isinstance(value, types.MethodType) and id(value.__self__) in copies:
+                # A method of a model's module kept on an instance (Lightning's forward redirection leaves
+                # `module.forward` set to the bound method after each step): bound to the copy, never the original.
+                tables[key] = types.MethodType(value.__func__, copies[id(value.__self__)])
         gone = set()
         for name in _HOOKS:
             hooks = tables.get(name) or {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import types
 import warnings
 
 import pytest
@@ -429,6 +430,9 @@ def test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped(orig)
     alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
     model, optimizer, x = _wrapped_in_a_job(use_orig_params=orig)
     try:
+        model(x).backward()  # a trained model: FSDP1's lazy init done, gradients held
+        # Lightning's forward redirection leaves the module's own bound `forward` on the instance after a step.
+        model.module.forward = model.module.forward
         held = _storages(model)
         est = preflight.estimate(model, optimizer, x, step=_step)
         inner = preflight.estimate(model.module, optimizer, x, step=_step)  # what Lightning's callback sees
@@ -533,4 +537,22 @@ def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
     finally:
         dist.destroy_process_group()
     assert (read.plan, read.world_size, read.rank) == (plan, WORLD, 3)
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
+
+
+def test_the_module_a_wrapper_holds_steps_through_the_root_wrapper_as_the_trainers_run_it():
+    """The callbacks pass the module the root wrapper holds and step it (Lightning: ``training_step``, which its
+    ``FSDPStrategy`` runs as the root's forward); the trace runs each step through the root's forward the same way,
+    so the figure is the one of the wrapped model stepped through its root."""
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=_UNITS))
+    model, optimizer, x = _wrapped_in_a_job()
+    inner = model.module
+    inner.training_step = types.MethodType(lambda self, batch: self(batch), inner)  # a LightningModule's hook
+    try:
+        est = preflight.estimate(inner, optimizer, x, step=lambda m, b: m.training_step(b))
+        assert "forward" not in vars(inner)  # the redirection is put back
+    finally:
+        dist.destroy_process_group()
     assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes

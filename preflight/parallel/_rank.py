@@ -150,7 +150,8 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
         return copy_
 
     replica = replicate(model)
-    for copy_ in {id(c): c for c in copies.values()}.values():  # an FSDP1 wrapper's copy is its module's  # FSDP2's hooks go; hooks bound to a user module are bound to its copy
+    # FSDP2's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy is its module's).
+    for copy_ in {id(c): c for c in copies.values()}.values():
         tables = vars(copy_)
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
             if key not in _MODULE_TABLES and isinstance(value, (list, tuple, dict)):
@@ -221,7 +222,7 @@ def _of_copies(value: Any, copies: dict[int, nn.Module]) -> Any:
 # What `fully_shard` adds to every module it manages, besides its class and hooks.
 _FSDP2_FLAGS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
 _COMPOSABLE = "__composable_api_state_key"
-_FLAT_PARAM = "_flat_param"  # where FSDP1 registers a unit's flat parameter (`fully_sharded_data_parallel.FLAT_PARAM`)
+_FLAT_PARAM = "_flat_param"  # a unit's flat parameter's name (FSDP1's `fully_sharded_data_parallel.FLAT_PARAM`)
 # nn.Module's own tables (hooks, parameters, buffers, children), which every copy gets its own of.
 _MODULE_TABLES = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 _HOOKS = tuple(k for k in _MODULE_TABLES if k.endswith("_hooks"))

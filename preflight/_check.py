@@ -63,7 +63,7 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precisio
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.parallel import ParallelPlan, already_sharded, read_fsdp2
+from preflight.parallel import ParallelPlan, already_sharded, read_fsdp1, read_fsdp2
 from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
@@ -354,9 +354,18 @@ def predict(
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
     sharded = parallel if parallel is not None and parallel.sharded else None
     wrapped = already_sharded(model)
-    fsdp2 = read_fsdp2(model) if wrapped is not None else None  # a ValueError says what is not followed
-    if fsdp2 is not None:  # the plan is the model's own: `estimate` reads it and traces each rank on a copy
+    # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
+    # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
+    fsdp2 = read_fsdp2(model) if wrapped is not None else None
+    fsdp1 = read_fsdp1(model) if wrapped is not None and fsdp2 is None else None
+    engine = "fully_shard" if fsdp2 is not None else "FullyShardedDataParallel"
+    own = fsdp2 or fsdp1
+    if fsdp2 is not None:
         sharded = ParallelPlan(fsdp2.world_size, "fsdp2", source="the model's fully_shard", fsdp=fsdp2.plan)
+        plan = {}
+    elif fsdp1 is not None:
+        sharded = ParallelPlan(fsdp1.world_size, fsdp1.sharding, source="the model's FullyShardedDataParallel",
+                               fsdp=fsdp1.plan)
         plan = {}
     elif sharded is not None:
         plan = sharded.estimate_kwargs()
@@ -365,8 +374,8 @@ def predict(
                                         reason=f"the model is already sharded ({wrapped})")
             report.fits = None
             report.warnings.append(f"no verdict: the strategy sharded the model before preflight saw it ({wrapped}); "
-                                   "a per-rank prediction of a model wrapped other than by fully_shard is not "
-                                   f"supported yet ({sharded.note()})")
+                                   "a per-rank prediction of a model wrapped other than by fully_shard or "
+                                   f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
             return report
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
@@ -404,9 +413,9 @@ def predict(
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
 
     eval_est = eval_predictor = None
-    if fsdp2 is not None and options.check_eval and eval_batch is not None:
-        notes.append("evaluation peak not predicted: the model is already wrapped by fully_shard, and evaluation is "
-                     "traced on a single device (call preflight before fully_shard for a rescaled figure)")
+    if own is not None and options.check_eval and eval_batch is not None:
+        notes.append(f"evaluation peak not predicted: the model is already wrapped by {engine}, and evaluation is "
+                     f"traced on a single device (call preflight before {engine} for a rescaled figure)")
     elif options.check_eval and eval_batch is not None:
         resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
@@ -486,9 +495,9 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and talk and fsdp2 is not None:
-        report.warnings.append("no suggestions: the model is already wrapped by fully_shard, and the options are "
-                               "traced on the model as built (call preflight before fully_shard to get them)")
+    if report.fits is False and options.suggest and talk and own is not None:
+        report.warnings.append(f"no suggestions: the model is already wrapped by {engine}, and the options are "
+                               f"traced on the model as built (call preflight before {engine} to get them)")
     elif report.fits is False and options.suggest and talk:
         with progress("it does not fit: predicting what to change (about ten traces)"):
             report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,

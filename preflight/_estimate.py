@@ -25,8 +25,8 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
-from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP2, fsdp1_rank_groups,
-                                read_fsdp2, rank_groups)
+from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
+                                fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import trace_fsdp1, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
@@ -71,7 +71,11 @@ def estimate(
 
     Args:
         model: the model as built: real weights on CPU or GPU, or on the meta device; PEFT-wrapped, frozen
-            parts, tied weights and half-precision parameters are fine.
+            parts, tied weights and half-precision parameters are fine. A model ``fully_shard`` (FSDP2) or
+            ``FullyShardedDataParallel`` (FSDP1; the wrapper, or the module it wraps with its wrapped units) already
+            wrapped inside a job has its plan read off it (`preflight.parallel.read_fsdp2` / ``read_fsdp1``) and each
+            rank traced on an unsharded fake copy; ``world_size``, ``sharding`` and ``fsdp`` may be left out, and
+            a value that contradicts the read plan is a ValueError.
         optimizer: the optimizer instance, not yet stepped (torch.optim, bitsandbytes 8-bit and paged
             variants, or anything implementing the torch Optimizer interface).
         batch: one batch as the dataloader yields it (a tensor or nested dict/list/tuple of tensors). Shapes and
@@ -194,9 +198,13 @@ def estimate(
     if deepspeed_config is not None:
         ds = read_deepspeed_config(deepspeed_config, hidden_size=hf_hidden_size(model))
         sharding, offload = _deepspeed_settings(ds, sharding, offload)
-    wrapped = read_fsdp2(model)  # a ValueError names a wrapping the per-rank trace does not follow
+    # A ValueError names a wrapping the per-rank trace does not follow.
+    wrapped: WrappedFSDP2 | WrappedFSDP1 | None = read_fsdp2(model) or read_fsdp1(model)
+    traced_model = model
     if wrapped is not None:
         world_size, sharding, fsdp = _wrapped_plan(wrapped, world_size, sharding, fsdp, offload)
+        if isinstance(wrapped, WrappedFSDP1):  # the outermost FSDP1 wrapper, whose copy is the unwrapped model
+            traced_model = wrapped.root
     sharding = check_plan(world_size, sharding, **offload)
     if not isinstance(gradient_as_bucket_view, bool):
         raise TypeError(f"`gradient_as_bucket_view` should be True or False, got {gradient_as_bucket_view!r}.")
@@ -225,13 +233,16 @@ def estimate(
     composed_note = None
     ranks = rank_note = None
     if plan is not None:
-        ranks, rank_note = _trace_ranks(model, optimizer, batch, world_size, plan, sharding, offload, options,
-                                        fast=fast)
+        # The module a wrapper holds (what the callbacks pass): each step runs through the root wrapper's forward.
+        through_root = isinstance(wrapped, WrappedFSDP1) and wrapped.root is not model
+        ranks, rank_note = _trace_ranks(traced_model, optimizer, batch, world_size, plan, sharding, offload,
+                                        options, fast=fast, wrapped=wrapped is not None, through_root=through_root)
     if wrapped is not None:
-        if ranks is None:  # a single-device trace of the wrapped model would run FSDP2's hooks on the user's groups
-            raise ValueError(f"The model is already wrapped by fully_shard, and its ranks could not be traced "
-                             f"({rank_note}). Call preflight before fully_shard, with world_size= and "
-                             "sharding='fsdp2', to get the rescaled figure.")
+        if ranks is None:  # a single-device trace of the wrapped model would run FSDP's hooks on the user's groups
+            engine = "fully_shard" if isinstance(wrapped, WrappedFSDP2) else "FullyShardedDataParallel"
+            raise ValueError(f"The model is already wrapped by {engine}, and its ranks could not be traced "
+                             f"({rank_note}). Call preflight before {engine}, with world_size= and "
+                             f"sharding={sharding!r}, to get the rescaled figure.")
         rank_note = f"{wrapped.note()}; {rank_note}"
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
@@ -384,22 +395,25 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
 
 
-def _wrapped_plan(wrapped: WrappedFSDP2, world_size: int, sharding: str | None, fsdp: Any,
-                  offload: dict[str, bool]) -> tuple[int, str, FSDP2Plan]:
-    """The plan of a model ``fully_shard`` already wrapped; a ValueError where the arguments say otherwise."""
+def _wrapped_plan(wrapped: WrappedFSDP2 | WrappedFSDP1, world_size: int, sharding: str | None, fsdp: Any,
+                  offload: dict[str, bool]) -> tuple[int, str, FSDP2Plan | FSDP1Plan]:
+    """The plan of a model ``fully_shard`` or ``FullyShardedDataParallel`` already wrapped; a ValueError where the
+    arguments say otherwise."""
+    fsdp2 = isinstance(wrapped, WrappedFSDP2)
+    own, engine = ("fsdp2", "fully_shard") if fsdp2 else (wrapped.sharding, "FullyShardedDataParallel")
     said = []
     if world_size not in (1, wrapped.world_size):
         said.append(f"world_size={world_size}")
-    if sharding not in (None, "fsdp2"):
+    if sharding not in (None, own):
         said.append(f"sharding={sharding!r}")
     if fsdp is not None and fsdp != wrapped.plan:
         said.append(f"fsdp={fsdp!r}")
     said.extend(f"{name}=True" for name, on in offload.items() if on)
     if said:
-        raise ValueError(f"The model is already wrapped by fully_shard over {wrapped.world_size} rank(s), so its plan "
-                         f"is read from it, but {', '.join(said)} says otherwise. Drop those arguments, or call "
-                         "preflight before wrapping.")
-    return wrapped.world_size, "fsdp2", wrapped.plan
+        raise ValueError(f"The model is already wrapped by {engine} over {wrapped.world_size} rank(s), so its plan "
+                         f"is read from it ({own}, {wrapped.plan!r}), but {', '.join(said)} says otherwise. Drop "
+                         "those arguments, or call preflight before wrapping.")
+    return wrapped.world_size, own, wrapped.plan
 
 
 def check_plan(world_size: int, sharding: str | None, *, offload_optimizer: bool = False,
@@ -453,9 +467,12 @@ def fsdp_trace_plan(fsdp: Any, sharding: str | None) -> FSDP1Plan | FSDP2Plan | 
 
 def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, world_size: int,
                  plan: FSDP1Plan | FSDP2Plan, sharding: str, offload: dict[str, bool], options: dict[str, Any], *,
-                 fast: bool) -> tuple[list[tuple[list[int], Any]] | None, str]:
+                 fast: bool, wrapped: bool = False,
+                 through_root: bool = False) -> tuple[list[tuple[list[int], Any]] | None, str]:
     """Each distinct rank's sharded trace as ``[(ranks, TraceResult), ...]`` and a note, or None and the reason the
-    caller rescales a single-device trace instead."""
+    caller rescales a single-device trace instead. ``wrapped``: the plan was read off the model (its units are
+    its own, named without the wrappers' prefixes); ``through_root``: FSDP1's steps run through the root wrapper's
+    forward (`preflight.parallel._fsdp1.through_root_step`)."""
     fsdp1 = isinstance(plan, FSDP1Plan)
     engine = f"FullyShardedDataParallel({plan.sharding_strategy})" if fsdp1 else "fully_shard"
     shard = plan.shard_size(world_size)
@@ -469,7 +486,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     cuda = options["cuda"]
     if cuda is None and options["target_device"].type == "cuda":
         cuda = CudaTarget.of(None)
-    for name in plan.units or ():
+    for name in () if wrapped else plan.units or ():
         try:
             model.get_submodule(name)
         except AttributeError:
@@ -500,7 +517,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
                            schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                           cuda=cuda)
+                           cuda=cuda, **({"through_root": True} if through_root else {}))
             if result.error is not None:
                 reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
                 return None, f"{sharding}: the sharded trace of rank {group[0]} stopped at {result.failed_op} " \

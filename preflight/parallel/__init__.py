@@ -7,15 +7,15 @@ world size (`fake_world`), and run the real training step under the same storage
 parameter shards, the all-gather and reduce-scatter buffers and the sharded optimizer state. Hybrid sharding
 (FSDP2's HSDP, FSDP1's ``HYBRID_SHARD``) is traced over a fake 2-D mesh of the same shape, both groups' collectives
 in the program. `rank_groups` and `fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the
-same; `read_fsdp2` reads the plan off a model ``fully_shard`` already wrapped, whose copy is traced unwrapped and
-wrapped again in the fake world.
+same; `read_fsdp2` and `read_fsdp1` read the plan off a model ``fully_shard`` or ``FullyShardedDataParallel``
+already wrapped, whose copy is traced unwrapped and wrapped again in the fake world.
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the
 integrations, into the arguments a per-rank estimate takes. Imports flow one way: this package uses
 `preflight.trace`; `preflight._estimate` uses this package.
 """
 
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
-from preflight.parallel._fsdp1 import FSDP1Plan, fsdp1_rank_groups, trace_fsdp1
+from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
@@ -23,4 +23,4 @@ from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, alrea
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "rank_groups", "read_fsdp2", "trace_fsdp1", "trace_fsdp2", "WrappedFSDP2"]
+           "rank_groups", "read_fsdp1", "read_fsdp2", "trace_fsdp1", "trace_fsdp2", "WrappedFSDP1", "WrappedFSDP2"]

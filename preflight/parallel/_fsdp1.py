@@ -20,6 +20,10 @@ A hybrid strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``, with ``ranks_per_n
 mesh ``(nodes, ranks_per_node)`` given as FSDP1's ``device_mesh``: the rank's flat shards are those of its index in
 its node, and FSDP1's all-reduce of each gradient shard across nodes runs in the trace (in place, on the shard).
 
+A model ``FullyShardedDataParallel`` already wrapped (inside Lightning's ``FSDPStrategy``, accelerate's FSDP1
+plugin) has its plan read off it (`read_fsdp1`) and is traced the same way: the copy is made unwrapped, each
+original parameter of its original shape (`preflight.parallel.fake_replica`), and wrapped again in the fake world.
+
 Known limitations: ``CPUOffload``, ``torch.compile`` and communication libraries' own buffers (NCCL's) are not
 traced here.
 """
@@ -45,7 +49,7 @@ from preflight.trace import Sweep, TraceResult, fake_region, isolated_rng, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import TwinMaker, clone_optimizer
 
-__all__ = ["FSDP1Plan", "fsdp1_rank_groups", "trace_fsdp1"]
+__all__ = ["FSDP1Plan", "WrappedFSDP1", "fsdp1_rank_groups", "read_fsdp1", "through_root_step", "trace_fsdp1"]
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 # Each hybrid strategy and the strategy it applies inside a shard group (one node).
@@ -148,6 +152,133 @@ class FSDP1Plan:
         return world_size // self.shard_size(world_size) if self.hybrid else None
 
 
+@dataclasses.dataclass(frozen=True)
+class WrappedFSDP1:
+    """How ``FullyShardedDataParallel`` was applied to a model before preflight saw it (`read_fsdp1`): the plan to
+    trace it with, the world it is sharded over, this process's rank in it, and ``root``: the outermost wrapper (the
+    model itself, or the wrapper around it when the model given is the module a wrapper holds, as Lightning's
+    ``LightningModule`` and accelerate's unwrapped model are), whose copy is traced."""
+
+    plan: FSDP1Plan
+    world_size: int
+    rank: int
+    root: nn.Module
+
+    def note(self) -> str:
+        units = len(self.plan.units or ())
+        return (f"the model was already wrapped by FullyShardedDataParallel ({self.plan.sharding_strategy}, {units} "
+                f"unit(s) and the root, over {self.world_size} rank(s); this process is rank {self.rank}): its plan "
+                "was read from the model and each rank traced on an unsharded fake copy of it")
+
+    @property
+    def sharding(self) -> str:
+        """`preflight.estimate`'s ``sharding`` for the read strategy."""
+        grad_op = self.plan.sharding_strategy in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
+        return "fsdp-grad-op" if grad_op else "fsdp-full"
+
+
+def read_fsdp1(model: nn.Module) -> WrappedFSDP1 | None:
+    """The plan ``FullyShardedDataParallel`` was applied to ``model`` with, or None where no module of it is one
+    and no wrapper holds it.
+
+    ``model`` may be the outermost wrapper, or the module it wraps (its submodules then are the inner wrappers): the
+    wrapper around it is found among the objects the garbage collector tracks (``gc.get_objects``, once). The units
+    are the inner wrappers' qualified names without FSDP1's ``_fsdp_wrapped_module.`` prefixes; the world size is
+    the sharding group's size times, for a hybrid strategy, the inter-node group's (``ranks_per_node`` is the
+    former).
+    Reads only: nothing of the model, its FSDP state or the process group is changed, and no collective runs.
+
+    Example (inside the job, after Lightning's ``FSDPStrategy`` wrapped the LightningModule's units)::
+
+        wrapped = read_fsdp1(pl_module)  # FSDP1Plan(units=("layers.0", ...), sharding_strategy="FULL_SHARD", ...)
+        est = preflight.estimate(pl_module, optimizer, batch)  # each rank traced from that plan
+
+    Known limitations: the lookup of the wrapper around ``model`` walks every object the garbage collector tracks
+    (a fraction of a second in a large process); a plan whose units are not all alike is refused rather than
+    traced approximately (a communication hook too); ``sync_module_states`` and ``param_init_fn`` are not read
+    (they act at construction, before preflight sees the model).
+
+    Raises:
+        ValueError: the wrapping is one the per-rank trace does not follow (no wrapper around the model whose
+            submodules are wrapped, ``CPUOffload``, ``NO_SHARD``, units with different settings or groups, ignored
+            parameters or modules, a communication hook): the message says which.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp._common_utils import clean_tensor_name
+    except ImportError:  # a build of torch without distributed support cannot have wrapped it
+        return None
+    root = model if isinstance(model, FSDP) else _wrapper_of(model, FSDP)
+    if root is None:
+        if not any(isinstance(m, FSDP) for m in model.modules()):
+            return None
+        raise ValueError("the model's submodules are wrapped by FullyShardedDataParallel but no wrapper holds the "
+                         "model itself (each top-level wrapper is then its own root): preflight traces a model whose "
+                         "root is wrapped too, as the trainers and FSDP's auto_wrap_policy do")
+    units = [(clean_tensor_name(name), m) for name, m in root.named_modules() if isinstance(m, FSDP)]
+    first = units[0][1]
+    for name, unit in units:
+        for attr in _SAME:
+            if repr(getattr(unit, attr)) != repr(getattr(first, attr)):
+                raise ValueError(f"the model's FullyShardedDataParallel units differ in {attr} (unit {name!r}: "
+                                 f"{getattr(unit, attr)!r}, the root: {getattr(first, attr)!r}); the per-rank trace "
+                                 "follows one setting for all units")
+        if unit.process_group.size() != first.process_group.size():
+            raise ValueError("the model's FullyShardedDataParallel units shard over groups of different sizes; the "
+                             "per-rank trace follows one group")
+        if unit._comm_hook is not None:
+            raise ValueError(f"unit {name!r} of the model has a communication hook ({unit._comm_hook!r}, "
+                             "register_comm_hook); the per-rank trace follows FSDP1's own reduction")
+        if unit._ignored_params or unit._ignored_modules:
+            raise ValueError(f"unit {name!r} of the model ignores parameters or modules (ignored_states); the "
+                             "per-rank trace does not follow them yet")
+    if first.cpu_offload.offload_params:
+        raise ValueError("the model was wrapped by FullyShardedDataParallel with CPUOffload(offload_params=True), "
+                         "which the per-rank trace does not follow yet")
+    strategy = first.sharding_strategy.name
+    if strategy == "NO_SHARD":
+        raise ValueError("the model was wrapped by FullyShardedDataParallel with NO_SHARD (or over one rank, where "
+                         "FSDP1 uses it): replicated as DDP is; call preflight before wrapping, with "
+                         "sharding='ddp', for its figure")
+    shard, rank = first.process_group.size(), first.process_group.rank()
+    nodes, per_node = 1, None
+    if strategy in HYBRID:  # FSDP1's intra-node group shards, its inter-node group replicates
+        inter = first._inter_node_pg
+        nodes, per_node = inter.size(), shard
+        rank = inter.rank() * shard + rank  # a 2-D mesh (nodes, ranks_per_node), row-major as init_device_mesh
+    from torch.distributed.fsdp import MixedPrecision
+
+    mixed = first.mixed_precision
+    prefetch = first.backward_prefetch
+    plan = FSDP1Plan(units=tuple(name for name, _ in units[1:]), sharding_strategy=strategy,
+                     mixed_precision=None if mixed == MixedPrecision() else mixed,
+                     use_orig_params=first._use_orig_params,
+                     backward_prefetch=None if prefetch is None else prefetch.name,
+                     forward_prefetch=first.forward_prefetch, limit_all_gathers=first.limit_all_gathers,
+                     ranks_per_node=per_node)
+    return WrappedFSDP1(plan=plan, world_size=shard * nodes, rank=rank, root=root)
+
+
+# The wrapper settings every unit of a model must share for the per-rank trace (it wraps every unit alike).
+_SAME = ("sharding_strategy", "mixed_precision", "_use_orig_params", "backward_prefetch", "forward_prefetch",
+         "limit_all_gathers", "cpu_offload")
+
+
+def _wrapper_of(module: nn.Module, wrapper_cls: type) -> nn.Module | None:
+    """The outermost ``wrapper_cls`` instance around ``module`` (whose ``_fsdp_wrapped_module`` is ``module``, or a
+    wrapper of it), found among the objects the garbage collector tracks (one pass); None where there is none."""
+    import gc
+
+    if not getattr(module, "_is_fsdp_managed_module", False):  # FSDP1 marks every module under a wrapper
+        return None
+    # By type, not isinstance: some objects' `__class__` is a property that warns (torch's deprecated `reduce_op`).
+    wrappers = {id(w._fsdp_wrapped_module): w for w in gc.get_objects() if issubclass(type(w), wrapper_cls)}
+    found = None
+    while id(module) in wrappers:
+        found = module = wrappers[id(module)]
+    return found
+
+
 def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan, mesh: Any) -> nn.Module:
     """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group, or
     for a hybrid strategy over ``mesh`` (``(nodes, ranks_per_node)``: FSDP1 takes its second dim's group as the
@@ -232,22 +363,65 @@ def trace_fsdp1(
     record_op: Any = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
+    through_root: bool = False,
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
-    arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`."""
+    arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`. With
+    ``through_root``, each step runs inside the root wrapper's forward on the module it holds (`through_root_step`)."""
+    if through_root:
+        step = through_root_step(step)
     return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep)
 
 
+def through_root_step(step: StepFn | None) -> StepFn:
+    """``step`` as a trainer runs it on a model whose root ``FullyShardedDataParallel`` wraps the module the trainer
+    hands its step: inside the root wrapper's forward, the batch passing through it (so FSDP1's root pre- and
+    post-forward run, its input casting included), on the module it holds. That is Lightning's ``FSDPStrategy``
+    (its ``_ForwardRedirection`` runs ``training_step`` as the root's forward) and the HF Trainer / accelerate (they
+    call the root wrapper; the callbacks step the module it holds). Without it the root's own work, which gathers
+    and frees the units, would not run and the first unit would become FSDP1's root instead."""
+    def redirected(wrapped: nn.Module, batch: Any) -> Any:
+        inner = wrapped.module
+        table = vars(inner)
+        saved = table.get("forward", _ABSENT)  # a forward set on the instance (Lightning leaves one after a step)
+
+        def restore() -> None:
+            if saved is _ABSENT:
+                table.pop("forward", None)
+            else:
+                table["forward"] = saved
+
+        def forward(passed: Any) -> Any:
+            restore()  # the step's own calls of the module run its real forward
+            if step is not None:
+                return step(inner, passed)
+            return inner(**passed) if isinstance(passed, dict) else inner(passed)
+
+        table["forward"] = forward
+        try:
+            return wrapped(batch)
+        finally:
+            restore()
+
+    return redirected
+
+
+_ABSENT = object()
+
+
 def _engine(plan: FSDP1Plan, world_size: int) -> Engine:
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-        if plan.use_orig_params:  # the original parameters, named with FSDP1's wrapper prefixes
-            by_name = {clean_tensor_name(name): p for name, p in wrapped.named_parameters()}
-            return clone_optimizer(user, ParamTwins(model, by_name, "FSDP1"), foreach=None)
+        by_name = {clean_tensor_name(name): p for name, p in wrapped.named_parameters()}
+        if plan.use_orig_params or any(isinstance(m, FSDP) for m in model.modules()):
+            # The original parameters, or a wrapped user model's flat ones: each the copy's of the same name, both
+            # named without FSDP1's wrapper prefixes ("layers.0._flat_param").
+            return clone_optimizer(user, ParamTwins(model, by_name, "FSDP1", rename=clean_tensor_name), foreach=None)
         # Flat parameters: the optimizer is built over them, one group (FSDP1 cannot split a flat parameter).
         return clone_optimizer(user, ParamTwins(model, {}, "FSDP1"), foreach=None,
                                param_groups=[(0, list(wrapped.parameters()))])

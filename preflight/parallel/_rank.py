@@ -91,14 +91,31 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
     group and a model's config are read, not duplicated; what the trace writes goes to the copy, and what it leaves
     in a shared object is found by the sweep). A model ``fully_shard`` already wrapped is copied unwrapped: each
     DTensor parameter becomes a fake twin of its global shape, and the copy has none of FSDP2's classes, hooks or
-    state, ready to be wrapped again in the fake world.
+    state, ready to be wrapped again in the fake world. So is a model ``FullyShardedDataParallel`` (FSDP1) wrapped:
+    each wrapper is replaced by the copy of the module it wraps, and each original parameter, which FSDP1 turned
+    into a view of this rank's part of its unit's flat parameter (``use_orig_params=True``) or into a plain tensor
+    attribute beside the flat parameter (``False``), becomes a fake twin of its original shape, dtype and
+    ``requires_grad``, read off the flat parameter (``_param_infos``, ``_shared_param_infos``, ``_shapes``; tied
+    parameters stay tied); the flat parameters are not copied.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a build of torch without distributed support: nothing can be wrapped
         FSDPModule = ()  # noqa: N806
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:
+        FSDP1 = ()  # noqa: N806
     copies: dict[int, nn.Module] = {}
     params: dict[int, nn.Parameter] = {}
+    originals, shapes = _fsdp1_originals(model)
+    restored: dict[Any, nn.Parameter] = {}
+
+    def original_param(key: Any) -> nn.Parameter:
+        if key not in restored:
+            meta, requires_grad = shapes[key]
+            restored[key] = nn.Parameter(twins.tensor(meta, requires_grad=requires_grad), requires_grad=requires_grad)
+        return restored[key]
 
     def twin_param(p: nn.Parameter) -> nn.Parameter:
         if id(p) not in params:
@@ -108,16 +125,24 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
     def replicate(module: nn.Module) -> nn.Module:
         if id(module) in copies:
             return copies[id(module)]
+        if FSDP1 and isinstance(module, FSDP1):  # an FSDP1 wrapper: the copy of what it wraps stands for it
+            copies[id(module)] = replicate(module._fsdp_wrapped_module)
+            return copies[id(module)]
         cls = type(module)
         if FSDPModule and isinstance(module, FSDPModule):  # the class fully_shard derived from
             cls = next(b for b in cls.__bases__ if not issubclass(b, FSDPModule))
         copy_ = cls.__new__(cls)
         copies[id(module)] = copy_
-        state = {k: v for k, v in vars(module).items() if not k.startswith(_COMPOSABLE) and k not in _FSDP2_FLAGS}
+        flat = originals.get(id(module), [])  # FSDP1's original parameters of this module, in flat order
+        dropped = {name for name, _ in flat} | {_FLAT_PARAM}
+        state = {k: v for k, v in vars(module).items()
+                 if not k.startswith(_COMPOSABLE) and k not in _FSDP2_FLAGS and k not in dropped}
         for name in _MODULE_TABLES:
             if isinstance(state.get(name), (dict, set)):
                 state[name] = type(state[name])(state[name])
-        state["_parameters"] = {k: None if p is None else twin_param(p) for k, p in module._parameters.items()}
+        state["_parameters"] = {k: None if p is None else twin_param(p) for k, p in module._parameters.items()
+                                if k not in dropped}
+        state["_parameters"].update((name, original_param(key)) for name, key in flat)
         state["_buffers"] = {k: None if b is None else twins.tensor(b, requires_grad=False)
                              for k, b in module._buffers.items()}
         state["_modules"] = {k: None if c is None else replicate(c) for k, c in module._modules.items()}
@@ -125,11 +150,16 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
         return copy_
 
     replica = replicate(model)
-    for copy_ in copies.values():  # FSDP2's hooks go; hooks bound to a user module are bound to its copy
+    # FSDP2's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy is its module's).
+    for copy_ in {id(c): c for c in copies.values()}.values():
         tables = vars(copy_)
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
             if key not in _MODULE_TABLES and isinstance(value, (list, tuple, dict)):
                 tables[key] = _of_copies(value, copies)
+            elif isinstance(value, types.MethodType) and id(value.__self__) in copies:
+                # A method of a model's module kept on an instance (Lightning's forward redirection leaves
+                # `module.forward` set to the bound method after each step): bound to the copy, never the original.
+                tables[key] = types.MethodType(value.__func__, copies[id(value.__self__)])
         gone = set()
         for name in _HOOKS:
             hooks = tables.get(name) or {}
@@ -144,6 +174,37 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
             for handle in gone & set(tables.get(name) or ()):
                 del tables[name][handle]
     return replica
+
+
+def _fsdp1_originals(
+        model: nn.Module) -> tuple[dict[int, list[tuple[str, Any]]], dict[Any, tuple[torch.Tensor, bool]]]:
+    """The original parameters FSDP1 flattened in ``model``: for each module (by id), its ``(name, key)`` pairs in
+    flat order (a tied parameter has its primary's key), and for each key a meta tensor of the parameter's shape
+    and dtype and its ``requires_grad`` (the original ``nn.Parameter``'s with ``use_orig_params=True``, else the
+    flat parameter's, which FSDP1 then requires to be uniform)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:
+        return {}, {}
+    by_module: dict[int, list[tuple[str, Any]]] = {}
+    shapes: dict[Any, tuple[torch.Tensor, bool]] = {}
+    for unit in model.modules():
+        handle = unit._handle if isinstance(unit, FSDP1) else None
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        views = getattr(flat, "_params", None)  # use_orig_params: the original nn.Parameter objects
+        index = {}
+        for i, (info, shape) in enumerate(zip(flat._param_infos, flat._shapes)):
+            key = (id(flat), i)
+            grad = views[i].requires_grad if views is not None else flat.requires_grad
+            shapes[key] = (torch.empty(shape, dtype=flat.dtype, device="meta"), grad)
+            index[(id(info.module), info.param_name)] = key
+            by_module.setdefault(id(info.module), []).append((info.param_name, key))
+        for info in flat._shared_param_infos:
+            key = index[(id(info.prim_module), info.prim_param_name)]
+            by_module.setdefault(id(info.module), []).append((info.param_name, key))
+    return by_module, shapes
 
 
 def _of_copies(value: Any, copies: dict[int, nn.Module]) -> Any:
@@ -161,6 +222,7 @@ def _of_copies(value: Any, copies: dict[int, nn.Module]) -> Any:
 # What `fully_shard` adds to every module it manages, besides its class and hooks.
 _FSDP2_FLAGS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
 _COMPOSABLE = "__composable_api_state_key"
+_FLAT_PARAM = "_flat_param"  # a unit's flat parameter's name (FSDP1's `fully_sharded_data_parallel.FLAT_PARAM`)
 # nn.Module's own tables (hooks, parameters, buffers, children), which every copy gets its own of.
 _MODULE_TABLES = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 _HOOKS = tuple(k for k in _MODULE_TABLES if k.endswith("_hooks"))
@@ -275,10 +337,12 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
 
 class ParamTwins:
     """`clone_optimizer`'s twin maker for a wrapped copy: the user's parameter -> the copy's parameter of the same
-    name. ``named``: the copy's parameters under the user's names; ``engine`` names the engine in the error."""
+    name. ``named``: the copy's parameters under the user's names; ``engine`` names the engine in the error;
+    ``rename``: the user's parameter names as ``named`` has them (FSDP1's wrapper prefixes removed)."""
 
-    def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], engine: str) -> None:
-        self._by_id = {id(p): named[name] for name, p in model.named_parameters() if name in named}
+    def __init__(self, model: nn.Module, named: dict[str, torch.Tensor], engine: str,
+                 rename: Callable[[str], str] = str) -> None:
+        self._by_id = {id(p): named[rename(name)] for name, p in model.named_parameters() if rename(name) in named}
         self._engine = engine
 
     def tensor(self, t: torch.Tensor, **_: Any) -> torch.Tensor:

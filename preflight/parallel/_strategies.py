@@ -217,8 +217,9 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
 
 def already_sharded(model: Any) -> str | None:
     """What says that ``model``'s parameters are already one rank's shards (the strategy wrapped it before
-    preflight saw it), or None: DTensor parameters (FSDP2, ``fully_shard``), FSDP1's flat parameters, DeepSpeed
-    ZeRO-3's partitioned parameters (``ds_numel``)."""
+    preflight saw it), or None: DTensor parameters (FSDP2, ``fully_shard``), FSDP1's flat parameters or wrappers,
+    DeepSpeed ZeRO-3's partitioned parameters (``ds_numel``). The plan of an FSDP2 or FSDP1 wrapping is then read
+    off the model (`read_fsdp2`, `read_fsdp1`) and each rank traced; ZeRO-3's gets no per-rank trace."""
     for name, p in model.named_parameters():
         if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
             return f"parameter {name!r} is a DTensor (FSDP2)"
@@ -229,6 +230,8 @@ def already_sharded(model: Any) -> str | None:
     for module in model.modules():
         if type(module).__name__ == "FullyShardedDataParallel":
             return "a submodule is wrapped in FullyShardedDataParallel"
+    if getattr(model, "_is_fsdp_managed_module", False):  # a wrapper holds it (its parameters are views of shards)
+        return "the model is held by a FullyShardedDataParallel wrapper"
     return None
 
 

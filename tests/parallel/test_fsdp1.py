@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import types
 import warnings
 
 import pytest
@@ -277,3 +278,281 @@ def test_beyond_the_trace_cap_the_rank_holding_the_most_bounds_the_others(monkey
     assert every.per_rank_peak_bytes[3] < capped.per_rank_peak_bytes[3]
     assert any("rank 0 traced (it holds the most); 1 rank(s) cut their shards 1 other ways" in n
                and "upper bound" in n for n in capped.coverage.notes)
+
+
+# ---- a model FSDP1 already wrapped (Lightning's FSDPStrategy, accelerate's FSDP1 plugin) -------------------------
+
+def _storages(model: nn.Module) -> dict[str, object]:
+    """What FSDP1 holds for ``model``: each unit's flat parameter's and padded buffer's storage sizes and training
+    state, and every parameter's values and shape (bitwise)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    held = {}
+    for i, unit in enumerate(FSDP.fsdp_modules(model)):
+        if unit._handle is not None:
+            flat = unit._handle.flat_param
+            sizes = tuple(getattr(flat, k).untyped_storage().nbytes() if hasattr(flat, k) else None
+                          for k in ("_local_shard", "_full_param_padded", "_mp_shard"))  # from FSDP1's lazy init
+            held[f"unit {i}"] = (flat.untyped_storage().nbytes(), *sizes, str(unit.training_state), unit._is_root)
+    for name, p in model.named_parameters():
+        held[name] = (p.detach().clone(), p.shape, p.requires_grad, p.grad)
+    return held
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> bool:
+    def equal(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, tuple):
+            return isinstance(y, tuple) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
+        return x == y
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+
+
+def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from preflight._device import live_storage_bytes
+    from preflight._measure import cpu_profiled_peak
+    from preflight._steps import run_steps
+    from preflight.parallel import read_fsdp1
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    out = {"rank": rank}
+    try:
+        model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
+        batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
+        # The prediction before wrapping, in this process (its thread count sets CPU kernels' calibrated scratch).
+        out["before"] = preflight.estimate(model, optimizer, batch, step=_step, world_size=world_size,
+                                           sharding="fsdp-full", fsdp=_PLAN).per_rank_peak_bytes
+        # As Lightning's FSDPStrategy wraps it: the root, each block its own unit, use_orig_params=True.
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+                     sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
+        optimizer = torch.optim.AdamW(model.parameters())
+        before = _storages(model)
+        group = (dist.get_world_size(), dist.get_rank())
+        # The module the wrapper holds, as the callbacks see it (Lightning's LightningModule, accelerate's unwrapped
+        # model); `test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped` passes the wrapper too.
+        est = preflight.estimate(model.module, optimizer, batch, step=_step)
+        out["plan"] = read_fsdp1(model.module).plan
+        out["wrapped"] = (est.sharding, est.world_size, est.per_rank_peak_bytes)
+        out["untouched"] = (_same(before, _storages(model)) and not optimizer.state
+                            and (dist.get_world_size(), dist.get_rank()) == group and dist.is_initialized())
+        flats = [m._handle.flat_param for m in FSDP.fsdp_modules(model) if m._handle is not None]
+        resident = live_storage_bytes([flats, batch], torch.device("cpu"))
+        dist.barrier()
+        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=_step, precision=None,
+                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+        out["measured"] = resident + peak
+        # Every other option FSDP1 takes, read back off a second wrapping (flat parameters in the optimizer).
+        other, other_optimizer, _ = _setup(depth=2, width=NARROW)
+        out["other_before"] = preflight.estimate(other, other_optimizer, batch, step=_step, world_size=world_size,
+                                                 sharding="fsdp-grad-op", fsdp=_other_plan()).per_rank_peak_bytes
+        other = FSDP(other, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=False,
+                     sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=torch.device("cpu"),
+                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+                     backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=True, limit_all_gathers=False)
+        out["other_plan"] = read_fsdp1(other).plan
+        other_optimizer = torch.optim.AdamW(other.parameters())  # over the flat parameters
+        before = _storages(other)
+        out["other"] = preflight.estimate(other, other_optimizer, batch, step=_step).per_rank_peak_bytes
+        out["other_untouched"] = _same(before, _storages(other)) and not other_optimizer.state
+    finally:
+        dist.destroy_process_group()
+        queue.put(out)
+
+
+_PLAN = FSDP1Plan(units=tuple(f"layers.{i}" for i in range(DEEP)) + ("head",), sharding_strategy="FULL_SHARD")
+
+
+def _other_plan() -> FSDP1Plan:
+    from torch.distributed.fsdp import MixedPrecision
+
+    return FSDP1Plan(units=("layers.0", "layers.1", "head"), sharding_strategy="SHARD_GRAD_OP",
+                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), use_orig_params=False,
+                     backward_prefetch="BACKWARD_POST", forward_prefetch=True, limit_all_gathers=False)
+
+
+@pytest.mark.slow
+def test_a_model_fsdp1_already_wrapped_is_traced_per_rank_from_its_own_plan():
+    import torch.multiprocessing as mp
+
+    world = 2
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_wrapped_worker, args=(world, port, queue), nprocs=world, start_method="spawn")
+    results = {r["rank"]: r for r in (queue.get() for _ in range(world))}
+    # Every option is read back: the Lightning-like wrapping's, and the other one's.
+    assert results[0]["plan"] == results[1]["plan"] == _PLAN
+    assert results[0]["other_plan"] == results[1]["other_plan"] == _other_plan()
+    # Each rank's figure on the wrapped model is the one predicted before wrapping (with flat parameters in the
+    # optimizer and every option changed too), and within 3% of the rank's measured peak.
+    for rank in range(world):
+        result = results[rank]
+        before = result["before"]
+        assert result["untouched"] and result["other_untouched"]
+        assert result["wrapped"] == ("fsdp-full", world, before)
+        assert result["other"] == result["other_before"]
+        error = (before[rank] - result["measured"]) / result["measured"]
+        print(f"rank {rank}: predicted {before[rank]} measured {result['measured']} ({error:+.2%})")
+        assert abs(error) <= 0.03, (rank, before, result["measured"])
+
+
+def _wrapped_in_a_job(rank: int = 3, world: int = WORLD, **options):
+    """`_setup`'s model wrapped by FullyShardedDataParallel (each Linear a unit, then the root, as Lightning's
+    FSDPStrategy with ``auto_wrap_policy={nn.Linear}`` does) in a fake job of ``world`` ranks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model, _, x = _setup()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    options = {"use_orig_params": True, "auto_wrap_policy": ModuleWrapPolicy({nn.Linear}), **options}
+    model = FSDP(model, device_id=torch.device("cpu"), **options)
+    return model, torch.optim.AdamW(model.parameters()), x
+
+
+_UNITS = ("layers.0", "layers.1", "layers.2", "head")
+
+
+@pytest.mark.parametrize("orig", [True, False])
+def test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped(orig):
+    model, optimizer, x = _setup()
+    plan = FSDP1Plan(units=_UNITS, use_orig_params=orig)
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    model, optimizer, x = _wrapped_in_a_job(use_orig_params=orig)
+    try:
+        model(x).backward()  # a trained model: FSDP1's lazy init done, gradients held
+        # Lightning's forward redirection leaves the module's own bound `forward` on the instance after a step.
+        model.module.forward = model.module.forward
+        held = _storages(model)
+        est = preflight.estimate(model, optimizer, x, step=_step)
+        inner = preflight.estimate(model.module, optimizer, x, step=_step)  # what Lightning's callback sees
+        assert _same(held, _storages(model)) and not optimizer.state and dist.get_rank() == 3
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == inner.per_rank_peak_bytes == alone.per_rank_peak_bytes
+    assert (est.sharding, est.world_size) == ("fsdp-full", WORLD)
+    assert any("already wrapped by FullyShardedDataParallel" in n and "rank 3" in n for n in est.coverage.notes)
+    if orig:  # rank 3 holds the padding: less optimizer state over its views
+        assert est.step_peaks(3) != est.step_peaks(0)
+
+
+def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_are_refused():
+    from torch.distributed.fsdp import CPUOffload
+
+    from preflight.parallel import read_fsdp1
+
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2)
+    try:
+        read = read_fsdp1(model)
+        assert (read.world_size, read.rank, read.root) == (2, 0, model)
+        assert read_fsdp1(model.module).root is model  # the wrapper found around the module it holds
+        with pytest.raises(ValueError, match="world_size=4 says otherwise"):
+            preflight.estimate(model, optimizer, x, step=_step, world_size=4)
+        with pytest.raises(ValueError, match="sharding='fsdp-grad-op'"):
+            preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-grad-op")
+    finally:
+        dist.destroy_process_group()
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2, cpu_offload=CPUOffload(offload_params=True))
+    try:
+        with pytest.raises(ValueError, match="CPUOffload"):
+            read_fsdp1(model)
+    finally:
+        dist.destroy_process_group()
+    model, optimizer, x = _wrapped_in_a_job(rank=0, world=2)
+    try:
+        model.register_comm_hook(None, lambda state, grad: None)
+        with pytest.raises(ValueError, match="communication hook"):
+            read_fsdp1(model)
+    finally:
+        dist.destroy_process_group()
+    assert read_fsdp1(_setup()[0]) is None
+
+
+def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
+    from preflight.parallel import already_sharded, read_fsdp1
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=()))
+    model, optimizer, x = _wrapped_in_a_job(auto_wrap_policy=None)  # the root alone: no wrapper inside the module
+    try:
+        assert not any(isinstance(m, type(model)) for m in model.module.modules())
+        assert already_sharded(model.module) == "the model is held by a FullyShardedDataParallel wrapper"
+        assert read_fsdp1(model.module).plan == FSDP1Plan(units=(), sharding_strategy="FULL_SHARD")
+        est = preflight.estimate(model.module, optimizer, x, step=_step)
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
+
+
+def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
+    from preflight._check import Options, predict
+    from preflight.parallel import fsdp_plan
+
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=_UNITS))
+    model, optimizer, x = _wrapped_in_a_job()
+    try:  # the module the wrapper holds and the strategy's own plan, as Lightning's callback passes them
+        reports = [predict(model.module, optimizer, x, step=_step, options=Options(budget=budget, suggest=False),
+                           parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy"))
+                   for budget in (alone.peak_bytes * 2, alone.peak_bytes // 2)]
+    finally:
+        dist.destroy_process_group()
+    assert [r.fits for r in reports] == [True, False]
+    for report in reports:
+        assert report.predicted_peak_bytes == alone.peak_bytes and not report.coverage["lower_bound"]
+        assert not any(w.startswith("no verdict") for w in report.warnings)
+
+
+def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from preflight.parallel import read_fsdp1
+
+    model, optimizer, x = _setup()
+    plan = FSDP1Plan(units=_UNITS, sharding_strategy="HYBRID_SHARD", ranks_per_node=2)
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
+    try:  # rank 3: node 1, index 1 in its node
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
+                     sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)),
+                     device_id=torch.device("cpu"))
+        read = read_fsdp1(model)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, step=_step)
+    finally:
+        dist.destroy_process_group()
+    assert (read.plan, read.world_size, read.rank) == (plan, WORLD, 3)
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
+
+
+def test_the_module_a_wrapper_holds_steps_through_the_root_wrapper_as_the_trainers_run_it():
+    """The callbacks pass the module the root wrapper holds and step it (Lightning: ``training_step``, which its
+    ``FSDPStrategy`` runs as the root's forward); the trace runs each step through the root's forward the same way,
+    so the figure is the one of the wrapped model stepped through its root."""
+    model, optimizer, x = _setup()
+    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
+                               fsdp=FSDP1Plan(units=_UNITS))
+    model, optimizer, x = _wrapped_in_a_job()
+    inner = model.module
+    inner.training_step = types.MethodType(lambda self, batch: self(batch), inner)  # a LightningModule's hook
+    try:
+        est = preflight.estimate(inner, optimizer, x, step=lambda m, b: m.training_step(b))
+        assert "forward" not in vars(inner)  # the redirection is put back
+    finally:
+        dist.destroy_process_group()
+    assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes

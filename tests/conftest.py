@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -135,3 +140,34 @@ def pad_tokens(samples: list) -> dict[str, torch.Tensor]:
         ids[j, : len(s)] = torch.tensor(s)
     mask = (ids != 0).long()
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """This process as one rank of a real gloo job on localhost (the real-run tests' spawned workers): one thread,
+    since the ranks share the machine's cores; the group is destroyed on the way out."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spy_all_reduce(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record ``(elements, group size)`` of every ``torch.distributed.all_reduce`` from now on (it still runs)."""
+    import torch.distributed as dist
+
+    calls: list[tuple[int, int]] = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args, group=None, **kwargs):
+        calls.append((tensor.numel(), dist.get_world_size(group)))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    return calls

@@ -4,14 +4,12 @@ against real 2-process gloo runs."""
 
 from __future__ import annotations
 
-import os
 import socket
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Stack
+from conftest import Stack, gloo_rank
 
 import preflight
 from preflight.parallel import ParallelPlan
@@ -65,11 +63,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, view: bool, queue) -> No
     from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         model, batch = _setup()
         before = live_storage_bytes([list(model.parameters()), batch], torch.device("cpu"))
         dist.barrier()
@@ -84,8 +78,6 @@ def _gloo_worker(rank: int, world_size: int, port: int, view: bool, queue) -> No
 
         peak, _ = cpu_profiled_peak(steps, repair_lost_frees=True)
         queue.put((rank, before + peak, ddp_bucket_bytes(wrapped[0])))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -5,15 +5,13 @@ against the prediction."""
 from __future__ import annotations
 
 import copy
-import os
 import socket
 import types
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Stack
+from conftest import Stack, gloo_rank, spy_all_reduce
 from torch import nn
 
 import preflight
@@ -84,16 +82,9 @@ def test_the_rank_holding_the_padding_holds_less_state():
 
 @pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
 def test_hybrid_ranks_hold_their_nodes_shards_and_all_reduce_them_in_place(strategy, monkeypatch):
-    calls = []
-    all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, group=None, **kwargs):
-        calls.append((tensor.numel(), dist.get_world_size(group)))
-        return all_reduce(tensor, *args, group=group, **kwargs)
-
     model, optimizer, x = _setup()
     node = preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding=strategy)
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    calls = spy_all_reduce(monkeypatch)  # (elements, group size) of each all_reduce from here on
     plan = FSDP1Plan(ranks_per_node=2)  # 2 nodes of 2 ranks: HYBRID_SHARD / _HYBRID_SHARD_ZERO2
     est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy, fsdp=plan)
     hybrid = "HYBRID_SHARD" if strategy == "fsdp-full" else "_HYBRID_SHARD_ZERO2"
@@ -220,11 +211,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
     from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         model, _, _ = _setup(depth=DEEP, width=NARROW)
         batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
         # As a user wraps it: each block its own unit by class, the rest in the root, FSDP1's defaults otherwise; a
@@ -239,8 +226,6 @@ def _gloo_worker(rank: int, world_size: int, port: int, strategy: str, queue) ->
         peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=_step, precision=None,
                                                       device_type="cpu", steps=2), repair_lost_frees=True)
         queue.put((rank, before + peak))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -319,12 +304,8 @@ def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
     from preflight._steps import run_steps
     from preflight.parallel import read_fsdp1
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     out = {"rank": rank}
-    try:
+    with gloo_rank(rank, world_size, port):
         model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
         batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
         # The prediction before wrapping, in this process (its thread count sets CPU kernels' calibrated scratch).
@@ -362,8 +343,6 @@ def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
         before = _storages(other)
         out["other"] = preflight.estimate(other, other_optimizer, batch, step=_step).per_rank_peak_bytes
         out["other_untouched"] = _same(before, _storages(other)) and not other_optimizer.state
-    finally:
-        dist.destroy_process_group()
         queue.put(out)
 
 

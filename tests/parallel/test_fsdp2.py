@@ -3,15 +3,13 @@ group left behind, and one real 2-process gloo run measured against the predicti
 
 from __future__ import annotations
 
-import os
 import random
 import socket
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Stack
+from conftest import Stack, gloo_rank, spy_all_reduce
 from torch import nn
 
 import preflight
@@ -222,17 +220,10 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
 
 
 def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(monkeypatch):
-    calls = []
-    all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, group=None, **kwargs):
-        calls.append((tensor.numel(), dist.get_world_size(group)))
-        return all_reduce(tensor, *args, group=group, **kwargs)
-
     model, optimizer, x = _setup()
     step = lambda m, b: m(b)  # noqa: E731
     group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    calls = spy_all_reduce(monkeypatch)  # (elements, group size) of each all_reduce from here on
     est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
                              fsdp=FSDP2Plan(replicate=2))
     assert any("fake 2-D mesh of 2 x 2 ranks" in n for n in est.coverage.notes), est.coverage.notes
@@ -327,11 +318,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue, replicate: int = 
     from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_rank(rank, world_size, port):
         model, batch = _deep_setup()
         # HSDP: shard groups of consecutive ranks (one node's), replicated across groups.
         mesh = (init_device_mesh("cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
@@ -348,8 +335,6 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue, replicate: int = 
                                                       precision=None, device_type="cpu", steps=2),
                                   repair_lost_frees=True)
         queue.put((rank, (before + peak, inside)))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from torch import nn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
-from preflight._estimate import estimate, summarize_events, zero3_terms_for, zero_buffers_for
+from preflight._estimate import deepspeed_terms, estimate, summarize_events
 from preflight._guard import untouched
 from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
@@ -559,13 +559,11 @@ def _rank_kwargs(plan: ParallelPlan | None) -> dict[str, Any]:
 def _per_rank_peak(setup: _Setup, **sharding: Any) -> int:
     """The per-rank peak of the baseline trace rescaled by `shard_events` (as ``estimate(world_size=...)`` does)."""
     base = setup.baseline
-    buffers = zero_buffers_for(setup.model, sharding.get("sharding"), None, setup.precision)  # DeepSpeed's defaults
     offload = {k: sharding.get(k, False) for k in ("offload_optimizer", "offload_params")}
-    zero3, _ = zero3_terms_for(setup.model, sharding.get("sharding"), None, setup.precision,
+    terms, _ = deepspeed_terms(setup.model, sharding.get("sharding"), None, setup.precision,  # DeepSpeed's defaults
                                sharding.get("world_size", 1), offload)
     events, categories, _ = shard_events(base.events, base.categories, setup.model,
-                                         dtype=float_dtype_for(setup.precision), zero_buffers=buffers, zero3=zero3,
-                                         **sharding)
+                                         dtype=float_dtype_for(setup.precision), **terms, **sharding)
     if base.device.startswith("cuda"):
         events = round_events(events)
     return summarize_events(events, categories)[0]

@@ -178,8 +178,8 @@ def _estimate(args: argparse.Namespace) -> int:
     print(verdict["text"])
     suggestions: list[dict[str, Any]] = []
     if verdict["fits"] is False and args.suggest:
-        suggestions, why_none = _suggest(args, model, optimizer, batch, config, budget, sharding, offload)
-        print(_suggestions_text(suggestions, why_none))
+        suggestions = _suggest(args, model, optimizer, batch, config, budget, sharding, offload)
+        print(_suggestions_text(suggestions))
     if args.json:
         out = {**est.to_dict(), **{k: v for k, v in verdict.items() if k != "text"},
                "parameters": params, "inputs": _inputs(args, param_dtype, sharding, offload),
@@ -254,8 +254,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
 
 
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
-             sharding: str | None, offload: dict[str, bool]) -> tuple[list[dict[str, Any]], str | None]:
-    """Ranked changes from `preflight.advise`, as the callbacks print them; or why there are none. Under
+             sharding: str | None, offload: dict[str, bool]) -> list[dict[str, Any]]:
+    """Ranked changes from `preflight.advise`, as the callbacks print them. Under
     --world-size, --sharding, offload or --deepspeed-config each change is predicted per rank under that plan."""
     from preflight._advise import advise
     from preflight._estimate import check_plan
@@ -273,12 +273,10 @@ def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, c
                        device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
                        make_batch=lambda b: _batch(args, config, batch_size=b), fast=args.fast, plan=plan)
     return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
-             "change": s.change, "cost": s.cost} for s in found], None
+             "change": s.change, "cost": s.cost} for s in found]
 
 
-def _suggestions_text(suggestions: list[dict[str, Any]], why_none: str | None) -> str:
-    if why_none is not None:
-        return f"what to change: {why_none}"
+def _suggestions_text(suggestions: list[dict[str, Any]]) -> str:
     if not suggestions:
         return "what to change: preflight.advise found no single change that lowers the peak"
     lines = ["what to change (ranked; predicted peak with the change):"]

@@ -30,7 +30,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
 from preflight.parallel import trace_fsdp1, trace_fsdp2
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
-__all__ = ["check_plan", "estimate", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
+__all__ = ["check_plan", "deepspeed_terms", "estimate", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -285,12 +285,11 @@ def estimate(
     unsharded = None
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
-        zero3, zero3_note = zero3_terms_for(model, sharding, ds, precision, shard_ranks, offload)
+        terms, terms_notes = deepspeed_terms(model, sharding, ds, precision, shard_ranks, offload)
         events, categories, note = shard_events(events, categories, model, world_size=shard_ranks, sharding=sharding,
-                                                dtype=float_dtype_for(precision), **offload,
-                                                zero_buffers=zero_buffers_for(model, sharding, ds, precision),
-                                                zero3=zero3, gradient_as_bucket_view=gradient_as_bucket_view)
-        notes.extend([note] + ([zero3_note] if zero3_note else []))
+                                                dtype=float_dtype_for(precision), **offload, **terms,
+                                                gradient_as_bucket_view=gradient_as_bucket_view)
+        notes.extend([note, *terms_notes])
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
@@ -365,6 +364,15 @@ def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch
     return None
 
 
+def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
+                    world_size: int, offload: dict[str, bool]) -> tuple[dict[str, Any], list[str]]:
+    """What DeepSpeed itself holds on one rank under ``sharding`` (its gradient reduction buffers, ZeRO-3's own
+    terms; None for other shardings), as the keyword arguments `preflight._target.shard_events` and
+    `per_rank_breakdown` take, and the notes saying what of it is not counted."""
+    zero3, note = zero3_terms_for(model, sharding, ds, precision, world_size, offload)
+    return {"zero_buffers": zero_buffers_for(model, sharding, ds, precision), "zero3": zero3}, [note] if note else []
+
+
 def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
                     world_size: int, offload: dict[str, bool]) -> tuple[Zero3Terms | None, str | None]:
     """DeepSpeed ZeRO-3's own terms (`preflight._sharding.zero3_terms`) for ``model`` under ``ds`` (DeepSpeed's
@@ -378,19 +386,12 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     given = ds is not None
     if ds is None:
         ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
-    low = _half_dtype(ds, precision, given)
-    seen: set[int] = set()
-    params = []
-    for _, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            params.append((id(p), p.numel(), p.requires_grad))
+    params = [(id(p), p.numel(), p.requires_grad) for p in model.parameters()]  # shared parameters once
     modules = [[id(p) for p in m.parameters(recurse=False)] for m in model.modules()]
+    # DeepSpeed's 16-bit dtype, else the trace's parameter dtype, else the model's own.
+    dtype = _half_dtype(ds, precision, given) or float_dtype_for(precision)
     floating = [p for p in model.parameters() if p.is_floating_point()]
-    itemsize = low.itemsize if low is not None else (floating[0].element_size() if floating else 4)
-    traced = float_dtype_for(precision)
-    if low is None and traced is not None:
-        itemsize = traced.itemsize
+    itemsize = dtype.itemsize if dtype is not None else (floating[0].element_size() if floating else 4)
     terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
     return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
 
@@ -688,12 +689,10 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())
-        zero3, zero3_note = zero3_terms_for(model, sharding, ds, precision, shard_ranks, offload)
+        terms, terms_notes = deepspeed_terms(model, sharding, ds, precision, shard_ranks, offload)
         breakdown, note = per_rank_breakdown(breakdown, model, world_size=shard_ranks, sharding=sharding,
-                                             dtype=float_dtype_for(precision), **offload,
-                                             zero_buffers=zero_buffers_for(model, sharding, ds, precision),
-                                             zero3=zero3)
-        notes.extend([note] + ([zero3_note] if zero3_note else []))
+                                             dtype=float_dtype_for(precision), **offload, **terms)
+        notes.extend([note, *terms_notes])
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warnings.warn(
         f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "

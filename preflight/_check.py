@@ -587,7 +587,7 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
         sys.stdout.flush()
         sys.exit(code)
     if fits is False:
-        message = _overflow_message(report, ranks, local_fits, remedy)
+        message = _overflow_message(report, ranks, local_fits, remedy, stops=options.on_overflow == "raise")
         if options.on_overflow == "raise":
             raise PreflightError(message, report=report.to_dict() if report is not None else None)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -920,10 +920,12 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
 
 
 def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None,
-                      remedy: str = REMEDY_MAX_BATCH_SIZE) -> str:
+                      remedy: str = REMEDY_MAX_BATCH_SIZE, *, stops: bool = True) -> str:
+    """The overflow verdict in words; ``stops``: the run is stopped (``on_overflow="raise"``), else it trains on."""
     if report is None or local_fits is not False:  # another rank does not fit: say which, with its numbers
         over = [(i, r) for i, r in enumerate(ranks) if r is not None and r[2] is False]
-        lines = [f"preflight: {len(over)} of {len(ranks)} ranks are predicted not to fit, so no rank trains:"]
+        outcome = "so no rank trains" if stops else "training goes on (on_overflow='warn')"
+        lines = [f"preflight: {len(over)} of {len(ranks)} ranks are predicted not to fit, {outcome}:"]
         lines += [f"  rank {i}: {format_bytes(max(r[0], r[1] or 0))} over its usable {format_bytes(r[3])}"
                   for i, r in over]
         if report is not None:
@@ -953,7 +955,11 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
         lines.append("  What to change: a smaller micro-batch with gradient accumulation, activation checkpointing, "
                      "bf16 mixed precision, an 8-bit optimizer or LoRA; preflight.advise(...) predicts each.")
     lines.append(f"  {remedy}")
-    lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")
+    if stops:
+        lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")
+    else:
+        lines.append("  Training goes on, as on_overflow='warn' asks: expect an out-of-memory error on the device "
+                     "unless one of these changes is made.")
     return "\n".join(lines)
 
 

@@ -136,8 +136,12 @@ def test_overflow_raises_with_numbers_and_warn_mode_warns():
     assert "over the usable" in message and "KiB" in message and "on_overflow='warn'" in message
     assert info.value.report["fits"] is False
     _, warn_options = _check(budget=100_000, on_overflow="warn")
-    with pytest.warns(RuntimeWarning, match="over the usable"):
+    with pytest.warns(RuntimeWarning, match="over the usable") as warned:
         decide(report, warn_options)
+    # Training goes on under "warn": the warning says so, not that nothing was trained.
+    text = str(warned[0].message)
+    assert "Training goes on" in text and "Nothing was trained" not in text
+    assert "Nothing was trained" in message
 
 
 def test_the_prediction_says_what_it_is_doing(capsys):

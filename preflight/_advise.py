@@ -30,6 +30,7 @@ from preflight._budget import check_headroom, resolve_budget, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
 from preflight._estimate import deepspeed_terms, estimate, summarize_events
 from preflight._guard import untouched
+from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate
 from preflight._steps import Schedule, StepFn, check_precision
 from preflight._target import round_events, shard_events
@@ -350,7 +351,8 @@ def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         return []  # bitsandbytes' 8-bit Adam has no AMSGrad
     try:
-        import bitsandbytes as bnb
+        with quiet_import_logs("bitsandbytes"):  # an option preflight considers, not an import the user asked for
+            import bitsandbytes as bnb
     except ImportError:
         return []
     decoupled = type(optimizer) is torch.optim.AdamW

@@ -1,6 +1,7 @@
 """Keep torch's noise about preflight's own work off the user's terminal: the CPU profiler's native log lines while
-preflight measures (`StderrFilter`), and the fake-tensor tracebacks logged during a trace whose failure preflight
-reports itself (`handled_fake_tensor_errors`).
+preflight measures (`StderrFilter`), the fake-tensor tracebacks logged during a trace whose failure preflight
+reports itself (`handled_fake_tensor_errors`), and what an optional library logs when preflight, not the user,
+imports it (`quiet_import_logs`).
 
 Measuring on CPU runs ``torch.profiler`` with ``profile_memory=True`` (`preflight._verify.StepPeakMeter`,
 `preflight._measure.cpu_profiled_peak`). Two pieces of C++ then write to file descriptor 2, below Python's
@@ -33,7 +34,7 @@ import threading
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["StderrFilter", "handled_fake_tensor_errors"]
+__all__ = ["StderrFilter", "handled_fake_tensor_errors", "quiet_import_logs"]
 
 # The lines dropped: nothing else is.
 NOISE = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$"
@@ -134,3 +135,17 @@ def handled_fake_tensor_errors() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(_not_handled)
+
+
+@contextlib.contextmanager
+def quiet_import_logs(package: str) -> Iterator[None]:
+    """Hold back ``package``'s log records below ERROR while preflight imports it for its own use: bitsandbytes
+    logs, on a CPU build, that an optional 4-bit kernel package is missing, which says nothing about the run. The
+    logger's level is restored afterwards, so the user's own use of the package logs as before."""
+    logger = logging.getLogger(package)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

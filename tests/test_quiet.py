@@ -47,3 +47,24 @@ def test_a_process_that_exits_inside_a_measured_step_keeps_its_output_and_status
     assert done.returncode == 1, done.stderr  # not a segfault: torch's, at exit with a profiler still running
     assert "inside" in done.stderr and "bye from inside" in done.stderr, done.stderr
     assert "profiler_start" not in done.stderr
+
+
+def test_quiet_import_logs_holds_back_a_package_s_warnings_and_restores_its_level():
+    import logging
+
+    from preflight._quiet import quiet_import_logs
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    child = logging.getLogger("some_optional_package.backends")  # as bitsandbytes logs, from a submodule
+    child.addHandler(handler)
+    try:
+        with quiet_import_logs("some_optional_package"):
+            child.warning("Failed to load an optional kernel")
+            child.error("a real error")
+        child.warning("the user's own use, afterwards")
+    finally:
+        child.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["a real error", "the user's own use, afterwards"]
+    assert logging.getLogger("some_optional_package").level == logging.NOTSET

@@ -27,7 +27,7 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide,
-                              predict, predict_or_lower_bound)
+                              predict, predict_or_lower_bound, training_state)
 from preflight._eval import EvalStepFn
 from preflight._guard import untouched
 from preflight._steps import Schedule, StepFn
@@ -133,10 +133,7 @@ class StepVerifier:
             yield
             return
         if not self._open:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            states = [list(s.values()) for s in self.optimizer.state.values()]
-            self.session.step_started([list(self.model.parameters()), list(self.model.buffers()), grads, states,
-                                       batch], batch=batch)
+            self.session.step_started([*training_state(self.model, [self.optimizer]), batch], batch=batch)
             self._open = True
         yield
         if self.accelerator.sync_gradients:
@@ -150,9 +147,7 @@ class StepVerifier:
         if not self.session.active or self._open:
             yield
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        states = [list(s.values()) for s in self.optimizer.state.values()]
-        self.session.eval_started([list(self.model.parameters()), list(self.model.buffers()), grads, states, batch],
+        self.session.eval_started([*training_state(self.model, [self.optimizer]), batch],
                                   batch)
         try:
             yield

@@ -33,7 +33,8 @@ from torch import nn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
-                              internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound)
+                              internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound,
+                              training_state)
 from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
@@ -157,13 +158,11 @@ class PreflightCallback(TrainerCallback):
         session = self._session
         if session is None or not session.active:
             return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        states = [list(s.values()) for s in optimizer.state.values()]
         # The micro-batches were fetched before this hook, which does not receive them: each forward's inputs are
         # picked up by a pre-hook and counted as alive since the start (`StepPeakMeter.stop`).
         self._batch = []
         self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
-        session.step_started([list(model.parameters()), list(model.buffers()), grads, states])
+        session.step_started(training_state(model, [optimizer]))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self._session
@@ -250,9 +249,7 @@ class PreflightCallback(TrainerCallback):
         session = self._session
         if module.training or session is None or not session.active:
             return
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        states = [] if self._optimizer is None else [list(s.values()) for s in self._optimizer.state.values()]
-        session.eval_started([list(module.parameters()), list(module.buffers()), grads, states, args, kwargs],
+        session.eval_started([*training_state(module, [self._optimizer]), args, kwargs],
                              _inputs((args, kwargs)))
 
     def _remove_eval_hook(self) -> None:

@@ -36,7 +36,7 @@ import torch
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
-                              is_rank_zero, predict, predict_or_lower_bound)
+                              is_rank_zero, predict, predict_or_lower_bound, training_state)
 from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
@@ -204,9 +204,7 @@ class PreflightCallback(*_callback_bases()):
         session = self._session
         if session is None or not session.active or batch_idx % trainer.accumulate_grad_batches:
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
-        session.step_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch],
+        session.step_started([*training_state(pl_module, trainer.optimizers), batch],
                              batch=batch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -229,9 +227,7 @@ class PreflightCallback(*_callback_bases()):
         session = self._session
         if session is None or not session.active or trainer.sanity_checking:
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        states = [list(s.values()) for opt in trainer.optimizers for s in opt.state.values()]
-        session.eval_started([list(pl_module.parameters()), list(pl_module.buffers()), grads, states, batch], batch)
+        session.eval_started([*training_state(pl_module, trainer.optimizers), batch], batch)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:

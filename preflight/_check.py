@@ -63,7 +63,8 @@ from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precisio
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.parallel import ParallelPlan, already_sharded, read_fsdp1, read_fsdp2
+from preflight.parallel import ParallelPlan, already_sharded, read_fsdp1, read_fsdp2, read_zero, zero_plan
+from preflight.parallel import held_tensors
 from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
@@ -351,6 +352,12 @@ def predict(
     # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
     # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
     parallel = _planned(settings, parallel)
+    # A model and optimizer DeepSpeed has taken over are read back as the unpartitioned model and a torch optimizer
+    # (`preflight.parallel.read_zero`), predicted under the run's ZeRO plan; a ValueError says what does not map.
+    zero = read_zero(model, optimizer)
+    if zero is not None:
+        model, optimizer = zero.model, zero.optimizer
+        parallel = zero_plan(zero, parallel)
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
     sharded = parallel if parallel is not None and parallel.sharded else None
     wrapped = already_sharded(model)
@@ -401,6 +408,8 @@ def predict(
     notes: list[str] = []
     if sharded is not None:
         notes.append(sharded.note())
+    if zero is not None:
+        notes.append(zero.note())
     # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown; sharded
     # strategies have none.
     ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1 and sharded is None
@@ -829,6 +838,16 @@ class VerifySession:
             self.meter.abort()
             self.meter.step_peaks.clear()
         self.meter = None
+
+
+def training_state(model: nn.Module, optimizers: Any) -> list[Any]:
+    """Every tensor of the training state alive between steps, for `VerifySession`'s resident bytes: the model's
+    parameters, buffers and gradients, the optimizers' state, and what DeepSpeed holds beside them
+    (`preflight.parallel.held_tensors`: ZeRO-3's partitions, its ZeRO optimizer's flat buffers)."""
+    optimizers = [o for o in optimizers if o is not None]
+    return [list(model.parameters()), list(model.buffers()), [p.grad for p in model.parameters() if p.grad is not None],
+            [list(s.values()) for o in optimizers for s in o.state.values()],
+            [held_tensors(model, o) for o in optimizers]]
 
 
 def _elements(batch: Any) -> int:

@@ -8,7 +8,9 @@ parameter shards, the all-gather and reduce-scatter buffers and the sharded opti
 (FSDP2's HSDP, FSDP1's ``HYBRID_SHARD``) is traced over a fake 2-D mesh of the same shape, both groups' collectives
 in the program. `rank_groups` and `fsdp1_rank_groups` say which ranks hold the same shard shapes and so trace the
 same; `read_fsdp2` and `read_fsdp1` read the plan off a model ``fully_shard`` or ``FullyShardedDataParallel``
-already wrapped, whose copy is traced unwrapped and wrapped again in the fake world.
+already wrapped, whose copy is traced unwrapped and wrapped again in the fake world; `read_zero` reads a model and
+optimizer DeepSpeed ZeRO has taken over back as the unpartitioned model and a torch optimizer, which a ZeRO plan
+rescales.
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the
 integrations, into the arguments a per-rank estimate takes. Imports flow one way: this package uses
 `preflight.trace`; `preflight._estimate` uses this package.
@@ -20,7 +22,9 @@ from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan)
+from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "rank_groups", "read_fsdp1", "read_fsdp2", "trace_fsdp1", "trace_fsdp2", "WrappedFSDP1", "WrappedFSDP2"]
+           "held_tensors", "rank_groups", "read_fsdp1", "read_fsdp2", "read_zero", "trace_fsdp1", "trace_fsdp2",
+           "WrappedFSDP1", "WrappedFSDP2", "WrappedZero", "deepspeed_optimizer", "zero_plan"]

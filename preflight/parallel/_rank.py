@@ -41,7 +41,7 @@ from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["GLOO_COPIES", "Engine", "ParamTwins", "ScratchedDist", "communicating", "default_units", "fake_replica",
+__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units", "fake_replica",
            "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
 
 
@@ -81,9 +81,11 @@ def default_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best))))
 
 
-def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
+def fake_replica(model: nn.Module, twins: TwinMaker | MetaTwins, *, keep_buffers: bool = False,
+                 params: dict[int, nn.Parameter] | None = None) -> nn.Module:
     """A structural copy of ``model`` whose parameters and buffers are fake twins (tied ones stay tied); the user's
-    tensors are read, never copied or changed.
+    tensors are read, never copied or changed. ``keep_buffers``: the copy holds the model's own buffers;
+    ``params``: filled with each of the model's parameters (by id) and its copy's.
 
     Every module is copied as ``nn.Module``'s own data-parallel replication copies it
     (``Module._replicate_for_data_parallel``): its own ``__dict__``, parameter, buffer, child and hook tables, and
@@ -107,7 +109,7 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
     except ImportError:
         FSDP1 = ()  # noqa: N806
     copies: dict[int, nn.Module] = {}
-    params: dict[int, nn.Parameter] = {}
+    params = {} if params is None else params
     originals, shapes = _fsdp1_originals(model)
     restored: dict[Any, nn.Parameter] = {}
 
@@ -119,7 +121,10 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
 
     def twin_param(p: nn.Parameter) -> nn.Parameter:
         if id(p) not in params:
-            params[id(p)] = nn.Parameter(twins.tensor(p), requires_grad=p.requires_grad)
+            # DeepSpeed ZeRO-3 empties a parameter's tensor and keeps its shape as `ds_shape`.
+            whole = torch.empty(p.ds_shape, dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
+            params[id(p)] = nn.Parameter(twins.tensor(whole, requires_grad=p.requires_grad),
+                                         requires_grad=p.requires_grad)
         return params[id(p)]
 
     def replicate(module: nn.Module) -> nn.Module:
@@ -143,14 +148,14 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
         state["_parameters"] = {k: None if p is None else twin_param(p) for k, p in module._parameters.items()
                                 if k not in dropped}
         state["_parameters"].update((name, original_param(key)) for name, key in flat)
-        state["_buffers"] = {k: None if b is None else twins.tensor(b, requires_grad=False)
+        state["_buffers"] = {k: b if b is None or keep_buffers else twins.tensor(b, requires_grad=False)
                              for k, b in module._buffers.items()}
         state["_modules"] = {k: None if c is None else replicate(c) for k, c in module._modules.items()}
         vars(copy_).update(state)
         return copy_
 
     replica = replicate(model)
-    # FSDP2's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy is its module's).
+    # FSDP2's and DeepSpeed's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy is its module's).
     for copy_ in {id(c): c for c in copies.values()}.values():
         tables = vars(copy_)
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
@@ -165,7 +170,7 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
             hooks = tables.get(name) or {}
             for handle, fn in list(hooks.items()):
                 owner = getattr(fn, "__self__", None)
-                if type(owner).__module__.startswith("torch.distributed.fsdp"):
+                if type(owner).__module__.startswith("torch.distributed.fsdp") or _deepspeeds(fn):
                     del hooks[handle]
                     gone.add(handle)
                 elif isinstance(owner, nn.Module) and id(owner) in copies:
@@ -174,6 +179,23 @@ def fake_replica(model: nn.Module, twins: TwinMaker) -> nn.Module:
             for handle in gone & set(tables.get(name) or ()):
                 del tables[name][handle]
     return replica
+
+
+class MetaTwins:
+    """`fake_replica`'s tensor maker for a stand-in outside any fake mode: meta tensors of the same shape, dtype and
+    ``requires_grad`` (a model built on the meta device, which `preflight.estimate` traces)."""
+
+    def tensor(self, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return meta.requires_grad_(requires_grad and (meta.is_floating_point() or meta.is_complex()))
+
+
+def _deepspeeds(fn: Any) -> bool:
+    """Whether the hook ``fn`` is DeepSpeed's (a function, a bound method or a partial of its modules)."""
+    fn = getattr(fn, "func", fn)
+    owner = getattr(fn, "__self__", None)
+    return any(str(getattr(x, "__module__", "") or "").startswith("deepspeed.")
+               for x in (fn, type(owner) if owner is not None else None) if x is not None)
 
 
 def _fsdp1_originals(

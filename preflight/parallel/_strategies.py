@@ -31,6 +31,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["ParallelPlan", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan"]
 
 _FSDP = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "ddp",
@@ -184,6 +186,8 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     kind = getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
     world = max(int(getattr(state, "num_processes", 1) or 1), 1)
+    if dist.is_available() and dist.is_initialized():  # under DeepSpeed on CPU processes accelerate counts one
+        world = dist.get_world_size()
     if kind == "DEEPSPEED":
         plugin = getattr(state, "deepspeed_plugin", None)
         return deepspeed_plan(getattr(plugin, "deepspeed_config", None) or {}, world_size=world,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -296,3 +297,92 @@ def test_fsdp_asked_for_on_cpu_processes_runs_ddp_and_is_predicted_as_it_runs(tm
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert abs(report["error"]) < 0.01, report
         assert not any("per-rank plan" in note for note in report["notes"])
+
+
+DEEPSPEED_SCRIPT = """
+import json, os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, torch.distributed as dist, transformers
+from transformers import Trainer, TrainingArguments
+from preflight.integrations.hf import PreflightCallback
+from preflight.parallel import deepspeed_optimizer, read_zero
+stage, with_callback = int(sys.argv[1]), sys.argv[2] == "with"
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500,
+                                                             n_positions=64))
+ids = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
+args = TrainingArguments(output_dir="out", deepspeed=config, max_steps=3, per_device_train_batch_size=2, seed=0,
+                         weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                  callbacks=[callback] if with_callback else [])
+trainer.train()
+out = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+       "weights": [float(p.ds_tensor.double().sum()) if hasattr(p, "ds_tensor") else float(p.double().sum())
+                   for p in model.parameters()]}
+if with_callback:
+    r = callback.report
+    zero = read_zero(model, trainer.optimizer)  # what the callback read, read again after training
+    out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
+               measured=r.measured_peak_bytes,
+               shapes=[list(p.shape) for p in zero.model.parameters()],
+               devices=sorted({p.device.type for p in zero.model.parameters()}),
+               optimizer=type(zero.optimizer).__name__,
+               groups=[{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
+               inner=[{k: v for k, v in g.items() if k != "params"}
+                      for g in deepspeed_optimizer(trainer.optimizer).optimizer.param_groups],
+               sizes=[sum(p.numel() for p in g["params"]) for g in zero.optimizer.param_groups],
+               stand_in_hooks=sum(len(m._forward_pre_hooks) for m in zero.model.modules()),
+               model_hooks=sum(len(m._forward_pre_hooks) for m in model.modules()),
+               own_shapes=[list(getattr(p, "ds_shape", p.shape)) for p in model.parameters()],
+               partitioned=sum(hasattr(p, "ds_tensor") for p in model.parameters()))
+open(f"rank{dist.get_rank()}-{stage}-{sys.argv[2]}.json", "w").write(json.dumps(out))
+"""
+
+
+def _deepspeed_run(tmp_path, stage: int, callback: str) -> list[dict]:
+    script = tmp_path / "deepspeed_cpu.py"
+    script.write_text(DEEPSPEED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(stage), callback],
+                          env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}-{stage}-{callback}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_runs_are_predicted_per_rank(tmp_path, stage):
+    # DeepSpeed runs ZeRO on CPU processes (its CPU accelerator over gloo). By the Trainer's on_train_begin it has
+    # replaced the optimizer and, at stage 3, partitioned every parameter: the callback reads both back
+    # (`preflight.parallel.read_zero`) and predicts each rank under the config accelerate applied.
+    pytest.importorskip("deepspeed")
+    for rank in _deepspeed_run(tmp_path, stage, "with"):
+        assert rank["fits"] is True
+        assert any(f"read back from DeepSpeed ZeRO stage {stage} over 2 rank(s)" in n for n in rank["notes"])
+        assert any(f"zero{stage} over 2 rank(s)" in n for n in rank["notes"])
+        # The verification measured each rank, DeepSpeed's own partitions and buffers counted as resident.
+        assert abs(rank["error"]) < 0.01, rank
+        # The stand-in: the unpartitioned shapes on the meta device, the inner optimizer's class and groups with
+        # their hyperparameters over every parameter, none of DeepSpeed's hooks; the model keeps its own.
+        assert rank["shapes"] == rank["own_shapes"] and rank["devices"] == ["meta"]
+        assert rank["optimizer"] == "AdamW" and rank["groups"] == json.loads(json.dumps(rank["inner"]))
+        assert rank["groups"][0]["weight_decay"] == 0.1
+        assert sum(rank["sizes"]) == sum(math.prod(s) for s in rank["own_shapes"])
+        assert rank["stand_in_hooks"] == 0
+        if stage == 3:
+            assert rank["model_hooks"] > 0 and rank["partitioned"] == len(rank["shapes"])  # still DeepSpeed's
+
+
+@pytest.mark.slow
+def test_deepspeed_training_is_unchanged_by_the_callback(tmp_path):
+    pytest.importorskip("deepspeed")
+    with_ = _deepspeed_run(tmp_path, 3, "with")
+    without = _deepspeed_run(tmp_path, 3, "without")
+    for a, b in zip(with_, without):
+        assert a["losses"] == b["losses"] and len(a["losses"]) == 3
+        assert a["weights"] == b["weights"]

@@ -539,7 +539,7 @@ def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precis
     overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`).
     ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
     rank's, so not divided again)."""
-    from preflight._estimate import zero_buffers_for
+    from preflight._estimate import deepspeed_terms, zero_buffers_for
     from preflight._sharding import hf_hidden_size, read_deepspeed_config
     from preflight._target import per_rank_breakdown
 
@@ -550,7 +550,10 @@ def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precis
         buffers = None
     share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
                                   dtype=float_dtype_for(precision), offload_optimizer=plan.offload_optimizer,
-                                  offload_params=plan.offload_params, zero_buffers=buffers)
+                                  offload_params=plan.offload_params, zero_buffers=buffers,
+                                  state_scale=deepspeed_terms(model, plan.sharding, ds, precision, plan.world_size, {
+                                      "offload_optimizer": plan.offload_optimizer,
+                                      "offload_params": plan.offload_params})[0]["state_scale"])
     if traced_state is not None:
         share["optimizer_state"] = traced_state
     peak = sum(share.values())

@@ -368,9 +368,24 @@ def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
                     world_size: int, offload: dict[str, bool]) -> tuple[dict[str, Any], list[str]]:
     """What DeepSpeed itself holds on one rank under ``sharding`` (its gradient reduction buffers, ZeRO-3's own
     terms; None for other shardings), as the keyword arguments `preflight._target.shard_events` and
-    `per_rank_breakdown` take, and the notes saying what of it is not counted."""
+    `per_rank_breakdown` take, and the notes saying what of it is not counted (or how it was counted).
+
+    DeepSpeed's optimizer steps the fp32 copy of the rank's partition (``stage_1_and_2.py``
+    ``single_partition_of_fp32_groups``, ``stage3.py`` ``fp32_partitioned_groups_flat``; their dtype,
+    ``master_weights_and_grads_dtype``, is fp32 unless bf16 master weights are asked for with offload), so its state
+    and the step's temporaries are fp32 where a 16-bit model's trace made them 16-bit: ``state_scale`` scales them."""
     zero3, note = zero3_terms_for(model, sharding, ds, precision, world_size, offload)
-    return {"zero_buffers": zero_buffers_for(model, sharding, ds, precision), "zero3": zero3}, [note] if note else []
+    notes = [note] if note else []
+    scale = 1.0
+    if sharding in ("zero1", "zero2", "zero3") and not offload["offload_optimizer"]:
+        traced = float_dtype_for(precision) or next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                                                    None)
+        if traced is not None and traced.itemsize < 4:
+            scale = 4 / traced.itemsize
+            notes.append(f"DeepSpeed's optimizer steps the fp32 copy of the partition: the traced {traced} optimizer "
+                         f"state and step counted at fp32 (x{scale:g})")
+    return ({"zero_buffers": zero_buffers_for(model, sharding, ds, precision), "zero3": zero3, "state_scale": scale},
+            notes)
 
 
 def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,

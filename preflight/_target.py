@@ -42,6 +42,7 @@ backward, in the communication category. Shares round up per tensor. Other commu
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -141,14 +142,16 @@ def largest_unit_bytes(model: nn.Module, dtype: torch.dtype | None) -> int:
 
 def per_rank_breakdown(breakdown: dict[str, int], model: nn.Module, *, world_size: int, sharding: str,
                        dtype: torch.dtype | None, offload_optimizer: bool = False, offload_params: bool = False,
-                       zero_buffers: ZeroBuffers | None = None,
-                       zero3: Zero3Terms | None = None) -> tuple[dict[str, int], str]:
+                       zero_buffers: ZeroBuffers | None = None, zero3: Zero3Terms | None = None,
+                       state_scale: float = 1.0) -> tuple[dict[str, int], str]:
     """One rank's breakdown, rescaled by category from a single-device breakdown (for a lower bound, which has no
     event timeline to rescale, and for evaluation), and a note saying how it was derived. ``zero_buffers``: ZeRO's
     gradient reduction buffers alive at that moment, added as communication. ``zero3``: DeepSpeed ZeRO-3's own
     terms (`preflight._sharding.zero3_terms`), as they stand from the second step on: they replace the gathered
-    unit and the gradient share."""
+    unit and the gradient share. ``state_scale``: the optimizer state's bytes per traced byte (`shard_events`)."""
     unit = largest_unit_bytes(model, dtype)
+    if state_scale != 1.0:
+        breakdown = {**breakdown, "optimizer_state": math.ceil(breakdown.get("optimizer_state", 0) * state_scale)}
     out = shard_breakdown(breakdown, world_size=world_size, sharding=sharding, largest_unit_param_bytes=unit,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
     if sharding in ("zero1", "zero2") and not offload_optimizer:
@@ -191,13 +194,15 @@ def zero12_master_bytes(model: nn.Module, world_size: int) -> int:
 def shard_events(events: Sequence[Event], categories: dict[int, Category], model: nn.Module, *, world_size: int,
                  sharding: str, dtype: torch.dtype | None, offload_optimizer: bool = False,
                  offload_params: bool = False, zero_buffers: ZeroBuffers | None = None,
-                 zero3: Zero3Terms | None = None,
-                 gradient_as_bucket_view: bool = False) -> tuple[list[Event], dict[int, Category], str]:
+                 zero3: Zero3Terms | None = None, gradient_as_bucket_view: bool = False,
+                 state_scale: float = 1.0) -> tuple[list[Event], dict[int, Category], str]:
     """One rank's events under ``sharding`` (module docstring), their categories, and a note saying how.
     ``zero_buffers``: ZeRO's gradient reduction buffers, for a ``zero*`` sharding. ``zero3``: DeepSpeed ZeRO-3's
     own terms (`_with_zero3`), for ``"zero3"``: they replace the gathered unit and the gradient share.
     ``gradient_as_bucket_view``: DDP's option; each traced gradient is freed right after its allocation (DDP copies
-    it into its bucket and points ``.grad`` at the bucket), and its later free is dropped.
+    it into its bucket and points ``.grad`` at the bucket), and its later free is dropped. ``state_scale``: the
+    optimizer state's (and its step's temporaries') bytes per traced byte: DeepSpeed's optimizer steps the fp32
+    copy of the partition, so the state a 16-bit model's trace holds in 16 bits is fp32 there (`deepspeed_terms`).
 
     The arguments are checked by `preflight._sharding.shard_breakdown` beforehand.
     """
@@ -210,6 +215,8 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
     def share(nbytes: int, category: str) -> int:
         if category in zero:
             return 0
+        if category == Category.OPTIMIZER_STATE.value:
+            nbytes = math.ceil(nbytes * state_scale)
         if category in sharded:
             return -(-nbytes // world_size)
         return nbytes

@@ -558,7 +558,7 @@ config = {{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {{"stage": 
 callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
 trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback], logger=False,
                      strategy=CPUDeepSpeed(config=config, process_group_backend="gloo"), enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False)
+                     enable_progress_bar=False, enable_model_summary=False, precision="{precision}")
 trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4))
 r = callback.report
 with open(f"rank{{trainer.global_rank}}.json", "w") as f:
@@ -567,15 +567,16 @@ with open(f"rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage):
+@pytest.mark.parametrize("stage, precision", [(2, "32-true"), (3, "32-true"), (2, "bf16-mixed"), (3, "16-mixed")])
+def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
     # By on_train_start the strategy has run deepspeed.initialize: trainer.optimizers[0] is DeepSpeed's ZeRO
     # optimizer and, at stage 3, every parameter of the LightningModule is partitioned. Both are read back and each
-    # rank predicted under the strategy's config, then verified against its measured steps.
+    # rank predicted under the strategy's config, then verified against its measured steps. Under bf16 / fp16
+    # DeepSpeed casts the model to 16 bits and steps an fp32 copy of each partition, whose optimizer state is fp32.
     pytest.importorskip("deepspeed")
     pytest.importorskip("lightning")
     script = tmp_path / "deepspeed_cpu.py"
-    script.write_text(DEEPSPEED_SCRIPT.format(stage=stage))
+    script.write_text(DEEPSPEED_SCRIPT.format(stage=stage, precision=precision))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
                           cwd=tmp_path)

@@ -51,7 +51,7 @@ from torch import nn
 from preflight._batches import BatchInfo, failures_text
 from preflight._budget import DEFAULT_HEADROOM, check_budget, check_headroom, resolve_budget, usable_bytes
 from preflight._console import progress
-from preflight._device import iter_tensors, map_tensors, resolve_device
+from preflight._device import iter_tensors, live_storage_bytes, map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight._analytic import optimizer_state_bytes
@@ -901,7 +901,8 @@ def predict_or_lower_bound(run: Callable[[], Report], model: nn.Module, optimize
 def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, *, device: torch.device,
                        precision: str | None, reason: str) -> Report:
     """The report of a rank whose prediction failed: parameters + buffers + gradients + optimizer state in closed
-    form (`preflight._analytic.model_state`), labelled a lower bound (``coverage.lower_bound``), with the reason."""
+    form (`preflight._analytic.model_state`), or under DeepSpeed what it holds on the rank now (its partitions and
+    its optimizer's flat buffers, measured), labelled a lower bound (``coverage.lower_bound``), with the reason."""
     import preflight
     from preflight._analytic import model_state
 
@@ -909,9 +910,17 @@ def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, optio
     target = resolve_device(device, model)
     budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
-    state = model_state(model, optimizer, None, target, param_dtype=float_dtype_for(precision))
-    breakdown = {"parameters": state.parameters, "buffers": state.buffers, "gradients": state.gradients,
-                 "optimizer_state": state.optimizer_state or 0}
+    held = held_tensors(model, optimizer)
+    if held:  # DeepSpeed's: what it holds on this rank now, measured (its partitions; its optimizer's flat buffers)
+        own = [t for t in held if any(t is getattr(p, "ds_tensor", None) for p in model.parameters())]
+        parameters = live_storage_bytes([list(model.parameters()), own], target)
+        breakdown = {"parameters": parameters, "buffers": live_storage_bytes(list(model.buffers()), target),
+                     "gradients": 0, "optimizer_state": live_storage_bytes([held, list(model.parameters())], target)
+                     - parameters}
+    else:
+        state = model_state(model, optimizer, None, target, param_dtype=float_dtype_for(precision))
+        breakdown = {"parameters": state.parameters, "buffers": state.buffers, "gradients": state.gradients,
+                     "optimizer_state": state.optimizer_state or 0}
     peak = sum(breakdown.values())
     report = Report(
         version=preflight.__version__, device=str(target), budget_bytes=budget_bytes, headroom=options.headroom,

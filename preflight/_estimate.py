@@ -27,7 +27,7 @@ from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
-from preflight.parallel import trace_fsdp1, trace_fsdp2
+from preflight.parallel import read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
 __all__ = ["check_plan", "deepspeed_terms", "estimate", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
@@ -184,6 +184,24 @@ def estimate(
     routing = check_routing(routing)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    # A model and optimizer DeepSpeed ZeRO has taken over: its unpartitioned stand-ins are predicted (never the
+    # partitioned model, whose hooks gather over the job's group), under the ZeRO plan its objects show unless one is
+    # given. A ValueError says what does not map back.
+    zero = read_zero(model, optimizer)
+    if zero is not None:
+        world_size = zero.world_size if world_size == 1 and zero.world_size else world_size
+        if sharding is None and deepspeed_config is None:
+            plan = zero_plan(zero, None)
+            sharding, deepspeed_config = plan.sharding, dict(plan.deepspeed)
+        est = estimate(zero.model, zero.optimizer, batch, step=step, precision=precision,
+                       device=device if device is not None or gpu is not None else resolve_device(None, model),
+                       steps=steps, accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
+                       grad_scaler=grad_scaler, gpu=gpu, world_size=world_size, sharding=sharding,
+                       offload_optimizer=offload_optimizer, offload_params=offload_params, allocator=allocator,
+                       routing=routing, fast=fast, fsdp=fsdp, deepspeed_config=deepspeed_config,
+                       gradient_as_bucket_view=gradient_as_bucket_view)
+        return dataclasses.replace(est, coverage=dataclasses.replace(
+            est.coverage, notes=(*est.coverage.notes, zero.note())))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
+from preflight.parallel import read_zero
 from preflight._estimate import _allocator_config, summarize_events
 from preflight._gpus import get_gpu
 from preflight._guard import untouched
@@ -82,6 +83,9 @@ def estimate_eval(
     target = resolve_device(device, model)
     if gpu_info is not None and target.type != "cuda":
         raise ValueError(f"`gpu={gpu!r}` plans for a CUDA device, but `device` is {device!r}. Drop one of them.")
+    zero = read_zero(model, None)  # DeepSpeed ZeRO-3 partitioned it: its unpartitioned stand-in runs instead
+    if zero is not None:
+        model = zero.model
     trace_device = trace_device_for(target)
     cuda = CudaTarget.of(gpu_info) if target.type == "cuda" and trace_device.type != "cuda" else None
     result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,

@@ -39,7 +39,7 @@ class WrappedZero:
     Attributes:
         model: the unpartitioned stand-in model (meta parameters, no DeepSpeed hooks) the estimate traces.
         optimizer: the stand-in torch optimizer over ``model``'s parameters (the inner optimizer's class and group
-            hyperparameters); the user's optimizer where DeepSpeed's was not found.
+            hyperparameters, or the plain optimizer's over a partitioned model); None when none was given.
         stage: the ZeRO stage read off the objects (1, 2 or 3), or None where it cannot be told (stage 1 and 2
             share DeepSpeed's optimizer class; ``partition_gradients`` tells them apart).
         world_size: the ranks the state is partitioned over (the optimizer's ``partition_count``), or None.
@@ -47,7 +47,7 @@ class WrappedZero:
     """
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     stage: int | None
     world_size: int | None
     notes: tuple[str, ...] = ()
@@ -103,8 +103,10 @@ def read_zero(model: nn.Module, optimizer: Any) -> WrappedZero | None:
     count = getattr(ds_opt, "partition_count", None)
     world = count[0] if isinstance(count, (list, tuple)) and count else count
     notes: list[str] = []
-    if ds_opt is None:  # a partitioned model with an optimizer DeepSpeed does not hold (a plain one)
-        stand_in = _rebuilt(optimizer, [[p for p in g["params"]] for g in optimizer.param_groups], params, notes)
+    if optimizer is None:  # the model alone (evaluation)
+        stand_in = None
+    elif ds_opt is None:  # a partitioned model with an optimizer DeepSpeed does not hold (a plain one)
+        stand_in = _rebuilt(optimizer, [list(g["params"]) for g in optimizer.param_groups], params, notes)
     else:
         groups = getattr(ds_opt, "fp16_groups", None) if stage == 3 else getattr(ds_opt, "bit16_groups", None)
         groups = groups if groups is not None else getattr(ds_opt, "fp16_groups", None)

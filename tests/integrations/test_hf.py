@@ -304,6 +304,7 @@ import json, os, sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, torch.distributed as dist, transformers
 from transformers import Trainer, TrainingArguments
+import preflight
 from preflight.integrations.hf import PreflightCallback
 from preflight.parallel import deepspeed_optimizer, read_zero
 stage, with_callback = int(sys.argv[1]), sys.argv[2] == "with"
@@ -326,8 +327,19 @@ out = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
 if with_callback:
     r = callback.report
     zero = read_zero(model, trainer.optimizer)  # what the callback read, read again after training
+    # estimate() given DeepSpeed's objects directly: the stand-ins under the ZeRO plan they show
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    direct = preflight.estimate(model, trainer.optimizer, {"input_ids": ids[:2], "labels": ids[:2]},
+                                deepspeed_config=config)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
+    from preflight._check import Options, lower_bound_report
+    bound = lower_bound_report(model, trainer.optimizer, Options(budget="2GiB"), device=torch.device("cpu"),
+                               precision=None, reason="a test").predicted_breakdown
+    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
+                                                         preflight.parallel.held_tensors(model, trainer.optimizer)}.values())
     out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
-               measured=r.measured_peak_bytes,
+               measured=r.measured_peak_bytes, direct_notes=direct.coverage.notes, direct=direct.peak_bytes,
+               direct_world=direct.world_size, bound=bound, held=held,
                shapes=[list(p.shape) for p in zero.model.parameters()],
                devices=sorted({p.device.type for p in zero.model.parameters()}),
                optimizer=type(zero.optimizer).__name__,
@@ -374,6 +386,12 @@ def test_deepspeed_zero_runs_are_predicted_per_rank(tmp_path, stage):
         assert rank["groups"][0]["weight_decay"] == 0.1
         assert sum(rank["sizes"]) == sum(math.prod(s) for s in rank["own_shapes"])
         assert rank["stand_in_hooks"] == 0
+        assert rank["direct_world"] == 2 and rank["direct"] > 0
+        # A failed prediction's lower bound: what DeepSpeed holds on the rank, measured (at least its partitions and
+        # its optimizer's flat buffers: 136,192 parameters, fp32 state and copies over 2 ranks).
+        assert rank["bound"]["parameters"] > 0 and sum(rank["bound"].values()) > 136_192 * 4 * 3 // 2
+        assert abs(sum(rank["bound"].values()) - rank["held"]) < 0.01 * rank["held"]
+        assert any(f"read back from DeepSpeed ZeRO stage {stage} over 2 rank(s)" in n for n in rank["direct_notes"])
         if stage == 3:
             assert rank["model_hooks"] > 0 and rank["partitioned"] == len(rank["shapes"])  # still DeepSpeed's
 

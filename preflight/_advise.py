@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -327,7 +328,9 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
         how = f"torch.utils.checkpoint on each of the {len(blocks)} {type(blocks[0]).__name__} blocks"
         with restored_module(model):
             for block in blocks:
-                block.forward = _checkpointed(block.forward)  # an instance attribute; restored_module deletes it
+                # An instance attribute (restored_module deletes it), bound to the block: a per-rank trace's copy of
+                # the model rebinds it to the block's copy (a closure over this block would run the original).
+                block.forward = types.MethodType(_checkpointed_forward, block)
             est = setup.trace()
     base = setup.baseline
     saving = base.peak_bytes - est.peak_bytes
@@ -680,13 +683,11 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     )
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's own forward under ``torch.utils.checkpoint`` (non-reentrant), as a method of the block."""
     from torch.utils.checkpoint import checkpoint
 
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return checkpointed_forward
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
 
 
 def _plain(value: Any) -> Any:

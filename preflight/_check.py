@@ -58,13 +58,13 @@ from preflight._analytic import optimizer_state_bytes
 from preflight._estimate import estimate
 from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
-from preflight._result import Estimate
+from preflight._result import Category, Estimate
 from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
 from preflight.parallel import ParallelPlan, already_sharded, read_fsdp1, read_fsdp2, read_zero, zero_plan
-from preflight.parallel import held_tensors
+from preflight.parallel import held_tensors, stand_in
 from preflight.trace import blamed_on_user, float_dtype_for
 
 __all__ = [
@@ -421,12 +421,18 @@ def predict(
         breakdown["gradients"] += buckets
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
 
+    # A model FSDP already wrapped: its evaluation step and the suggestions' options run on its unwrapped meta copy
+    # (`preflight.parallel.stand_in`), rescaled to the rank or traced per rank under its own plan.
+    base_model, base_optimizer, unwrapped = model, optimizer, True
+    if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
+        try:
+            base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)
+        except ValueError as err:  # the optimizer does not map to the copy: the training verdict stands alone
+            unwrapped = False
+            notes.append(f"no evaluation peak or suggestions for the model {engine} wrapped: {err}")
     eval_est = eval_predictor = None
-    if own is not None and options.check_eval and eval_batch is not None:
-        notes.append(f"evaluation peak not predicted: the model is already wrapped by {engine}, and evaluation is "
-                     f"traced on a single device (call preflight before {engine} for a rescaled figure)")
-    elif options.check_eval and eval_batch is not None:
-        resident = eval_resident(model, optimizer, precision=precision, schedule=schedule,
+    if options.check_eval and eval_batch is not None and unwrapped:
+        resident = eval_resident(base_model, base_optimizer, precision=precision, schedule=schedule,
                                  ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
                                  frees_gradients=eval_frees_gradients)
         # The autograd thread's cuBLAS workspace stays allocated from the first backward on.
@@ -434,22 +440,25 @@ def predict(
         if autograd_workspace:
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
-            eval_est = estimate_eval(model, eval_batch, step=eval_step, precision=precision, device=target,
+            eval_est = estimate_eval(base_model, eval_batch, step=eval_step, precision=precision, device=target,
                                      resident=resident, gpu=options.gpu)
 
-        # Under a sharded plan, this rank's share. The resident optimizer state is closed-form (a replica's, to
-        # shard) or the per-rank training trace's (kept as it is).
+        # Under a sharded plan, this rank's share. The resident optimizer state is the per-rank training trace's
+        # where ranks were traced (kept as it is: each rank's own slices and scalars), else closed-form (a
+        # replica's, to shard), else the trace's at its peak.
         traced_state = None
-        if sharded is not None and optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
+        if sharded is not None and est.per_rank_peak_bytes is not None:
+            traced_state = est.resident_bytes(Category.OPTIMIZER_STATE)
+        elif sharded is not None and optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
             traced_state = est.breakdown.get("optimizer_state", 0)
 
         def eval_figures(one: Estimate) -> tuple[int, int | None]:
             if sharded is None:
                 return one.peak_bytes, one.device_total_bytes
-            return _rank_share(one, model, sharded, precision, traced_state)
+            return _rank_share(one, base_model, sharded, precision, traced_state)
 
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
-            return eval_figures(estimate_eval(model, b, step=eval_step, precision=precision, device=target,
+            return eval_figures(estimate_eval(base_model, b, step=eval_step, precision=precision, device=target,
                                               resident=resident, gpu=options.gpu))[0]
 
     eval_peak = eval_total = None
@@ -504,13 +513,11 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and talk and own is not None:
-        report.warnings.append(f"no suggestions: the model is already wrapped by {engine}, and the options are "
-                               f"traced on the model as built (call preflight before {engine} to get them)")
-    elif report.fits is False and options.suggest and talk:
+    if report.fits is False and options.suggest and talk and unwrapped:
         with progress("it does not fit: predicting what to change (about ten traces)"):
-            report.suggestions = _suggestions(model, optimizer, batch, step, precision, target, options, schedule,
-                                              make_batch, report, options_plan(model, parallel))
+            report.suggestions = _suggestions(base_model, base_optimizer, batch, step, precision, target, options,
+                                              schedule, make_batch, report,
+                                              sharded if own is not None else options_plan(model, parallel))
     return report
 
 

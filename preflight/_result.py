@@ -149,6 +149,14 @@ class Estimate:
                 peaks[step] = max(peaks.get(step, 0), live)
         return peaks
 
+    def resident_bytes(self, category: Category | str) -> int | None:
+        """Live bytes of ``category`` when the traced steps have ended (what stays from one step to the next: the
+        optimizer state after its creation in step 1), replaying ``events``; None without events."""
+        if not self.events:
+            return None
+        wanted = Category(category)
+        return sum(e.nbytes for e in self.events if self.categories.get(e.uid) is wanted)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (without the event list)."""
         return {

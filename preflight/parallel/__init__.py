@@ -10,7 +10,8 @@ in the program. `rank_groups` and `fsdp1_rank_groups` say which ranks hold the s
 same; `read_fsdp2` and `read_fsdp1` read the plan off a model ``fully_shard`` or ``FullyShardedDataParallel``
 already wrapped, whose copy is traced unwrapped and wrapped again in the fake world; `read_zero` reads a model and
 optimizer DeepSpeed ZeRO has taken over back as the unpartitioned model and a torch optimizer, which a ZeRO plan
-rescales.
+rescales; `stand_in` gives an FSDP-wrapped model's unwrapped meta copy and optimizer, for its evaluation step and
+the suggestions.
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the
 integrations, into the arguments a per-rank estimate takes. Imports flow one way: this package uses
 `preflight.trace`; `preflight._estimate` uses this package.
@@ -22,9 +23,10 @@ from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan)
+from preflight.parallel._stand_in import stand_in
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "held_tensors", "rank_groups", "read_fsdp1", "read_fsdp2", "read_zero", "trace_fsdp1", "trace_fsdp2",
+           "held_tensors", "rank_groups", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in", "trace_fsdp1", "trace_fsdp2",
            "WrappedFSDP1", "WrappedFSDP2", "WrappedZero", "deepspeed_optimizer", "zero_plan"]

@@ -494,6 +494,32 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
         assert not any(w.startswith("no verdict") for w in report.warnings)
 
 
+def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_model_before_wrapping():
+    # Evaluation and the suggestions' options run on the wrapped model's unwrapped meta copy
+    # (`preflight.parallel.stand_in`) under the plan read off the wrapping: the figures predicted before wrapping.
+    from preflight._check import Options, predict
+    from preflight.parallel import ParallelPlan, fsdp_plan
+
+    model, optimizer, x = _setup()
+    plan = ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=_UNITS))
+    alone = preflight.estimate(model, optimizer, x, step=_step, **plan.estimate_kwargs())
+    options = Options(budget=alone.peak_bytes // 2)  # does not fit: suggestions are made
+    before = predict(model, optimizer, x, step=_step, options=options, eval_batch=x, parallel=plan)
+    model, optimizer, x = _wrapped_in_a_job(rank=0)  # rank zero suggests
+    try:
+        held = _storages(model)
+        after = predict(model.module, optimizer, x, step=_step, options=options, eval_batch=x,
+                        parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy"))
+        assert _same(held, _storages(model)) and not optimizer.state
+    finally:
+        dist.destroy_process_group()
+    assert after.predicted_peak_bytes == before.predicted_peak_bytes and after.fits is False
+    assert after.eval_predicted_peak_bytes == before.eval_predicted_peak_bytes is not None
+    assert any(n.startswith("evaluation peak: this rank's share") for n in after.coverage["notes"])
+    assert after.suggestions and [(s["description"], s["predicted_peak_bytes"]) for s in after.suggestions] == \
+        [(s["description"], s["predicted_peak_bytes"]) for s in before.suggestions]
+
+
 def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

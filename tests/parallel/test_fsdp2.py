@@ -182,6 +182,29 @@ def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped
     assert est.step_peaks(3) != est.step_peaks(0)  # rank 3 holds the remainder of the uneven shards
 
 
+def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_before_wrapping():
+    # As for FSDP1 (test_fsdp1.py): evaluation and the options run on the unwrapped meta copy under the read plan.
+    from preflight._check import Options, predict
+    from preflight.parallel import ParallelPlan
+
+    model, optimizer, x = _setup()
+    plan = ParallelPlan(WORLD, "fsdp2")
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), **plan.estimate_kwargs())
+    options = Options(budget=alone.peak_bytes // 2)
+    before = predict(model, optimizer, x, step=lambda m, b: m(b), options=options, eval_batch=x, parallel=plan)
+    model, optimizer, x = _wrapped_in_a_job(rank=0)  # rank zero suggests
+    try:
+        params = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        after = predict(model, optimizer, x, step=lambda m, b: m(b), options=options, eval_batch=x)
+        assert all(torch.equal(p.to_local(), params[n]) for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    assert after.predicted_peak_bytes == before.predicted_peak_bytes and after.fits is False
+    assert after.eval_predicted_peak_bytes == before.eval_predicted_peak_bytes is not None
+    assert after.suggestions and [(s["description"], s["predicted_peak_bytes"]) for s in after.suggestions] == \
+        [(s["description"], s["predicted_peak_bytes"]) for s in before.suggestions]
+
+
 def test_a_wrapped_models_plan_is_read_from_it_and_conflicting_arguments_are_refused():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

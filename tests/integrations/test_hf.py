@@ -299,71 +299,12 @@ def test_fsdp_asked_for_on_cpu_processes_runs_ddp_and_is_predicted_as_it_runs(tm
         assert not any("per-rank plan" in note for note in report["notes"])
 
 
-DEEPSPEED_SCRIPT = """
-import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import torch, torch.distributed as dist, transformers
-from transformers import Trainer, TrainingArguments
-import preflight
-from preflight.integrations.hf import PreflightCallback
-from preflight.parallel import deepspeed_optimizer, read_zero
-stage, with_callback = int(sys.argv[1]), sys.argv[2] == "with"
-torch.manual_seed(0)
-model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500,
-                                                             n_positions=64))
-ids = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6},
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
-args = TrainingArguments(output_dir="out", deepspeed=config, max_steps=3, per_device_train_batch_size=2, seed=0,
-                         weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
-callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
-trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
-                  callbacks=[callback] if with_callback else [])
-trainer.train()
-out = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-       "weights": [float(p.ds_tensor.double().sum()) if hasattr(p, "ds_tensor") else float(p.double().sum())
-                   for p in model.parameters()]}
-if with_callback:
-    r = callback.report
-    zero = read_zero(model, trainer.optimizer)  # what the callback read, read again after training
-    # estimate() given DeepSpeed's objects directly: the stand-ins under the ZeRO plan they show
-    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
-    direct = preflight.estimate(model, trainer.optimizer, {"input_ids": ids[:2], "labels": ids[:2]},
-                                deepspeed_config=config)
-    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
-    from preflight._check import Options, lower_bound_report
-    bound = lower_bound_report(model, trainer.optimizer, Options(budget="2GiB"), device=torch.device("cpu"),
-                               precision=None, reason="a test").predicted_breakdown
-    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
-                                                         preflight.parallel.held_tensors(model, trainer.optimizer)}.values())
-    out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
-               measured=r.measured_peak_bytes, direct_notes=direct.coverage.notes, direct=direct.peak_bytes,
-               direct_world=direct.world_size, bound=bound, held=held,
-               shapes=[list(p.shape) for p in zero.model.parameters()],
-               devices=sorted({p.device.type for p in zero.model.parameters()}),
-               optimizer=type(zero.optimizer).__name__,
-               groups=[{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
-               inner=[{k: v for k, v in g.items() if k != "params"}
-                      for g in deepspeed_optimizer(trainer.optimizer).optimizer.param_groups],
-               sizes=[sum(p.numel() for p in g["params"]) for g in zero.optimizer.param_groups],
-               stand_in_hooks=sum(len(m._forward_pre_hooks) for m in zero.model.modules()),
-               model_hooks=sum(len(m._forward_pre_hooks) for m in model.modules()),
-               own_shapes=[list(getattr(p, "ds_shape", p.shape)) for p in model.parameters()],
-               partitioned=sum(hasattr(p, "ds_tensor") for p in model.parameters()))
-open(f"rank{dist.get_rank()}-{stage}-{sys.argv[2]}.json", "w").write(json.dumps(out))
-"""
-
-
 def _deepspeed_run(tmp_path, stage: int, callback: str) -> list[dict]:
-    script = tmp_path / "deepspeed_cpu.py"
-    script.write_text(DEEPSPEED_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), str(stage), callback],
-                          env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{rank}-{stage}-{callback}.json").read_text()) for rank in (0, 1)]
+    """One 2-process HF Trainer run under DeepSpeed ZeRO ``stage`` (`benchmarks/deepspeed_trainers.py`'s)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from deepspeed_trainers import run_config
+
+    return run_config("hf", stage, "32-true", tmp_path / callback, callback)
 
 
 @pytest.mark.slow
@@ -386,7 +327,7 @@ def test_deepspeed_zero_runs_are_predicted_per_rank(tmp_path, stage):
         assert rank["groups"][0]["weight_decay"] == 0.1
         assert sum(rank["sizes"]) == sum(math.prod(s) for s in rank["own_shapes"])
         assert rank["stand_in_hooks"] == 0
-        assert rank["direct_world"] == 2 and rank["direct"] > 0
+        assert rank["direct_world"] == 2 and rank["direct"] > 0 and rank["hooks_kept"]
         # A failed prediction's lower bound: what DeepSpeed holds on the rank, measured (at least its partitions and
         # its optimizer's flat buffers: 136,192 parameters, fp32 state and copies over 2 ranks).
         assert rank["bound"]["parameters"] > 0 and sum(rank["bound"].values()) > 136_192 * 4 * 3 // 2

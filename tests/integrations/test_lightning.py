@@ -509,63 +509,6 @@ def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it():
     assert callback.report is not None and not callback.report.coverage.get("lower_bound")
 
 
-DEEPSPEED_SCRIPT = """
-import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import torch
-import lightning.pytorch as pl
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from transformers import GPT2Config, GPT2LMHeadModel
-from preflight.integrations.lightning import PreflightCallback
-
-class CPUDeepSpeed(DeepSpeedStrategy):
-    # Lightning allows DeepSpeed on CUDA devices only; DeepSpeed itself runs on CPU processes (gloo). These three
-    # overrides skip Lightning's CUDA checks and give DeepSpeed a device index; the strategy is otherwise Lightning's.
-    def setup_environment(self):
-        DDPStrategy.setup_environment(self)
-
-    def setup_distributed(self):
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-
-    @property
-    def root_device(self):
-        return torch.device("cpu", self.local_rank)
-
-class Blocks(torch.utils.data.Dataset):
-    def __len__(self):
-        return 32
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 500, (32,), generator=torch.Generator().manual_seed(i))
-        return {{"input_ids": ids, "labels": ids}}
-
-class GPT(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(**batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
-
-config = {{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 1e6}}}}
-callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
-trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback], logger=False,
-                     strategy=CPUDeepSpeed(config=config, process_group_backend="gloo"), enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, precision="{precision}")
-trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4))
-r = callback.report
-with open(f"rank{{trainer.global_rank}}.json", "w") as f:
-    json.dump({{"fits": r.fits, "error": r.relative_error, "notes": r.coverage["notes"], "steps": trainer.global_step}}, f)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, precision", [(2, "32-true"), (3, "32-true"), (2, "bf16-mixed"), (3, "16-mixed")])
 def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
@@ -575,14 +518,10 @@ def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
     # DeepSpeed casts the model to 16 bits and steps an fp32 copy of each partition, whose optimizer state is fp32.
     pytest.importorskip("deepspeed")
     pytest.importorskip("lightning")
-    script = tmp_path / "deepspeed_cpu.py"
-    script.write_text(DEEPSPEED_SCRIPT.format(stage=stage, precision=precision))
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
-                          cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for rank in (0, 1):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from deepspeed_trainers import run_config
+
+    for report in run_config("lightning", stage, precision, tmp_path):
         assert report["fits"] is True and report["steps"] == 3
         assert any(f"Lightning DeepSpeedStrategy: zero{stage} over 2 rank(s)" in n for n in report["notes"])
         assert any(f"read back from DeepSpeed ZeRO stage {stage}" in n for n in report["notes"])

@@ -1,0 +1,216 @@
+"""preflight's callbacks inside real DeepSpeed ZeRO runs of the HF Trainer and Lightning, on CPU processes, per rank.
+
+By the time a callback runs, DeepSpeed has replaced the optimizer with its ZeRO optimizer and, at stage 3,
+partitioned every parameter; the callback reads both back (`preflight.parallel.read_zero`), predicts the rank under
+the config the trainer applied, then measures its first two steps (the verification: the profiler's allocator
+events plus the bytes alive at the step's start, DeepSpeed's partitions and flat buffers included). The table is
+each rank's prediction against its own measurement, over 3 fresh 2-process runs per configuration.
+
+- HF Trainer: ``TrainingArguments(deepspeed=config)``, ZeRO-1/2/3, fp32 (the Trainer refuses bf16 / fp16 on a CPU
+  unless ``use_cpu``, which turns DeepSpeed off), ``torchrun`` with 2 processes.
+- Lightning: ``DeepSpeedStrategy(config=...)`` with 2 CPU devices, ZeRO-2/3 at ``32-true``, ``bf16-mixed`` and
+  ``16-mixed``. Lightning allows DeepSpeed on CUDA devices only: a subclass skips its two CUDA checks and gives
+  DeepSpeed a device index (``CPUDeepSpeed`` below); the strategy is otherwise Lightning's own.
+
+The model is a GPT-2 (2 layers, hidden 64, vocab 500), batch 2 x 32 tokens (HF) or 4 x 32 (Lightning), AdamW,
+``reduce_bucket_size`` 1e6. DeepSpeed is a dev dependency (``pip install -e ".[dev]"``); its CPU accelerator talks
+gloo when oneCCL is absent (``DS_ACCELERATOR=cpu``).
+
+Run: python benchmarks/deepspeed_trainers.py          (about 4 minutes on 2 CPU cores)
+Writes benchmarks/results/deepspeed_trainers.md and prints the same table. ``--runs 1`` for a quick look.
+``run_config`` is what tests/integrations/test_hf.py and test_lightning.py run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "deepspeed_trainers.md"
+HF_CONFIGS = [("hf", stage, "32-true") for stage in (1, 2, 3)]
+LIGHTNING_CONFIGS = [("lightning", stage, precision) for precision in ("32-true", "bf16-mixed", "16-mixed")
+                     for stage in (2, 3)]
+
+HF_SCRIPT = """
+import json, os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, torch.distributed as dist, transformers
+from transformers import Trainer, TrainingArguments
+import preflight
+from preflight._check import Options, lower_bound_report
+from preflight.integrations.hf import PreflightCallback
+from preflight.parallel import deepspeed_optimizer, held_tensors, read_zero
+stage, with_callback = int(sys.argv[1]), sys.argv[3] == "with"
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500,
+                                                             n_positions=64))
+ids = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
+args = TrainingArguments(output_dir="out", deepspeed=config, max_steps=3, per_device_train_batch_size=2, seed=0,
+                         weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                  callbacks=[callback] if with_callback else [])
+trainer.train()
+out = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+       "weights": [float(p.ds_tensor.double().sum()) if hasattr(p, "ds_tensor") else float(p.double().sum())
+                   for p in model.parameters()]}
+if with_callback:
+    r = callback.report
+    zero = read_zero(model, trainer.optimizer)  # what the callback read, read again after training
+    # estimate() given DeepSpeed's objects directly, and a failed prediction's lower bound
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    direct = preflight.estimate(model, trainer.optimizer, {"input_ids": ids[:2], "labels": ids[:2]},
+                                deepspeed_config=config)
+    bound = lower_bound_report(model, trainer.optimizer, Options(budget="2GiB"), device=torch.device("cpu"),
+                               precision=None, reason="a test").predicted_breakdown
+    held = {t.untyped_storage().data_ptr(): t for t in held_tensors(model, trainer.optimizer)}
+    out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
+               measured=r.measured_peak_bytes,
+               direct_notes=direct.coverage.notes, direct=direct.peak_bytes, direct_world=direct.world_size,
+               hooks_kept=sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks, bound=bound,
+               held=sum(t.untyped_storage().nbytes() for t in held.values()),
+               shapes=[list(p.shape) for p in zero.model.parameters()],
+               devices=sorted({p.device.type for p in zero.model.parameters()}),
+               optimizer=type(zero.optimizer).__name__,
+               groups=[{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
+               inner=[{k: v for k, v in g.items() if k != "params"}
+                      for g in deepspeed_optimizer(trainer.optimizer).optimizer.param_groups],
+               sizes=[sum(p.numel() for p in g["params"]) for g in zero.optimizer.param_groups],
+               stand_in_hooks=sum(len(m._forward_pre_hooks) for m in zero.model.modules()),
+               model_hooks=sum(len(m._forward_pre_hooks) for m in model.modules()),
+               own_shapes=[list(getattr(p, "ds_shape", p.shape)) for p in model.parameters()],
+               partitioned=sum(hasattr(p, "ds_tensor") for p in model.parameters()))
+with open(f"rank{dist.get_rank()}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+LIGHTNING_SCRIPT = """
+import json, os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+import lightning.pytorch as pl
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from transformers import GPT2Config, GPT2LMHeadModel
+from preflight.integrations.lightning import PreflightCallback
+stage, precision = int(sys.argv[1]), sys.argv[2]
+
+class CPUDeepSpeed(DeepSpeedStrategy):
+    # Lightning allows DeepSpeed on CUDA devices only; DeepSpeed itself runs on CPU processes (gloo). These three
+    # overrides skip Lightning's CUDA checks and give DeepSpeed a device index; the strategy is otherwise Lightning's.
+    def setup_environment(self):
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self):
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self):
+        return torch.device("cpu", self.local_rank)
+
+class Blocks(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 500, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+class GPT(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6}}
+callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback], logger=False,
+                     strategy=CPUDeepSpeed(config=config, process_group_backend="gloo"), enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, precision=precision)
+trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4))
+r = callback.report
+with open(f"rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"fits": r.fits, "error": r.relative_error, "notes": r.coverage["notes"], "steps": trainer.global_step,
+               "predicted": r.predicted_peak_bytes, "measured": r.measured_peak_bytes}, f)
+"""
+
+
+def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathLike,
+               callback: str = "with") -> list[dict]:
+    """One fresh 2-process run of ``trainer`` (``"hf"`` or ``"lightning"``) at ZeRO ``stage`` and ``precision``
+    in ``workdir``; each rank's JSON record. ``callback="without"``: the HF run without preflight (for the
+    comparison of losses and weights)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for old in workdir.glob("rank*.json"):
+        old.unlink()
+    script = workdir / f"{trainer}_deepspeed.py"
+    script.write_text(HF_SCRIPT if trainer == "hf" else LIGHTNING_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+              if trainer == "hf" else [sys.executable])
+    done = subprocess.run([*launch, str(script), str(stage), precision, callback], env=env, capture_output=True,
+                          text=True, timeout=400, cwd=workdir)
+    if done.returncode != 0:
+        raise RuntimeError(f"{trainer} ZeRO-{stage} {precision} failed:\n{done.stderr[-3000:]}")
+    return [json.loads((workdir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def main() -> int:
+    import deepspeed
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="fresh runs per configuration (default 3)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    kib = 1 << 10
+    lines = [f"preflight's callbacks in real DeepSpeed {deepspeed.__version__} ZeRO runs on 2 CPU processes (gloo), "
+             f"GPT-2 2 layers, hidden 64, AdamW, reduce_bucket_size 1e6; each rank's prediction against its own "
+             f"verification (first 2 steps), {args.runs} runs per configuration. Command: "
+             f"`python benchmarks/deepspeed_trainers.py`. torch {torch.__version__}.", "",
+             "| trainer | stage | precision | rank | predicted (KiB) | measured min-max (KiB) | error vs max | "
+             "error vs min |", "|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for trainer, stage, precision in HF_CONFIGS + LIGHTNING_CONFIGS:
+            runs = [run_config(trainer, stage, precision, Path(tmp) / f"{trainer}{stage}{precision}{i}")
+                    for i in range(args.runs)]
+            for rank in (0, 1):
+                predicted = {r[rank]["predicted"] for r in runs}
+                measured = [r[rank]["measured"] for r in runs]
+                assert len(predicted) == 1, f"the prediction differs between runs: {predicted}"
+                p = predicted.pop()
+                high, low = (p - max(measured)) / max(measured), (p - min(measured)) / min(measured)
+                worst = max(worst, abs(high))
+                lines.append(f"| {'HF Trainer' if trainer == 'hf' else 'Lightning'} | ZeRO-{stage} | {precision} | "
+                             f"{rank} | {p / kib:,.1f} | {min(measured) / kib:,.1f}-{max(measured) / kib:,.1f} | "
+                             f"{high:+.2%} | {low:+.2%} |")
+            print(f"  {trainer} ZeRO-{stage} {precision}: done", file=sys.stderr)
+    lines += ["", f"Largest |error| against a rank's largest measurement: {worst:.2%}.",
+              "", f"({time.perf_counter() - start:.0f} s)"]
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

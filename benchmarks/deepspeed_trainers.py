@@ -102,7 +102,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from transformers import GPT2Config, GPT2LMHeadModel
 from preflight.integrations.lightning import PreflightCallback
-stage, precision = int(sys.argv[1]), sys.argv[2]
+stage, precision, with_callback = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "with"
 
 class CPUDeepSpeed(DeepSpeedStrategy):
     # Lightning allows DeepSpeed on CUDA devices only; DeepSpeed itself runs on CPU processes (gloo). These three
@@ -141,22 +141,25 @@ class GPT(pl.LightningModule):
 
 config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6}}
 callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
-trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback], logger=False,
+trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback] if with_callback else [],
+                     logger=False,
                      strategy=CPUDeepSpeed(config=config, process_group_backend="gloo"), enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, precision=precision)
 trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4))
 r = callback.report
+out = {"steps": trainer.global_step}
+if with_callback:
+    out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
+               measured=r.measured_peak_bytes)
 with open(f"rank{trainer.global_rank}.json", "w") as f:
-    json.dump({"fits": r.fits, "error": r.relative_error, "notes": r.coverage["notes"], "steps": trainer.global_step,
-               "predicted": r.predicted_peak_bytes, "measured": r.measured_peak_bytes}, f)
+    json.dump(out, f)
 """
 
 
 def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathLike,
                callback: str = "with") -> list[dict]:
     """One fresh 2-process run of ``trainer`` (``"hf"`` or ``"lightning"``) at ZeRO ``stage`` and ``precision``
-    in ``workdir``; each rank's JSON record. ``callback="without"``: the HF run without preflight (for the
-    comparison of losses and weights)."""
+    in ``workdir``; each rank's JSON record. ``callback="without"``: the run without preflight."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for old in workdir.glob("rank*.json"):

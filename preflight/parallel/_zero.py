@@ -126,13 +126,20 @@ def _rebuilt(inner: torch.optim.Optimizer, groups: list[list[torch.Tensor]], par
     cls = type(inner)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     if not issubclass(cls, torch.optim.Optimizer) or cls.__module__.startswith("deepspeed."):
-        # FusedAdam / DeepSpeedCPUAdam keep exp_avg and exp_avg_sq per parameter, as torch's Adam and AdamW do.
-        adamw = bool(getattr(inner, "adam_w_mode", True))
-        cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        keep = {"lr", "betas", "eps", "weight_decay", "amsgrad"}
-        hyper = [{k: v for k, v in h.items() if k in keep} for h in hyper]
-        notes.append(f"DeepSpeed's {type(inner).__name__} is traced as torch.optim.{cls.__name__} (the same state "
-                     "per parameter)")
+        # DeepSpeed's own kernels, as the torch optimizer holding the same state per parameter: FusedAdam /
+        # DeepSpeedCPUAdam / FusedLamb two moments (Adam, AdamW), the Adagrad ones a sum, the Lion ones one moment
+        # (SGD's momentum buffer).
+        name = type(inner).__name__
+        if "Adagrad" in name:
+            cls, keep = torch.optim.Adagrad, {"lr", "eps", "weight_decay"}
+        elif "Lion" in name:
+            cls, keep = torch.optim.SGD, {"lr", "weight_decay"}
+            hyper = [{**h, "momentum": 0.9} for h in hyper]
+        else:
+            cls = torch.optim.AdamW if getattr(inner, "adam_w_mode", True) else torch.optim.Adam
+            keep = {"lr", "betas", "eps", "weight_decay", "amsgrad"}
+        hyper = [{k: v for k, v in h.items() if k in keep | {"momentum"}} for h in hyper]
+        notes.append(f"DeepSpeed's {name} is traced as torch.optim.{cls.__name__} (the same state per parameter)")
     missing = [p for g in groups for p in g if id(p) not in params]
     if missing:
         raise ValueError(f"DeepSpeed's optimizer holds {len(missing)} tensor(s) that are not the model's parameters "

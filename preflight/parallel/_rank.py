@@ -41,8 +41,8 @@ from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units", "fake_replica",
-           "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
+__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
+           "fake_replica", "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +155,8 @@ def fake_replica(model: nn.Module, twins: TwinMaker | MetaTwins, *, keep_buffers
         return copy_
 
     replica = replicate(model)
-    # FSDP2's and DeepSpeed's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy is its module's).
+    # FSDP2's and DeepSpeed's hooks go; hooks bound to a user module are bound to its copy (an FSDP1 wrapper's copy
+    # is its module's).
     for copy_ in {id(c): c for c in copies.values()}.values():
         tables = vars(copy_)
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +67,19 @@ def test_an_evaluation_batch_between_measured_steps_is_measured_and_compared():
             model.train()
     assert report.steps_measured == 3
     assert report.eval_measured_peak_bytes is not None and abs(report.eval_relative_error) < 0.01
+
+
+@pytest.mark.slow
+def test_a_deepspeed_plugin_loop_is_predicted_per_rank(tmp_path):
+    # accelerate.prepare runs deepspeed.initialize: the model is partitioned (ZeRO-3) and the optimizer DeepSpeed's
+    # when preflight_check runs; both are read back and each rank predicted under the plugin's config
+    # (`benchmarks/deepspeed_trainers.py`'s run, 2 CPU processes).
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from deepspeed_trainers import run_config
+
+    for report in run_config("accelerate", 3, "32-true", tmp_path):
+        assert report["fits"] is True and report["steps"] == 3
+        assert any("accelerate's DeepSpeedPlugin: zero3 over 2 rank(s)" in n for n in report["notes"])
+        assert any("read back from DeepSpeed ZeRO stage 3 over 2 rank(s)" in n for n in report["notes"])
+        assert abs(report["error"]) < 0.01, report

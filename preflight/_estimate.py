@@ -216,6 +216,13 @@ def estimate(
     if deepspeed_config is not None:
         ds = read_deepspeed_config(deepspeed_config, hidden_size=hf_hidden_size(model))
         sharding, offload = _deepspeed_settings(ds, sharding, offload)
+        # DeepSpeed's bf16 / fp16 modes cast the module to 16 bits (engine.py _configure_distributed_model; Lightning's
+        # and the HF Trainer's DeepSpeed precision cast the inputs) and step an fp32 copy of each partition: an fp32
+        # model is traced as that 16-bit model runs ("-true"), its optimizer state counted at fp32 (deepspeed_terms).
+        half = _half_dtype(ds, precision, given=True)
+        floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if half is not None and floating == {torch.float32} and precision not in ("bf16-true", "16-true"):
+            precision = "bf16-true" if half is torch.bfloat16 else "16-true"
     # A ValueError names a wrapping the per-rank trace does not follow.
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = read_fsdp2(model) or read_fsdp1(model)
     traced_model = model
@@ -394,6 +401,10 @@ def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     and the step's temporaries are fp32 where a 16-bit model's trace made them 16-bit: ``state_scale`` scales them."""
     zero3, note = zero3_terms_for(model, sharding, ds, precision, world_size, offload)
     notes = [note] if note else []
+    half = _half_dtype(ds, precision, True) if ds is not None else None
+    if half is not None and precision in ("bf16-true", "16-true"):
+        notes.append(f"DeepSpeed's {'bf16' if half is torch.bfloat16 else 'fp16'} mode: the model traced in {half} as "
+                     "DeepSpeed casts it")
     scale = 1.0
     if sharding in ("zero1", "zero2", "zero3") and not offload["offload_optimizer"]:
         traced = float_dtype_for(precision) or next((p.dtype for p in model.parameters() if p.is_floating_point()),

@@ -207,7 +207,11 @@ def test_a_zero_figure_counts_deepspeeds_gradient_reduction_buffers(sharding):
     assert given.sharding == sharding
     if stage < 3:
         assert given.breakdown["communication"] == 50_000_000 * copies * 2
-        assert given.peak_bytes - given.breakdown["communication"] == default.peak_bytes - 2_000_000_000
+        # Only the buffers change with their settings (the bf16 model is traced as DeepSpeed casts it either way).
+        bf16 = preflight.estimate(model, opt, lm_batch(), world_size=2, deepspeed_config={
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+        assert given.peak_bytes - given.breakdown["communication"] == \
+            bf16.peak_bytes - bf16.breakdown["communication"] < default.peak_bytes - 2_000_000_000
     else:  # bf16: the gathered parameters are 16-bit, half the fp32 figure
         assert given.breakdown["communication"] - 50_000_000 * copies * 2 == gathered // 2
     ddp = preflight.estimate(model, opt, lm_batch(), world_size=2, sharding="ddp")

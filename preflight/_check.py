@@ -55,7 +55,8 @@ from preflight._device import iter_tensors, live_storage_bytes, map_tensors, res
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight._analytic import optimizer_state_bytes
-from preflight._estimate import estimate
+from preflight._estimate import deepspeed_precision, estimate
+from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Category, Estimate
@@ -358,6 +359,10 @@ def predict(
     if zero is not None:
         model, optimizer = zero.model, zero.optimizer
         parallel = zero_plan(zero, parallel)
+    if parallel is not None and parallel.deepspeed is not None and parallel.sharded:
+        # DeepSpeed's 16-bit modes: the model as DeepSpeed casts it, for training, evaluation and the resident state
+        precision = deepspeed_precision(model, read_deepspeed_config(dict(parallel.deepspeed),
+                                                                     hidden_size=hf_hidden_size(model)), precision)
     plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
     sharded = parallel if parallel is not None and parallel.sharded else None
     wrapped = already_sharded(model)
@@ -427,7 +432,7 @@ def predict(
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
         try:
             base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)
-        except ValueError as err:  # the optimizer does not map to the copy: the training verdict stands alone
+        except (ValueError, TypeError) as err:  # the optimizer does not map to the copy: the verdict stands alone
             unwrapped = False
             notes.append(f"no evaluation peak or suggestions for the model {engine} wrapped: {err}")
     eval_est = eval_predictor = None
@@ -449,7 +454,8 @@ def predict(
         traced_state = None
         if sharded is not None and est.per_rank_peak_bytes is not None:
             traced_state = est.resident_bytes(Category.OPTIMIZER_STATE)
-        elif sharded is not None and optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision)) is None:
+        if traced_state is None and sharded is not None and (own is not None or optimizer_state_bytes(
+                optimizer, param_dtype=float_dtype_for(precision)) is None):
             traced_state = est.breakdown.get("optimizer_state", 0)
 
         def eval_figures(one: Estimate) -> tuple[int, int | None]:
@@ -547,7 +553,6 @@ def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precis
     ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
     rank's, so not divided again)."""
     from preflight._estimate import deepspeed_terms, zero_buffers_for
-    from preflight._sharding import hf_hidden_size, read_deepspeed_config
     from preflight._target import per_rank_breakdown
 
     ds = None if plan.deepspeed is None else read_deepspeed_config(dict(plan.deepspeed),
@@ -919,7 +924,8 @@ def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, optio
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     held = held_tensors(model, optimizer)
     if held:  # DeepSpeed's: what it holds on this rank now, measured (its partitions; its optimizer's flat buffers)
-        own = [t for t in held if any(t is getattr(p, "ds_tensor", None) for p in model.parameters())]
+        partitions = {id(getattr(p, "ds_tensor", None)) for p in model.parameters()}
+        own = [t for t in held if id(t) in partitions]
         parameters = live_storage_bytes([list(model.parameters()), own], target)
         breakdown = {"parameters": parameters, "buffers": live_storage_bytes(list(model.buffers()), target),
                      "gradients": 0, "optimizer_state": live_storage_bytes([held, list(model.parameters())], target)

@@ -189,9 +189,9 @@ def estimate(
     # given. A ValueError says what does not map back.
     zero = read_zero(model, optimizer)
     if zero is not None:
-        world_size = zero.world_size if world_size == 1 and zero.world_size else world_size
+        plan = zero_plan(zero, None)  # the stage and world size DeepSpeed's objects (or the job) show
+        world_size = plan.world_size if world_size == 1 else world_size
         if sharding is None and deepspeed_config is None:
-            plan = zero_plan(zero, None)
             sharding, deepspeed_config = plan.sharding, dict(plan.deepspeed)
         est = estimate(zero.model, zero.optimizer, batch, step=step, precision=precision,
                        device=device if device is not None or gpu is not None else resolve_device(None, model),
@@ -216,13 +216,7 @@ def estimate(
     if deepspeed_config is not None:
         ds = read_deepspeed_config(deepspeed_config, hidden_size=hf_hidden_size(model))
         sharding, offload = _deepspeed_settings(ds, sharding, offload)
-        # DeepSpeed's bf16 / fp16 modes cast the module to 16 bits (engine.py _configure_distributed_model; Lightning's
-        # and the HF Trainer's DeepSpeed precision cast the inputs) and step an fp32 copy of each partition: an fp32
-        # model is traced as that 16-bit model runs ("-true"), its optimizer state counted at fp32 (deepspeed_terms).
-        half = _half_dtype(ds, precision, given=True)
-        floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
-        if half is not None and floating == {torch.float32} and precision not in ("bf16-true", "16-true"):
-            precision = "bf16-true" if half is torch.bfloat16 else "16-true"
+        precision = deepspeed_precision(model, ds, precision)
     # A ValueError names a wrapping the per-rank trace does not follow.
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = read_fsdp2(model) or read_fsdp1(model)
     traced_model = model
@@ -387,6 +381,19 @@ def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch
     if ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
         return _HALF.get(precision or "")
     return None
+
+
+def deepspeed_precision(model: nn.Module, ds: dict[str, Any] | None, precision: str | None) -> str | None:
+    """The precision ``model`` runs at under DeepSpeed config ``ds`` (`read_deepspeed_config`'s): DeepSpeed's bf16 /
+    fp16 modes cast the module to 16 bits (engine.py ``_configure_distributed_model``; Lightning's and the HF
+    Trainer's DeepSpeed precision cast the inputs) and step an fp32 copy of each partition, so an fp32 model is
+    traced as that 16-bit model runs (``"bf16-true"`` / ``"16-true"``), its optimizer state counted at fp32
+    (`deepspeed_terms`). ``precision`` otherwise."""
+    half = None if ds is None else _half_dtype(ds, precision, given=True)
+    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if half is not None and floating == {torch.float32} and precision not in ("bf16-true", "16-true"):
+        return "bf16-true" if half is torch.bfloat16 else "16-true"
+    return precision
 
 
 def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,

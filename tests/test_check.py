@@ -419,3 +419,23 @@ def test_the_options_are_planned_under_the_runs_plan(monkeypatch):
     monkeypatch.setenv("PREFLIGHT_SHARDING", "zero2")
     planned = options_plan(model, full)
     assert (planned.world_size, planned.sharding) == (8, "zero2")
+
+
+def test_a_deepspeed_16_bit_plan_predicts_training_and_evaluation_as_deepspeed_casts_the_model():
+    # DeepSpeed's bf16 mode casts the model: training, the resident state and evaluation are all the cast model's.
+    from conftest import Stack
+
+    from preflight.parallel import deepspeed_plan
+
+    plan = deepspeed_plan({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "bf16": {"enabled": True}},
+                          world_size=2)
+    reports = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Stack(depth=2, width=64).to(dtype)
+        x = torch.randn(4, 64).to(dtype)
+        reports.append(predict(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b),
+                               options=Options(budget="1GiB", suggest=False), eval_batch=x, parallel=plan))
+    planned, cast = reports
+    assert planned.predicted_peak_bytes == cast.predicted_peak_bytes
+    assert planned.eval_predicted_peak_bytes == cast.eval_predicted_peak_bytes is not None

@@ -223,7 +223,8 @@ def already_sharded(model: Any) -> str | None:
     """What says that ``model``'s parameters are already one rank's shards (the strategy wrapped it before
     preflight saw it), or None: DTensor parameters (FSDP2, ``fully_shard``), FSDP1's flat parameters or wrappers,
     DeepSpeed ZeRO-3's partitioned parameters (``ds_numel``). The plan of an FSDP2 or FSDP1 wrapping is then read
-    off the model (`read_fsdp2`, `read_fsdp1`) and each rank traced; ZeRO-3's gets no per-rank trace."""
+    off the model (`read_fsdp2`, `read_fsdp1`) and each rank traced; ZeRO-3's model is read back unpartitioned
+    (`read_zero`) and rescaled."""
     for name, p in model.named_parameters():
         if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
             return f"parameter {name!r} is a DTensor (FSDP2)"

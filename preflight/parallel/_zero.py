@@ -67,7 +67,7 @@ def deepspeed_optimizer(optimizer: Any) -> Any:
         if optimizer is None:
             return None
         if type(optimizer).__module__.startswith("deepspeed.") and hasattr(optimizer, "optimizer") and \
-                (hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "fp16_groups")):
+                any(hasattr(optimizer, k) for k in ("bit16_groups", "fp16_groups", "bf16_groups")):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
@@ -108,15 +108,36 @@ def read_zero(model: nn.Module, optimizer: Any) -> WrappedZero | None:
     elif ds_opt is None:  # a partitioned model with an optimizer DeepSpeed does not hold (a plain one)
         stand_in = _rebuilt(optimizer, [list(g["params"]) for g in optimizer.param_groups], params, notes)
     else:
-        groups = getattr(ds_opt, "fp16_groups", None) if stage == 3 else getattr(ds_opt, "bit16_groups", None)
-        groups = groups if groups is not None else getattr(ds_opt, "fp16_groups", None)
         inner = ds_opt.optimizer
-        if groups is None or len(groups) != len(inner.param_groups):
-            raise ValueError(f"DeepSpeed's optimizer ({type(ds_opt).__name__}) lists {len(groups or ())} parameter "
-                             f"group(s) of the model, its inner {type(inner).__name__} {len(inner.param_groups)}: the "
-                             "inner optimizer cannot be mapped back to the model's parameters.")
+        groups = _groups(ds_opt, stage, len(inner.param_groups))
         stand_in = _rebuilt(inner, groups, params, notes)
     return WrappedZero(replica, stand_in, stage, int(world) if isinstance(world, int) else None, tuple(notes))
+
+
+def _groups(ds_opt: Any, stage: int | None, count: int) -> list[list[torch.Tensor]]:
+    """The model's parameters of each of the inner optimizer's ``count`` groups. Stage 3 lists them by sub-group
+    (``fp16_groups``: a group split by ``sub_group_size`` or by process group, a group without trainable
+    parameters left out), each sub-group's group in ``sub_group_to_group_id`` (``stage3.py
+    _create_fp16_sub_groups``); stages 1 and 2 one list per group (``bit16_groups``)."""
+    if hasattr(ds_opt, "bf16_groups") and not hasattr(ds_opt, "bit16_groups"):
+        raise ValueError(f"DeepSpeed's {type(ds_opt).__name__} (bf16 parameters with fp32 gradient accumulation at "
+                         "ZeRO stage 1) keeps fp32 gradients of its own, which are not modelled.")
+    if stage == 3:
+        owner = getattr(ds_opt, "sub_group_to_group_id", None)
+        subs = getattr(ds_opt, "fp16_groups", None) or []
+        if owner is None or len(owner) != len(subs) or any(not 0 <= owner[i] < count for i in range(len(subs))):
+            raise ValueError(f"DeepSpeed's {type(ds_opt).__name__} does not say which of its inner optimizer's "
+                             f"{count} group(s) each of its {len(subs)} parameter sub-group(s) belongs to.")
+        groups: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        for i, sub in enumerate(subs):
+            groups[owner[i]].extend(sub)
+        return groups
+    groups = getattr(ds_opt, "bit16_groups", None)
+    if groups is None or len(groups) != count:
+        raise ValueError(f"DeepSpeed's optimizer ({type(ds_opt).__name__}) lists {len(groups or ())} parameter "
+                         f"group(s) of the model, its inner optimizer {count}: the inner optimizer cannot be mapped "
+                         "back to the model's parameters.")
+    return list(groups)
 
 
 def _rebuilt(inner: torch.optim.Optimizer, groups: list[list[torch.Tensor]], params: dict[int, nn.Parameter],

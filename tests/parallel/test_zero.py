@@ -50,3 +50,21 @@ def test_a_tensor_the_optimizer_holds_that_is_no_parameter_is_named():
     params = {id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in model.parameters()}
     with pytest.raises(ValueError, match=r"holds 1 tensor\(s\) that are not the model's parameters"):
         _rebuilt(torch.optim.AdamW(model.parameters()), [[*model.parameters(), torch.zeros(3)]], params, [])
+
+
+def test_stage_3_sub_groups_map_to_their_optimizer_groups():
+    # ZeRO-3 lists parameters by sub-group (a group split by sub_group_size or process group, a group without
+    # trainable parameters left out: stage3.py _create_fp16_sub_groups), each with its group in
+    # sub_group_to_group_id.
+    from types import SimpleNamespace
+
+    from preflight.parallel._zero import _groups
+
+    a, b, c = (torch.zeros(2) for _ in range(3))
+    ds_opt = SimpleNamespace(fp16_groups=[[a], [b], [c]], sub_group_to_group_id={0: 0, 1: 0, 2: 2})
+    assert _groups(ds_opt, 3, 3) == [[a, b], [], [c]]
+    with pytest.raises(ValueError, match="does not say which"):
+        _groups(SimpleNamespace(fp16_groups=[[a]], sub_group_to_group_id={}), 3, 1)
+    assert _groups(SimpleNamespace(bit16_groups=[[a], []]), 2, 2) == [[a], []]
+    with pytest.raises(ValueError, match="fp32 gradient accumulation"):
+        _groups(SimpleNamespace(bf16_groups=[[a]]), None, 1)

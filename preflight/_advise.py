@@ -329,8 +329,14 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
         with restored_module(model):
             for block in blocks:
                 # An instance attribute (restored_module deletes it), bound to the block: a per-rank trace's copy of
-                # the model rebinds it to the block's copy (a closure over this block would run the original).
-                block.forward = types.MethodType(_checkpointed_forward, block)
+                # the model rebinds it to the block's copy (a closure over this block would run the original). A
+                # forward the block already has of its own (accelerate's hooks) is kept under the checkpoint.
+                own = vars(block).get("forward")
+                if own is None or (isinstance(own, types.MethodType) and own.__self__ is block):
+                    block.forward = types.MethodType(_checkpointed_method(getattr(own, "__func__", None)
+                                                                          or type(block).forward), block)
+                else:
+                    block.forward = _checkpointed(own)
             est = setup.trace()
     base = setup.baseline
     saving = base.peak_bytes - est.peak_bytes
@@ -683,11 +689,24 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     )
 
 
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A block's own forward under ``torch.utils.checkpoint`` (non-reentrant), as a method of the block."""
+def _checkpointed_method(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` (a function of the block) under ``torch.utils.checkpoint`` (non-reentrant), to bind as a method."""
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+    def checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A callable ``forward`` under ``torch.utils.checkpoint`` (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def _plain(value: Any) -> Any:

@@ -378,3 +378,36 @@ def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks
     expected = preflight.estimate(_CheckpointedBlocks(stack), opt, x, step=lambda m, b: m(b),
                                   **plan.estimate_kwargs())
     assert checkpointed.predicted_peak_bytes == expected.peak_bytes
+
+
+def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
+    # accelerate's hooks (and other tools) set `module.forward` on the instance: checkpointing runs that forward.
+    import functools
+
+    from conftest import Stack
+
+    import preflight._advise as advising
+
+    wrapped = []
+    checkpointed = advising._checkpointed
+    monkeypatch.setattr(advising, "_checkpointed", lambda forward: wrapped.append(forward) or checkpointed(forward))
+
+    torch.manual_seed(0)
+    stack = Stack(depth=4, width=64)
+    calls = []
+
+    def hooked(module, x):
+        calls.append(module)
+        return type(module).forward(module, x)
+
+    stack.layers[1].forward = functools.partial(hooked, stack.layers[1])
+    x = torch.randn(8, 64)
+    opt = torch.optim.AdamW(stack.parameters())
+    base = preflight.estimate(stack, opt, x, step=lambda m, b: m(b))
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = advise(stack, opt, x, budget=base.peak_bytes // 2, step=lambda m, b: m(b))
+    assert any(s.change == {"gradient_checkpointing": True} for s in found) and calls
+    assert len(wrapped) == 1 and wrapped[0].func is hooked  # the block's own forward, under the checkpoint
+    assert isinstance(stack.layers[1].forward, functools.partial)  # put back as it was

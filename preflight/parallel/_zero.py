@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight.trace._twin import clone_optimizer
+
 __all__ = ["WrappedZero", "deepspeed_optimizer", "held_tensors", "read_zero", "zero_plan"]
 
 
@@ -142,8 +144,10 @@ def _groups(ds_opt: Any, stage: int | None, count: int) -> list[list[torch.Tenso
 
 def _rebuilt(inner: torch.optim.Optimizer, groups: list[list[torch.Tensor]], params: dict[int, nn.Parameter],
              notes: list[str]) -> torch.optim.Optimizer:
-    """``inner``'s class (DeepSpeed's own Adam kernels: torch's Adam or AdamW, the same state) and group
-    hyperparameters over the stand-in parameters of ``groups`` (the model's parameters, by identity)."""
+    """``inner``'s class and group hyperparameters over the stand-in parameters of ``groups`` (the model's
+    parameters, by identity): a torch optimizer cloned with its defaults and constructor options (`clone_optimizer`;
+    bitsandbytes' bits), without its state (held for DeepSpeed's flat partitions); DeepSpeed's own kernels as the
+    torch optimizer holding the same state."""
     cls = type(inner)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     if not issubclass(cls, torch.optim.Optimizer) or cls.__module__.startswith("deepspeed."):
@@ -167,6 +171,9 @@ def _rebuilt(inner: torch.optim.Optimizer, groups: list[list[torch.Tensor]], par
                          f"(the first of shape {tuple(getattr(missing[0], 'ds_shape', missing[0].shape))}): the inner "
                          "optimizer cannot be mapped back to the model.")
     try:
+        if cls is type(inner):  # a torch optimizer: its defaults and constructor options (bitsandbytes' bits) kept
+            return clone_optimizer(inner, None, foreach=None, keep_state=False, param_groups=[
+                (i, [params[id(p)] for p in g]) for i, g in enumerate(groups) if g])
         return cls([{**h, "params": [params[id(p)] for p in g]} for h, g in zip(hyper, groups) if g])
     except Exception as err:  # noqa: BLE001 - any constructor's refusal is reported with the class named
         raise ValueError(f"{cls.__name__} could not be rebuilt over the model's unpartitioned parameters "

@@ -65,7 +65,8 @@ class TwinMaker:
 
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bool | None,
-                    param_groups: list[tuple[int, list[torch.Tensor]]] | None = None) -> torch.optim.Optimizer:
+                    param_groups: list[tuple[int, list[torch.Tensor]]] | None = None,
+                    keep_state: bool = True) -> torch.optim.Optimizer:
     """A new optimizer of the same class and hyperparameters over the twins of ``optimizer``'s parameters.
 
     Existing state (an optimizer that has stepped, e.g. resumed from a checkpoint) is twinned too.
@@ -76,6 +77,8 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bo
         param_groups: the clone's groups as ``(index of the user's group whose hyperparameters it takes,
             parameters)``, for a clone whose parameters do not map one to one (FSDP1's flat parameters); default:
             each group's twins.
+        keep_state: twin the existing state too; False: the clone starts without state (its state belongs to
+            tensors the clone does not hold, such as DeepSpeed's flat partitions).
 
     Raises:
         TypeError: the class cannot be rebuilt from its ``param_groups`` and ``defaults``.
@@ -103,7 +106,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bo
         # bitsandbytes' quantisation maps, built at construction when optim_bits=8 reaches Optimizer8bit: share
         # the user's (constant lookup tables, only read) so the clone has at its first step what the original has.
         clone.name2qmap = dict(optimizer.name2qmap)
-    for p, state in optimizer.state.items():
+    for p, state in optimizer.state.items() if keep_state else ():
         clone.state[twins.tensor(p)] = {k: _twin_state(twins, v) for k, v in state.items()}
     return clone
 

@@ -68,3 +68,15 @@ def test_stage_3_sub_groups_map_to_their_optimizer_groups():
     assert _groups(SimpleNamespace(bit16_groups=[[a], []]), 2, 2) == [[a], []]
     with pytest.raises(ValueError, match="fp32 gradient accumulation"):
         _groups(SimpleNamespace(bf16_groups=[[a]]), None, 1)
+
+
+def test_a_torch_inner_optimizer_keeps_its_constructor_options():
+    # HF's optim="adamw_bnb_8bit" under DeepSpeed: bitsandbytes' AdamW with optim_bits=8 inside the ZeRO optimizer;
+    # rebuilt from its group settings alone it would get 32-bit state.
+    bnb = pytest.importorskip("bitsandbytes")
+    model = nn.Linear(64, 64)
+    params = {id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in model.parameters()}
+    inner = bnb.optim.AdamW(model.parameters(), lr=0.25, optim_bits=8)
+    rebuilt = _rebuilt(inner, [list(model.parameters())], params, [])
+    assert type(rebuilt) is type(inner) and rebuilt.args.optim_bits == 8 and rebuilt.param_groups[0]["lr"] == 0.25
+    assert [id(p) for p in rebuilt.param_groups[0]["params"]] == [id(params[id(p)]) for p in model.parameters()]

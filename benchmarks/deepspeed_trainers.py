@@ -2,8 +2,9 @@
 
 By the time a callback runs, DeepSpeed has replaced the optimizer with its ZeRO optimizer and, at stage 3,
 partitioned every parameter; the callback reads both back (`preflight.parallel.read_zero`), predicts the rank under
-the config the trainer applied, then measures its first two steps (the verification: the profiler's allocator
-events plus the bytes alive at the step's start, DeepSpeed's partitions and flat buffers included). The table is
+the config the trainer applied, then measures its first steps (the verification: the profiler's allocator
+events plus the bytes alive at the step's start, DeepSpeed's partitions and flat buffers included) and, in the
+Lightning runs, a validation batch between them against the evaluation prediction. The table is
 each rank's prediction against its own measurement, over 3 fresh 2-process runs per configuration.
 
 - HF Trainer: ``TrainingArguments(deepspeed=config)``, ZeRO-1/2/3, fp32 (the Trainer refuses bf16 / fp16 on a CPU
@@ -139,21 +140,27 @@ class GPT(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
 config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6}}
-callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
-trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, callbacks=[callback] if with_callback else [],
-                     logger=False,
+callback = PreflightCallback(budget="2GiB", verify_steps=3, suggest=False)
+# A validation batch (8 samples) after step 2, inside the measured steps: measured and compared too.
+trainer = pl.Trainer(max_steps=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+                     accelerator="cpu", devices=2, callbacks=[callback] if with_callback else [], logger=False,
                      strategy=CPUDeepSpeed(config=config, process_group_backend="gloo"), enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, precision=precision)
-trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4))
+trainer.fit(GPT(), torch.utils.data.DataLoader(Blocks(), batch_size=4),
+            torch.utils.data.DataLoader(Blocks(), batch_size=8))
 r = callback.report
 out = {"steps": trainer.global_step}
 if with_callback:
     out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
-               measured=r.measured_peak_bytes)
+               measured=r.measured_peak_bytes, eval_predicted=r.eval_predicted_peak_bytes,
+               eval_measured=r.eval_measured_peak_bytes, eval_error=r.eval_relative_error)
 with open(f"rank{trainer.global_rank}.json", "w") as f:
     json.dump(out, f)
 """
@@ -239,11 +246,13 @@ def main() -> int:
     kib = 1 << 10
     lines = [f"preflight's callbacks in real DeepSpeed {deepspeed.__version__} ZeRO runs on 2 CPU processes (gloo), "
              f"GPT-2 2 layers, hidden 64, AdamW, reduce_bucket_size 1e6; each rank's prediction against its own "
-             f"verification (first 2 steps), {args.runs} runs per configuration. Command: "
+             f"verification (the first 2 steps; Lightning: 3 steps and a validation batch of 8 after the second), "
+             f"{args.runs} runs per configuration. Command: "
              f"`python benchmarks/deepspeed_trainers.py`. torch {torch.__version__}.", "",
              "| trainer | stage | precision | rank | predicted (KiB) | measured min-max (KiB) | error vs max | "
-             "error vs min |", "|---|---|---|---|---|---|---|---|"]
-    worst, aborts = 0.0, 0
+             "error vs min | eval predicted (KiB) | eval measured min-max (KiB) | eval error vs max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst, eval_worst, aborts = 0.0, 0.0, 0
     with tempfile.TemporaryDirectory() as tmp:
         for trainer, stage, precision in HF_CONFIGS + ACCELERATE_CONFIGS + LIGHTNING_CONFIGS:
             runs = [run_config(trainer, stage, precision, Path(tmp) / f"{trainer}{stage}{precision}{i}")
@@ -256,11 +265,18 @@ def main() -> int:
                 p = predicted.pop()
                 high, low = (p - max(measured)) / max(measured), (p - min(measured)) / min(measured)
                 worst = max(worst, abs(high))
+                cells = ["n/a"] * 3
+                if runs[0][rank].get("eval_measured"):
+                    eval_p, eval_m = runs[0][rank]["eval_predicted"], [r[rank]["eval_measured"] for r in runs]
+                    eval_worst = max(eval_worst, abs((eval_p - max(eval_m)) / max(eval_m)))
+                    cells = [f"{eval_p / kib:,.1f}", f"{min(eval_m) / kib:,.1f}-{max(eval_m) / kib:,.1f}",
+                             f"{(eval_p - max(eval_m)) / max(eval_m):+.2%}"]
                 lines.append(f"| {_NAMES[trainer]} | ZeRO-{stage} | {precision} | "
                              f"{rank} | {p / kib:,.1f} | {min(measured) / kib:,.1f}-{max(measured) / kib:,.1f} | "
-                             f"{high:+.2%} | {low:+.2%} |")
+                             f"{high:+.2%} | {low:+.2%} | {' | '.join(cells)} |")
             print(f"  {trainer} ZeRO-{stage} {precision}: done", file=sys.stderr)
-    lines += ["", f"Largest |error| against a rank's largest measurement: {worst:.2%}. Runs that aborted at "
+    lines += ["", f"Largest |error| against a rank's largest measurement: {worst:.2%} (training), {eval_worst:.2%} "
+              f"(evaluation). Runs that aborted at "
               f"interpreter exit after training (`{TEARDOWN_ABORT}`): {aborts}.",
               "", f"({time.perf_counter() - start:.0f} s)"]
     text = "\n".join(lines)

@@ -552,20 +552,21 @@ def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precis
     overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`).
     ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
     rank's, so not divided again)."""
-    from preflight._estimate import deepspeed_terms, zero_buffers_for
+    from preflight._estimate import deepspeed_terms
     from preflight._target import per_rank_breakdown
 
     ds = None if plan.deepspeed is None else read_deepspeed_config(dict(plan.deepspeed),
                                                                    hidden_size=hf_hidden_size(model))
-    buffers = zero_buffers_for(model, plan.sharding, ds, precision)
+    offload = {"offload_optimizer": plan.offload_optimizer, "offload_params": plan.offload_params}
+    # DeepSpeed's own terms as training leaves them: ZeRO-3's fp32 partition copy, gradient partitions and
+    # persistent / gathered parameters stay through evaluation (without them a ZeRO-3 evaluation was 9% under).
+    terms, _ = deepspeed_terms(model, plan.sharding, ds, precision, plan.world_size, offload)
+    buffers = terms["zero_buffers"]
     if buffers is not None and buffers.during_backward:  # stages 1 and 2 release them after each backward
         buffers = None
     share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
-                                  dtype=float_dtype_for(precision), offload_optimizer=plan.offload_optimizer,
-                                  offload_params=plan.offload_params, zero_buffers=buffers,
-                                  state_scale=deepspeed_terms(model, plan.sharding, ds, precision, plan.world_size, {
-                                      "offload_optimizer": plan.offload_optimizer,
-                                      "offload_params": plan.offload_params})[0]["state_scale"])
+                                  dtype=float_dtype_for(precision), zero_buffers=buffers, zero3=terms["zero3"],
+                                  state_scale=terms["state_scale"], **offload)
     if traced_state is not None:
         share["optimizer_state"] = traced_state
     peak = sum(share.values())

@@ -147,8 +147,7 @@ class StepVerifier:
         if not self.session.active or self._open:
             yield
             return
-        self.session.eval_started([*training_state(self.model, [self.optimizer]), batch],
-                                  batch)
+        self.session.eval_started([*training_state(self.model, [self.optimizer]), batch], batch)
         try:
             yield
         finally:

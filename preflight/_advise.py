@@ -333,8 +333,8 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
                 # forward the block already has of its own (accelerate's hooks) is kept under the checkpoint.
                 own = vars(block).get("forward")
                 if own is None or (isinstance(own, types.MethodType) and own.__self__ is block):
-                    block.forward = types.MethodType(_checkpointed_method(getattr(own, "__func__", None)
-                                                                          or type(block).forward), block)
+                    block.forward = types.MethodType(_checkpointed(getattr(own, "__func__", None)
+                                                                   or type(block).forward), block)
                 else:
                     block.forward = _checkpointed(own)
             est = setup.trace()
@@ -689,18 +689,9 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     )
 
 
-def _checkpointed_method(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` (a function of the block) under ``torch.utils.checkpoint`` (non-reentrant), to bind as a method."""
-    from torch.utils.checkpoint import checkpoint
-
-    def checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
-
-    return checkpointed_forward
-
-
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A callable ``forward`` under ``torch.utils.checkpoint`` (non-reentrant)."""
+    """A callable ``forward`` under ``torch.utils.checkpoint`` (non-reentrant); bound as a method of a block, the
+    block is the first argument ``forward`` gets."""
     from torch.utils.checkpoint import checkpoint
 
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:

@@ -383,6 +383,12 @@ def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch
     return None
 
 
+def _traced_dtype(model: nn.Module, precision: str | None) -> torch.dtype | None:
+    """The dtype the trace gives ``model``'s floating parameters: the precision's cast, else their own (the
+    first's); None for a model without any."""
+    return float_dtype_for(precision) or next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def deepspeed_precision(model: nn.Module, ds: dict[str, Any] | None, precision: str | None) -> str | None:
     """The precision ``model`` runs at under DeepSpeed config ``ds`` (`read_deepspeed_config`'s): DeepSpeed's bf16 /
     fp16 modes cast the module to 16 bits (engine.py ``_configure_distributed_model``; Lightning's and the HF
@@ -414,8 +420,7 @@ def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
                      "DeepSpeed casts it")
     scale = 1.0
     if sharding in ("zero1", "zero2", "zero3") and not offload["offload_optimizer"]:
-        traced = float_dtype_for(precision) or next((p.dtype for p in model.parameters() if p.is_floating_point()),
-                                                    None)
+        traced = _traced_dtype(model, precision)
         if traced is not None and traced.itemsize < 4:
             scale = 4 / traced.itemsize
             notes.append(f"DeepSpeed's optimizer steps the fp32 copy of the partition: the traced {traced} optimizer "
@@ -439,10 +444,8 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
         ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
     params = [(id(p), p.numel(), p.requires_grad) for p in model.parameters()]  # shared parameters once
     modules = [[id(p) for p in m.parameters(recurse=False)] for m in model.modules()]
-    # DeepSpeed's 16-bit dtype, else the trace's parameter dtype, else the model's own.
-    dtype = _half_dtype(ds, precision, given) or float_dtype_for(precision)
-    floating = [p for p in model.parameters() if p.is_floating_point()]
-    itemsize = dtype.itemsize if dtype is not None else (floating[0].element_size() if floating else 4)
+    dtype = _half_dtype(ds, precision, given) or _traced_dtype(model, precision)  # DeepSpeed's 16-bit dtype first
+    itemsize = dtype.itemsize if dtype is not None else 4
     terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
     return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
 

@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = [
     "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
-    "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
+    "live_storages", "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
 ]
 
 
@@ -75,17 +75,19 @@ def trace_device_for(target: torch.device) -> torch.device:
 
 def live_storage_bytes(tensors: Any, device: torch.device) -> int:
     """Bytes of the distinct storages behind ``tensors`` (any nested structure) that live on ``device``."""
-    seen: set[int] = set()
-    total = 0
+    return sum(live_storages(tensors, device).values())
+
+
+def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
+    """The distinct storages behind ``tensors`` (any nested structure) that live on ``device``: their data
+    address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by their own identity."""
+    storages: dict[int, int] = {}
     for t in iter_tensors(tensors):
         if t.device.type != device.type:
             continue
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen and storage.data_ptr() != 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+        storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return storages
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

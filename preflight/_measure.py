@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storage_bytes, map_tensors,
+from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storages, map_tensors,
                                model_device)
 from preflight._result import Measurement
 from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "lost_free_peaks", "placed_peaks", "profiled_memory_peak",
-           "repaired_memory_peak", "replayed_peak"]
+           "repaired_memory_peak", "replayed_peak", "session_peak"]
 
 
 def measure(
@@ -89,17 +90,21 @@ def measure(
     if device.type != "cpu":
         raise ValueError(f"Measuring on {device.type!r} is not supported; measure runs on CUDA or CPU.")
     before = _live_before(model, optimizer, batch, device)
-    peak, seconds = cpu_profiled_peak(run)
+    peak, seconds = cpu_profiled_peak(run, resident=before)
     return Measurement(
-        peak_bytes=before + peak, device="cpu", method="cpu-profiler", steps=steps, step_seconds=seconds / steps
+        peak_bytes=sum(before.values()) + peak, device="cpu", method="cpu-profiler", steps=steps,
+        step_seconds=seconds / steps,
     )
 
 
-def cpu_profiled_peak(fn: Any, *, repair_lost_frees: bool = False) -> tuple[int, float]:
+def cpu_profiled_peak(fn: Any, *, repair_lost_frees: bool = False,
+                      resident: Mapping[int, int] | None = None) -> tuple[int, float]:
     """Run ``fn()`` under the CPU profiler; return the peak of allocated-minus-freed bytes and the wall time.
 
-    With ``repair_lost_frees``, frees the profiler did not record are put back (`repaired_memory_peak`): needed
-    where other threads free tensors, as gloo's worker threads do with a collective's buffers.
+    ``resident``: the storages counted as alive before (`preflight._device.live_storages`), so that frees of
+    blocks from before the run are counted right (`profiled_memory_peak`). With ``repair_lost_frees``, frees the
+    profiler did not record are put back (`repaired_memory_peak`): needed where other threads free tensors, as
+    gloo's worker threads do with a collective's buffers.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -109,7 +114,9 @@ def cpu_profiled_peak(fn: Any, *, repair_lost_frees: bool = False) -> tuple[int,
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
-    return (repaired_memory_peak(prof) if repair_lost_frees else profiled_memory_peak(prof)), seconds
+    if repair_lost_frees:
+        return repaired_memory_peak(prof), seconds
+    return profiled_memory_peak(prof, resident=resident), seconds
 
 
 def repaired_memory_peak(prof: Any) -> int:
@@ -220,33 +227,59 @@ def replayed_peak(events: list[tuple[int, int]]) -> int:
     return peak
 
 
-def profiled_memory_peak(prof: Any, *, with_end: bool = False) -> Any:
+def profiled_memory_peak(prof: Any, *, with_end: bool = False, resident: Mapping[int, int] | None = None) -> Any:
     """Peak of allocated-minus-freed CPU bytes over a finished ``torch.profiler.profile`` session; with
     ``with_end``, ``(peak, bytes still allocated at the end)``.
 
-    The profiler records every CPU allocation and free as a ``[memory]`` event (negative bytes on free); summed in
-    time order they give the live-bytes curve of what was allocated during the session. Frees of blocks allocated
-    while another profiling session ran are recorded too; frees of blocks allocated with no profiler running are
-    not (their size is unknown).
+    The profiler records every CPU allocation and free (`_profiled_allocations`); summed in time order they give
+    the live-bytes curve of what was allocated during the session. A free of a block allocated before the session
+    is recorded only where the profiler's size table still has the address, and that entry may be stale: a block
+    allocated while profiling and freed while not leaves its entry behind, and a later block at the same address
+    is freed at the old block's size. A Lightning step with gradient accumulation frees a 4-byte scalar from before
+    its window every time; once in four clean-clone CI runs that step read 245 KB low, as a stale size there
+    would. With ``resident`` (address -> bytes of the storages the caller counts as alive at the start,
+    `preflight._device.live_storages`) such frees count at the resident block's own size and those of any other
+    block not at all, since the caller's baseline does not hold it; without, at the size the profiler recorded.
     """
-    memory = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    memory.sort(key=lambda pair: pair[0])
+    allocations, _ = _profiled_allocations(prof)
+    peak, end = session_peak([(nbytes, ptr) for _, nbytes, ptr in allocations], resident)
+    return (peak, end) if with_end else peak
+
+
+def session_peak(events: list[tuple[int, int]], resident: Mapping[int, int] | None = None) -> tuple[int, int]:
+    """``(peak, live at the end)`` of the bytes allocated over ``(nbytes, address)`` allocation (> 0) and free (< 0)
+    events in time order, minus their frees; see `profiled_memory_peak` for ``resident``.
+
+    Example:
+        >>> session_peak([(-300, 1), (100, 2)])  # a block from before freed: counted at its recorded size
+        (0, -200)
+        >>> session_peak([(-300, 1), (100, 2)], resident={})  # ... not held by the baseline: not counted
+        (100, 100)
+        >>> session_peak([(-300, 1), (100, 2)], resident={1: 50})  # a resident block: counted at its own size
+        (50, 50)
+    """
+    earlier = dict(resident or {})  # resident blocks not freed yet
+    session: set[int] = set()  # addresses allocated in the session and not freed yet
     live = peak = 0
-    for _, nbytes in memory:
-        live += nbytes
+    for nbytes, ptr in events:
+        if nbytes > 0:
+            session.add(ptr)
+            live += nbytes
+        elif ptr in session or resident is None:
+            session.discard(ptr)
+            live += nbytes
+        else:
+            live -= earlier.pop(ptr, 0)
         peak = max(peak, live)
-    return (peak, live) if with_end else peak
+    return peak, live
 
 
-def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> int:
+def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                 device: torch.device) -> dict[int, int]:
     tensors = [list(model.parameters()), list(model.buffers()), batch]
     tensors.append([p.grad for p in model.parameters() if p.grad is not None])
     tensors.append([list(s.values()) for s in optimizer.state.values()])
-    return live_storage_bytes(tensors, device)
+    return live_storages(tensors, device)
 
 
 def _cast_floating(batch: Any, dtype: torch.dtype) -> Any:

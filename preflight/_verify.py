@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from preflight._device import cuda_peaks, cuda_reset_peaks, live_storage_bytes
+from preflight._device import cuda_peaks, cuda_reset_peaks, live_storages
 from preflight._measure import profiled_memory_peak
 from preflight._quiet import StderrFilter
 from preflight._units import format_bytes
@@ -59,7 +59,7 @@ class StepPeakMeter:
         self.step_peaks: list[int] = []
         self.reserved_peaks: list[int] = []
         self.step_retained: list[int] = []  # bytes a step allocated and did not free: what it leaves alive
-        self._before = 0
+        self._resident: dict[int, int] = {}  # address -> bytes of the storages alive at the step's start
         self._allocated_at_start = 0
         self._profiler: Any = None
         self._quiet: StderrFilter | None = None
@@ -85,7 +85,7 @@ class StepPeakMeter:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        self._before = live_storage_bytes(resident, self.device)
+        self._resident = live_storages(resident, self.device)
         self._quiet = StderrFilter().open()  # the profiler's native log lines (see preflight._quiet)
         try:
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -118,9 +118,10 @@ class StepPeakMeter:
             finally:
                 self._close_quiet()
                 atexit.unregister(self.abort)
-            late = live_storage_bytes(also_resident, self.device) if also_resident is not None else 0
-            profiled_peak, retained = profiled_memory_peak(profiler, with_end=True)
-            peak = self._before + late + profiled_peak
+            if also_resident is not None:
+                self._resident.update(live_storages(also_resident, self.device))
+            profiled_peak, retained = profiled_memory_peak(profiler, with_end=True, resident=self._resident)
+            peak = sum(self._resident.values()) + profiled_peak
         self._running = False
         self.step_peaks.append(peak)
         self.step_retained.append(retained)

@@ -1,8 +1,12 @@
-"""The multi-process measurements' handling of frees the profiler loses on gloo's worker threads."""
+"""The CPU measurement's reading of the profiler: frees of blocks from before the measured window, and the
+multi-process measurements' handling of frees the profiler loses on gloo's worker threads."""
 
 from __future__ import annotations
 
-from preflight._measure import placed_peaks
+import torch
+
+from preflight._device import live_storages
+from preflight._measure import cpu_profiled_peak, placed_peaks, session_peak
 
 A, B, C, D = 0x1000, 0x2000, 0x3000, 0x4000
 
@@ -25,3 +29,34 @@ def test_a_reuse_proves_a_lost_free_and_the_call_end_can_come_before_it():
     assert placed_peaks(events, [(0, 5)], alive={B}) == (70, 50, 50)
     # Allocated outside any call: the free stays just before the reuse.
     assert placed_peaks(events, [], alive={B}) == (70, 70, 50)
+
+
+def test_a_free_of_a_block_from_before_counts_only_if_the_baseline_holds_it():
+    # The profiler sized the free of the block at A from a stale record (300 B; the block is 4 B): a block that
+    # lived at A earlier was allocated while profiling and freed while not, and its entry stayed.
+    events = [(100, B), (-300, A), (100, C)]
+    assert session_peak(events) == (100, -100)  # the recorded size: the window reads 100 B low
+    assert session_peak(events, resident={}) == (200, 200)  # not in the baseline: its free does not count
+    assert session_peak(events, resident={A: 4}) == (196, 196)  # in the baseline: its own size
+    # A block allocated and freed in the window counts as recorded either way.
+    assert session_peak([(50, A), (-50, A), (20, B)], resident={A: 4}) == (50, 20)
+
+
+def test_measuring_ignores_frees_of_blocks_outside_its_baseline():
+    """A real profiler: a block allocated in an earlier profiled session is freed in the measured one."""
+    held = {}
+    cpu_profiled_peak(lambda: held.update(old=torch.ones(1 << 18)))  # 1 MiB, its size recorded by that session
+
+    def window() -> None:
+        del held["old"]  # freed first: without a baseline the curve starts 1 MiB down
+        held["new"] = torch.ones(1 << 17)  # 512 KiB
+
+    peak, _ = cpu_profiled_peak(window, resident={})
+    assert peak == (1 << 17) * 4
+    # A resident block's free is recorded where a profiled session allocated it (the previous step's window, in a
+    # trainer): it counts, at the block's own size.
+    cpu_profiled_peak(lambda: held.update(old=torch.ones(1 << 18)))
+    resident = live_storages([held["old"]], torch.device("cpu"))
+    held.pop("new")
+    peak, _ = cpu_profiled_peak(window, resident=resident)  # the baseline holds it: its free counts
+    assert peak == 0 and sum(resident.values()) == (1 << 18) * 4

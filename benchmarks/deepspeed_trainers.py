@@ -209,6 +209,22 @@ SCRIPTS = {"hf": HF_SCRIPT, "lightning": LIGHTNING_SCRIPT, "accelerate": ACCELER
 _NAMES = {"hf": "HF Trainer", "lightning": "Lightning", "accelerate": "accelerate loop"}
 
 
+def unsupported(precision: str) -> str | None:
+    """Why DeepSpeed's CPU accelerator cannot run ``precision`` on this machine, or None.
+
+    It takes fp16 only where oneDNN has fp16 kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: CPUs with
+    AVX512-FP16 or AMX-FP16) and otherwise refuses in ``deepspeed.initialize`` ("Type fp16 is not supported on your
+    device"); likewise bf16.
+    """
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    accelerator = CPU_Accelerator()
+    check = {"16-mixed": accelerator.is_fp16_supported, "bf16-mixed": accelerator.is_bf16_supported}.get(precision)
+    if check is None or check():
+        return None
+    return f"DeepSpeed's CPU accelerator does not support {precision} on this CPU (no oneDNN kernels for it)"
+
+
 def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathLike,
                callback: str = "with") -> list[dict]:
     """One fresh 2-process run of ``trainer`` (``"hf"``, ``"lightning"`` or ``"accelerate"``) at ZeRO ``stage`` and
@@ -255,6 +271,10 @@ def main() -> int:
     worst, eval_worst, aborts = 0.0, 0.0, 0
     with tempfile.TemporaryDirectory() as tmp:
         for trainer, stage, precision in HF_CONFIGS + ACCELERATE_CONFIGS + LIGHTNING_CONFIGS:
+            if (reason := unsupported(precision)) is not None:
+                lines.append(f"| {_NAMES[trainer]} | ZeRO-{stage} | {precision} | both | not run: {reason} |"
+                             + " |" * 6)
+                continue
             runs = [run_config(trainer, stage, precision, Path(tmp) / f"{trainer}{stage}{precision}{i}")
                     for i in range(args.runs)]
             aborts += sum(r[0]["teardown_abort"] for r in runs)

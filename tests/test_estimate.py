@@ -440,19 +440,24 @@ def _mlp_step(m, b):
 
 
 def test_low_precision_matmul_scratch_is_calibrated_on_cpu(monkeypatch):
-    # oneDNN's bf16 matrix products hold fp32 accumulators and reordered operands beyond their outputs.
+    # oneDNN's bf16 matrix products hold fp32 accumulators and reordered operands beyond their outputs on some CPUs
+    # (the one this test was written on) and nothing more on others (an AVX2-only CPU): the calibration runs them.
     model, batch = _mlp(), torch.randn(128, 64)
     err, est = relative_error(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
                               precision="bf16-mixed")
     assert abs(err) < 0.005
     assert any(label.startswith(("addmm", "mm")) for label in est.coverage.calibrated)
-    # The term is real: without it the same prediction is under the measured peak.
+    # The term is this CPU's: without it the prediction is under the measured peak by the scratch the kernels hold,
+    # and the same where they hold none.
     from preflight import _scratch
 
     monkeypatch.setattr(_scratch, "_needs_calibration", lambda func, args, device: False)
     uncalibrated = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
                                       precision="bf16-mixed")
-    assert uncalibrated.peak_bytes < est.peak_bytes
+    measured = preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
+                                 precision="bf16-mixed").peak_bytes
+    assert uncalibrated.peak_bytes <= est.peak_bytes
+    assert abs(uncalibrated.peak_bytes - measured) >= abs(est.peak_bytes - measured)
 
 
 def test_fp32_matmuls_are_not_calibrated():

@@ -30,8 +30,10 @@ set-up descriptions, each row's prediction beside the published figure:
        alpha 32, dropout 0.1, torch AdamW, fp32 weights. Inputs are padded to the longest tweet of the batch;
        the tokens per tweet are not published, 64 is assumed here (labels: 3 tokens for the seq2seq models).
 Neither series states its torch version; both predate torch 2.0's foreach optimizer default and lazy module
-loading, which the prediction (torch of this process) follows. The rows show the error with our context figure
-and, for series 1, with their measured context in its place, so what is left is ours.
+loading, which the prediction (torch of this process) follows. Series 1's nvidia-smi output is dated 11 Jan 2022,
+when torch 1.10.1 was the newest release, and torch up to 1.10 saved softmax's input for backward: its rows show
+the error with our context figure, with their measured context in its place, and then also with softmax recorded
+as their torch did (torch_110_softmax), so what is left is ours.
 
 Writes benchmarks/results/gpu_validation.md and prints the same tables.
 """
@@ -303,24 +305,80 @@ HF_ZERO_GRAD = "in_place"
 HF_THEIR_CONTEXT = 1343 * MiB  # "torch.ones((1, 1)).to('cuda')" -> "GPU memory occupied: 1343 MB"
 
 
+class _SoftmaxSavingItsInput(torch.autograd.Function):
+    """softmax as torch 1.10 and earlier recorded it for backward: its input saved beside its output.
+
+    derivatives.yaml read `_softmax_backward_data(grad, result, dim, self)` until pytorch/pytorch#65242 (first
+    released in 1.11; transformers#16043 follows the API change "between 1.10 and 1.11"), so autograd kept the
+    attention scores alive until backward, one more (batch, heads, seq, seq) fp32 tensor per layer. Series 1's
+    nvidia-smi output is dated 11 Jan 2022, when 1.10.1 was the newest torch.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, dim: int) -> torch.Tensor:
+        probs = torch._softmax(scores, dim, False)
+        ctx.save_for_backward(scores, probs)
+        ctx.dim = dim
+        return probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        scores, probs = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, probs, ctx.dim, scores.dtype), None
+
+
+@contextlib.contextmanager
+def torch_110_softmax() -> Any:
+    """Within the block, `nn.functional.softmax` records its autograd as torch 1.10 did (see the class above).
+
+    Under autocast the input is cast to fp32 first, as CUDA autocast's fp32 list does before autograd records.
+    """
+    saved = nn.functional.softmax
+
+    def softmax(scores: torch.Tensor, dim: int | None = None, _stacklevel: int = 3,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype is not None:
+            scores = scores.to(dtype)
+        elif torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            scores = scores.float()
+        return _SoftmaxSavingItsInput.apply(scores, scores.dim() - 1 if dim is None else dim)
+
+    nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        nn.functional.softmax = saved
+
+
+def _hf_estimate(row: tuple[Any, ...], gpu: str) -> preflight.Estimate:
+    _, batch, accumulate, ckpt, fp16, optim, _ = row
+    model = _bert_large(ckpt)
+    return _quiet(lambda: preflight.estimate(
+        model, _hf_optimizer(model, optim), _bert_batch(batch), precision="16-mixed" if fp16 else None,
+        gpu=gpu, accumulate=accumulate, max_grad_norm=1.0, grad_scaler=fp16, zero_grad=HF_ZERO_GRAD))
+
+
 def run_hf_series() -> list[str]:
-    gpu = get_gpu("V100-16GB")
-    lines = ["| row | published MiB | predicted MiB (our context) | error | predicted MiB (their 1343 MB context) |"
-             " error | predicted max allocated MiB |", "|---|---|---|---|---|---|---|"]
+    gpu = get_gpu("V100-16GB").name
+    lines = ["| row | published MiB | predicted MiB (our context) | error | with their 1343 MB context | error |"
+             " and their torch's softmax | error | predicted max allocated MiB |", "|---" * 9 + "|"]
     print("\n".join(lines), flush=True)
-    for label, batch, accumulate, ckpt, fp16, optim, published in HF_SERIES:
-        model = _bert_large(ckpt)
-        est = _quiet(lambda: preflight.estimate(
-            model, _hf_optimizer(model, optim), _bert_batch(batch), precision="16-mixed" if fp16 else None,
-            gpu=gpu.name, accumulate=accumulate, max_grad_norm=1.0, grad_scaler=fp16, zero_grad=HF_ZERO_GRAD))
-        if est.coverage.lower_bound:
-            lines.append(f"| {label} | {published:,} | lower bound ({est.coverage.failed_op}) | | | | |")
+    for row in HF_SERIES:
+        label, published = row[0], row[-1] * MiB
+        est = _hf_estimate(row, gpu)
+        with torch_110_softmax():
+            old = _hf_estimate(row, gpu)
+        failed = est.coverage.failed_op if est.coverage.lower_bound else old.coverage.failed_op
+        if est.coverage.lower_bound or old.coverage.lower_bound:
+            lines.append(f"| {label} | {row[-1]:,} | lower bound ({failed}) | | | | | | |")
             print(lines[-1], flush=True)
             continue
         ours = est.device_total_bytes
         theirs = est.peak_reserved_bytes + HF_THEIR_CONTEXT
-        lines.append(f"| {label} | {published:,} | {ours / MiB:,.0f} | {_err(ours, published * MiB)} | "
-                     f"{theirs / MiB:,.0f} | {_err(theirs, published * MiB)} | {est.peak_bytes / MiB:,.0f} |")
+        their_torch = old.peak_reserved_bytes + HF_THEIR_CONTEXT
+        lines.append(f"| {label} | {row[-1]:,} | {ours / MiB:,.0f} | {_err(ours, published)} | {theirs / MiB:,.0f} | "
+                     f"{_err(theirs, published)} | {their_torch / MiB:,.0f} | {_err(their_torch, published)} | "
+                     f"{est.peak_bytes / MiB:,.0f} |")
         print(lines[-1], flush=True)
     return lines
 

@@ -1,5 +1,5 @@
 """benchmarks/gpu_validation.py runs in CPU mode: the CPU-host predictions, and a plain statement that the
-measurements need a GPU."""
+measurements need a GPU; its reproduction of a published series' torch."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,3 +32,42 @@ def test_quick_cpu_mode_prints_the_planned_column_and_says_measurements_need_a_g
         allocated, reserved, total = (float(c.replace(",", "")) for c in cells[1:4])
         assert 0 < allocated <= reserved < total  # reserved from the allocator simulation, total adds the context
         assert not re.search("lower bound", row)
+
+
+@pytest.mark.parametrize("precision", [None, "16-mixed"])
+def test_their_torch_softmax_keeps_one_fp32_score_tensor_more_per_layer(precision):
+    """Published series 1 is reproduced with softmax recorded as torch 1.10 did: its input saved beside its output.
+    The prediction then holds exactly one more fp32 (batch, heads, seq, seq) tensor per attention layer, in fp32
+    and under CUDA autocast alike (softmax is on its fp32 list), and the gradients are softmax's own."""
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from gpu_validation import torch_110_softmax
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=100, max_position_embeddings=64, num_labels=2)
+    cfg._attn_implementation = "eager"
+    model = transformers.BertForSequenceClassification(cfg)
+    batch = {"input_ids": torch.randint(0, 100, (3, 32)), "labels": torch.zeros(3, dtype=torch.long)}
+
+    def predict():
+        return preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, precision=precision,
+                                  gpu="A100-80GB").peak_bytes
+
+    now = predict()
+    with torch_110_softmax():
+        then = predict()
+    assert then - now == 2 * (3 * 4 * 32 * 32) * 4
+
+    x = torch.randn(2, 5, requires_grad=True)
+    plain = torch.nn.functional.softmax
+    with torch_110_softmax():
+        y = torch.nn.functional.softmax(x, dim=-1)
+    assert torch.nn.functional.softmax is plain  # put back
+    assert [t.shape for t in y.grad_fn.saved_tensors] == [x.shape, x.shape]  # the input and the output
+    (grad,) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
+    x2 = x.detach().requires_grad_()
+    (expected,) = torch.autograd.grad((torch.softmax(x2, -1) * torch.arange(5.0)).sum(), x2)
+    torch.testing.assert_close(grad, expected)

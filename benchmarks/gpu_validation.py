@@ -368,9 +368,9 @@ def run_hf_series() -> list[str]:
         est = _hf_estimate(row, gpu)
         with torch_110_softmax():
             old = _hf_estimate(row, gpu)
-        failed = est.coverage.failed_op if est.coverage.lower_bound else old.coverage.failed_op
-        if est.coverage.lower_bound or old.coverage.lower_bound:
-            lines.append(f"| {label} | {row[-1]:,} | lower bound ({failed}) | | | | | | |")
+        bound = next((e for e in (est, old) if e.coverage.lower_bound), None)
+        if bound is not None:
+            lines.append(f"| {label} | {row[-1]:,} | lower bound ({bound.coverage.failed_op}) | | | | | | |")
             print(lines[-1], flush=True)
             continue
         ours = est.device_total_bytes

@@ -103,8 +103,9 @@ def cpu_profiled_peak(fn: Any, *, repair_lost_frees: bool = False,
 
     ``resident``: the storages counted as alive before (`preflight._device.live_storages`), so that frees of
     blocks from before the run are counted right (`profiled_memory_peak`). With ``repair_lost_frees``, frees the
-    profiler did not record are put back (`repaired_memory_peak`): needed where other threads free tensors, as
-    gloo's worker threads do with a collective's buffers.
+    profiler did not record are put back (`repaired_memory_peak`, which reads every recorded free at its recorded
+    size and takes no ``resident``): needed where other threads free tensors, as gloo's worker threads do with a
+    collective's buffers.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -224,8 +224,8 @@ def main() -> None:
         torch.manual_seed(0)
         model, optimizer, batch = case.build()
         with contextlib.redirect_stderr(io.StringIO()):  # the profiler's start/stop lines
-            est = preflight.estimate(model, optimizer, batch, precision=case.precision, step=case.step)
-            measured = preflight.measure(model, optimizer, batch, precision=case.precision, step=case.step)
+            est = preflight.estimate(model, optimizer, batch, run=preflight.Run(precision=case.precision), step=case.step)
+            measured = preflight.measure(model, optimizer, batch, run=preflight.Run(precision=case.precision), step=case.step)
         seconds = step_seconds(model, optimizer, batch, case)
         acc = accelerate_figure(model, case.precision) if case.adam else None
         ds = deepspeed_figure(model) if case.adam else None

@@ -711,14 +711,14 @@ def run_case(spec: str) -> dict[str, Any]:
     fakes_before = live_fake_tensors()
     start = time.perf_counter()
     try:
-        est = preflight.estimate(model, adamw(model), batch, step=step, precision=precision)
+        est = preflight.estimate(model, adamw(model), batch, step=step, run=preflight.Run(precision=precision))
     except Exception as err:  # noqa: BLE001 - StepWouldFailError, or the step's own error re-raised: then the
         # real step must fail too, else it is preflight's error
         row["estimate_s"] = time.perf_counter() - start
         row["predicted_failure"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+                preflight.measure(model, adamw(model), batch, step=step, run=preflight.Run(precision=precision))
         except Exception as real:  # noqa: BLE001 - the model's own failure, as predicted
             row["real_run_error"] = f"{type(real).__name__}: {' '.join(str(real).split())[:200]}"
             return row
@@ -734,7 +734,7 @@ def run_case(spec: str) -> dict[str, Any]:
     worst_case = any(n.startswith("layerdrop/random branch") for n in est.coverage.notes)
     try:
         with contextlib.redirect_stderr(io.StringIO()), TopOfRangeDraws() if worst_case else contextlib.nullcontext():
-            measured = preflight.measure(model, adamw(model), batch, step=step, precision=precision)
+            measured = preflight.measure(model, adamw(model), batch, step=step, run=preflight.Run(precision=precision))
     except Exception as err:  # noqa: BLE001 - the model cannot train in this configuration, with or without us
         row["real_run_error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         return row
@@ -765,7 +765,7 @@ def measure_only(spec: str) -> int:
     model, batch, step = case.build()
     model, precision = apply_variant(model, variant)
     with contextlib.redirect_stderr(io.StringIO()):
-        return preflight.measure(model, adamw(model), batch, step=step, precision=precision).peak_bytes
+        return preflight.measure(model, adamw(model), batch, step=step, run=preflight.Run(precision=precision)).peak_bytes
 
 
 def check_builders(only: str) -> int:

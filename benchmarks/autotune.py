@@ -137,7 +137,7 @@ def main() -> None:
             budget = budget_mib * MiB
             opt = torch.optim.AdamW(template.parameters())
             start = time.perf_counter()
-            result = max_batch_size(template, opt, make_batch, budget=budget, step=step)
+            result = max_batch_size(template, opt, make_batch, run=preflight.Run(target=preflight.Target(budget=budget)), step=step)
             seconds = time.perf_counter() - start
             truth = measured.true_max(budget)
             chosen_peak = measured(result.batch_size) if result.batch_size else None

@@ -90,7 +90,7 @@ def run_case(spec: str) -> dict[str, Any]:
     optimizer = arch.adamw(model)
     row["params"] = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    fast = preflight.estimate(model, optimizer, batch, step=step, fast=True, **target)
+    fast = preflight.estimate(model, optimizer, batch, step=step, run=preflight.Run(fast=True), **target)
     row["fast_s"] = time.perf_counter() - start
     start = time.perf_counter()
     full = preflight.estimate(model, optimizer, batch, step=step, **target)

@@ -150,8 +150,7 @@ def main() -> int:
         config = ds_config(stage, bucket, overlap)
         runs = [measure(config) for _ in range(RUNS)]
         model, batch = distributed.build("gpt2")
-        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=WORLD,
-                                 deepspeed_config=config)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run=preflight.Run(parallel=preflight.deepspeed_plan(config, world_size=WORLD)))
         predicted = est.peak_bytes
         buffers = zero_buffers_for(model, f"zero{stage}", read_deepspeed_config(config), None).nbytes
         theirs = deepspeed_estimate(stage, model)

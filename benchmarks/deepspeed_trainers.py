@@ -49,6 +49,7 @@ from transformers import Trainer, TrainingArguments
 import preflight
 from preflight._check import Options, lower_bound_report
 from preflight.integrations.hf import PreflightCallback
+from preflight import Run, Target
 from preflight.parallel import deepspeed_optimizer, held_tensors, read_zero
 stage, with_callback = int(sys.argv[1]), sys.argv[3] == "with"
 torch.manual_seed(0)
@@ -60,7 +61,7 @@ config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
 args = TrainingArguments(output_dir="out", deepspeed=config, max_steps=3, per_device_train_batch_size=2, seed=0,
                          weight_decay=0.1, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
-callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+callback = PreflightCallback(Run(target=Target(budget="2GiB")), verify_steps=2, suggest=False)
 trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
                   callbacks=[callback] if with_callback else [])
 trainer.train()
@@ -106,6 +107,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from transformers import GPT2Config, GPT2LMHeadModel
 from preflight.integrations.lightning import PreflightCallback
+from preflight import Run, Target
 stage, precision, with_callback = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "with"
 
 class CPUDeepSpeed(DeepSpeedStrategy):
@@ -147,7 +149,7 @@ class GPT(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
 config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6}}
-callback = PreflightCallback(budget="2GiB", verify_steps=3, suggest=False)
+callback = PreflightCallback(Run(target=Target(budget="2GiB")), verify_steps=3, suggest=False)
 # A validation batch (8 samples) after step 2, inside the measured steps: measured and compared too.
 trainer = pl.Trainer(max_steps=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
                      accelerator="cpu", devices=2, callbacks=[callback] if with_callback else [], logger=False,
@@ -172,6 +174,7 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from transformers import GPT2Config, GPT2LMHeadModel
 from preflight.integrations.accelerate import StepVerifier, preflight_check
+from preflight import Run, Target
 stage, with_callback = int(sys.argv[1]), sys.argv[3] == "with"
 
 class Blocks(torch.utils.data.Dataset):
@@ -190,7 +193,7 @@ model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=50
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 loader = torch.utils.data.DataLoader(Blocks(), batch_size=2)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-report = preflight_check(accelerator, model, optimizer, loader, budget="2GiB", suggest=False)
+report = preflight_check(accelerator, model, optimizer, loader, Run(target=Target(budget="2GiB")), suggest=False)
 verifier = StepVerifier(accelerator, model, optimizer, report, steps=2)
 model.train()
 for i, batch in enumerate(loader):

@@ -288,16 +288,14 @@ def predict(family: str, world_size: int, sharding: str, mixed: str | None = Non
 
     model, batch = build(family)
     if sharding == "ddp":  # one trace: every rank runs the same program on a whole replica, buckets added
-        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
-                                 sharding="ddp")
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run=preflight.Run(parallel=preflight.ParallelPlan(world_size, "ddp")))
         return [est.peak_bytes] * world_size
     if sharding == "fsdp2":
         plan = FSDP2Plan(mp_policy=mp_policy(mixed), replicate=nodes)
     else:
         plan = FSDP1Plan(mixed_precision=mp_policy(mixed, sharding),
                          ranks_per_node=world_size // nodes if nodes > 1 else None)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, world_size=world_size,
-                             sharding=sharding, fsdp=plan)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run=preflight.Run(parallel=preflight.ParallelPlan(world_size, sharding, fsdp=plan)))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per rank, not rescaled
     return list(est.per_rank_peak_bytes)
 

@@ -230,7 +230,8 @@ def dry_run_user_error() -> Result:
             import preflight
             from faults import _user_model
             model, opt = _user_model()
-            preflight.check(model, opt, torch.randn(4, 8), step=lambda m, b: m(b), budget="1GiB")
+            preflight.check(model, opt, torch.randn(4, 8), preflight.Run(target=preflight.Target(budget="1GiB")),
+                            step=lambda m, b: m(b))
         """))
     done = subprocess.run([sys.executable, "-m", "preflight", "check", "--", sys.executable, script],
                           capture_output=True, text=True, timeout=300)
@@ -348,7 +349,7 @@ def _numpy_budget() -> Result:
     model, opt = linear()
     try:
         report = _quietly(lambda: preflight.check(model, opt, torch.randn(2, 8), step=sum_step,
-                                                  budget=np.int64(2**30), suggest=False))
+                                                  run=preflight.Run(target=preflight.Target(budget=np.int64(2**30))), suggest=False))
     except Exception as err:  # noqa: BLE001
         return UNCLEAR, f"{type(err).__name__}: {err}"
     ok = report is not None and report.budget_bytes == 2**30
@@ -358,7 +359,7 @@ def _numpy_budget() -> Result:
 def _api_budget(value: Any, *needles: str) -> Callable[[], Result]:
     def run() -> Result:
         model, opt = linear()
-        return raises(lambda: preflight.check(model, opt, torch.randn(2, 8), step=sum_step, budget=value),
+        return raises(lambda: preflight.check(model, opt, torch.randn(2, 8), step=sum_step, run=preflight.Run(target=preflight.Target(budget=value))),
                       ValueError, "budget", *needles)
 
     return run
@@ -374,7 +375,7 @@ PROBES: list[Probe] = [
         lambda: preflight.estimate(*_user_model(), torch.randn(4, 8), step=lambda m, b: m(b)), ValueError,
         "user bug")),
     Probe("forward raises ValueError: check", S5, lambda: users_error(
-        lambda: preflight.check(*_user_model(), torch.randn(4, 8), step=lambda m, b: m(b), budget="1GiB"),
+        lambda: preflight.check(*_user_model(), torch.randn(4, 8), step=lambda m, b: m(b), run=preflight.Run(target=preflight.Target(budget="1GiB"))),
         ValueError, "user bug")),
     Probe("forward raises ValueError: preflight check dry run", S5, dry_run_user_error),
     Probe("batch of the wrong type (a list)", S5, lambda: users_error(
@@ -406,7 +407,7 @@ PROBES: list[Probe] = [
     Probe("budget=0", S6, _api_budget(0, "more than 0 bytes")),
     Probe("budget=numpy.int64(2**30)", S6, _numpy_budget),
     Probe("measure(steps='2')", S6, lambda: raises(
-        lambda: preflight.measure(*linear(), torch.randn(2, 8), step=sum_step, steps="2"), TypeError, "`steps`")),
+        lambda: preflight.measure(*linear(), torch.randn(2, 8), step=sum_step, run=preflight.Run(loop=preflight.Loop(steps="2"))), TypeError, "`steps`")),
     # other sections' user-visible faults
     Probe("compiled model: estimate, then compile a new one", S1, compiled_model),
     Probe("bf16 batch into an fp32 Linear", S4, bf16_batch),

@@ -202,8 +202,7 @@ def _quiet(fn: Callable[[], Any]) -> Any:
 def _plan(case: Case, gpu: str) -> preflight.Estimate:
     model, opt, batch = case.build("cpu")
     with _planned_on_cpu():
-        return _quiet(lambda: preflight.estimate(model, opt, batch, precision=case.precision, gpu=gpu,
-                                                 **case.options))
+        return _quiet(lambda: preflight.estimate(model, opt, batch, run=preflight.Run(precision=case.precision, target=preflight.Target(gpu=gpu)), **case.options))
 
 
 def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover - needs a GPU
@@ -211,9 +210,8 @@ def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover
     torch.cuda.empty_cache()
     free0, total = torch.cuda.mem_get_info()
     model, opt, batch = case.build("cuda")
-    on_device = _quiet(lambda: preflight.estimate(model, opt, batch, precision=case.precision, gpu=gpu,
-                                                  **case.options))
-    m = _quiet(lambda: preflight.measure(model, opt, batch, precision=case.precision, **case.options))
+    on_device = _quiet(lambda: preflight.estimate(model, opt, batch, run=preflight.Run(precision=case.precision, target=preflight.Target(gpu=gpu)), **case.options))
+    m = _quiet(lambda: preflight.measure(model, opt, batch, run=preflight.Run(precision=case.precision), **case.options))
     free1, _ = torch.cuda.mem_get_info()
     out = {"on_device": on_device.peak_bytes, "on_device_reserved": on_device.peak_reserved_bytes or 0,
            "allocated": m.peak_bytes, "reserved": m.peak_reserved_bytes or 0,
@@ -354,8 +352,7 @@ def _hf_estimate(row: tuple[Any, ...], gpu: str) -> preflight.Estimate:
     _, batch, accumulate, ckpt, fp16, optim, _ = row
     model = _bert_large(ckpt)
     return _quiet(lambda: preflight.estimate(
-        model, _hf_optimizer(model, optim), _bert_batch(batch), precision="16-mixed" if fp16 else None,
-        gpu=gpu, accumulate=accumulate, max_grad_norm=1.0, grad_scaler=fp16, zero_grad=HF_ZERO_GRAD))
+        model, _hf_optimizer(model, optim), _bert_batch(batch), run=preflight.Run(precision="16-mixed" if fp16 else None, loop=preflight.Loop(accumulate=accumulate, zero_grad=HF_ZERO_GRAD, max_grad_norm=1.0, grad_scaler=fp16), target=preflight.Target(gpu=gpu))))
 
 
 def run_hf_series() -> list[str]:
@@ -444,7 +441,7 @@ def run_peft_series() -> list[str]:
     for label, build, make_batch, optimizer_options, published in PEFT_SERIES:
         model = build()
         est = _quiet(lambda: preflight.estimate(model, _adamw(model, **optimizer_options), make_batch(),
-                                                gpu="A100-80GB"))
+                                                run=preflight.Run(target=preflight.Target(gpu="A100-80GB"))))
         if est.coverage.lower_bound:
             lines.append(f"| {label} | {published} | lower bound ({est.coverage.failed_op}) | | |")
         else:

@@ -88,8 +88,7 @@ def one(shape: str, fast: bool) -> dict:
     model, build = _model(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     start, cpu = time.perf_counter(), time.process_time()
-    est = preflight.estimate(model, optimizer, _batch(SEQ.get(shape, 2048)), precision="bf16-true", gpu="H100-80GB",
-                             fast=fast)
+    est = preflight.estimate(model, optimizer, _batch(SEQ.get(shape, 2048)), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB"), fast=fast))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"shape": shape, "fast": fast, "build_s": build, "seconds": seconds, "cpu": cpu,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
@@ -113,8 +112,7 @@ def advise_one(shape: str) -> dict:
     model, _ = _model(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     start, cpu = time.perf_counter(), time.process_time()
-    suggestions = preflight.advise(model, optimizer, _batch(), budget="80GiB", device="cuda", precision="bf16-true",
-                                   fast=True)
+    suggestions = preflight.advise(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(device="cuda", budget="80GiB"), fast=True))
     return {"shape": shape, "seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu,
             "suggestions": [s.change for s in suggestions]}
 
@@ -142,7 +140,7 @@ def part1() -> str:
     rows = []
     for target in ({}, {"gpu": "H100-80GB"}):
         start = time.perf_counter()
-        est = preflight.estimate(model, optimizer, _batch(), precision="bf16-true", **target)
+        est = preflight.estimate(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true"), **target)
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         rows.append(f"| {target.get('gpu', 'cpu')} | {params / 1e9:.2f} B | {seconds:.1f} | {rss / 2**30:.2f} | "

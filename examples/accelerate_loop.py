@@ -3,6 +3,7 @@
 Runs on CPU in under a minute: python examples/accelerate_loop.py
 """
 
+import preflight
 import torch
 from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -36,7 +37,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 loader = torch.utils.data.DataLoader(Blocks(), batch_size=BATCH_SIZE, shuffle=True)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-report = preflight_check(accelerator, model, optimizer, loader, budget=BUDGET, report_path="out/accelerate_loop.json")
+report = preflight_check(accelerator, model, optimizer, loader, run=preflight.Run(target=preflight.Target(budget=BUDGET)), report_path="out/accelerate_loop.json")
 verifier = StepVerifier(accelerator, model, optimizer, report, steps=STEPS, report_path="out/accelerate_loop.json")
 model.train()
 for batch in loader:

@@ -6,6 +6,7 @@ predicted peak, the others less (see the per-step peaks). Runs on CPU in under a
 python examples/hf_trainer_lora.py
 """
 
+import preflight
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -54,7 +55,7 @@ args = TrainingArguments(output_dir="out/hf_trainer_lora", max_steps=4, per_devi
                          gradient_accumulation_steps=ACCUMULATION, use_cpu=True, report_to=[], save_strategy="no",
                          logging_strategy="no", disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=Instructions(), data_collator=Pad())
-callback = attach(trainer, budget=BUDGET, report_path="out/hf_trainer_lora.json")
+callback = attach(trainer, run=preflight.Run(target=preflight.Target(budget=BUDGET)), report_path="out/hf_trainer_lora.json")
 trainer.train()
 
 r = callback.report

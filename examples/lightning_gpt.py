@@ -9,6 +9,7 @@ try:
     import lightning.pytorch as pl  # the `lightning` package
 except ImportError:
     import pytorch_lightning as pl  # the standalone `pytorch-lightning`: the callback works the same
+import preflight
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -54,7 +55,7 @@ class GPT(pl.LightningModule):
 torch.manual_seed(0)
 loader = torch.utils.data.DataLoader(Blocks(), batch_size=BATCH_SIZE, shuffle=True)
 val_loader = torch.utils.data.DataLoader(Blocks(), batch_size=2 * BATCH_SIZE)  # eval: no gradients, larger batch
-callback = PreflightCallback(budget=BUDGET, report_path="out/lightning_gpt.json", plot_path="out/lightning_gpt.png")
+callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget=BUDGET)), report_path="out/lightning_gpt.json", plot_path="out/lightning_gpt.png")
 trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     num_sanity_val_steps=0, limit_val_batches=1)

@@ -30,7 +30,8 @@ from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, 
                               predict, predict_or_lower_bound, training_state)
 from preflight._eval import EvalStepFn
 from preflight._guard import untouched
-from preflight._steps import Schedule, StepFn
+from preflight._run import Loop, Run, check_run
+from preflight._steps import StepFn
 from preflight.parallel import accelerate_plan
 
 __all__ = ["StepVerifier", "preflight_check"]
@@ -44,36 +45,35 @@ def preflight_check(
     model: nn.Module,
     optimizer: Any,
     dataloader: Any,
+    run: Run | None = None,
     *,
-    budget: int | float | str | None = None,
+    eval_dataloader: Any = None,
+    step: StepFn | None = None,
+    eval_step: EvalStepFn | None = None,
     headroom: float = DEFAULT_HEADROOM,
     on_overflow: str = "raise",
     report_path: str | None = None,
     plot_path: str | None = None,
     check_eval: bool = True,
-    eval_dataloader: Any = None,
-    step: StepFn | None = None,
-    eval_step: EvalStepFn | None = None,
-    zero_grad: str = "after_step",
-    gpu: str | None = None,
     suggest: bool = True,
     scan_seconds: float = DEFAULT_TIME_LIMIT,
-    fast: bool = True,
 ) -> Report | None:
     """Predict the peak of the loop's training (and eval) step on the worst-case batch; raise if it will not fit.
 
     Call it on every process after ``accelerator.prepare`` and before the first step.
 
     Args:
-        accelerator: the ``Accelerator`` (precision and gradient accumulation are read from it).
+        accelerator: the ``Accelerator``: the run's precision, gradient accumulation and parallel plan (its DeepSpeed
+            or FSDP plugin) are read from it.
         model, optimizer, dataloader: as returned by ``accelerator.prepare``.
-        budget, headroom, on_overflow, report_path, plot_path, check_eval, gpu, suggest, fast: see
-            `preflight._check.Options`.
+        run: what the accelerator does not know (`preflight.Run`): the target (``Target(gpu="H100-80GB")`` or a
+            ``budget``), where the loop zeroes gradients (``Loop(zero_grad="before_backward")`` if yours zeroes
+            first; ``"in_place"`` for ``zero_grad(set_to_none=False)``), clipping, ``fast``. A field set here wins
+            over what the accelerator says.
         eval_dataloader: the evaluation dataloader, to predict the no-grad eval step.
         step: ``step(model, batch) -> loss`` if the loop does more than ``model(**batch).loss``.
         eval_step: ``eval_step(model, batch)``; default ``model(**batch)``.
-        zero_grad: ``"after_step"`` or ``"before_backward"``: where the loop calls ``optimizer.zero_grad()``;
-            ``"in_place"`` if it calls ``zero_grad(set_to_none=False)`` (gradients never freed).
+        headroom, on_overflow, report_path, plot_path, check_eval, suggest: see `preflight._check.Options`.
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Returns:
@@ -84,7 +84,8 @@ def preflight_check(
 
     Example:
         >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
-        >>> report = preflight_check(accelerator, model, optimizer, loader, budget="24GiB")  # doctest: +SKIP
+        >>> report = preflight_check(accelerator, model, optimizer, loader,
+        ...                          Run(target=Target(budget="24GiB")))  # doctest: +SKIP
         >>> verifier = StepVerifier(accelerator, model, optimizer, report)  # doctest: +SKIP
         >>> for batch in loader:  # doctest: +SKIP
         ...     with verifier.step(batch):
@@ -92,16 +93,18 @@ def preflight_check(
         >>> with torch.no_grad(), verifier.eval_step(eval_batch):  # doctest: +SKIP
         ...     model(**eval_batch)
     """
-    options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
-                      report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu, suggest=suggest,
-                      fast=fast)
-    schedule = Schedule(accumulate=accelerator.gradient_accumulation_steps, zero_grad=zero_grad)  # validates
+    options = Options(headroom=headroom, on_overflow=on_overflow, verify_steps=0, report_path=report_path,
+                      plot_path=plot_path, check_eval=check_eval, suggest=suggest)
     check_scan_seconds(scan_seconds)
+    given = check_run(run)
+    base = Run(precision=_PRECISIONS.get(str(accelerator.mixed_precision)),
+               loop=Loop(accumulate=accelerator.gradient_accumulation_steps), parallel=accelerate_plan(accelerator.state))
+    run = given.over(base)
     # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
     report = predict_or_lower_bound(
-        lambda: _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, schedule, step, eval_step,
-                         scan_seconds), accelerator.unwrap_model(model), optimizer, options,
-        device=accelerator.device, precision=_PRECISIONS.get(str(accelerator.mixed_precision)))
+        lambda: _predict(accelerator, model, optimizer, dataloader, eval_dataloader, options, run, step, eval_step,
+                         scan_seconds), accelerator.unwrap_model(model), optimizer, options, run,
+        device=accelerator.device)
     return decide(report, options)
 
 
@@ -160,7 +163,7 @@ class StepVerifier:
 
 
 def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any, dataloader: Any,
-             eval_dataloader: Any, options: Options, schedule: Schedule, step: StepFn | None,
+             eval_dataloader: Any, options: Options, run: Run, step: StepFn | None,
              eval_step: EvalStepFn | None, scan_seconds: float) -> Report:
     samples = scan(dataloader, time_limit=scan_seconds, on_error=options.scan_on_error)
     batch, info = samples.worst_case()
@@ -171,11 +174,10 @@ def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: A
     if mixed not in _PRECISIONS:
         raise ValueError(f"mixed_precision={mixed!r} is not modelled (only no, bf16 and fp16)")
     # unwrap_model keeps accelerate's mixed-precision forward wrapper (autocast + fp32 outputs): traced as it runs.
-    report = predict(accelerator.unwrap_model(model), _torch_optimizer(optimizer), batch, options=options, step=step,
-                   precision=_PRECISIONS[mixed], device=accelerator.device, schedule=schedule,
-                   batch_info=info, eval_batch=eval_batch, eval_step=eval_step,
-                   eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(model) > 0,
-                   make_batch=samples.batch, parallel=accelerate_plan(accelerator.state))
+    report = predict(accelerator.unwrap_model(model), _torch_optimizer(optimizer), batch, run, options=options,
+                     step=step, batch_info=info, eval_batch=eval_batch, eval_step=eval_step,
+                     eval_batch_info=eval_info, ddp_gradient_buckets=ddp_bucket_bytes(model) > 0,
+                     make_batch=samples.batch)
     return report
 
 

@@ -31,14 +31,14 @@ import torch
 from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
-from preflight._budget import DEFAULT_HEADROOM, resolve_budget, usable_bytes
+from preflight._budget import DEFAULT_HEADROOM, usable_bytes
 from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
                               internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound,
                               training_state)
 from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
-from preflight._steps import Schedule
+from preflight._run import Loop, Run, check_run, pinned, run_budget
 from preflight.parallel import ParallelPlan, accelerate_plan
 from preflight._units import format_bytes
 
@@ -50,16 +50,20 @@ class PreflightCallback(TrainerCallback):
     steps.
 
     Args:
-        budget, headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, gpu, suggest, fast: as for
-            the Lightning callback (`preflight._check.Options`).
+        run: what the Trainer does not say of the run (`preflight.Run`): its target (``Target(gpu="H100-80GB")`` or
+            ``Target(budget="24GiB")``), ``fast=False`` for a full trace. Precision (``bf16``/``fp16``), the loop
+            (accumulation, ``max_grad_norm``, the GradScaler) and the ``fsdp`` / ``deepspeed`` plan are read from
+            the Trainer's arguments; a field set here wins over them.
+        headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, suggest: as for the Lightning
+            callback (`preflight._check.Options`).
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Example:
-        >>> callback = PreflightCallback(budget="24GiB")
+        >>> callback = PreflightCallback(Run(target=Target(budget="24GiB")))
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
         >>> # or, to also predict the eval step and log to the Trainer's loggers:
-        >>> attach(trainer, budget="24GiB"); trainer.train()  # doctest: +SKIP
+        >>> attach(trainer, Run(target=Target(budget="24GiB"))); trainer.train()  # doctest: +SKIP
 
     Environment:
         ``PREFLIGHT_DRY_RUN=1``: predict, write the report, and exit before step one with status 0 (fits) or 3
@@ -82,21 +86,20 @@ class PreflightCallback(TrainerCallback):
 
     def __init__(
         self,
-        budget: int | float | str | None = None,
+        run: Run | None = None,
+        *,
         headroom: float = DEFAULT_HEADROOM,
         on_overflow: str = "raise",
         verify_steps: int = 3,
         report_path: str | None = None,
         plot_path: str | None = None,
         check_eval: bool = True,
-        gpu: str | None = None,
         suggest: bool = True,
         scan_seconds: float = DEFAULT_TIME_LIMIT,
-        fast: bool = True,
     ) -> None:
-        self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
-                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
-                               suggest=suggest, fast=fast)
+        self.run = check_run(run)
+        self.options = Options(headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
+                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, suggest=suggest)
         self.scan_seconds = check_scan_seconds(scan_seconds)
         self.trainer: Trainer | None = None  # set by attach() / autotune()
         self.report: Report | None = None
@@ -123,7 +126,7 @@ class PreflightCallback(TrainerCallback):
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
         report = predict_or_lower_bound(
             lambda: self._predict(args, model, optimizer, train_dataloader, eval_dataloader, options), _unwrap(model),
-            _unwrap_optimizer(optimizer), options, device=_device(model), precision=_precision(args))
+            _unwrap_optimizer(optimizer), options, self._run(args), device=_device(model))
         if finder and report is not None and report.fits is False:
             target = None
             with internal_failures("choosing the batch size for auto_find_batch_size"):
@@ -202,12 +205,16 @@ class PreflightCallback(TrainerCallback):
             if loader is not None:
                 eval_batch, eval_info = scan(loader, time_limit=self.scan_seconds,
                                                   on_error=options.scan_on_error).worst_case()
-        return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, options=options,
-                     step=_loss_step(self.trainer), precision=_precision(args), device=_device(model),
-                     schedule=_schedule(self.trainer, args),
-                     batch_info=info, eval_batch=eval_batch, eval_batch_info=eval_info,
-                     ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
-                     make_batch=samples.batch, parallel=_parallel_plan(self.trainer))
+        return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, self._run(args), options=options,
+                       step=_loss_step(self.trainer), batch_info=info, eval_batch=eval_batch,
+                       eval_batch_info=eval_info,
+                       ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
+                       make_batch=samples.batch)
+
+    def _run(self, args: Any) -> Run:
+        """The run as the Trainer's arguments describe it, the user's `Run` laid over it."""
+        return self.run.over(Run(precision=_precision(args), loop=_schedule(self.trainer, args),
+                                 parallel=_parallel_plan(self.trainer)))
 
     def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                        report: Report) -> int | None:
@@ -220,12 +227,13 @@ class PreflightCallback(TrainerCallback):
         if report.usable_bytes is None or train_need <= report.usable_bytes or not current or current < 2:
             return None
         with progress("auto_find_batch_size: finding the largest per-device batch that fits", enabled=is_rank_zero()):
-            result = max_batch_size(_unwrap(model), _unwrap_optimizer(optimizer), self._samples.batch,
-                                    budget=report.budget_bytes, step=_loss_step(self.trainer),
-                                    precision=_precision(args), device=_device(model), max_batch=current - 1,
-                                    headroom=self.options.headroom, accumulate=args.gradient_accumulation_steps,
-                                    fast=self.options.fast,
-                                    plan=options_plan(_unwrap(model), _parallel_plan(self.trainer)))
+            run = self._run(args)
+            run = pinned(run.replace(parallel=options_plan(_unwrap(model), run.parallel),
+                                     target=dataclasses.replace(run.target, budget=report.budget_bytes)),
+                         _device(model))
+            result = max_batch_size(_unwrap(model), _unwrap_optimizer(optimizer), self._samples.batch, run,
+                                    step=_loss_step(self.trainer), max_batch=current - 1,
+                                    headroom=self.options.headroom)
         if not result.batch_size:
             return None
         if is_rank_zero():
@@ -294,12 +302,13 @@ class _PredictedOutOfMemory(RuntimeError):
                          f"predicted to fit is {target}; the Trainer's auto_find_batch_size retries with less)")
 
 
-def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
-    """Add a `PreflightCallback` with ``options`` to ``trainer`` and give it the Trainer (eval dataloader, logging).
+def attach(trainer: Trainer, run: Run | None = None, **options: Any) -> PreflightCallback:
+    """Add a `PreflightCallback` with ``run`` and ``options`` to ``trainer`` and give it the Trainer (eval
+    dataloader, logging).
 
     Returns the callback (its ``report`` holds the prediction after ``trainer.train()`` starts).
     """
-    callback = PreflightCallback(**options)
+    callback = PreflightCallback(run, **options)
     callback.trainer = trainer
     trainer.add_callback(callback)
     return callback
@@ -308,14 +317,12 @@ def attach(trainer: Trainer, **options: Any) -> PreflightCallback:
 @untouched()
 def autotune(
     trainer: Trainer,
-    budget: int | float | str | None = None,
+    run: Run | None = None,
     *,
     headroom: float = DEFAULT_HEADROOM,
     max_batch_size: int | None = None,
     multiple_of: int = 1,
-    gpu: str | None = None,
     scan_seconds: float = DEFAULT_TIME_LIMIT,
-    fast: bool = True,
 ) -> dict[str, Any] | None:
     """Before ``trainer.train()``: set the largest micro-batch that fits, keeping the global batch.
 
@@ -327,14 +334,14 @@ def autotune(
 
     Args:
         trainer: the Trainer, before ``train()``.
-        budget: bytes per device (int or ``"24GiB"``); default the CUDA device's capacity (required on CPU).
+        run: what the Trainer does not say (`preflight.Run`): its target's budget (``Target(budget="24GiB")``,
+            else a catalog ``gpu``'s memory, else the CUDA device's capacity; required on CPU), ``fast``.
+            Precision and the loop are read from the Trainer's arguments; a field set here wins.
         headroom: fraction of the budget kept free.
         max_batch_size: largest micro-batch to consider (default: the global batch for training; for evaluation,
             the eval dataset's size).
         multiple_of: chosen batch sizes are multiples of this.
-        gpu: plan for this GPU model's memory.
         scan_seconds: time limit for scanning each dataset.
-        fast: compose a deep stack of blocks from shallow traces (see `preflight._check.Options`).
 
     Returns:
         The chosen values and predicted peaks (also printed on rank zero), or None when tuning failed: then the
@@ -344,13 +351,14 @@ def autotune(
     after this runs: enable it on the model first for it to count. The optimizer is built with
     ``trainer.create_optimizer()`` when the Trainer has none yet, then dropped again.
     """
-    options = Options(budget=budget, headroom=headroom, gpu=gpu, fast=fast)  # validates
+    options = Options(headroom=headroom)  # validates
+    run = check_run(run)
     args = trainer.args
     saved = (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size,
              trainer._train_batch_size)
     chosen = None
     with internal_failures("autotune"):
-        chosen = _tune(trainer, options, max_batch_size, multiple_of, scan_seconds)
+        chosen = _tune(trainer, run, options, max_batch_size, multiple_of, scan_seconds)
     if chosen is None:
         (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.per_device_eval_batch_size,
          trainer._train_batch_size) = saved
@@ -362,16 +370,14 @@ def autotune(
     return chosen
 
 
-def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multiple_of: int,
+def _tune(trainer: Trainer, run: Run, options: Options, max_batch_size: int | None, multiple_of: int,
           scan_seconds: float) -> dict[str, Any]:
     from preflight._autotune import max_batch_size as largest_batch, max_eval_batch_size, split_global_batch
 
     args, model = trainer.args, trainer.model
     device = _device(model)
-    budget = resolve_budget(options.budget, device=device, gpu=options.gpu)
-    if budget is None:
-        raise ValueError("autotune needs a budget: there is no CUDA device to read a capacity from. Pass "
-                         "budget='24GiB' (or the memory the run may use).")
+    run = pinned(run.over(Run(precision=_precision(args), loop=_schedule(trainer, args))), device)
+    budget = run_budget(run, model)
     if (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)) and \
             not getattr(model, "is_gradient_checkpointing", False):
         warnings.warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
@@ -385,14 +391,13 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
         loader = trainer.get_train_dataloader()
     samples = scan(loader, time_limit=scan_seconds)
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    precision = _precision(args)
     # Traced with accumulation: any micro-batch below the global batch will accumulate.
+    micro = run.replace(loop=dataclasses.replace(run.loop, accumulate=2 if global_batch > 1 else 1))
     with progress("autotune: finding the largest micro-batch that fits", enabled=is_rank_zero()):
-        result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, budget=budget,
-                               step=_loss_step(trainer), precision=precision, device=device,
+        result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, micro,
+                               step=_loss_step(trainer),
                                max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
-                               headroom=options.headroom, accumulate=2 if global_batch > 1 else 1,
-                               fast=options.fast)
+                               headroom=options.headroom)
     if result.batch_size == 0:
         raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
     plan = split_global_batch(global_batch, result.batch_size)
@@ -408,11 +413,11 @@ def _tune(trainer: Trainer, options: Options, max_batch_size: int | None, multip
         with isolated_rng():
             eval_loader = trainer.get_eval_dataloader()
         eval_samples = scan(eval_loader, time_limit=scan_seconds)
-        resident = eval_resident(model, optimizer, precision=precision, schedule=Schedule())
+        resident = eval_resident(model, optimizer, precision=run.precision, schedule=Loop())
         cap = max_batch_size or max(1, eval_samples.dataset_size or args.per_device_eval_batch_size)
-        size, peak = max_eval_batch_size(model, eval_samples.batch, resident=resident,
-                                          usable=usable_bytes(budget, options.headroom), precision=precision,
-                                          device=device, max_batch=cap, multiple_of=multiple_of)
+        size, peak = max_eval_batch_size(model, eval_samples.batch, run, resident=resident,
+                                          usable=usable_bytes(budget, options.headroom), max_batch=cap,
+                                          multiple_of=multiple_of)
         if size:
             chosen.update(per_device_eval_batch_size=size, eval_predicted_peak_bytes=peak)
     args.per_device_train_batch_size = plan.micro_batch_size
@@ -440,14 +445,14 @@ def _precision(args: Any) -> str | None:
     return None
 
 
-def _schedule(trainer: Trainer | None, args: Any) -> Schedule:
+def _schedule(trainer: Trainer | None, args: Any) -> Loop:
     """The Trainer's step: accumulation, gradients freed after the step, clipping at ``max_grad_norm`` (1.0 by
     default; ``<= 0`` or None turns it off, as in ``Trainer._inner_training_loop``), and accelerate's GradScaler
     when it made one (fp16 mixed precision)."""
     norm = getattr(args, "max_grad_norm", None)
     accelerator = getattr(trainer, "accelerator", None) if trainer is not None else None
     scaler = getattr(accelerator, "scaler", None) is not None
-    return Schedule(accumulate=args.gradient_accumulation_steps, zero_grad="after_step",
+    return Loop(accumulate=args.gradient_accumulation_steps, zero_grad="after_step",
                     max_grad_norm=float(norm) if norm is not None and norm > 0 else None, grad_scaler=scaler)
 
 

@@ -12,7 +12,7 @@ Hooks (Lightning 2.x, ``lightning/pytorch/trainer/trainer.py`` ``_run`` and ``lo
 
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward`` (``Closure``
 in ``loops/optimization/automatic.py``), so the previous step's gradients are alive through the next forward;
-the prediction traces that order (`preflight._steps.Schedule`).
+the prediction traces that order (`preflight._steps.Loop`).
 
 Both distributions of Lightning 2 work: ``lightning`` (``import lightning.pytorch as pl``) and the standalone
 ``pytorch-lightning`` (``import pytorch_lightning as pl``), one or both installed. The callback derives from the
@@ -24,6 +24,7 @@ package of the Trainer it is given (`_lightning`), since those utilities reject 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import warnings
@@ -40,7 +41,8 @@ from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, 
 from preflight._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
-from preflight._steps import PRECISIONS, Schedule
+from preflight._run import Loop, Run, check_run, run_budget
+from preflight._steps import PRECISIONS
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 
 if TYPE_CHECKING:
@@ -84,8 +86,11 @@ class PreflightCallback(*_callback_bases()):
     """Predict the peak memory of ``trainer.fit`` before step one; raise if it will not fit; verify after a few steps.
 
     Args:
-        budget: bytes per device the run may use (int, or ``"24GiB"``, ``"80GB"``); default the CUDA device's
-            capacity; on CPU no budget (no verdict) unless given.
+        run: what the trainer does not say of the run (`preflight.Run`): above all its target,
+            ``Run(target=Target(gpu="H100-80GB"))`` or ``Target(budget="24GiB")`` (default: the CUDA device's
+            capacity; on CPU no budget, no verdict, unless given); ``fast=False`` for a full trace. Precision, the
+            loop (accumulation, clipping, GradScaler, Lightning's zero_grad before backward) and the strategy's
+            parallel plan are read from the trainer; a field set here wins over it.
         headroom: fraction of the budget kept free for the allocator's cache and the CUDA context (0.10: see
             `preflight._budget.DEFAULT_HEADROOM`).
         on_overflow: ``"raise"`` (`preflight.PreflightError` before any optimizer step) or ``"warn"``.
@@ -99,14 +104,11 @@ class PreflightCallback(*_callback_bases()):
             anything fails.
         max_batch_size: with ``autotune``, the largest micro-batch to consider (default: the global batch).
         multiple_of: with ``autotune``, micro-batches are multiples of this.
-        gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
         suggest: when the run does not fit, rank what to change (traces each option: ~10 more traces).
         scan_seconds: time limit for scanning the dataset for its largest samples.
-        fast: trace a deep stack of repeated blocks from its first few and compose the rest: the same bytes in
-            seconds (`preflight._check.Options`); False traces every block.
 
     Example:
-        >>> trainer = L.Trainer(callbacks=[PreflightCallback(budget="24GiB")])  # doctest: +SKIP
+        >>> trainer = L.Trainer(callbacks=[PreflightCallback(Run(target=Target(gpu="H100-80GB")))])  # doctest: +SKIP
         >>> trainer.fit(module, datamodule)  # doctest: +SKIP
 
     Environment:
@@ -126,7 +128,8 @@ class PreflightCallback(*_callback_bases()):
 
     def __init__(
         self,
-        budget: int | float | str | None = None,
+        run: Run | None = None,
+        *,
         headroom: float = DEFAULT_HEADROOM,
         on_overflow: str = "raise",
         verify_steps: int = 3,
@@ -136,14 +139,12 @@ class PreflightCallback(*_callback_bases()):
         autotune: bool = False,
         max_batch_size: int | None = None,
         multiple_of: int = 1,
-        gpu: str | None = None,
         suggest: bool = True,
         scan_seconds: float = DEFAULT_TIME_LIMIT,
-        fast: bool = True,
     ) -> None:
-        self.options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
-                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, gpu=gpu,
-                               suggest=suggest, fast=fast)
+        self.run = check_run(run)
+        self.options = Options(headroom=headroom, on_overflow=on_overflow, verify_steps=verify_steps,
+                               report_path=report_path, plot_path=plot_path, check_eval=check_eval, suggest=suggest)
         if not isinstance(autotune, bool):
             raise ValueError(f"`autotune` should be True or False, got {autotune!r}.")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
@@ -190,7 +191,7 @@ class PreflightCallback(*_callback_bases()):
             return
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
         report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module), pl_module, trainer.optimizers[0],
-                                        self.options, device=pl_module.device, precision=_precision(trainer)[0])
+                                        self.options, self._run(trainer), device=pl_module.device)
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
@@ -260,20 +261,23 @@ class PreflightCallback(*_callback_bases()):
             eval_batch, eval_info = scan(val_loader, time_limit=self.scan_seconds,
                                            on_error=self.options.scan_on_error).worst_case()
             eval_batch = convert(eval_batch)
-        precision, note = _precision(trainer)
+        _, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(
-                pl_module, trainer.optimizers[0], batch, options=self.options, step=_training_step,
-                precision=precision, device=pl_module.device,
-                schedule=_schedule(trainer),
-                batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
+                pl_module, trainer.optimizers[0], batch, self._run(trainer), options=self.options,
+                step=_training_step, batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
-                make_batch=lambda b: convert(samples.batch(b)), eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
-                parallel=_parallel_plan(trainer),
+                make_batch=lambda b: convert(samples.batch(b)),
+                eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
             )
         if note:
             report.warnings.append(note)
         return report
+
+    def _run(self, trainer: pl.Trainer) -> Run:
+        """The run as the trainer describes it (precision, loop, strategy's plan), the user's `Run` laid over it."""
+        return self.run.over(Run(precision=_precision(trainer)[0], loop=_schedule(trainer),
+                                 parallel=_parallel_plan(trainer)))
 
     def _autotune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         parsing = importlib.import_module(_lightning(trainer).__name__ + ".utilities.parsing")
@@ -297,28 +301,22 @@ class PreflightCallback(*_callback_bases()):
     def _tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule, original: tuple[int, int],
               setattr_: Any) -> dict[str, Any]:
         from preflight._autotune import max_batch_size, split_global_batch
-        from preflight._budget import resolve_budget
 
-        budget = resolve_budget(self.options.budget, device=pl_module.device, gpu=self.options.gpu)
-        if budget is None:
-            raise ValueError("autotune needs a budget: there is no CUDA device to read a capacity from. Pass "
-                             "budget='24GiB' (or the memory the run may use).")
+        run = self._run(trainer)
+        run_budget(run, pl_module)  # a ValueError naming the fix before the dataset is scanned
         with isolated_rng():  # the loader built here is discarded; training builds its own from the same RNG state
             trainer.fit_loop.setup_data()
         samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds)
         global_batch = original[0] * original[1]
-        precision, _ = _precision(trainer)
+        # Traced with accumulation: any micro-batch below the global batch will accumulate.
+        run = run.replace(loop=dataclasses.replace(run.loop, accumulate=2 if global_batch > 1 else 1))
         with _quiet_logging(pl_module), progress("autotune: finding the largest micro-batch that fits",
                                                   enabled=is_rank_zero()):
-            # Traced with accumulation: any micro-batch below the global batch will accumulate.
             convert = trainer.precision_plugin.convert_input  # as the loop does before `training_step`
-            result = max_batch_size(pl_module, trainer.optimizers[0], lambda b: convert(samples.batch(b)),
-                                    budget=budget,
-                                    step=_training_step, precision=precision, device=pl_module.device,
+            result = max_batch_size(pl_module, trainer.optimizers[0], lambda b: convert(samples.batch(b)), run,
+                                    step=_training_step,
                                     max_batch=min(global_batch, self.max_batch_size or global_batch),
-                                    multiple_of=self.multiple_of, headroom=self.options.headroom,
-                                    accumulate=2 if global_batch > 1 else 1, zero_grad="before_backward",
-                                    fast=self.options.fast)
+                                    multiple_of=self.multiple_of, headroom=self.options.headroom)
         if result.batch_size == 0:
             raise ValueError(f"no micro-batch fits ({'; '.join(result.notes)})")
         plan = split_global_batch(global_batch, result.batch_size)
@@ -389,13 +387,13 @@ def _precision(trainer: pl.Trainer) -> tuple[str | None, str | None]:
     return None, f"precision {precision!r} is traced with the tensors' own dtypes (not modelled)"
 
 
-def _schedule(trainer: pl.Trainer) -> Schedule:
+def _schedule(trainer: pl.Trainer) -> Loop:
     """Lightning's automatic-optimization step: zero_grad before backward, accumulation, clipping by norm when
     ``gradient_clip_val`` is set with the "norm" algorithm (value clipping allocates nothing), and the precision
     plugin's GradScaler when it has one (``16-mixed``)."""
     clip = trainer.gradient_clip_val
     by_norm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower().endswith("norm")
-    return Schedule(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
+    return Loop(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
                     max_grad_norm=float(clip) if clip and by_norm else None,
                     grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None)
 

@@ -10,6 +10,8 @@ from preflight._estimate import estimate
 from preflight._gpus import GPU, get_gpu, known_gpus
 from preflight._measure import measure
 from preflight._result import Category, Coverage, Estimate, Event, Measurement, TimelinePoint
+from preflight._run import Loop, Run, Target
+from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 from preflight._steps import PRECISIONS
 from preflight._units import format_bytes, parse_bytes
 
@@ -17,6 +19,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRECISIONS",
+    "Loop",
+    "ParallelPlan",
+    "Run",
+    "Target",
+    "deepspeed_plan",
+    "fsdp_plan",
     "BatchSizeResult",
     "GlobalBatchPlan",
     "Suggestion",

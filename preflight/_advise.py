@@ -1,5 +1,7 @@
 """`advise`: what to change when a run does not fit, each option with a peak traced from the changed set-up.
 
+A suggestion is the run's description changed (`Suggestion.run`: precision, loop, target or parallel plan), plus,
+where the change is to the model, the optimizer or the batch, what to change there (`Suggestion.change`).
 Every option is applied to a trace, never to the user's objects for good: a smaller micro-batch is traced with
 gradient accumulation, activation checkpointing is switched on for the trace and switched back (every module's
 attributes and hook tables restored, then checked), an 8-bit optimizer is built over the same parameters, LoRA
@@ -7,7 +9,7 @@ is traced on a copy of the architecture built on the meta device (no weights cop
 trace's own option. Sharding a single-device run is the exception: it is derived from the traced breakdown
 with `preflight._target.shard_events` (every traced allocation rescaled to one rank's share), and says so.
 
-Under a data-parallel plan (``plan=``, a `preflight.parallel.ParallelPlan`, as the callbacks read it off the
+Under a data-parallel plan (``run.parallel``, a `preflight.ParallelPlan`, as the callbacks read it off the
 trainer), the current set-up and every option are predicted per rank as `preflight.estimate` predicts that plan
 (FSDP traced through its own program for each rank, ZeRO rescaled with DeepSpeed's buffers from the config), and
 the sharding options become the stronger shardings of the same engine.
@@ -27,13 +29,14 @@ import torch
 from torch import nn
 
 from preflight._autotune import max_batch_size, split_global_batch
-from preflight._budget import check_headroom, resolve_budget, usable_bytes
+from preflight._budget import check_headroom, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
-from preflight._estimate import deepspeed_terms, estimate, summarize_events
+from preflight._estimate import deepspeed_terms, estimate, read_plan_off_ddp, summarize_events
 from preflight._guard import untouched
 from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate
-from preflight._steps import Schedule, StepFn, check_precision
+from preflight._run import Run, check_run, pinned, run_budget
+from preflight._steps import StepFn
 from preflight._target import round_events, shard_events
 from preflight._units import format_bytes
 from preflight.parallel import ParallelPlan
@@ -73,6 +76,9 @@ class Suggestion:
             breakdown; allocator: the simulated reserved peak).
         fits: ``predicted_peak_bytes`` is within the budget less headroom.
         cost: what the change costs (compute, communication, optimizer or model quality).
+        run: the run's description with the change made (`preflight.Run`): pass it to `preflight.estimate` or
+            ``check`` as it is, or print ``run.cli_flags()`` for ``preflight estimate``. Changes to the model, the
+            optimizer or the batch are in ``change`` (the description stays as it was there).
     """
 
     change: dict[str, Any]
@@ -80,6 +86,14 @@ class Suggestion:
     predicted_peak_bytes: int
     fits: bool
     cost: str
+    run: Run
+
+    def to_dict(self) -> dict[str, Any]:
+        """The suggestion as plain values (the JSON report's and the CLI's form), the changed run as its fields and
+        as ``preflight estimate`` flags."""
+        return {"description": self.description, "predicted_peak_bytes": self.predicted_peak_bytes,
+                "fits": self.fits, "change": self.change, "cost": self.cost, "run": self.run.to_dict(),
+                "cli_flags": self.run.cli_flags()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,33 +102,42 @@ class _Setup:
     optimizer: torch.optim.Optimizer
     batch: Any
     step: StepFn | None
-    precision: str | None
-    device: torch.device
+    run: Run  # the user's description; each option's `Suggestion.run` is it changed
+    device: torch.device  # where the user's model plans for: pinned for traces of meta copies (LoRA's)
     budget_bytes: int
     limit: int
     headroom: float
-    world_size: int
     make_batch: Callable[[int], Any] | None
     baseline: Estimate
-    schedule: Schedule
-    fast: bool = False
-    plan: ParallelPlan | None = None
+
+    @property
+    def plan(self) -> ParallelPlan | None:
+        return self.run.parallel
+
+    @property
+    def precision(self) -> str | None:
+        return self.run.precision
+
+    @property
+    def world_size(self) -> int:
+        return self.run.world_size
 
     def trace(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-              batch: Any = None, step: StepFn | None = None, precision: Any = ...,
-              accumulate: int | None = None, plan: ParallelPlan | None = None) -> Estimate:
-        """Trace the set-up with some parts replaced (under ``plan`` instead of the run's, when given); a trace
+              batch: Any = None, step: StepFn | None = None, run: Run | None = None) -> Estimate:
+        """Trace the set-up with some parts replaced (under ``run`` instead of the user's, when given); a trace
         that fails is an error, not a lower bound."""
+        run = pinned(run or self.run, self.device)
         est = estimate(model if model is not None else self.model,
                        optimizer if optimizer is not None else self.optimizer,
-                       batch if batch is not None else self.batch,
-                       step=step if step is not None else self.step,
-                       precision=self.precision if precision is ... else precision,
-                       device=self.device, accumulate=accumulate or self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad, fast=self.fast, **_rank_kwargs(plan or self.plan))
+                       batch if batch is not None else self.batch, run,
+                       step=step if step is not None else self.step)
         if est.coverage.lower_bound:
             raise RuntimeError(f"the trace failed at operator {est.coverage.failed_op}: {est.coverage.reason}")
         return est
+
+    def with_loop(self, **changes: Any) -> Run:
+        """The user's run with its loop changed."""
+        return self.run.replace(loop=dataclasses.replace(self.run.loop, **changes))
 
     def versus(self, peak: int) -> str:
         """``peak`` against the current peak and the budget, in words."""
@@ -130,18 +153,11 @@ def advise(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Any,
+    run: Run | None = None,
     *,
-    budget: int | float | str | None,
     step: StepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
-    world_size: int = 1,
     make_batch: Callable[[int], Any] | None = None,
     headroom: float = 0.0,  # 0: the budget as given; DEFAULT_HEADROOM (0.10) keeps room for the allocator
-    accumulate: int = 1,
-    zero_grad: str = "after_step",
-    fast: bool = False,
-    plan: ParallelPlan | None = None,
 ) -> list[Suggestion]:
     """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
 
@@ -163,9 +179,8 @@ def advise(
     - ``lora``: LoRA (peft, r=16, all linear layers) for a transformers ``PreTrainedModel`` that is not already
       a PEFT model, with AdamW over the adapters.
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
-    - ``zero1``/``zero2``/``zero3`` when ``world_size > 1``: every traced allocation rescaled to one rank's share.
-    - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU), on any number of GPUs.
-    - Under a ``plan``, instead of the two above: the stronger shardings of the plan's engine over its ranks,
+    - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU) on one GPU.
+    - Under ``run.parallel``: the stronger shardings of the plan's engine over its ranks,
       each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
       (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
       plan's DeepSpeed config with the stage changed).
@@ -173,19 +188,14 @@ def advise(
       reserved peak is more than 10% above the allocated peak.
 
     Args:
-        model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
-        budget: bytes the run may use per device (int or e.g. ``"24GiB"``); None uses the CUDA device's capacity.
-        world_size: data-parallel GPUs available; above 1, sharding options are added. Default under a
-            ``plan``: the plan's.
+        model, optimizer, batch, step: as for `preflight.estimate`.
+        run: how the run trains (`preflight.Run`), the set-up each option changes. Its target's budget is what
+            the peak may use (``Target(budget="24GiB")``, else the catalog GPU's memory, else the CUDA device's
+            capacity); ``batch`` is one micro-batch, so the global batch the micro-batch option keeps is
+            ``batch size * run.loop.accumulate``; under ``run.parallel`` every peak is the largest rank's, as
+            `preflight.estimate` predicts that plan.
         make_batch: ``make_batch(b)`` returns a batch of ``b`` samples; default: `resize_batch` of ``batch``.
-        headroom: the fraction of ``budget`` kept free, in [0, 1).
-        accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`; ``batch`` is one
-            micro-batch, so the global batch the micro-batch option keeps is ``batch size * accumulate``.
-        fast: every trace (the current set-up and each option) is a depth-independent one
-            (``preflight.estimate(..., fast=True)``).
-        plan: the run's data-parallel plan (`preflight.parallel.ParallelPlan`: ``fsdp_plan(...)``,
-            ``deepspeed_plan(...)``, or ``ParallelPlan(world_size, "ddp")``); every peak is then the largest
-            rank's under it, as `preflight.estimate` predicts that plan. None: one device.
+        headroom: the fraction of the budget kept free, in [0, 1).
 
     Returns:
         Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
@@ -199,52 +209,41 @@ def advise(
             option changed the user's model and it could not be restored (never expected; a bug to report).
 
     Example:
-        >>> for s in preflight.advise(model, opt, batch, budget="24GiB"):  # doctest: +SKIP
+        >>> for s in preflight.advise(model, opt, batch, Run(target=Target(budget="24GiB"))):  # doctest: +SKIP
         ...     print(s.fits, format_bytes(s.predicted_peak_bytes), s.description)
 
     Known limitations:
         - Options are traced one at a time, not combined.
-        - Without a ``plan``, sharding numbers rescale the single-GPU peak's categories; the sharded run's peak may
-          fall at another moment, and communication buffers other than DeepSpeed's gradient reduction buffers
-          are not counted (see `preflight._sharding`).
+        - ZeRO-Offload's number rescales the single-GPU peak's categories; the offloaded run's peak may fall at
+          another moment (see `preflight._sharding`).
         - Generic checkpointing wraps only the children of the largest ``nn.ModuleList``; models whose blocks
           live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
         - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
         - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
     """
-    precision = check_precision(precision)
+    run = check_run(run)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}.")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size` should be a positive integer, got {world_size!r}.")
-    if plan is not None and not isinstance(plan, ParallelPlan):
-        raise TypeError("`plan` should be None or a preflight.parallel.ParallelPlan (e.g. fsdp_plan('FULL_SHARD', "
-                        f"world_size=8) or deepspeed_plan(config, world_size=8)), got {type(plan).__name__}.")
-    if plan is not None and world_size == 1:
-        world_size = plan.world_size
     if make_batch is not None and not callable(make_batch):
         raise TypeError(f"`make_batch` should be None or a callable make_batch(batch_size) -> batch, got "
                         f"{type(make_batch).__name__}.")
     check_headroom(headroom)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
-    target = resolve_device(device, model)
-    budget_bytes = resolve_budget(budget, device=target)
-    if budget_bytes is None:
-        raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
-                         "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
-    baseline = estimate(model, optimizer, batch, step=step, precision=precision, device=target,
-                        accumulate=accumulate, zero_grad=zero_grad, fast=fast, **_rank_kwargs(plan))
+    budget_bytes = run_budget(run, model)
+    model, run, _ = read_plan_off_ddp(model, run)  # a DDP model's plan is the run's, its module the one changed
+    if run.parallel is not None and run.parallel.sharding is None and run.parallel.world_size > 1:
+        run = run.replace(parallel=dataclasses.replace(run.parallel, sharding="ddp"))  # what estimate plans
+    target = resolve_device(run.target.planned_device, model)
+    baseline = estimate(model, optimizer, batch, pinned(run, target), step=step)
     if baseline.coverage.lower_bound:
         raise RuntimeError(
             f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
             f"{baseline.coverage.reason}), so no option can be compared with it. Pass `step=` with a step that "
             "traces."
         )
-    setup = _Setup(model, optimizer, batch, step, precision, target, budget_bytes,
-                   usable_bytes(budget_bytes, headroom), headroom, world_size, make_batch, baseline, schedule, fast,
-                   plan)
+    setup = _Setup(model, optimizer, batch, step, run, target, budget_bytes, usable_bytes(budget_bytes, headroom),
+                   headroom, make_batch, baseline)
     options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
         ("micro-batch", _micro_batch),
         ("activation checkpointing", _checkpointing),
@@ -277,14 +276,14 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     micro = batch_size_of(setup.batch)
     if micro is None:
         raise ValueError("no tensor with a batch dimension in the batch; pass make_batch=")
-    current = micro * setup.schedule.accumulate  # the global batch to keep
+    current = micro * setup.run.loop.accumulate  # the global batch to keep
     if micro < 2:
         return []
     make = setup.make_batch or (lambda b: resize_batch(setup.batch, b))
-    result = max_batch_size(setup.model, setup.optimizer, make, budget=setup.budget_bytes, step=setup.step,
-                            precision=setup.precision, device=setup.device, max_batch=micro - 1,
-                            headroom=setup.headroom, accumulate=2, zero_grad=setup.schedule.zero_grad,
-                            fast=setup.fast, plan=setup.plan)
+    search = pinned(setup.with_loop(accumulate=2), setup.device)
+    search = search.replace(target=dataclasses.replace(search.target, budget=setup.budget_bytes))
+    result = max_batch_size(setup.model, setup.optimizer, make, search, step=setup.step, max_batch=micro - 1,
+                            headroom=setup.headroom)
     cost_micro = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, "
                   "lower throughput when the full batch kept the GPU busy")
     if result.batch_size == 0:
@@ -292,18 +291,20 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
         text = (f"micro-batch 1 with {current} gradient-accumulation steps does not fit either: "
                 f"{setup.versus(result.predicted_peak_bytes)}; combine it with another option")
         return [("micro_batch", Suggestion(change, text, result.predicted_peak_bytes, False,
-                                           cost_micro.format(k=current, rounding="")))]
+                                           cost_micro.format(k=current, rounding=""),
+                                           setup.with_loop(accumulate=current)))]
     plan = split_global_batch(current, result.batch_size)
     if plan.micro_batch_size == result.batch_size:
         peak = result.predicted_peak_bytes
     else:  # a divisor below the largest that fits: traced too (kernel scratch need not be affine in the batch)
-        peak = setup.trace(batch=make(plan.micro_batch_size), accumulate=2).peak_bytes
+        peak = setup.trace(batch=make(plan.micro_batch_size), run=setup.with_loop(accumulate=2)).peak_bytes
     change = {"micro_batch_size": plan.micro_batch_size, "accumulate_grad_batches": plan.accumulation_steps}
     text = (f"{plan.note} (gradient accumulation; the largest micro-batch that fits is {result.batch_size}, found "
             f"with {result.traces} traces): {setup.versus(peak)}")
     rounding = "" if plan.exact else f" with a global batch of {plan.global_batch_size} instead of {current}"
     return [("micro_batch", Suggestion(change, text, peak, peak <= setup.limit,
-                                       cost_micro.format(k=plan.accumulation_steps, rounding=rounding)))]
+                                       cost_micro.format(k=plan.accumulation_steps, rounding=rounding),
+                                       setup.with_loop(accumulate=plan.accumulation_steps)))]
 
 
 def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -348,7 +349,7 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
     cost = ("recomputes each checkpointed block's forward during backward: about one extra forward pass per step "
             "(a forward is roughly a third of a training step's compute)")
     return [("checkpointing", Suggestion({"gradient_checkpointing": True}, text, est.peak_bytes,
-                                         est.peak_bytes <= setup.limit, cost))]
+                                         est.peak_bytes <= setup.limit, cost, setup.run))]
 
 
 def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -381,7 +382,8 @@ def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
             f"{setup.versus(est.peak_bytes)}")
     cost = ("a different optimizer: block-wise 8-bit Adam states (Dettmers et al. 2022, arXiv:2110.02861) matched "
             "32-bit Adam in the paper's benchmarks, but check the loss curve; needs bitsandbytes where you train")
-    return [("adamw8bit", Suggestion({"optimizer": name}, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost))]
+    return [("adamw8bit", Suggestion({"optimizer": name}, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost,
+                                     setup.run))]
 
 
 def _bnb_8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -422,7 +424,7 @@ def _bnb_8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
     cost = ("8-bit optimizer state: block-wise quantised states (Dettmers et al. 2022, arXiv:2110.02861) matched "
             "32-bit state in the paper's benchmarks, but check the loss curve")
     return [("adamw8bit", Suggestion({"optimizer": name, "optim_bits": 8}, text, est.peak_bytes,
-                                     est.peak_bytes <= setup.limit, cost))]
+                                     est.peak_bytes <= setup.limit, cost, setup.run))]
 
 
 def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -460,7 +462,7 @@ def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
             f"trains {n_train:,} of {n_all:,} parameters ({n_train / n_all:.2%}); {setup.versus(est.peak_bytes)}")
     cost = ("changes what is trained: only low-rank adapters learn, which can fall short of full fine-tuning on "
             "tasks far from the pre-training data; the base weights stay frozen")
-    return [("lora", Suggestion(change, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost))]
+    return [("lora", Suggestion(change, text, est.peak_bytes, est.peak_bytes <= setup.limit, cost, setup.run))]
 
 
 def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -478,49 +480,19 @@ def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
                            "stochastic rounding or Kahan summation"))
     out = []
     for precision, cost in candidates:
-        est = setup.trace(precision=precision)
+        changed = setup.run.replace(precision=precision)
+        est = setup.trace(run=changed)
         if est.peak_bytes >= setup.baseline.peak_bytes:
             continue
         text = f"precision {precision!r} instead of {setup.precision or 'fp32'}: {setup.versus(est.peak_bytes)}"
         out.append((precision, Suggestion({"precision": precision}, text, est.peak_bytes,
-                                          est.peak_bytes <= setup.limit, cost)))
+                                          est.peak_bytes <= setup.limit, cost, changed)))
     return out
 
 
 def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
-    if setup.plan is not None:
-        return _stronger_sharding(setup)
-    n = setup.world_size
-    if n < 2:
-        return []
-    base = setup.baseline
-    if base.world_size > 1:
-        return []  # already planned per rank
-    blocks = repeated_blocks(setup.model)
-    param_bytes = base.breakdown["parameters"]
-    comm = {"zero1": 2, "zero2": 2, "zero3": 3}  # ZeRO paper Sec 7: P_os, P_os+g move 2Ψ like DDP; P_os+g+p 3Ψ
-    shards = {"zero1": "optimizer state", "zero2": "optimizer state and gradients",
-              "zero3": "optimizer state, gradients and parameters"}
-    names = {"zero1": "ZeRO stage 1", "zero2": "ZeRO stage 2 (FSDP SHARD_GRAD_OP)",
-             "zero3": "ZeRO stage 3 (FSDP FULL_SHARD)"}
-    out = []
-    for stage in ("zero1", "zero2", "zero3"):
-        peak = _per_rank_peak(setup, world_size=n, sharding=stage)
-        if peak >= base.peak_bytes:
-            continue
-        gather = ""
-        if stage == "zero3":
-            gather = (f"; gathers one {type(blocks[0]).__name__}'s parameters at a time, plus one prefetched" if blocks
-                      else "; gathers the whole model's parameters at once (no repeated blocks to wrap)")
-        text = (f"{names[stage]} over {n} GPUs, sharding the {shards[stage]}{gather}: "
-                f"{setup.versus(peak)} per GPU. Every allocation of the traced single-GPU run rescaled to one rank's "
-                "share (not a trace under a process group), plus DeepSpeed's gradient reduction buffers at its default "
-                "reduce_bucket_size (lower it in the config for less); other communication buffers are not counted")
-        cost = (f"needs {n} GPUs; communicates about {comm[stage]}x the parameter bytes "
-                f"({format_bytes(comm[stage] * param_bytes)}) per GPU per step"
-                f"{', as DDP does' if comm[stage] == 2 else ', 1.5x DDP'} (ZeRO paper, arXiv:1910.02054, Sec 7)")
-        out.append((stage, Suggestion({"sharding": stage, "world_size": n}, text, peak, peak <= setup.limit, cost)))
-    return out
+    """Under a plan over several ranks, its engine's stronger shardings; one device has none to offer."""
+    return _stronger_sharding(setup) if setup.plan is not None and setup.plan.world_size > 1 else []
 
 
 # Under a plan: the stronger shardings of the same engine, with the cost class `_COST_ORDER` ranks them by.
@@ -546,7 +518,8 @@ def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
         fsdp = plan.fsdp if plan.sharding.startswith("fsdp") else None  # FSDP1's units carry over to FULL_SHARD
         other = dataclasses.replace(plan, sharding=sharding, fsdp=fsdp, deepspeed=deepspeed,
                                     offload_params=plan.offload_params and sharding in ("zero3", "fsdp-full"))
-        peak = setup.trace(plan=other).peak_bytes
+        changed = setup.run.replace(parallel=other)
+        peak = setup.trace(run=changed).peak_bytes
         if peak >= base.peak_bytes:
             continue
         how = ("each rank's step traced through FSDP's own program" if sharding.startswith("fsdp") else
@@ -558,13 +531,8 @@ def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
                 "(about 1.5x DDP's volume, ZeRO paper Sec 7)" if cost_class == "zero3" else
                 "about DDP's communication volume (a reduce-scatter instead of an all-reduce, then an all-gather "
                 "of the updated parameters; ZeRO paper Sec 7)")
-        out.append((cost_class, Suggestion(change, text, peak, peak <= setup.limit, cost)))
+        out.append((cost_class, Suggestion(change, text, peak, peak <= setup.limit, cost, changed)))
     return out
-
-
-def _rank_kwargs(plan: ParallelPlan | None) -> dict[str, Any]:
-    """`preflight.estimate`'s keyword arguments for ``plan`` (none for one device)."""
-    return {} if plan is None else plan.estimate_kwargs()
 
 
 def _per_rank_peak(setup: _Setup, **sharding: Any) -> int:
@@ -596,7 +564,9 @@ def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     cost = ("the optimizer step runs on the CPU: host memory for the state, gradients copied over PCIe every "
             "step, and a slower step (ZeRO-Offload, arXiv:2101.06840)")
     change = {"offload_optimizer": True, "zero_stage": 2, "world_size": n}  # DeepSpeed's names
-    return [("offload", Suggestion(change, text, peak, peak <= setup.limit, cost))]
+    changed = setup.run.replace(parallel=ParallelPlan(n, "zero2", offload_optimizer=True,
+                                                      source="preflight.advise's ZeRO-Offload option"))
+    return [("offload", Suggestion(change, text, peak, peak <= setup.limit, cost, changed))]
 
 
 def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -613,8 +583,9 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
             f"{format_bytes(reserved)} to {format_bytes(expandable)} (allocated peak {format_bytes(base.peak_bytes)}, "
             f"unchanged); {'fits' if expandable <= setup.limit else 'still over'} the budget")
     cost = "an environment variable set before CUDA starts; no change to training"
+    changed = setup.run.replace(target=dataclasses.replace(setup.run.target, allocator="expandable_segments:True"))
     return [("allocator", Suggestion({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, text, expandable,
-                                     expandable <= setup.limit, cost))]
+                                     expandable <= setup.limit, cost, changed))]
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._budget import check_headroom, resolve_budget, usable_bytes
-from preflight._device import model_device
+from preflight._budget import check_headroom, usable_bytes
 from preflight._estimate import estimate
 from preflight._guard import untouched
 from preflight._result import Estimate, Event
-from preflight._steps import Schedule, StepFn, check_precision
+from preflight._run import Run, check_run, run_budget
+from preflight._steps import StepFn
 from preflight._units import format_bytes
-from preflight.parallel import ParallelPlan
 
 __all__ = [
     "BatchPeakModel",
@@ -188,12 +187,9 @@ class _Tracer:
     """Trace the training step at a batch size, counting traces and remembering peaks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], Any],
-                 step: StepFn | None, precision: str | None, device: Any, progress: Callable[[str], None] | None,
-                 limit: int, schedule: Schedule, fast: bool = False, plan: ParallelPlan | None = None) -> None:
+                 step: StepFn | None, run: Run, progress: Callable[[str], None] | None, limit: int) -> None:
         self.model, self.optimizer, self.make_batch = model, optimizer, make_batch
-        self.fast = fast
-        self.rank_kwargs = {} if plan is None else plan.estimate_kwargs()  # each trace per rank under the plan
-        self.step, self.precision, self.device, self.schedule = step, precision, device, schedule
+        self.step, self.run = step, run  # each trace per rank under the run's plan, if any
         self.progress = progress
         self.limit = limit
         self.count = 0
@@ -202,9 +198,7 @@ class _Tracer:
     def __call__(self, batch_size: int) -> Estimate:
         self.count += 1
         self._say(f"tracing batch size {batch_size} (trace {self.count})")
-        est = estimate(self.model, self.optimizer, self.make_batch(batch_size), step=self.step,
-                       precision=self.precision, device=self.device, accumulate=self.schedule.accumulate,
-                       zero_grad=self.schedule.zero_grad, fast=self.fast, **self.rank_kwargs)
+        est = estimate(self.model, self.optimizer, self.make_batch(batch_size), self.run, step=self.step)
         _require_traced(est, "training", batch_size)
         self.peaks[batch_size] = est.peak_bytes
         verdict = "fits" if est.peak_bytes <= self.limit else "does not fit"
@@ -226,19 +220,13 @@ def max_batch_size(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     make_batch: Callable[[int], Any],
+    run: Run | None = None,
     *,
-    budget: int | float | str | None,
     step: StepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
     max_batch: int | None = None,
     multiple_of: int = 1,
     headroom: float = 0.0,  # 0: the budget is taken as given; pass preflight._budget.DEFAULT_HEADROOM for a margin
-    accumulate: int = 1,
-    zero_grad: str = "after_step",
     progress: Callable[[str], None] | None = None,
-    fast: bool = False,
-    plan: ParallelPlan | None = None,
 ) -> BatchSizeResult:
     """The largest micro-batch whose predicted training peak fits ``budget``, from at most a few fake traces.
 
@@ -251,24 +239,21 @@ def max_batch_size(
     traced peak within the budget: no size is returned on the strength of the fit alone.
 
     Args:
-        model, optimizer, step, precision, device: as for `preflight.estimate`.
+        model, optimizer, step: as for `preflight.estimate`.
+        run: how the run trains (`preflight.Run`). Its target's budget is what the training peak may use
+            (``run.target.budget``: an int or a size such as ``"24GiB"``; else the catalog GPU's memory, else the CUDA
+            device's capacity). Pass ``Loop(accumulate=2)`` (or more) when the micro-batch will be accumulated into
+            a larger global batch: the earlier micro-batches' gradients are alive during the next one's forward and
+            backward. Under ``run.parallel`` each trace is the per-rank prediction `preflight.estimate` makes, and
+            the budget is one GPU's (the largest rank's peak must fit).
         make_batch: ``make_batch(b)`` returns one batch of ``b`` samples, as the dataloader would. Only shapes,
             dtypes and the values of small integer tensors matter: floating tensors may be on the meta device,
             which saves building large real batches.
-        budget: bytes the training peak may use: an int or a size such as ``"24GiB"`` (see
-            ``preflight._budget.resolve_budget``); None uses the CUDA device's capacity.
         max_batch: the largest batch size to consider (e.g. the global batch). Default: no bound but the
             budget, capped at 16384 samples.
         multiple_of: only multiples of this are returned (e.g. 8 for tensor cores).
         headroom: the fraction of ``budget`` kept free, in [0, 1).
-        accumulate, zero_grad: the training loop's schedule, as for `preflight.estimate`. Pass ``accumulate=2``
-            (or more) when the micro-batch will be accumulated into a larger global batch: the earlier
-            micro-batches' gradients are alive during the next one's forward and backward.
         progress: optional ``progress(message)`` called before and after each trace.
-        fast: each trace is a depth-independent one (``preflight.estimate(..., fast=True)``).
-        plan: the run's data-parallel plan (`preflight.parallel.ParallelPlan`, e.g. ``fsdp_plan("FULL_SHARD",
-            world_size=8)``): each trace is then the per-rank prediction `preflight.estimate` makes for it, and
-            the budget is one GPU's (the largest rank's peak must fit). None: one device.
 
     Returns:
         A `BatchSizeResult`; ``int(result)`` is the batch size. ``batch_size`` is 0 when not even the smallest
@@ -283,7 +268,8 @@ def max_batch_size(
         >>> def make_batch(b):
         ...     ids = torch.randint(0, 1000, (b, 512))
         ...     return {"input_ids": ids, "labels": ids}
-        >>> result = preflight.max_batch_size(model, opt, make_batch, budget="24GiB", multiple_of=8)  # doctest: +SKIP
+        >>> result = preflight.max_batch_size(model, opt, make_batch, Run(target=Target(budget="24GiB")),
+        ...                                  multiple_of=8)  # doctest: +SKIP
         >>> int(result), result.traces  # doctest: +SKIP
         (48, 3)
 
@@ -295,7 +281,7 @@ def max_batch_size(
         - The trace search used when the traces do not line up assumes the peak never shrinks as the batch
           grows, and costs about ``2 * log2(batch_size)`` traces.
     """
-    precision = check_precision(precision)
+    run = check_run(run)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not callable(make_batch):
@@ -310,22 +296,15 @@ def max_batch_size(
             raise ValueError(f"`max_batch` ({max_batch}) is smaller than `multiple_of` ({multiple_of}): no batch "
                              "size is allowed. Lower multiple_of or raise max_batch.")
     check_headroom(headroom)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
-    if plan is not None and not isinstance(plan, ParallelPlan):
-        raise TypeError("`plan` should be None or a preflight.parallel.ParallelPlan (e.g. fsdp_plan('FULL_SHARD', "
-                        f"world_size=8)), got {type(plan).__name__}.")
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` should be None or a callable progress(message), got {type(progress).__name__}.")
-    budget_bytes = resolve_budget(budget, device=device if device is not None else model_device(model))
-    if budget_bytes is None:
-        raise ValueError("`budget` is needed: there is no CUDA device to read a capacity from. Pass the memory "
-                         "the run may use, e.g. budget='24GiB' or budget=24 * 2**30.")
+    budget_bytes = run_budget(run, model)
     limit = usable_bytes(budget_bytes, headroom)
-    tracer = _Tracer(model, optimizer, make_batch, step, precision, device, progress, limit, schedule, fast, plan)
+    tracer = _Tracer(model, optimizer, make_batch, step, run, progress, limit)
     notes: list[str] = []
-    if plan is not None:
-        notes.append(f"each trace per rank under the plan ({plan.note()})")
-    if schedule.accumulate > 1:
+    if run.parallel is not None:
+        notes.append(f"each trace per rank under the plan ({run.parallel.note()})")
+    if run.loop.accumulate > 1:
         notes.append("traced with gradient accumulation (the accumulated gradients are alive)")
     capped = max_batch is None
     upper = max_batch if max_batch is not None else _DEFAULT_MAX_BATCH
@@ -442,25 +421,23 @@ def _search(tracer: _Tracer, limit: int, multiple_of: int, k_max: int, notes: li
 class _EvalTracer:
     """`_Tracer`'s interface for evaluation steps: trace the no-grad forward at a batch size, remember peaks."""
 
-    def __init__(self, model: nn.Module, make_batch: Callable[[int], Any], precision: str | None, device: Any,
+    def __init__(self, model: nn.Module, make_batch: Callable[[int], Any], run: Run,
                  resident: dict[str, int] | None) -> None:
-        self.model, self.make_batch, self.precision, self.device, self.resident = (
-            model, make_batch, precision, device, resident)
+        self.model, self.make_batch, self.run, self.resident = model, make_batch, run, resident
         self.peaks: dict[int, int] = {}
 
     def peak(self, batch_size: int) -> int:
         if batch_size not in self.peaks:
             from preflight._eval import estimate_eval
 
-            est = estimate_eval(self.model, self.make_batch(batch_size), precision=self.precision,
-                                device=self.device, resident=self.resident)
+            est = estimate_eval(self.model, self.make_batch(batch_size), self.run, resident=self.resident)
             _require_traced(est, "evaluation", batch_size)
             self.peaks[batch_size] = est.peak_bytes
         return self.peaks[batch_size]
 
 
-def max_eval_batch_size(model: nn.Module, make_batch: Callable[[int], Any], *, usable: int,
-                        precision: str | None = None, device: Any = None, max_batch: int, multiple_of: int = 1,
+def max_eval_batch_size(model: nn.Module, make_batch: Callable[[int], Any], run: Run, *, usable: int,
+                        max_batch: int, multiple_of: int = 1,
                         resident: dict[str, int] | None = None) -> tuple[int, int]:
     """The largest evaluation batch (a multiple of ``multiple_of``, at most ``max_batch``) whose no-grad peak,
     with ``resident`` training state alive (see `preflight.estimate_eval`), is at most ``usable`` bytes; and its
@@ -472,7 +449,7 @@ def max_eval_batch_size(model: nn.Module, make_batch: Callable[[int], Any], *, u
     Raises:
         RuntimeError: the evaluation step could not be traced (a lower bound cannot choose a batch size).
     """
-    tracer = _EvalTracer(model, make_batch, precision, device, resident)
+    tracer = _EvalTracer(model, make_batch, run, resident)
     found = _search(tracer, usable, multiple_of, max(1, max_batch // multiple_of), [])  # type: ignore[arg-type]
     return found, tracer.peaks.get(found, 0)
 

@@ -49,22 +49,23 @@ import torch
 from torch import nn
 
 from preflight._batches import BatchInfo, failures_text
-from preflight._budget import DEFAULT_HEADROOM, check_budget, check_headroom, resolve_budget, usable_bytes
+from preflight._budget import DEFAULT_HEADROOM, check_headroom, usable_bytes
 from preflight._console import progress
 from preflight._device import iter_tensors, live_storage_bytes, map_tensors, resolve_device
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, finish_failed_step, settings_from_env
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight._analytic import optimizer_state_bytes
-from preflight._estimate import deepspeed_precision, estimate
+from preflight._estimate import deepspeed_precision, estimate, read_plan_off_ddp
 from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._guard import untouched
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._result import Category, Estimate
-from preflight._steps import LossNotFoundError, Schedule, StepFn, check_precision, check_step
+from preflight._run import Run, check_run, pinned, run_budget
+from preflight._steps import LossNotFoundError, Loop, StepFn, check_step
 from preflight._units import format_bytes
 from preflight._verify import StepPeakMeter, compare, summary
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.parallel import ParallelPlan, already_sharded, read_fsdp1, read_fsdp2, read_zero, zero_plan
+from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
 from preflight.parallel import held_tensors, stand_in
 from preflight.trace import blamed_on_user, float_dtype_for
 
@@ -84,9 +85,10 @@ _TOP_SUGGESTIONS = 3  # shown in the table and the error; the JSON keeps all
 class Options:
     """The callbacks' common options, checked at construction (see ``preflight.integrations``).
 
+    How the run trains (precision, loop, target and its budget, parallel plan) is the `preflight.Run`; these say
+    what preflight does with its prediction.
+
     Attributes:
-        budget: bytes the run may use per device: an int, or a size such as ``"24GiB"`` or ``"80GB"``. None:
-            ``gpu``'s memory if given, else the CUDA device's capacity; on CPU there is no budget unless given.
         headroom: fraction of the budget kept free (see `preflight._budget.DEFAULT_HEADROOM` for why 0.10).
         on_overflow: ``"raise"`` or ``"warn"`` when the prediction exceeds the usable budget. ``"raise"`` (fail
             fast) also stops the run before step one when a dataset sample raises as the scan reads it; ``"warn"``
@@ -95,29 +97,19 @@ class Options:
         report_path: where to write the JSON report (rank zero), or None.
         plot_path: where to write a PNG of the predicted timeline and breakdown (needs matplotlib), or None.
         check_eval: also predict the evaluation step when there is an eval dataloader.
-        gpu: plan for this GPU model's memory (e.g. ``"A100-80GB"``) instead of the local device's.
         suggest: when the run does not fit, rank what to change with `preflight._advise.advise` (rank zero; it
             traces each option, about ten more traces).
-        fast: trace a deep repeated stack of blocks from its first few and compose the rest
-            (``preflight.estimate(..., fast=True)``): the same bytes in seconds, whatever the depth. A model that is
-            not such a stack, or whose shallow traces do not compose, is traced in full; the report's coverage
-            notes say which. The suggestions and the micro-batch search trace the same way.
     """
 
-    budget: int | float | str | None = None
     headroom: float = DEFAULT_HEADROOM
     on_overflow: str = "raise"
     verify_steps: int = 3
     report_path: str | os.PathLike | None = None
     plot_path: str | os.PathLike | None = None
     check_eval: bool = True
-    gpu: str | None = None
     suggest: bool = True
-    fast: bool = True
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            check_budget(self.budget)  # raises with the accepted forms
         check_headroom(self.headroom)
         if self.on_overflow not in ON_OVERFLOW_CHOICES:
             raise ValueError(f"`on_overflow` should be either of {ON_OVERFLOW_CHOICES}, got {self.on_overflow!r}.")
@@ -128,13 +120,9 @@ class Options:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"`{name}` should be a file path or None, got {value!r}.")
-        for name in ("check_eval", "suggest", "fast"):
+        for name in ("check_eval", "suggest"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
-        if self.gpu is not None:
-            from preflight._gpus import get_gpu
-
-            get_gpu(self.gpu)  # raises listing the known names
 
     @property
     def scan_on_error(self) -> str:
@@ -172,6 +160,8 @@ class Report:
     coverage: dict[str, Any]
     precision: str | None
     schedule: dict[str, Any]
+    # The run's description as predicted (`preflight.Run.to_dict`): precision, loop, target, parallel plan.
+    run: dict[str, Any] | None = None
     predicted_reserved_bytes: int | None = None
     predicted_device_total_bytes: int | None = None
     eval_predicted_device_total_bytes: int | None = None
@@ -240,36 +230,30 @@ def check(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Any,
+    run: Run | None = None,
     *,
-    budget: int | float | str | None = None,
+    step: StepFn | None = None,
+    eval_batch: Any = None,
+    eval_step: EvalStepFn | None = None,
     headroom: float = DEFAULT_HEADROOM,
     on_overflow: str = "raise",
     report_path: str | os.PathLike | None = None,
     plot_path: str | os.PathLike | None = None,
-    step: StepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
-    eval_batch: Any = None,
-    eval_step: EvalStepFn | None = None,
-    accumulate: int = 1,
-    zero_grad: str = "after_step",
-    gpu: str | None = None,
     suggest: bool = True,
-    fast: bool = True,
 ) -> Report | None:
     """Check before training that a run fits: predict, report, and raise (or warn, or end a dry run).
 
     For loops without a trainer (the callbacks in ``preflight.integrations`` do this for Lightning, the HF Trainer
     and accelerate). Pass the worst-case batch: the longest samples your loader can yield, collated
-    (`preflight._batches.worst_case_batch` finds it from a DataLoader).
+    (`preflight.worst_case_batch` finds it from a DataLoader).
 
     Args:
-        model, optimizer, batch, step, precision, device: as for `preflight.estimate`.
-        budget, headroom, on_overflow, report_path, plot_path, gpu, suggest, fast: see `Options`.
+        model, optimizer, batch, step: as for `preflight.estimate`. A model ``DistributedDataParallel`` wraps (or
+            FSDP, or DeepSpeed) is read as its wrapping runs it: its plan is the run's parallel section.
+        run: how the run trains (`preflight.Run`): precision, loop, target (its ``budget``, or a catalog ``gpu``'s
+            memory, is what the verdict compares with) and parallel plan.
         eval_batch, eval_step: an evaluation batch and step, to predict the no-grad eval peak too.
-        accumulate: gradient-accumulation micro-batches per optimizer step.
-        zero_grad: ``"after_step"``, ``"before_backward"`` or ``"in_place"``: where the loop frees gradients
-            (``"in_place"``: ``zero_grad(set_to_none=False)``, never).
+        headroom, on_overflow, report_path, plot_path, suggest: see `Options`.
 
     Returns:
         The `Report`, or None when the prediction failed (a warning says why).
@@ -282,19 +266,18 @@ def check(
             `preflight.estimate`); any other failure of the prediction is a warning and None.
 
     Example:
-        >>> report = preflight.check(model, opt, batch, budget="24GiB")  # doctest: +SKIP
+        >>> report = preflight.check(model, opt, batch, Run(target=Target(budget="24GiB")))  # doctest: +SKIP
     """
-    options = Options(budget=budget, headroom=headroom, on_overflow=on_overflow, verify_steps=0,
-                      report_path=report_path, plot_path=plot_path, gpu=gpu, suggest=suggest, fast=fast)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad)
-    check_precision(precision)
+    options = Options(headroom=headroom, on_overflow=on_overflow, verify_steps=0, report_path=report_path,
+                      plot_path=plot_path, suggest=suggest)
+    run = check_run(run)
     check_step(step)
     check_step(eval_step, "eval_step")
     report = None
     # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
     with internal_failures("the prediction", reraise=(LossNotFoundError,)):
-        report = predict(model, optimizer, batch, options=options, step=step, precision=precision, device=device,
-                         schedule=schedule, eval_batch=eval_batch, eval_step=eval_step)
+        report = predict(model, optimizer, batch, run, options=options, step=step, eval_batch=eval_batch,
+                         eval_step=eval_step)
     return decide(report, options)
 
 
@@ -302,12 +285,10 @@ def predict(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Any,
+    run: Run,
     *,
     options: Options,
     step: StepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
-    schedule: Schedule = Schedule(),
     batch_info: BatchInfo | None = None,
     eval_batch: Any = None,
     eval_step: EvalStepFn | None = None,
@@ -315,29 +296,25 @@ def predict(
     ddp_gradient_buckets: bool = False,
     make_batch: Callable[[int], Any] | None = None,
     eval_frees_gradients: bool = False,
-    parallel: ParallelPlan | None = None,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
 
     Args:
-        model, optimizer, batch, step, precision, device: as for `preflight.estimate` (``batch`` should be the
-            worst-case batch, see `preflight._batches.worst_case_batch`).
+        model, optimizer, batch, step: as for `preflight.estimate` (``batch`` should be the worst-case batch, see
+            `preflight._batches.worst_case_batch`). A ``DistributedDataParallel`` model is read as its plan.
+        run: how the run trains (`preflight.Run`), as the adapter read it off the trainer: both peaks are this
+            rank's share under a sharded ``run.parallel`` (the evaluation peak rescaled by category). What
+            ``preflight check`` asked for through the environment is laid over it (`Run.over`).
         options: the callback's `Options`.
-        schedule: the trainer's step order (gradient accumulation, when gradients are freed).
         batch_info, eval_batch_info: how the batches were found, for the report.
         eval_batch: an evaluation batch; with ``options.check_eval`` the no-grad step is predicted too.
         eval_step: ``eval_step(model, batch)``; default ``model(**batch)`` / ``model(batch)``.
-        ddp_gradient_buckets: the model is wrapped in DDP without ``gradient_as_bucket_view``: its buckets hold
-            a flat copy of every gradient for the whole run (`preflight._sharding.shard_breakdown` docs),
-            added to both peaks as gradients.
+        ddp_gradient_buckets: the adapter unwrapped a DDP model: its buckets hold a flat copy of every gradient for
+            the whole run (`preflight._sharding.shard_breakdown` docs), added to both peaks as gradients.
         make_batch: ``make_batch(b)`` builds the worst-case batch at size ``b``, for the suggestions.
         eval_frees_gradients: the trainer releases the gradients before evaluating (Lightning's default
-            ``on_validation_model_zero_grad``), so a ``"before_backward"`` schedule's gradients are not alive
-            during evaluation.
-        parallel: the trainer's sharded strategy (`preflight.parallel.ParallelPlan`, read by the integrations):
-            both peaks are this rank's share (`preflight.estimate`'s ``world_size``, ``sharding`` and offload;
-            the evaluation peak rescaled by category). A world size asked for through ``preflight check``'s
-            environment takes precedence and is planned the same way.
+            ``on_validation_model_zero_grad``), so a ``"before_backward"`` loop's gradients are not alive during
+            evaluation.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -345,26 +322,34 @@ def predict(
     """
     import preflight
 
-    precision = check_precision(precision)
     options, settings = _with_environment(options)
-    target = resolve_device(device, model)
-    budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
+    asked = settings.run()  # `preflight check --gpu/--budget/--world-size/--sharding/--full`: laid over the run
+    from_env = asked.parallel is not None
+    run = asked.over(check_run(run))
+    ddp_note = None
+    if from_env and read_ddp(model) is not None:  # a dry run plans the ranks asked for, whatever wraps it here
+        model = read_ddp(model)[0]
+    else:  # a DDP model is its own plan: buckets counted per rank by the estimate
+        model, run, ddp_note = read_plan_off_ddp(model, run)
+    target = resolve_device(run.target.device, model)
+    budget_bytes = run_budget(run, model, required=False)
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
-    # A catalog GPU is planned for as a CUDA target (allocator rounding, context); `preflight check` may also ask
-    # for a per-rank plan under data parallelism (`PREFLIGHT_WORLD_SIZE`, `PREFLIGHT_SHARDING`).
-    parallel = _planned(settings, parallel)
     # A model and optimizer DeepSpeed has taken over are read back as the unpartitioned model and a torch optimizer
     # (`preflight.parallel.read_zero`), predicted under the run's ZeRO plan; a ValueError says what does not map.
     zero = read_zero(model, optimizer)
     if zero is not None:
         model, optimizer = zero.model, zero.optimizer
-        parallel = zero_plan(zero, parallel)
+        run = run.replace(parallel=zero_plan(zero, run.parallel))
+    parallel = run.parallel
     if parallel is not None and parallel.deepspeed is not None and parallel.sharded:
         # DeepSpeed's 16-bit modes: the model as DeepSpeed casts it, for training, evaluation and the resident state
-        precision = deepspeed_precision(model, read_deepspeed_config(dict(parallel.deepspeed),
-                                                                     hidden_size=hf_hidden_size(model)), precision)
-    plan = {"world_size": settings.world_size or 1, "sharding": settings.sharding}
+        run = run.replace(precision=deepspeed_precision(
+            model, read_deepspeed_config(dict(parallel.deepspeed), hidden_size=hf_hidden_size(model)), run.precision))
+    precision, schedule = run.precision, run.loop
     sharded = parallel if parallel is not None and parallel.sharded else None
+    # The trainer's replicas (DDP from a strategy) are traced as one device, their buckets added below; a plan asked
+    # for through `preflight check` or read off a DDP model is predicted per rank by the estimate.
+    estimate_run = run if from_env or ddp_note is not None else run.replace(parallel=None)
     wrapped = already_sharded(model)
     # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
     # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
@@ -374,27 +359,26 @@ def predict(
     own = fsdp2 or fsdp1
     if fsdp2 is not None:
         sharded = ParallelPlan(fsdp2.world_size, "fsdp2", source="the model's fully_shard", fsdp=fsdp2.plan)
-        plan = {}
+        estimate_run = run.replace(parallel=None)
     elif fsdp1 is not None:
         sharded = ParallelPlan(fsdp1.world_size, fsdp1.sharding, source="the model's FullyShardedDataParallel",
                                fsdp=fsdp1.plan)
-        plan = {}
+        estimate_run = run.replace(parallel=None)
     elif sharded is not None:
-        plan = sharded.estimate_kwargs()
+        estimate_run = run
         if wrapped is not None:  # its tensors are this rank's shards: the plan would divide them again
-            report = lower_bound_report(model, optimizer, options, device=target, precision=precision,
+            report = lower_bound_report(model, optimizer, options, run, device=target,
                                         reason=f"the model is already sharded ({wrapped})")
             report.fits = None
             report.warnings.append(f"no verdict: the strategy sharded the model before preflight saw it ({wrapped}); "
                                    "a per-rank prediction of a model wrapped other than by fully_shard or "
                                    f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
             return report
+    if estimate_run.target.planned_device is None:
+        estimate_run = pinned(estimate_run, target)
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
-        return estimate(model, opt, b, step=step, precision=precision, accumulate=schedule.accumulate,
-                        zero_grad=schedule.zero_grad, max_grad_norm=schedule.max_grad_norm,
-                        grad_scaler=schedule.grad_scaler, device=None if options.gpu else target, gpu=options.gpu,
-                        fast=options.fast, **plan)
+        return estimate(model, opt, b, estimate_run, step=step)
 
     def step_predictor(b: Any) -> dict[int, int]:
         # After the measured steps the optimizer has state; the measured run's first step had none.
@@ -415,9 +399,9 @@ def predict(
         notes.append(sharded.note())
     if zero is not None:
         notes.append(zero.note())
-    # A planned world size (`preflight check`) already has DDP's buckets in the per-rank breakdown; sharded
-    # strategies have none.
-    ddp_gradient_buckets = ddp_gradient_buckets and (settings.world_size or 1) == 1 and sharded is None
+    # A plan predicted per rank (asked for through `preflight check`, or read off a DDP model) already has DDP's
+    # buckets in the per-rank breakdown; sharded strategies have none.
+    ddp_gradient_buckets = ddp_gradient_buckets and estimate_run.parallel is None and sharded is None
     buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
     total = est.device_total_bytes
     if buckets:
@@ -444,9 +428,9 @@ def predict(
         autograd_workspace = next((e.nbytes for e in est.events if e.uid == WORKSPACE_UIDS[1] and e.nbytes > 0), 0)
         if autograd_workspace:
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
+        eval_run = pinned(run, target)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
-            eval_est = estimate_eval(base_model, eval_batch, step=eval_step, precision=precision, device=target,
-                                     resident=resident, gpu=options.gpu)
+            eval_est = estimate_eval(base_model, eval_batch, eval_run, step=eval_step, resident=resident)
 
         # Under a sharded plan, this rank's share. The resident optimizer state is the per-rank training trace's
         # where ranks were traced (kept as it is: each rank's own slices and scalars), else closed-form (a
@@ -464,8 +448,7 @@ def predict(
             return _rank_share(one, base_model, sharded, precision, traced_state)
 
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
-            return eval_figures(estimate_eval(base_model, b, step=eval_step, precision=precision, device=target,
-                                              resident=resident, gpu=options.gpu))[0]
+            return eval_figures(estimate_eval(base_model, b, eval_run, step=eval_step, resident=resident))[0]
 
     eval_peak = eval_total = None
     if eval_est is not None:
@@ -497,6 +480,7 @@ def predict(
         coverage=coverage,
         precision=precision,
         schedule=schedule.to_dict(),
+        run=run.to_dict(),
         predicted_reserved_bytes=est.peak_reserved_bytes,
         predicted_device_total_bytes=total,
         estimate=est,
@@ -521,29 +505,21 @@ def predict(
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
     if report.fits is False and options.suggest and talk and unwrapped:
         with progress("it does not fit: predicting what to change (about ten traces)"):
-            report.suggestions = _suggestions(base_model, base_optimizer, batch, step, precision, target, options,
-                                              schedule, make_batch, report,
-                                              sharded if own is not None else options_plan(model, parallel))
+            advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
+            report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),
+                                              options, make_batch, report)
     return report
 
 
 def options_plan(model: nn.Module, parallel: ParallelPlan | None) -> ParallelPlan | None:
     """The plan the suggestions and the micro-batch search predict each option under: the run's, when it spans
     several ranks (DDP included), unless the strategy has already wrapped the model (then `preflight.estimate`
-    reads the plan off the model itself, or there is none to follow)."""
-    parallel = _planned(settings_from_env(), parallel)
+    reads the plan off the model itself, or there is none to follow). A plan ``preflight check --world-size`` asked
+    for takes precedence (the dry run plans for N ranks from one process)."""
+    parallel = settings_from_env().run().parallel or parallel
     if parallel is None or parallel.world_size < 2 or already_sharded(model) is not None:
         return None
     return parallel
-
-
-def _planned(settings: Any, parallel: ParallelPlan | None) -> ParallelPlan | None:
-    """The trainer's plan, or the one `preflight check --world-size N --sharding S` asked for (it takes precedence:
-    the dry run plans for N ranks from one process)."""
-    if not settings.world_size:
-        return parallel
-    return ParallelPlan(settings.world_size, settings.sharding or ("ddp" if settings.world_size > 1 else None),
-                        source="preflight check --world-size")
 
 
 def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precision: str | None,
@@ -898,30 +874,32 @@ def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
                       RuntimeWarning, stacklevel=3)
 
 
-def predict_or_lower_bound(run: Callable[[], Report], model: nn.Module, optimizer: torch.optim.Optimizer,
-                           options: Options, *, device: torch.device, precision: str | None) -> Report | None:
+def predict_or_lower_bound(predict_run: Callable[[], Report], model: nn.Module, optimizer: torch.optim.Optimizer,
+                           options: Options, run: Run, *, device: torch.device) -> Report | None:
     """``run()`` (an adapter's prediction); if it fails inside preflight, a warning and `lower_bound_report`
     instead, so that under ``torch.distributed`` this rank still takes part in the verdict (as a labelled lower
     bound) and measures its own steps. None only if the lower bound fails too."""
     reasons: list[str] = []
     with internal_failures("the prediction", reasons=reasons):
-        return run()
+        return predict_run()
     with internal_failures("the lower bound after a failed prediction"):
-        return lower_bound_report(model, optimizer, options, device=device, precision=precision, reason=reasons[0])
+        return lower_bound_report(model, optimizer, options, run, device=device, reason=reasons[0])
     return None
 
 
-def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, *, device: torch.device,
-                       precision: str | None, reason: str) -> Report:
+def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, run: Run, *,
+                       device: torch.device, reason: str) -> Report:
     """The report of a rank whose prediction failed: parameters + buffers + gradients + optimizer state in closed
     form (`preflight._analytic.model_state`), or under DeepSpeed what it holds on the rank now (its partitions and
     its optimizer's flat buffers, measured), labelled a lower bound (``coverage.lower_bound``), with the reason."""
     import preflight
     from preflight._analytic import model_state
 
-    options, _ = _with_environment(options)
+    options, settings = _with_environment(options)
+    run = settings.run().over(run)
+    precision = run.precision
     target = resolve_device(device, model)
-    budget_bytes = resolve_budget(options.budget, device=target, gpu=options.gpu)
+    budget_bytes = run_budget(run, model, required=False)
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
     held = held_tensors(model, optimizer)
     if held:  # DeepSpeed's: what it holds on this rank now, measured (its partitions; its optimizer's flat buffers)
@@ -943,25 +921,19 @@ def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, optio
         eval_batch_shape=None, fits=None if usable is None or peak <= usable else False,
         coverage={"traced": False, "lower_bound": True, "failed_op": None, "reason": f"the prediction failed: {reason}",
                   "notes": []},
-        precision=precision, schedule={})
+        precision=precision, schedule={}, run=run.to_dict())
     report.warnings.append(f"the prediction failed on this rank ({reason}): its figure is a lower bound (parameters, "
                            "buffers, gradients and optimizer state, without activations or the batch)")
     return report
 
 
 def _with_environment(options: Options) -> tuple[Options, Any]:
-    """``options`` with what ``preflight check`` asked for through the environment (`preflight._dryrun`)."""
+    """``options`` with the headroom ``preflight check`` asked for through the environment (`preflight._dryrun`),
+    and those settings (`DryRunSettings.run` gives what they say of the run)."""
     settings = settings_from_env()
-    changes: dict[str, Any] = {}
-    if settings.budget is not None:
-        changes["budget"] = settings.budget
-    if settings.gpu is not None:
-        changes["gpu"] = settings.gpu
     if settings.headroom is not None:
-        changes["headroom"] = settings.headroom
-    if settings.fast is not None:
-        changes["fast"] = settings.fast
-    return (dataclasses.replace(options, **changes) if changes else options), settings
+        options = dataclasses.replace(options, headroom=settings.headroom)
+    return options, settings
 
 
 def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fits: bool | None,
@@ -1008,26 +980,21 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     return "\n".join(lines)
 
 
-def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None,
-                 precision: str | None, device: torch.device, options: Options, schedule: Schedule,
-                 make_batch: Callable[[int], Any] | None, report: Report,
-                 plan: ParallelPlan | None = None) -> list[dict[str, Any]]:
+def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None, run: Run,
+                 options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
     try:
         from preflight._advise import advise
     except ImportError:
         return []
+    run = run.replace(target=dataclasses.replace(run.target, budget=report.budget_bytes))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
-            found = advise(model, optimizer, batch, budget=report.budget_bytes, step=step,
-                           precision=precision, device=device, world_size=_world_size(),
-                           make_batch=make_batch, headroom=options.headroom, accumulate=schedule.accumulate,
-                           zero_grad=schedule.zero_grad, fast=options.fast, plan=plan)
+            found = advise(model, optimizer, batch, run, step=step, make_batch=make_batch, headroom=options.headroom)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
         return []
-    return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
-             "change": s.change, "cost": getattr(s, "cost", None)} for s in found]
+    return [s.to_dict() for s in found]
 
 
 def _emit(report: Report, options: Options, *, verified: bool = False) -> None:
@@ -1080,7 +1047,7 @@ def ddp_bucket_bytes(wrapped: Any) -> int:
     return _gradient_bytes(wrapped.module, None)
 
 
-def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Schedule,
+def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Loop,
                   ddp_gradient_buckets: bool = False, estimate: Estimate | None = None,
                   frees_gradients: bool = False) -> dict[str, int]:
     """Training state alive during evaluation inside training: the optimizer state (closed form when the optimizer

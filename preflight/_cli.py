@@ -43,6 +43,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 _PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-true": "float16"}
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 _TOP_SUGGESTIONS = 5
+# Suggestions whose change is the run's description alone (`Suggestion.run`), so its flags reproduce it.
+_RUN_CHANGES = {"precision", "sharding", "world_size", "zero_stage", "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF"}
 EXIT_TIMEOUT = 124  # the `timeout` command's status when it stops the command
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNAL_EXITS = tuple(128 + sig for sig in _FORWARDED)  # the shell's convention for "ended by signal N"
@@ -88,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank instead")
     est.add_argument("--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
+    est.add_argument("--accumulate", type=int, default=1, metavar="N",
+                     help="gradient-accumulation micro-batches per optimizer step (--batch is one micro-batch)")
+    est.add_argument("--allocator", metavar="CONF", default=None,
+                     help="CUDA allocator settings for the reserved-memory simulation, as PYTORCH_CUDA_ALLOC_CONF "
+                          "writes them (e.g. expandable_segments:True); default: the environment's")
     _add_plan_options(est)
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
@@ -166,11 +173,9 @@ def _estimate(args: argparse.Namespace) -> int:
         model, optimizer, batch = _build(args, config, param_dtype)
     for text in warnings_:
         print(f"preflight: warning: {text}", file=sys.stderr)
+    run = _run(args, sharding, offload)
     with _progress("tracing 2 training steps on fake tensors"):
-        est = preflight.estimate(model, optimizer, batch, precision=args.precision, gpu=args.gpu,
-                                 device="cuda" if args.gpu else "cpu", world_size=args.world_size,
-                                 sharding=sharding, fast=args.fast, deepspeed_config=args.deepspeed_config,
-                                 gradient_as_bucket_view=args.gradient_as_bucket_view, **offload)
+        est = preflight.estimate(model, optimizer, batch, run)
     params = _parameter_summary(model)
     print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
@@ -178,11 +183,11 @@ def _estimate(args: argparse.Namespace) -> int:
     print(verdict["text"])
     suggestions: list[dict[str, Any]] = []
     if verdict["fits"] is False and args.suggest:
-        suggestions = _suggest(args, model, optimizer, batch, config, budget, sharding, offload)
+        suggestions = _suggest(args, model, optimizer, batch, config, budget, run)
         print(_suggestions_text(suggestions))
     if args.json:
         out = {**est.to_dict(), **{k: v for k, v in verdict.items() if k != "text"},
-               "parameters": params, "inputs": _inputs(args, param_dtype, sharding, offload),
+               "parameters": params, "inputs": _inputs(args, param_dtype, sharding, offload), "run": run.to_dict(),
                "versions": _versions(), "suggestions": suggestions, "warnings": warnings_}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -253,27 +258,43 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     ])
 
 
-def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
-             sharding: str | None, offload: dict[str, bool]) -> list[dict[str, Any]]:
-    """Ranked changes from `preflight.advise`, as the callbacks print them. Under
-    --world-size, --sharding, offload or --deepspeed-config each change is predicted per rank under that plan."""
-    from preflight._advise import advise
+def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> Any:
+    """The `preflight.Run` the flags describe (the same description the Python API takes)."""
     from preflight._estimate import check_plan
+    from preflight._run import Loop, Run, Target
     from preflight.parallel import ParallelPlan, deepspeed_plan
 
-    plan = None
-    if args.deepspeed_config:
-        plan = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
-    elif args.world_size > 1 or sharding or any(offload.values()):
-        plan = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
-                            source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
-                            **offload)
+    if args.accumulate < 1:
+        raise UsageError(f"--accumulate should be at least 1, got {args.accumulate}.")
+    parallel = None
+    try:
+        if args.deepspeed_config:
+            parallel = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
+        elif args.world_size > 1 or sharding or any(offload.values()):
+            parallel = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
+                                    source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
+                                    **offload)
+        return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate),
+                   target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
+                                 allocator=args.allocator),
+                   parallel=parallel, fast=args.fast)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+
+
+def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
+             run: Any) -> list[dict[str, Any]]:
+    """Ranked changes from `preflight.advise`, as the callbacks print them, each predicted under the flags' run (per
+    rank under --world-size, --sharding, offload or --deepspeed-config)."""
+    import dataclasses
+
+    from preflight._advise import advise
+
+    run = run.replace(target=dataclasses.replace(run.target, budget=budget))
     with _progress("ranking changes that would fit (--no-suggest skips this)"):
-        found = advise(model, optimizer, batch, budget=budget, precision=args.precision,
-                       device="cuda" if args.gpu else "cpu", world_size=args.world_size, headroom=args.headroom,
-                       make_batch=lambda b: _batch(args, config, batch_size=b), fast=args.fast, plan=plan)
-    return [{"description": s.description, "predicted_peak_bytes": s.predicted_peak_bytes, "fits": s.fits,
-             "change": s.change, "cost": s.cost} for s in found]
+        found = advise(model, optimizer, batch, run, headroom=args.headroom,
+                       make_batch=lambda b: _batch(args, config, batch_size=b))
+    return [s.to_dict() for s in found]
 
 
 def _suggestions_text(suggestions: list[dict[str, Any]]) -> str:
@@ -282,6 +303,8 @@ def _suggestions_text(suggestions: list[dict[str, Any]]) -> str:
     lines = ["what to change (ranked; predicted peak with the change):"]
     for i, s in enumerate(suggestions[:_TOP_SUGGESTIONS], 1):
         lines.append(f"  {i}. {'fits' if s['fits'] else 'still over'}: {s['description']}")
+        if s["change"].keys() <= _RUN_CHANGES:  # a change of the run alone: the flags that plan it
+            lines.append(f"     as flags: {' '.join(s['cli_flags'])}")
     return "\n".join(lines)
 
 

@@ -49,6 +49,19 @@ class DryRunSettings:
     headroom: float | None = None
     fast: bool | None = None  # `preflight check --full`: False
 
+    def run(self) -> Any:
+        """What ``preflight check``'s flags say of the run, as a `preflight.Run` whose unset fields are defaults (to
+        lay over the script's own with `Run.over`)."""
+        from preflight._run import Run, Target
+        from preflight.parallel import ParallelPlan
+
+        parallel = None
+        if self.world_size:
+            parallel = ParallelPlan(self.world_size, self.sharding or ("ddp" if self.world_size > 1 else None),
+                                    source="preflight check --world-size")
+        return Run(target=Target(gpu=self.gpu, budget=self.budget), parallel=parallel,
+                   fast=True if self.fast is None else self.fast)
+
 
 def settings_from_env(environ: dict[str, str] | None = None) -> DryRunSettings:
     """Read the ``PREFLIGHT_*`` variables.

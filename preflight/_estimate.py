@@ -20,17 +20,18 @@ from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import Calibrator, calibrate, scratch_ops
 from preflight._sharding import (Zero3Terms, ZeroBuffers, hf_hidden_size, read_deepspeed_config,
                                 shard_breakdown, zero3_terms, zero_buffers)
-from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps
+from preflight._run import Run, check_run
+from preflight._steps import StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
-from preflight.parallel import read_zero, trace_fsdp1, trace_fsdp2, zero_plan
-from preflight.trace import check_routing, device_mismatch, float_dtype_for, trace_composed, trace_steps
+from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
+from preflight.trace import device_mismatch, float_dtype_for, trace_composed, trace_steps
 
-__all__ = ["check_plan", "deepspeed_terms", "estimate", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
+__all__ = ["check_plan", "deepspeed_terms", "estimate", "read_plan_off_ddp", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -40,26 +41,9 @@ def estimate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Any,
+    run: Run | None = None,
     *,
     step: StepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
-    steps: int = 2,
-    accumulate: int = 1,
-    zero_grad: str = "after_step",
-    max_grad_norm: float | None = None,
-    grad_scaler: bool = False,
-    gpu: str | None = None,
-    world_size: int = 1,
-    sharding: str | None = None,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    allocator: AllocatorConfig | str | None = None,
-    routing: str = "balanced",
-    fast: bool = False,
-    fsdp: FSDP2Plan | FSDP1Plan | None = None,
-    deepspeed_config: dict | str | os.PathLike | None = None,
-    gradient_as_bucket_view: bool = False,
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with ``optimizer`` on ``batch``, without running it.
 
@@ -81,66 +65,19 @@ def estimate(
         batch: one batch as the dataloader yields it (a tensor or nested dict/list/tuple of tensors). Shapes and
             dtypes set the prediction; the values of small integer tensors (token ids, masks) are used only to
             take the same code path as the real run.
+        run: how the run trains (`preflight.Run`): precision, the loop (accumulation, where gradients are freed,
+            clipping, GradScaler, simulated steps), the target (device or catalog GPU, allocator settings), the
+            parallel plan and the MoE routing assumed; None: the defaults (as the tensors are, one device, the
+            model's own). With ``run.parallel`` spanning several ranks, ``peak_bytes`` and ``breakdown`` are one
+            rank's: ``"ddp"`` (DDP's buckets counted), ``"zero1"``/``"zero2"``/``"zero3"`` (one single-device trace
+            rescaled per category, DeepSpeed's buffers sized from the plan's config), ``"fsdp2"``, ``"fsdp-full"``,
+            ``"fsdp-grad-op"`` (each rank's own step traced through ``fully_shard`` or ``FullyShardedDataParallel``
+            under a fake process group of the world size, ``per_rank_peak_bytes`` and ``peak_rank`` filled, the
+            engine's all-gather and reduce-scatter buffers in ``communication``). Inside a real job the fake group
+            is made beside the job's, which is left as it was. Where a rank cannot be traced (offloading, a paged
+            optimizer, a program FSDP cannot run) it is rescaled per category and ``coverage.notes`` says why.
         step: ``step(model, batch) -> loss``. Default: ``model(**batch)`` for a mapping, ``model(batch)``
             otherwise, taking ``.loss``, ``["loss"]``, a scalar output, or the first element of a tuple.
-        precision: ``None`` (as the tensors are), ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``,
-            ``"bf16-true"`` or ``"16-true"`` (Lightning's names; mixed runs the forward under autocast).
-        device: the device planned for; default the model's (CPU for a meta model).
-        steps: simulated steps; 2 by default because step 1 creates the optimizer state and step 2 is the
-            steady state.
-        accumulate: gradient-accumulation micro-batches per optimizer step (``batch`` is one micro-batch).
-            The gradients of earlier micro-batches are alive during the next one's forward and backward.
-        zero_grad: where the training loop frees gradients: ``"after_step"`` (HF Trainer, most loops),
-            ``"before_backward"`` (Lightning: the previous step's gradients live through the next forward) or
-            ``"in_place"`` (``zero_grad(set_to_none=False)``, torch < 2.0's default: never freed, zero-filled).
-        max_grad_norm: gradient clipping as the trainer does it (``torch.nn.utils.clip_grad_norm_`` before each
-            optimizer step; the HF Trainer's default is 1.0); None: no clipping.
-        grad_scaler: a loss scaler around the step, as fp16 mixed precision on CUDA uses (``torch.amp.GradScaler``:
-            scaled loss, in-place unscale and inf check, scale update).
-        gpu: a GPU from the catalog (``"H100-80GB"``, ``"A100-40GB"``, ... see ``preflight.known_gpus()``) to plan
-            for; implies ``device="cuda"`` and fills ``device_total_bytes``.
-        world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
-        sharding: ``"ddp"`` (default when ``world_size > 1``), ``"zero1"``, ``"zero2"``, ``"zero3"`` (these rescale one
-            single-device trace per category), ``"fsdp2"``, ``"fsdp-full"`` or ``"fsdp-grad-op"``: each rank's own step
-            traced through FSDP2's ``fully_shard`` or FSDP1's ``FullyShardedDataParallel`` (``FULL_SHARD``,
-            ``SHARD_GRAD_OP``) under a fake process group of ``world_size`` ranks (`preflight.parallel`), with
-            ``per_rank_peak_bytes`` and ``peak_rank`` filled and the engine's all-gather and reduce-scatter buffers in
-            the ``communication`` category. Inside a real job (a process group already initialised) the fake group is
-            made beside the job's, which is left as it was. Where a rank cannot be traced (offloading, a paged
-            optimizer, a program FSDP or the trace cannot run), it is rescaled per category (``"fsdp2"`` as
-            ``"fsdp-full"``; hybrid sharding over the ranks of one shard group) and ``coverage.notes`` says why.
-        offload_optimizer, offload_params: with sharding, the optimizer state (ZeRO-Offload, FSDP ``CPUOffload``)
-            or the parameter shards (ZeRO-3 / FSDP full sharding only) live on the CPU.
-        deepspeed_config: the run's DeepSpeed config (a dict, a JSON string or a path to its file): its ZeRO stage
-            and offload settings are the plan (``sharding`` and the offload flags may be left out; a contradiction
-            is a ValueError), and its ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients`` and
-            precision size ZeRO's gradient reduction buffers (``"auto"`` filled from the model's hidden size as
-            the HF Trainer fills it). Without it, a ``zero*`` sharding counts those buffers at DeepSpeed's
-            defaults, as the note says.
-        allocator: CUDA allocator settings for the reserved-memory simulation: an `AllocatorConfig` or a
-            ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True"``. Default: the
-            environment's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, else PyTorch's defaults.
-        routing: the mixture-of-experts routing assumed where a per-expert loop (``experts_implementation=
-            "eager"``, transformers 4.x and remote-code MoEs) needs the router's choices, which a fake trace does
-            not have: ``"balanced"`` (default: each expert gets top_k x tokens / experts, what load-balancing
-            losses train routers towards) or ``"skewed"`` (every token to the same top_k experts, a worst case).
-            Reported in ``coverage.notes`` when it decided a shape; grouped kernels (transformers 5's default)
-            do not depend on it.
-        fast: trace a model with a repeated stack of blocks (a transformer's layers, or a short period of them)
-            at three shallow depths and compose the full depth's event timeline from them, exactly
-            (`preflight.trace._compose`): the trace's cost no longer grows with depth. Models without such a stack,
-            shallow ones, or whose shallow traces do not compose are traced in full; ``coverage.notes`` says which.
-        fsdp: how FSDP wraps the model: with ``sharding="fsdp2"`` a `preflight.parallel.FSDP2Plan` (the wrapped
-            units, ``MixedPrecisionPolicy``, ``reshard_after_forward``, HSDP's ``replicate``), with ``"fsdp-full"``
-            / ``"fsdp-grad-op"`` a `preflight.parallel.FSDP1Plan` (units, ``MixedPrecision``, ``use_orig_params``,
-            prefetching, a hybrid strategy's ``ranks_per_node``); default: every entry of the largest
-            ``nn.ModuleList`` and then the root, the engine's defaults (FSDP1 with ``use_orig_params=True``). A
-            hybrid plan is traced over a fake 2-D mesh (replicas x shard group) of ``world_size`` ranks.
-        gradient_as_bucket_view: with ``sharding="ddp"``, DDP's option of the same name: DDP's buckets still hold
-            one flat copy of the gradients from construction on, but ``.grad`` becomes a view into them, so each
-            gradient the backward makes lives only until DDP copies it into its bucket. DDP's other options
-            (``bucket_cap_mb``, ``static_graph``, ``find_unused_parameters``) do not change the bytes: the buckets
-            together hold every gradient once whatever their cap.
 
     Returns:
         An `Estimate`. When the trace fails (data-dependent operators, kernels without fake implementations),
@@ -180,37 +117,37 @@ def estimate(
           traced eagerly (the eager peak, an upper bound for activations), as ``coverage.notes`` says. Dynamo is
           kept out of the trace, so nothing about the user's compilation changes.
     """
-    precision = check_precision(precision)
-    routing = check_routing(routing)
+    run = check_run(run)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     # A model and optimizer DeepSpeed ZeRO has taken over: its unpartitioned stand-ins are predicted (never the
-    # partitioned model, whose hooks gather over the job's group), under the ZeRO plan its objects show unless one is
-    # given. A ValueError says what does not map back.
+    # partitioned model, whose hooks gather over the job's group), under the ZeRO plan its objects show unless the
+    # run gives one. A ValueError says what does not map back.
     zero = read_zero(model, optimizer)
     if zero is not None:
-        plan = zero_plan(zero, None)  # the stage and world size DeepSpeed's objects (or the job) show
-        world_size = plan.world_size if world_size == 1 else world_size
-        if sharding is None and deepspeed_config is None:
-            sharding, deepspeed_config = plan.sharding, dict(plan.deepspeed)
-        est = estimate(zero.model, zero.optimizer, batch, step=step, precision=precision,
-                       device=device if device is not None or gpu is not None else resolve_device(None, model),
-                       steps=steps, accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
-                       grad_scaler=grad_scaler, gpu=gpu, world_size=world_size, sharding=sharding,
-                       offload_optimizer=offload_optimizer, offload_params=offload_params, allocator=allocator,
-                       routing=routing, fast=fast, fsdp=fsdp, deepspeed_config=deepspeed_config,
-                       gradient_as_bucket_view=gradient_as_bucket_view)
+        target = run.target
+        if target.planned_device is None:
+            target = dataclasses.replace(target, device=resolve_device(None, model))
+        est = estimate(zero.model, zero.optimizer, batch,
+                       run.replace(parallel=run.parallel or zero_plan(zero, None), target=target), step=step)
         return dataclasses.replace(est, coverage=dataclasses.replace(
             est.coverage, notes=(*est.coverage.notes, zero.note())))
+    # A DDP model is its own parallel plan: the module it wraps is traced, DDP's buckets counted per rank.
+    model, run, ddp_note = read_plan_off_ddp(model, run)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "
             "Pass the optimizer you will train with, built over the model's parameters."
         )
-    steps = check_steps(steps)
     check_step(step)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
-                        grad_scaler=grad_scaler)
+    precision, schedule, steps, routing, fast = run.precision, run.loop, run.loop.steps, run.routing, run.fast
+    device, gpu, allocator = run.target.device, run.target.gpu, run.target.allocator
+    plan_kwargs = run.parallel.estimate_kwargs() if run.parallel is not None else {}
+    world_size, sharding = plan_kwargs.get("world_size", 1), plan_kwargs.get("sharding")
+    offload_optimizer = plan_kwargs.get("offload_optimizer", False)
+    offload_params = plan_kwargs.get("offload_params", False)
+    fsdp, deepspeed_config = plan_kwargs.get("fsdp"), plan_kwargs.get("deepspeed_config")
+    gradient_as_bucket_view = plan_kwargs.get("gradient_as_bucket_view", False)
     offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
     ds = None
     if deepspeed_config is not None:
@@ -225,11 +162,6 @@ def estimate(
         if isinstance(wrapped, WrappedFSDP1):  # the outermost FSDP1 wrapper, whose copy is the unwrapped model
             traced_model = wrapped.root
     sharding = check_plan(world_size, sharding, **offload)
-    if not isinstance(gradient_as_bucket_view, bool):
-        raise TypeError(f"`gradient_as_bucket_view` should be True or False, got {gradient_as_bucket_view!r}.")
-    if gradient_as_bucket_view and sharding != "ddp":
-        raise ValueError(f"`gradient_as_bucket_view` is DDP's option, but the sharding is {sharding!r}: pass "
-                         "sharding='ddp' (and world_size > 1), or leave gradient_as_bucket_view out.")
     gpu_info = resolve_gpu(gpu, torch.device("cuda")) if gpu is not None else None
     if gpu_info is not None and device is None:
         device = "cuda"
@@ -240,8 +172,6 @@ def estimate(
     if gpu_info is None:
         gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)
-    if not isinstance(fast, bool):
-        raise TypeError(f"`fast` should be True or False, got {fast!r}.")
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
@@ -272,6 +202,8 @@ def estimate(
     else:
         result = trace_steps(model, optimizer, batch, **options)
     notes = list(result.notes) + ([composed_note] if composed_note else []) + ([rank_note] if rank_note else [])
+    if ddp_note:
+        notes.append(ddp_note)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
@@ -336,6 +268,25 @@ def estimate(
         events=tuple(events),
         categories=categories,
     )
+
+
+def read_plan_off_ddp(model: nn.Module, run: Run) -> tuple[nn.Module, Run, str | None]:
+    """For a ``DistributedDataParallel`` model: the module it wraps, ``run`` with the wrapper's plan as its parallel
+    section, and a note; any other model comes back as it is. A plan in ``run`` that contradicts the wrapper (another
+    world size or a sharding other than DDP) is a ValueError naming both."""
+    ddp = read_ddp(model)
+    if ddp is None:
+        return model, run, None
+    module, plan = ddp
+    given = run.parallel
+    if given is not None and (given.world_size != plan.world_size or given.sharding not in (None, "ddp")):
+        raise ValueError(f"The model is wrapped in DistributedDataParallel over {plan.world_size} rank(s), but "
+                         f"`run.parallel` says {given.sharding!r} over {given.world_size}: leave `run.parallel` out "
+                         "(the wrapper is the plan), or pass the module it wraps (`model.module`).")
+    if given is not None:  # the wrapper's own option, whatever the run said
+        plan = dataclasses.replace(given, sharding="ddp", gradient_as_bucket_view=plan.gradient_as_bucket_view)
+    return module, run.replace(parallel=plan), f"per-rank plan read from the model's DistributedDataParallel: " \
+        f"ddp over {plan.world_size} rank(s)" + (", gradients as bucket views" if plan.gradient_as_bucket_view else "")
 
 
 def _deepspeed_settings(ds: dict[str, Any], sharding: str | None,

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from preflight._device import iter_tensors, resolve_device, trace_device_for
-from preflight.parallel import read_zero
+from preflight.parallel import read_ddp, read_zero
 from preflight._estimate import _allocator_config, summarize_events
 from preflight._gpus import get_gpu
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._steps import autocast_for, check_precision, check_step
+from preflight._run import Run, check_run
+from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
@@ -36,12 +37,10 @@ EvalStepFn = Any  # eval_step(model, batch) -> anything (outputs are kept alive 
 def estimate_eval(
     model: nn.Module,
     batch: Any,
+    run: Run | None = None,
     *,
     step: EvalStepFn | None = None,
-    precision: str | None = None,
-    device: str | torch.device | None = None,
     resident: Mapping[str, int] | None = None,
-    gpu: str | None = None,
 ) -> Estimate:
     """Predict the peak of one evaluation step of ``model`` on ``batch`` without running it.
 
@@ -51,13 +50,12 @@ def estimate_eval(
         step: ``step(model, batch)`` running the evaluation forward (e.g. a LightningModule's
             ``validation_step``); its return value is alive at the end of the step. Default: ``model(**batch)``
             for a mapping, ``model(batch)`` otherwise.
-        precision: as for `preflight.estimate`; ``*-mixed`` runs the forward under autocast.
-        device: the device planned for; default the model's.
+        run: how the run trains (`preflight.Run`), as for `preflight.estimate`: its precision (``*-mixed`` runs the
+            forward under autocast) and target (device or catalog GPU: its attention kernels, cuBLAS workspace, CUDA
+            context in ``device_total_bytes``, and the allocator settings). The loop does not apply (one forward,
+            no gradients); a per-rank share under ``run.parallel`` is the caller's (`preflight.check` gives it).
         resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
             (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
-        gpu: a GPU from the catalog to plan for (implies ``device="cuda"``): its attention kernels, cuBLAS
-            workspace size and CUDA context (in ``device_total_bytes``). None with a CUDA ``device``: an unnamed
-            one.
 
     Returns:
         An `Estimate` with ``steps=1`` and phases ``eval/forward``. On a CUDA target, as for training: the
@@ -68,9 +66,13 @@ def estimate_eval(
     Known limitations: as `preflight.estimate`; outputs that an evaluation loop accumulates across batches
     (HF ``prediction_loss_only=False`` gathers logits) are not counted.
     """
-    precision = check_precision(precision)
+    run = check_run(run)
+    precision, gpu = run.precision, run.target.gpu
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    ddp = read_ddp(model)  # the module a DDP wrapper runs; its buckets are the caller's resident state
+    if ddp is not None:
+        model = ddp[0]
     check_step(step)
     resident = {k: int(v) for k, v in (resident or {}).items() if v}
     unknown = set(resident) - {c.value for c in Category}
@@ -78,11 +80,7 @@ def estimate_eval(
         raise ValueError(f"`resident` keys should be category names {[c.value for c in Category]}, "
                          f"got {sorted(unknown)}.")
     gpu_info = get_gpu(gpu) if gpu else None
-    if gpu_info is not None and device is None:  # as for estimate: a catalog GPU is a CUDA target
-        device = "cuda"
-    target = resolve_device(device, model)
-    if gpu_info is not None and target.type != "cuda":
-        raise ValueError(f"`gpu={gpu!r}` plans for a CUDA device, but `device` is {device!r}. Drop one of them.")
+    target = resolve_device(run.target.planned_device, model)  # a catalog GPU is a CUDA target, as for estimate
     zero = read_zero(model, None)  # DeepSpeed ZeRO-3 partitioned it: its unpartitioned stand-in runs instead
     if zero is not None:
         model = zero.model
@@ -111,7 +109,7 @@ def estimate_eval(
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)
         events = round_events(events)
-        terms = cuda_terms(events, gpu_info, _allocator_config(None))  # PYTORCH_CUDA_ALLOC_CONF, as for training
+        terms = cuda_terms(events, gpu_info, _allocator_config(run.target.allocator))  # as for training
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)

@@ -12,7 +12,8 @@ from torch import nn
 from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storages, map_tensors,
                                model_device)
 from preflight._result import Measurement
-from preflight._steps import Schedule, StepFn, check_precision, check_step, check_steps, run_steps
+from preflight._run import Run, check_run
+from preflight._steps import StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "lost_free_peaks", "placed_peaks", "profiled_memory_peak",
@@ -23,14 +24,9 @@ def measure(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Any,
+    run: Run | None = None,
     *,
     step: StepFn | None = None,
-    precision: str | None = None,
-    steps: int = 2,
-    accumulate: int = 1,
-    zero_grad: str = "after_step",
-    max_grad_norm: float | None = None,
-    grad_scaler: bool = False,
 ) -> Measurement:
     """Run ``steps`` real training steps and measure their peak memory.
 
@@ -45,8 +41,10 @@ def measure(
       alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch).
 
     Args:
-        model, optimizer, batch, step, precision, steps, accumulate, zero_grad, max_grad_norm, grad_scaler: as
-            for `preflight.estimate`.
+        model, optimizer, batch, step: as for `preflight.estimate`.
+        run: the same `preflight.Run` a prediction takes; its precision and loop apply. The steps run where the
+            model's tensors are: a target is for predictions, so a ``run.target.device`` other than the model's is a
+            ValueError; the parallel plan is whatever this process really runs (a DDP model runs DDP).
 
     Returns:
         A `Measurement`.
@@ -55,12 +53,14 @@ def measure(
         >>> m = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch)  # doctest: +SKIP
         >>> m.peak_bytes  # doctest: +SKIP
     """
-    precision = check_precision(precision)
-    schedule = Schedule(accumulate=accumulate, zero_grad=zero_grad, max_grad_norm=max_grad_norm,
-                        grad_scaler=grad_scaler)
-    steps = check_steps(steps)
+    run = check_run(run)
+    precision, schedule, steps = run.precision, run.loop, run.loop.steps
     check_step(step)
     device = model_device(model)
+    wanted = run.target.device
+    if wanted is not None and torch.device(wanted).type != device.type:
+        raise ValueError(f"`measure` runs real steps where the model's tensors are ({device}), but `run.target` says "
+                         f"{str(wanted)!r}. Move the model there first, or leave the target out.")
     if device.type == "meta":
         raise ValueError("Cannot measure a model on the meta device: it has no memory. Use `preflight.estimate`.")
     dtype = float_dtype_for(precision)

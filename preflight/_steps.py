@@ -4,7 +4,7 @@ A step is: forward (under autocast for the ``*-mixed`` precisions) to a scalar l
 ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Running the same code for prediction and for
 measurement is what makes their peaks comparable.
 
-Two things trainers do differently change the peak, and a `Schedule` says which:
+Two things trainers do differently change the peak, and a `Loop` says which:
 
 - **Gradient accumulation** (``accumulate > 1``): gradients of the earlier micro-batches are alive during the
   forward and backward of the next. Two micro-batches per optimizer step show the repeating pattern of any
@@ -17,7 +17,7 @@ Two things trainers do differently change the peak, and a `Schedule` says which:
   ``Optimizer.zero_grad`` and ``Module.zero_grad`` before torch 2.0: the gradients are zero-filled after each
   step and stay allocated for the whole run, and the next backward accumulates into them.
 
-Two more things a trainer adds to the step, each traced with torch's own operators when the `Schedule` says so:
+Two more things a trainer adds to the step, each traced with torch's own operators when the `Loop` says so:
 
 - **Gradient clipping** (``max_grad_norm``; the HF Trainer clips at 1.0 by default, Lightning when
   ``gradient_clip_val`` is set): ``torch.nn.utils.clip_grad_norm_`` between backward and the optimizer step, with
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PRECISIONS", "ZERO_GRAD_CHOICES", "Schedule", "StepFn", "check_precision", "check_step", "check_steps",
+    "PRECISIONS", "ZERO_GRAD_CHOICES", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
     "autocast_for", "compute_loss", "run_steps",
 ]
 
@@ -57,8 +57,8 @@ ZERO_GRAD_CHOICES = ("after_step", "before_backward", "in_place")
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A trainer's step order.
+class Loop:
+    """How the training loop steps: the loop section of a `preflight.Run`.
 
     Attributes:
         accumulate: micro-batches per optimizer step (gradient accumulation).
@@ -66,14 +66,19 @@ class Schedule:
             ``"in_place"`` (``zero_grad(set_to_none=False)``: gradients zero-filled, never freed).
         max_grad_norm: clip the gradients' total 2-norm to this before each optimizer step; None: no clipping.
         grad_scaler: run the step through a loss scaler, as fp16 mixed precision on CUDA does.
+        steps: optimizer steps simulated (not the run's length): 2 by default, because step 1 creates the
+            optimizer state and step 2 is the steady state.
     """
 
     accumulate: int = 1
     zero_grad: str = "after_step"
     max_grad_norm: float | None = None
     grad_scaler: bool = False
+    # Two: step 1 creates the optimizer state, step 2 is the steady state every later step repeats.
+    steps: int = 2
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", check_steps(self.steps))
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"`accumulate` should be a positive integer, got {self.accumulate!r}.")
         if self.zero_grad not in ZERO_GRAD_CHOICES:
@@ -198,7 +203,7 @@ def run_steps(
     precision: str | None,
     device_type: str,
     steps: int,
-    schedule: Schedule = Schedule(),
+    schedule: Loop = Loop(),
     on_phase: Callable[[int, str], None] = lambda i, phase: None,
     before_backward: Callable[[torch.Tensor], None] = lambda loss: None,
 ) -> None:

@@ -75,8 +75,7 @@ def run() -> nn.Module:
             if ENTRY == "estimate":
                 preflight.estimate(model, optimizer, batch)
             else:  # check-over: does not fit, so advise runs (and imports bitsandbytes for its 8-bit option)
-                preflight.check(model, optimizer, batch, budget="1GiB" if ENTRY == "check" else "1KiB",
-                                on_overflow="warn")
+                preflight.check(model, optimizer, batch, run=preflight.Run(target=preflight.Target(budget="1GiB" if ENTRY == "check" else "1KiB")), on_overflow="warn")
         plain_loop(model, optimizer, loader)
     elif ENTRY == "cli":
         if not WITHOUT:
@@ -90,7 +89,7 @@ def run() -> nn.Module:
 
         accelerator = Accelerator(cpu=True)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        report = None if WITHOUT else preflight_check(accelerator, model, optimizer, loader, budget="1GiB")
+        report = None if WITHOUT else preflight_check(accelerator, model, optimizer, loader, run=preflight.Run(target=preflight.Target(budget="1GiB")))
         verifier = None if WITHOUT else StepVerifier(accelerator, model, optimizer, report, steps=2)
         for i, batch in enumerate(loader):
             if i == STEPS:
@@ -120,7 +119,7 @@ def run() -> nn.Module:
 
         trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[] if WITHOUT else [PreflightCallback(budget="1GiB", verify_steps=2)])
+                             callbacks=[] if WITHOUT else [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), verify_steps=2)])
         trainer.fit(Module())
     elif ENTRY == "hf":
         from transformers import Trainer, TrainingArguments
@@ -131,7 +130,7 @@ def run() -> nn.Module:
                                  report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
                                  disable_tqdm=True, seed=0, dataloader_num_workers=0)
         trainer = Trainer(model=model, args=args, train_dataset=Cropping(),
-                          callbacks=[] if WITHOUT else [PreflightCallback(budget="1GiB", verify_steps=2)])
+                          callbacks=[] if WITHOUT else [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), verify_steps=2)])
         trainer.train()
     else:
         raise SystemExit(f"unknown entry {ENTRY!r}")

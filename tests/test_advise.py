@@ -72,7 +72,7 @@ def measure_fresh(make_model, batch, *, step=None, prepare=lambda model: None, a
     model = make_model()
     prepare(model)
     return preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, step=step,
-                             accumulate=accumulate).peak_bytes
+                             run=preflight.Run(loop=preflight.Loop(accumulate=accumulate))).peak_bytes
 
 
 def state_of(model: nn.Module) -> dict:
@@ -116,7 +116,7 @@ def gpt2_advice():
     opt = torch.optim.AdamW(model.parameters())
     batch = lm_batch(BATCH)
     before = state_of(model)
-    suggestions = advise(model, opt, batch, budget=gpt2_budget(), world_size=2)
+    suggestions = advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget=gpt2_budget())))
     return model, opt, batch, before, suggestions
 
 
@@ -165,14 +165,11 @@ def test_ranking_and_other_options(gpt2_advice):
     baseline = preflight.estimate(model, opt, batch)
     lowering = [s for s in suggestions if "gradient_checkpointing" not in s.change]  # checkpointing is always shown
     assert all(s.predicted_peak_bytes < baseline.peak_bytes for s in lowering)
-    # ZeRO-3 is offered exactly when planning it directly lowers the peak, with the same per-rank figure (which
-    # counts DeepSpeed's gradient reduction buffers at its default size: 2 GB of fp32 outweigh this tiny model).
-    planned = preflight.estimate(model, opt, batch, world_size=2, sharding="zero3")
-    zero3 = [s for s in suggestions if s.change.get("sharding") == "zero3"]
-    assert bool(zero3) == (planned.peak_bytes < baseline.peak_bytes)
-    if zero3:
-        assert "rescaled to one rank's share" in zero3[0].description
-        assert zero3[0].predicted_peak_bytes == planned.peak_bytes
+    # One device: no sharding to strengthen (a plan over several ranks gets its engine's: see the plan tests below).
+    assert not any("sharding" in s.change for s in suggestions)
+    # Each suggestion carries the run changed: precision is the run's, a model or optimizer change leaves it as is.
+    for s in suggestions:
+        assert s.run.precision == s.change.get("precision"), s.change
     for key in ("peft", "optimizer", "precision"):
         assert any(key in s.change for s in suggestions), key
 
@@ -200,7 +197,7 @@ def test_generic_checkpointing_wraps_the_repeated_blocks():
     opt = torch.optim.AdamW(model.parameters())
     before = state_of(model)
     base = preflight.estimate(model, opt, MLP_BATCH, step=mlp_step).peak_bytes
-    suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, budget=base // 2)
+    suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, run=preflight.Run(target=preflight.Target(budget=base // 2)))
     assert_unchanged(model, before)
     assert all("forward" not in vars(block) for block in model.blocks)
     s = by_change(suggestions, "gradient_checkpointing")
@@ -225,7 +222,7 @@ def test_a_failing_option_is_left_out_with_a_warning(monkeypatch):
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.warns(RuntimeWarning, match="left out the activation checkpointing option: RuntimeError: boom"):
-        suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB")
+        suggestions = advise(model, opt, MLP_BATCH, step=mlp_step, run=preflight.Run(target=preflight.Target(budget="1GiB")))
     assert suggestions and all(s.fits for s in suggestions)
     assert not any("micro_batch_size" in s.change for s in suggestions)  # the current batch fits already
 
@@ -234,11 +231,11 @@ def test_bad_options():
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="world_size.*0"):
-        advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB", world_size=0)
+        advise(model, opt, MLP_BATCH, step=mlp_step, run=preflight.Run(target=preflight.Target(budget="1GiB"), parallel=preflight.ParallelPlan(0, None)))
     with pytest.raises(ValueError, match="headroom"):
-        advise(model, opt, MLP_BATCH, step=mlp_step, budget="1GiB", headroom=-0.1)
+        advise(model, opt, MLP_BATCH, step=mlp_step, run=preflight.Run(target=preflight.Target(budget="1GiB")), headroom=-0.1)
     with pytest.raises(ValueError, match="budget"):
-        advise(model, opt, MLP_BATCH, step=mlp_step, budget=None)
+        advise(model, opt, MLP_BATCH, step=mlp_step, run=preflight.Run(target=preflight.Target(budget=None)))
 
 
 def test_resize_batch():
@@ -266,8 +263,8 @@ def test_optimizer_offload_suggestion_matches_planning_it():
     base = preflight.estimate(model, opt, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        suggestions = advise(model, opt, batch, budget=int(base.peak_bytes * 0.9))
-    planned = preflight.estimate(model, opt, batch, sharding="zero2", offload_optimizer=True)
+        suggestions = advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget=int(base.peak_bytes * 0.9))))
+    planned = preflight.estimate(model, opt, batch, run=preflight.Run(parallel=preflight.ParallelPlan(1, "zero2", offload_optimizer=True)))
     assert planned.breakdown["optimizer_state"] == 0
     offered = [s for s in suggestions if "offload_optimizer" in s.change]
     # Offered exactly when planning it lowers the peak (DeepSpeed's default reduction buffers count), same figure.
@@ -284,7 +281,7 @@ def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
     opt = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=optim_bits, is_paged=True)
     batch = lm_batch(2)
     base = preflight.estimate(model, opt, batch).peak_bytes
-    suggestions = advise(model, opt, batch, budget=base // 2)
+    suggestions = advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget=base // 2)))
     offered = [s for s in suggestions if s.change.get("optim_bits") == 8]
     if optim_bits == 8:
         assert not offered and not any("optimizer" in s.change for s in suggestions)
@@ -305,41 +302,37 @@ def test_under_a_plan_every_option_is_predicted_per_rank():
     opt = torch.optim.AdamW(model.parameters())
     batch = lm_batch(BATCH)
     plan = ParallelPlan(4, "ddp")
-    base = preflight.estimate(model, opt, batch, world_size=4, sharding="ddp")
+    base = preflight.estimate(model, opt, batch, run=preflight.Run(parallel=preflight.ParallelPlan(4, "ddp")))
     before = state_of(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        suggestions = advise(model, opt, batch, budget=int(base.peak_bytes * 0.8), plan=plan)
+        suggestions = advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget=int(base.peak_bytes * 0.8)), parallel=plan))
     assert_unchanged(model, before)
     micro = by_change(suggestions, "micro_batch_size")
     assert micro.predicted_peak_bytes == preflight.estimate(
-        model, opt, resize_batch(batch, micro.change["micro_batch_size"]), accumulate=2, world_size=4,
-        sharding="ddp").peak_bytes
+        model, opt, resize_batch(batch, micro.change["micro_batch_size"]), run=preflight.Run(loop=preflight.Loop(accumulate=2), parallel=preflight.ParallelPlan(4, "ddp"))).peak_bytes
     bf16 = next(s for s in suggestions if s.change == {"precision": "bf16-true"})
-    assert bf16.predicted_peak_bytes == preflight.estimate(model, opt, batch, precision="bf16-true", world_size=4,
-                                                           sharding="ddp").peak_bytes
+    assert bf16.predicted_peak_bytes == preflight.estimate(model, opt, batch, run=preflight.Run(precision="bf16-true", parallel=preflight.ParallelPlan(4, "ddp"))).peak_bytes
     # DDP -> FSDP, each rank traced through FSDP's own program, over the same 4 ranks; no rescaled ZeRO options.
     sharded = {s.change["sharding"]: s for s in suggestions if "sharding" in s.change}
     assert set(sharded) == {"fsdp-grad-op", "fsdp2"}
     assert all(s.change["world_size"] == 4 for s in sharded.values())
     for name, s in sharded.items():
-        assert s.predicted_peak_bytes == preflight.estimate(model, opt, batch, world_size=4,
-                                                            sharding=name).peak_bytes < base.peak_bytes
+        assert s.predicted_peak_bytes == preflight.estimate(model, opt, batch, run=preflight.Run(parallel=preflight.ParallelPlan(4, name))).peak_bytes < base.peak_bytes
     # A DeepSpeed plan keeps its config, at a higher stage.
     config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 10_000}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        zero = advise(model, opt, lm_batch(1, 8), budget=1, plan=deepspeed_plan(config, world_size=4))
+        zero = advise(model, opt, lm_batch(1, 8), run=preflight.Run(target=preflight.Target(budget=1), parallel=deepspeed_plan(config, world_size=4)))
     stage3 = next(s for s in zero if s.change.get("zero_stage") == 3)
     assert stage3.change == {"sharding": "zero3", "world_size": 4, "zero_stage": 3}
     assert stage3.predicted_peak_bytes == preflight.estimate(
-        model, opt, lm_batch(1, 8), world_size=4,
-        deepspeed_config={"zero_optimization": {"stage": 3, "reduce_bucket_size": 10_000}}).peak_bytes
+        model, opt, lm_batch(1, 8), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": 3, "reduce_bucket_size": 10_000}}, world_size=4))).peak_bytes
     assert config["zero_optimization"]["stage"] == 1  # the plan's config is left as it was
     with pytest.raises(TypeError, match="ParallelPlan"):
-        advise(model, opt, batch, budget="1GiB", plan={"world_size": 4})
+        advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget="1GiB"), parallel={"world_size": 4}))
     with pytest.raises(TypeError, match="ParallelPlan"):
-        preflight.max_batch_size(model, opt, lm_batch, budget="1GiB", plan=fsdp_plan)
+        preflight.max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB"), parallel=fsdp_plan))
 
 
 class _CheckpointedBlocks(nn.Module):
@@ -370,13 +363,13 @@ def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks
     x = torch.randn(8, 64)
     opt = torch.optim.AdamW(stack.parameters())
     plan = ParallelPlan(2, "fsdp2")
-    base = preflight.estimate(stack, opt, x, step=lambda m, b: m(b), **plan.estimate_kwargs())
+    base = preflight.estimate(stack, opt, x, step=lambda m, b: m(b), run=preflight.Run(parallel=plan))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = advise(stack, opt, x, budget=base.peak_bytes // 2, step=lambda m, b: m(b), plan=plan)
+        found = advise(stack, opt, x, run=preflight.Run(target=preflight.Target(budget=base.peak_bytes // 2), parallel=plan), step=lambda m, b: m(b))
     checkpointed = next(s for s in found if s.change == {"gradient_checkpointing": True})
     expected = preflight.estimate(_CheckpointedBlocks(stack), opt, x, step=lambda m, b: m(b),
-                                  **plan.estimate_kwargs())
+                                  run=preflight.Run(parallel=plan))
     assert checkpointed.predicted_peak_bytes == expected.peak_bytes
 
 
@@ -407,7 +400,7 @@ def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
     calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = advise(stack, opt, x, budget=base.peak_bytes // 2, step=lambda m, b: m(b))
+        found = advise(stack, opt, x, run=preflight.Run(target=preflight.Target(budget=base.peak_bytes // 2)), step=lambda m, b: m(b))
     assert any(s.change == {"gradient_checkpointing": True} for s in found) and calls
     # The block's own forward under the checkpoint; the others' class forward (bound to the block when called).
     assert [getattr(f, "func", f) for f in wrapped] == [nn.Linear.forward, hooked, nn.Linear.forward,

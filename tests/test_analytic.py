@@ -49,7 +49,7 @@ def test_optimizer_state_formula_matches_real_state(name):
     model = _model()
     opt = make(model.parameters())
     x = torch.randn(4, 64)
-    preflight.measure(model, opt, x, step=lambda m, b: m(b).sum(), steps=1)
+    preflight.measure(model, opt, x, step=lambda m, b: m(b).sum(), run=preflight.Run(loop=preflight.Loop(steps=1)))
     real = 0
     seen = set()
     for state in opt.state.values():

@@ -48,7 +48,7 @@ def measured(make_model, make_batch, b: int, step=None, accumulate=1) -> int:
     """The real peak of two training steps at batch ``b`` on a fresh model and optimizer (memoised)."""
     model = make_model()
     return preflight.measure(model, torch.optim.AdamW(model.parameters()), make_batch(b), step=step,
-                             accumulate=accumulate).peak_bytes
+                             run=preflight.Run(loop=preflight.Loop(accumulate=accumulate))).peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_returns_the_true_maximum_measured(gpt2):
     model, opt = gpt2
     fits, over = measured(make_gpt2, lm_batch, 5), measured(make_gpt2, lm_batch, 6)
     budget = (fits + over) // 2  # between the measured peaks of batch 5 and 6
-    result = max_batch_size(model, opt, lm_batch, budget=budget)
+    result = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=budget)))
     assert isinstance(result, BatchSizeResult) and int(result) == result.batch_size == 5
     assert result.traces <= 4
     assert measured(make_gpt2, lm_batch, result.batch_size) <= budget < measured(make_gpt2, lm_batch, 6)
@@ -77,7 +77,7 @@ def test_multiple_of_and_budget_string_on_llama():
     four, eight = measured(make_llama, lm_batch, 4), measured(make_llama, lm_batch, 8)
     budget = (four + measured(make_llama, lm_batch, 5)) // 2  # 4 fits, 5 does not
     messages: list[str] = []
-    result = max_batch_size(model, opt, lm_batch, budget=f"{budget}B", multiple_of=4, progress=messages.append)
+    result = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=f"{budget}B")), multiple_of=4, progress=messages.append)
     assert result.batch_size == 4 and result.batch_size % 4 == 0
     assert four <= budget < eight  # the next multiple does not fit when measured
     assert result.traces <= 4 and any("tracing batch size" in m for m in messages)
@@ -86,11 +86,11 @@ def test_multiple_of_and_budget_string_on_llama():
 def test_batch_one_and_nothing_fits(gpt2):
     model, opt = gpt2
     one, two = measured(make_gpt2, lm_batch, 1), measured(make_gpt2, lm_batch, 2)
-    result = max_batch_size(model, opt, lm_batch, budget=(one + two) // 2)
+    result = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=(one + two) // 2)))
     assert result.batch_size == 1 and result.traces == 3  # batch 1 is traced itself, never extrapolated
     assert result.predicted_peak_bytes == pytest.approx(one, rel=1e-3)
 
-    nothing = max_batch_size(model, opt, lm_batch, budget=one // 2)
+    nothing = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=one // 2)))
     assert nothing.batch_size == 0 and int(nothing) == 0
     assert nothing.predicted_peak_bytes > one // 2
     assert any("nothing fits" in n for n in nothing.notes)
@@ -98,9 +98,9 @@ def test_batch_one_and_nothing_fits(gpt2):
 
 def test_headroom_and_max_batch(gpt2):
     model, opt = gpt2
-    result = max_batch_size(model, opt, lm_batch, budget="1GiB", max_batch=7)
+    result = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB")), max_batch=7)
     assert result.batch_size == 7
-    tight = max_batch_size(model, opt, lm_batch, budget=result.predicted_peak_bytes, headroom=0.5)
+    tight = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=result.predicted_peak_bytes)), headroom=0.5)
     assert tight.usable_bytes == result.predicted_peak_bytes // 2
     assert tight.predicted_peak_bytes <= tight.usable_bytes and tight.batch_size < 7
 
@@ -134,7 +134,7 @@ def test_falls_back_to_a_trace_search_when_traces_do_not_line_up():
     opt = torch.optim.AdamW(model.parameters())
     peaks = {b: measured(ParityNet, parity_batch, b, parity_step) for b in (40, 41)}
     budget = (peaks[40] + peaks[41]) // 2
-    result = max_batch_size(model, opt, parity_batch, budget=budget, step=parity_step, max_batch=200)
+    result = max_batch_size(model, opt, parity_batch, run=preflight.Run(target=preflight.Target(budget=budget)), step=parity_step, max_batch=200)
     assert result.peak_model is None and any("not used" in n for n in result.notes)
     assert result.batch_size == 40
     assert measured(ParityNet, parity_batch, 40, parity_step) <= budget < peaks[41]
@@ -142,7 +142,7 @@ def test_falls_back_to_a_trace_search_when_traces_do_not_line_up():
 
 def test_gradient_accumulation_is_traced_as_a_micro_step(gpt2):
     model, opt = gpt2
-    accumulated = max_batch_size(model, opt, lm_batch, budget="1GiB", max_batch=3, accumulate=2)
+    accumulated = max_batch_size(model, opt, lm_batch, run=preflight.Run(loop=preflight.Loop(accumulate=2), target=preflight.Target(budget="1GiB")), max_batch=3)
     assert accumulated.batch_size == 3 and accumulated.traces == 1  # a small max_batch is traced directly
     plain = preflight.estimate(model, opt, lm_batch(3)).peak_bytes
     real = measured(make_gpt2, lm_batch, 3, accumulate=2)
@@ -153,15 +153,15 @@ def test_gradient_accumulation_is_traced_as_a_micro_step(gpt2):
 def test_bad_options_say_what_is_wrong(gpt2):
     model, opt = gpt2
     with pytest.raises(ValueError, match="multiple_of.*0"):
-        max_batch_size(model, opt, lm_batch, budget="1GiB", multiple_of=0)
+        max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB")), multiple_of=0)
     with pytest.raises(ValueError, match=r"`max_batch` \(4\) is smaller than `multiple_of` \(8\)"):
-        max_batch_size(model, opt, lm_batch, budget="1GiB", max_batch=4, multiple_of=8)
+        max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB")), max_batch=4, multiple_of=8)
     with pytest.raises(ValueError, match="headroom.*1.5"):
-        max_batch_size(model, opt, lm_batch, budget="1GiB", headroom=1.5)
+        max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB")), headroom=1.5)
     with pytest.raises(ValueError, match="Cannot read 'lots'"):
-        max_batch_size(model, opt, lm_batch, budget="lots")
+        max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="lots")))
     with pytest.raises(ValueError, match="ignore its argument"):
-        max_batch_size(model, opt, lambda b: lm_batch(4), budget="1GiB")
+        max_batch_size(model, opt, lambda b: lm_batch(4), run=preflight.Run(target=preflight.Target(budget="1GiB")))
 
 
 @pytest.mark.parametrize(
@@ -203,11 +203,11 @@ def test_under_a_plan_the_largest_rank_decides(gpt2):
     plan = fsdp_plan("fsdp2", world_size=4)
 
     def per_rank(b: int) -> int:
-        return preflight.estimate(model, opt, lm_batch(b), world_size=4, sharding="fsdp2").peak_bytes
+        return preflight.estimate(model, opt, lm_batch(b), run=preflight.Run(parallel=preflight.ParallelPlan(4, "fsdp2"))).peak_bytes
 
     budget = (per_rank(5) + per_rank(6)) // 2
-    result = preflight.max_batch_size(model, opt, lm_batch, budget=budget, plan=plan, max_batch=16)
+    result = preflight.max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=budget), parallel=plan), max_batch=16)
     assert result.batch_size == 5 and result.predicted_peak_bytes == per_rank(5) <= budget
     assert any("per rank under the plan" in n for n in result.notes)
     # One device needs more than a rank of the sharded run: the unsharded search picks a smaller batch.
-    assert preflight.max_batch_size(model, opt, lm_batch, budget=budget, max_batch=16).batch_size < 5
+    assert preflight.max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget=budget)), max_batch=16).batch_size < 5

@@ -18,7 +18,7 @@ from preflight._check import Options, VerifySession, check, decide, eval_residen
 from preflight._device import live_storage_bytes
 from preflight._eval import estimate_eval
 from preflight._measure import cpu_profiled_peak
-from preflight._steps import Schedule, compute_loss
+from preflight._steps import Loop, compute_loss
 from preflight._verify import StepPeakMeter
 from preflight.cuda import WORKSPACE_UIDS
 
@@ -63,7 +63,7 @@ def test_lightning_order_keeps_gradients_through_the_next_forward():
     real = copy.deepcopy(model)
     batch = lm_batch(2, 32)
     optimizer = torch.optim.AdamW(model.parameters())
-    est = preflight.estimate(model, optimizer, batch, zero_grad="before_backward")
+    est = preflight.estimate(model, optimizer, batch, run=preflight.Run(loop=preflight.Loop(zero_grad="before_backward")))
     plain = preflight.estimate(model, optimizer, batch)
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
 
@@ -94,7 +94,7 @@ def test_accumulation_keeps_gradients_across_micro_batches():
     real = copy.deepcopy(model)
     batch = lm_batch(4, 64)
     optimizer = torch.optim.AdamW(model.parameters())
-    est = preflight.estimate(model, optimizer, batch, accumulate=4)
+    est = preflight.estimate(model, optimizer, batch, run=preflight.Run(loop=preflight.Loop(accumulate=4)))
 
     real_opt = torch.optim.AdamW(real.parameters())
 
@@ -114,8 +114,9 @@ def test_accumulation_keeps_gradients_across_micro_batches():
 def _check(budget=None, **kwargs):
     model = make_gpt2(n_layer=1, n_embd=32)
     optimizer = torch.optim.AdamW(model.parameters())
-    options = Options(budget=budget, suggest=False, **kwargs)
-    return predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(4, 16)), options
+    options = Options(suggest=False, **kwargs)
+    run = preflight.Run(target=preflight.Target(budget=budget))
+    return predict(model, optimizer, lm_batch(2, 16), run, options=options, eval_batch=lm_batch(4, 16)), options
 
 
 def test_report_has_the_issue_fields_and_is_json():
@@ -167,10 +168,15 @@ def test_suggestions_are_ranked_into_the_error(monkeypatch):
             self.description, self.predicted_peak_bytes, self.fits = description, peak, fits
             self.change, self.cost = {"micro_batch_size": 1}, "slower"
 
+        def to_dict(self):
+            return {"description": self.description, "predicted_peak_bytes": self.predicted_peak_bytes,
+                    "fits": self.fits, "change": self.change, "cost": self.cost}
+
     monkeypatch.setattr(_advise, "advise", lambda *a, **k: [Suggestion("micro-batch 1 x 2", 90_000, True)])
     model = make_gpt2(n_layer=1, n_embd=32)
-    options = Options(budget=200_000)
-    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options)
+    options = Options()
+    run = preflight.Run(target=preflight.Target(budget=200_000))
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run, options=options)
     assert report.suggestions[0]["fits"] is True
     with pytest.raises(preflight.PreflightError, match="micro-batch 1 x 2"):
         decide(report, options)
@@ -179,7 +185,7 @@ def test_suggestions_are_ranked_into_the_error(monkeypatch):
         raise RuntimeError("no advice today")
 
     monkeypatch.setattr(_advise, "advise", broken)
-    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options)
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run, options=options)
     assert report.suggestions == [] and "no advice today" in report.warnings[0]
 
 
@@ -203,12 +209,12 @@ def test_dry_run_after_a_failed_prediction_is_not_success(monkeypatch):
 def test_public_check_raises_and_honours_preflight_check_environment(monkeypatch, tmp_path):
     model = make_gpt2(n_layer=1, n_embd=32)
     with pytest.raises(preflight.PreflightError):
-        check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), budget=100_000, suggest=False)
+        check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run=preflight.Run(target=preflight.Target(budget=100_000)), suggest=False)
     # `preflight check -- python train.py` asks through the environment (preflight._dryrun): a larger budget
     # and a report path win over the arguments.
     monkeypatch.setenv("PREFLIGHT_BUDGET", "1GiB")
     monkeypatch.setenv("PREFLIGHT_REPORT", str(tmp_path / "cli.json"))
-    report = check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), budget=100_000, suggest=False)
+    report = check(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run=preflight.Run(target=preflight.Target(budget=100_000)), suggest=False)
     assert report.fits is True and report.budget_bytes == 2**30
     data = json.loads((tmp_path / "cli.json").read_text())
     assert data["predicted_required_bytes"] == report.verdict_bytes
@@ -244,11 +250,17 @@ def test_verify_session_fills_the_report(tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"on_overflow": "stop"}, "either of"), ({"headroom": 1.5}, "headroom"), ({"verify_steps": -1}, "verify_steps"),
-    ({"budget": "lots"}, "Cannot read"), ({"check_eval": "yes"}, "check_eval"), ({"gpu": "Z9000"}, "Z9000"),
+    ({"check_eval": "yes"}, "check_eval"),
 ])
 def test_options_are_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Options(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"budget": "lots"}, "Cannot read"), ({"gpu": "Z9000"}, "Z9000")])
+def test_the_target_is_checked_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        preflight.Target(**kwargs)
 
 
 def test_console_and_plot(tmp_path, capsys, monkeypatch):
@@ -309,8 +321,9 @@ def test_gpu_verdict_uses_the_device_total():
     # On a GPU target the need is reserved memory + CUDA context + cuBLAS workspace, as `preflight estimate` says.
     model = make_gpt2(n_layer=1, n_embd=32)
     optimizer = torch.optim.AdamW(model.parameters())
-    options = Options(budget="100MiB", headroom=0.0, gpu="H100-80GB", suggest=False)
-    report = predict(model, optimizer, lm_batch(2, 16), options=options)
+    options = Options(headroom=0.0, suggest=False)
+    run = preflight.Run(target=preflight.Target(gpu="H100-80GB", budget="100MiB"))
+    report = predict(model, optimizer, lm_batch(2, 16), run, options=options)
     assert report.predicted_peak_bytes < 100 * 2**20 < report.predicted_device_total_bytes
     assert report.verdict_bytes == report.predicted_device_total_bytes
     assert report.fits is False
@@ -321,11 +334,12 @@ def test_the_eval_step_is_planned_for_the_gpu_too():
     # estimate_eval(gpu=...) does on its own, not for the CPU model's device.
     model = make_gpt2(n_layer=1, n_embd=32)
     optimizer = torch.optim.AdamW(model.parameters())
-    options = Options(budget="80GiB", gpu="H100-80GB", suggest=False)
-    report = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(3, 15))
+    options = Options(suggest=False)
+    run = preflight.Run(target=preflight.Target(gpu="H100-80GB", budget="80GiB"))
+    report = predict(model, optimizer, lm_batch(2, 16), run, options=options, eval_batch=lm_batch(3, 15))
     assert report.eval_estimate.device == "cuda"
-    resident = {k: v for k, v in eval_resident(model, optimizer, precision=None, schedule=Schedule()).items() if v}
-    alone = estimate_eval(model, lm_batch(3, 15), gpu="H100-80GB", resident=resident)
+    resident = {k: v for k, v in eval_resident(model, optimizer, precision=None, schedule=Loop()).items() if v}
+    alone = estimate_eval(model, lm_batch(3, 15), run=preflight.Run(target=preflight.Target(gpu="H100-80GB")), resident=resident)
     # plus the autograd thread's cuBLAS workspace, resident since the training step's backward
     assert report.eval_predicted_peak_bytes == alone.peak_bytes + 32 * 2**20
     # 3 x 15 tokens x 32 floats is not a multiple of 512 B: the CPU figure differs
@@ -343,7 +357,7 @@ def test_the_eval_step_is_planned_for_the_gpu_too():
 def test_check_raises_for_a_step_without_a_loss():
     model = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match="step="):
-        check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8), budget="1GiB")
+        check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8), run=preflight.Run(target=preflight.Target(budget="1GiB")))
 
 
 @pytest.mark.parametrize("budget, error, message", [
@@ -356,16 +370,16 @@ def test_an_unusable_budget_is_an_error_naming_budget(budget, error, message):
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(error, match=message):
-        check(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), budget=budget)
+        check(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), run=preflight.Run(target=preflight.Target(budget=budget)))
     with pytest.raises(error, match=message):
-        preflight.advise(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), budget=budget)
+        preflight.advise(model, optimizer, torch.randn(2, 8), step=lambda m, b: m(b).sum(), run=preflight.Run(target=preflight.Target(budget=budget)))
 
 
 def test_a_numpy_integer_budget_is_accepted():
     np = pytest.importorskip("numpy")
     model = torch.nn.Linear(8, 1)
     report = check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
-                   step=lambda m, b: m(b).sum(), budget=np.int64(2**30), suggest=False)
+                   step=lambda m, b: m(b).sum(), run=preflight.Run(target=preflight.Target(budget=np.int64(2**30))), suggest=False)
     assert report.budget_bytes == 2**30 and report.fits is True
 
 
@@ -373,15 +387,16 @@ def test_measure_with_steps_of_the_wrong_type_is_a_clear_type_error():
     model = torch.nn.Linear(8, 1)
     with pytest.raises(TypeError, match="`steps` should be a positive integer .*got str '2'"):
         preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
-                          step=lambda m, b: m(b).sum(), steps="2")
+                          step=lambda m, b: m(b).sum(), run=preflight.Run(loop=preflight.Loop(steps="2")))
 
 
 def test_the_overflow_message_of_a_rank_whose_prediction_failed_has_no_empty_batch_line():
     from preflight._check import _overflow_message, lower_bound_report
 
     model = make_gpt2(n_layer=1, n_embd=32)
-    report = lower_bound_report(model, torch.optim.AdamW(model.parameters()), Options(budget="100KiB", headroom=0.0),
-                                device=torch.device("cpu"), precision=None, reason="a test")
+    report = lower_bound_report(model, torch.optim.AdamW(model.parameters()), Options(headroom=0.0),
+                                preflight.Run(target=preflight.Target(budget="100KiB")), device=torch.device("cpu"),
+                                reason="a test")
     assert report.fits is False
     message = _overflow_message(report, [], False)
     assert "(training peak)" in message and "worst-case batch" not in message and "None" not in message
@@ -391,8 +406,9 @@ def test_the_overflow_message_names_the_evaluation_when_its_device_total_decides
     from preflight._check import _overflow_message
 
     model = make_gpt2(n_layer=1, n_embd=32)
-    options = Options(budget="600MiB", headroom=0.0, gpu="H100-80GB", suggest=False)
-    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), options=options,
+    options = Options(headroom=0.0, suggest=False)
+    run = preflight.Run(target=preflight.Target(gpu="H100-80GB", budget="600MiB"))
+    report = predict(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run, options=options,
                      eval_batch=lm_batch(64, 128))
     assert report.eval_predicted_device_total_bytes > report.predicted_device_total_bytes
     assert report.verdict_bytes == report.eval_predicted_device_total_bytes and report.fits is False
@@ -434,8 +450,9 @@ def test_a_deepspeed_16_bit_plan_predicts_training_and_evaluation_as_deepspeed_c
         torch.manual_seed(0)
         model = Stack(depth=2, width=64).to(dtype)
         x = torch.randn(4, 64).to(dtype)
-        reports.append(predict(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b),
-                               options=Options(budget="1GiB", suggest=False), eval_batch=x, parallel=plan))
+        reports.append(predict(model, torch.optim.AdamW(model.parameters()), x,
+                               preflight.Run(target=preflight.Target(budget="1GiB"), parallel=plan),
+                               step=lambda m, b: m(b), options=Options(suggest=False), eval_batch=x))
     planned, cast = reports
     assert planned.predicted_peak_bytes == cast.predicted_peak_bytes
     assert planned.eval_predicted_peak_bytes == cast.eval_predicted_peak_bytes is not None

@@ -381,9 +381,13 @@ def test_check_through_accelerate_launch(tmp_path):
 def test_gpu_flag_replaces_a_budget_written_in_the_script(tmp_path):
     script = tmp_path / "budget.py"
     script.write_text(textwrap.dedent("""
+        from preflight import Run, Target
+        from preflight._budget import resolve_budget
         from preflight._check import Options, _with_environment
-        options, _ = _with_environment(Options(budget="24GiB", headroom=0.2))
-        print("budget", options.budget, "gpu", options.gpu, "headroom", options.headroom)
+        options, settings = _with_environment(Options(headroom=0.2))
+        run = settings.run().over(Run(target=Target(budget="24GiB")))
+        print("budget", resolve_budget(run.target.budget, gpu=run.target.gpu), "gpu", run.target.gpu,
+              "headroom", options.headroom)
     """))
     import os
 

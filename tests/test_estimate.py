@@ -19,9 +19,9 @@ TRANSFORMER_TOL = 0.005  # issue 2: within 0.5% for transformer models
 CNN_TOL = 0.03  # and 3% for CNNs
 
 
-def relative_error(model, optimizer, batch, **kwargs):
-    est = preflight.estimate(model, optimizer, batch, **kwargs)
-    measured = preflight.measure(model, optimizer, batch, **kwargs)
+def relative_error(model, optimizer, batch, run=None, step=None):
+    est = preflight.estimate(model, optimizer, batch, run, step=step)
+    measured = preflight.measure(model, optimizer, batch, run, step=step)
     assert est.coverage.traced and not est.coverage.lower_bound
     assert sum(est.breakdown.values()) == est.peak_bytes
     return (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes, est
@@ -95,7 +95,7 @@ def test_lora(maker):
 )
 def test_precisions_and_attention(maker, kwargs):
     model = maker()
-    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), lm_batch(), **kwargs)
+    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), lm_batch(), preflight.Run(**kwargs))
     assert abs(err) < TRANSFORMER_TOL
 
 
@@ -109,7 +109,7 @@ def test_gradient_checkpointing(maker, precision, reentrant):
     # oneDNN bf16 matmul whose packing scratch no dispatch mode sees (README, known limitations).
     model = maker()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), lm_batch(), precision=precision)
+    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), lm_batch(), run=preflight.Run(precision=precision))
     assert abs(err) < TRANSFORMER_TOL
 
 
@@ -242,9 +242,9 @@ def test_argument_errors():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="precision"):
-        preflight.estimate(model, opt, lm_batch(), precision="fp8")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(precision="fp8"))
     with pytest.raises(ValueError, match="steps"):
-        preflight.estimate(model, opt, lm_batch(), steps=0)
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(steps=0)))
     with pytest.raises(TypeError, match="optimizer"):
         preflight.estimate(model, "adamw", lm_batch())
     with pytest.raises(TypeError, match="nn.Module"):
@@ -258,7 +258,7 @@ def test_custom_step_and_existing_optimizer_state():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     batch = lm_batch()
-    preflight.measure(model, opt, batch, steps=1)  # the optimizer now has state, as when resuming
+    preflight.measure(model, opt, batch, run=preflight.Run(loop=preflight.Loop(steps=1)))  # the optimizer now has state, as when resuming
     err, est = relative_error(model, opt, batch, step=lambda m, b: m(**b).loss * 1.0)
     assert abs(err) < TRANSFORMER_TOL
     assert est.breakdown["optimizer_state"] > 0
@@ -270,12 +270,12 @@ def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zer
     # "in_place": zero_grad(set_to_none=False), measured by a real loop doing exactly that
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
-    err, est = relative_error(model, opt, lm_batch(), accumulate=accumulate, zero_grad=zero_grad)
+    err, est = relative_error(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(accumulate=accumulate, zero_grad=zero_grad)))
     assert abs(err) < TRANSFORMER_TOL
     plain = preflight.estimate(model, opt, lm_batch())
     assert est.peak_bytes > plain.peak_bytes  # gradients alive across a forward
     with pytest.raises(ValueError, match="zero_grad"):
-        preflight.estimate(model, opt, lm_batch(), zero_grad="sometimes")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(zero_grad="sometimes")))
 
 
 def test_batch_encoding_batches_are_traced_like_dicts():
@@ -328,8 +328,7 @@ def test_lower_bound_is_per_rank_when_sharded():
     with pytest.warns(RuntimeWarning):
         single = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x)
     with pytest.warns(RuntimeWarning):
-        sharded = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, world_size=4,
-                                     sharding="zero2", gpu="A100-80GB")
+        sharded = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, run=preflight.Run(target=preflight.Target(gpu="A100-80GB"), parallel=preflight.ParallelPlan(4, "zero2")))
     assert sharded.coverage.lower_bound and sharded.world_size == 4 and sharded.gpu == "A100-80GB"
     assert sharded.unsharded_peak_bytes == single.peak_bytes
     # The rank's share of the optimizer state, plus DeepSpeed's fp32 copy of its parameter partition (4 bytes for each
@@ -348,8 +347,7 @@ def test_zero3_counts_deepspeeds_own_terms():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
                                     "stage3_param_persistence_threshold": 64}}
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(8, 64), world_size=2,
-                             deepspeed_config=config, step=lambda m, x: m(x).square().mean())
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(8, 64), run=preflight.Run(parallel=preflight.deepspeed_plan(config, world_size=2)), step=lambda m, x: m(x).square().mean())
     alive = {}
     for e in est.events:  # what each category holds after the second step
         category = est.categories.get(e.uid, Category.TEMPORARIES).value
@@ -444,7 +442,7 @@ def test_low_precision_matmul_scratch_is_calibrated_on_cpu(monkeypatch):
     # (the one this test was written on) and nothing more on others (an AVX2-only CPU): the calibration runs them.
     model, batch = _mlp(), torch.randn(128, 64)
     err, est = relative_error(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
-                              precision="bf16-mixed")
+                              run=preflight.Run(precision="bf16-mixed"))
     assert abs(err) < 0.005
     assert any(label.startswith(("addmm", "mm")) for label in est.coverage.calibrated)
     # The term is this CPU's: without it the prediction is under the measured peak by the scratch the kernels hold,
@@ -453,9 +451,9 @@ def test_low_precision_matmul_scratch_is_calibrated_on_cpu(monkeypatch):
 
     monkeypatch.setattr(_scratch, "_needs_calibration", lambda func, args, device: False)
     uncalibrated = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
-                                      precision="bf16-mixed")
+                                      run=preflight.Run(precision="bf16-mixed"))
     measured = preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_mlp_step,
-                                 precision="bf16-mixed").peak_bytes
+                                 run=preflight.Run(precision="bf16-mixed")).peak_bytes
     assert uncalibrated.peak_bytes <= est.peak_bytes
     assert abs(uncalibrated.peak_bytes - measured) >= abs(est.peak_bytes - measured)
 
@@ -477,8 +475,7 @@ def test_deepspeeds_optimizer_state_is_fp32_for_a_16_bit_model(stage):
         torch.manual_seed(0)
         model = Stack(depth=2, width=64).to(dtype)
         est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(4, 64, dtype=dtype),
-                                 step=lambda m, b: m(b), world_size=2, sharding=f"zero{stage}",
-                                 deepspeed_config={"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000}})
+                                 step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000}}, world_size=2)))
         states[dtype] = est.breakdown["optimizer_state"]
         scaled = [n for n in est.coverage.notes if "fp32 copy of the partition" in n]
         assert scaled == ([] if dtype is torch.float32 else [scaled[0]]) and (not scaled or "(x2)" in scaled[0])
@@ -496,10 +493,10 @@ def test_deepspeeds_16_bit_modes_trace_the_model_as_deepspeed_casts_it(section, 
     model = Stack(depth=2, width=64)
     x = torch.randn(4, 64)
     planned = preflight.estimate(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b),
-                                 world_size=2, deepspeed_config=config)
+                                 run=preflight.Run(parallel=preflight.deepspeed_plan(config, world_size=2)))
     cast = Stack(depth=2, width=64).to(dtype)
     as_run = preflight.estimate(cast, torch.optim.AdamW(cast.parameters()), x.to(dtype), step=lambda m, b: m(b),
-                                world_size=2, deepspeed_config=config)
+                                run=preflight.Run(parallel=preflight.deepspeed_plan(config, world_size=2)))
     assert planned.peak_bytes == as_run.peak_bytes
     assert any(f"DeepSpeed's {section} mode: the model traced in {dtype}" in n for n in planned.coverage.notes)
     assert all(p.dtype is torch.float32 for p in model.parameters())  # the user's model is not cast

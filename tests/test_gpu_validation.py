@@ -53,8 +53,7 @@ def test_their_torch_softmax_keeps_one_fp32_score_tensor_more_per_layer(precisio
     batch = {"input_ids": torch.randint(0, 100, (3, 32)), "labels": torch.zeros(3, dtype=torch.long)}
 
     def predict():
-        return preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, precision=precision,
-                                  gpu="A100-80GB").peak_bytes
+        return preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run=preflight.Run(precision=precision, target=preflight.Target(gpu="A100-80GB"))).peak_bytes
 
     now = predict()
     with torch_110_softmax():

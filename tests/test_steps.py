@@ -7,17 +7,17 @@ import torch
 from conftest import lm_batch, make_gpt2
 
 import preflight
-from preflight._steps import Schedule
+from preflight._steps import Loop
 from preflight.trace import trace_steps
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "1"])
 def test_max_grad_norm_is_checked(bad):
     with pytest.raises(ValueError, match=f"`max_grad_norm` should be a positive number.*got {bad!r}"):
-        Schedule(max_grad_norm=bad)
+        Loop(max_grad_norm=bad)
 
 
-def _ops(schedule: Schedule, target: str = "cpu") -> list[str]:
+def _ops(schedule: Loop, target: str = "cpu") -> list[str]:
     model = make_gpt2(n_layer=1)
     names = ("_foreach_norm", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_",
              "_amp_update_scale_", "_foreach_mul_")
@@ -29,10 +29,10 @@ def _ops(schedule: Schedule, target: str = "cpu") -> list[str]:
 
 
 def test_clipping_and_scaler_run_torch_ops_in_order():
-    assert _ops(Schedule()) == []
+    assert _ops(Loop()) == []
     n_params = len(list(make_gpt2(n_layer=1).parameters()))
-    assert _ops(Schedule(max_grad_norm=1.0)) == ["_foreach_norm", "linalg_vector_norm", "_foreach_mul_"]
-    ops = _ops(Schedule(max_grad_norm=1.0, grad_scaler=True))
+    assert _ops(Loop(max_grad_norm=1.0)) == ["_foreach_norm", "linalg_vector_norm", "_foreach_mul_"]
+    ops = _ops(Loop(max_grad_norm=1.0, grad_scaler=True))
     assert ops == ["_amp_foreach_non_finite_check_and_unscale_", "_foreach_norm", "linalg_vector_norm",
                    "_foreach_mul_", "_amp_update_scale_"]
     assert n_params > 1
@@ -43,10 +43,10 @@ def test_clipping_and_scaler_run_torch_ops_in_order():
 def test_prediction_matches_measurement_with_clipping_and_scaler(kw):
     model = make_gpt2(n_layer=2)
     batch = lm_batch(2, 32)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, **kw)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(loop=preflight.Loop(**kw)))
     plain = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
-                               accumulate=kw.get("accumulate", 1))
-    m = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, **kw)
+                               run=preflight.Run(loop=preflight.Loop(accumulate=kw.get("accumulate", 1))))
+    m = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(loop=preflight.Loop(**kw)))
     # Within a few scalars, on this model with or without clipping and scaler (4 B, 8 B and 48 B here): a Python
     # number in an operator is an 8-byte CPU tensor that autograd may save (GPT-2's gelu_new saves three per layer,
     # `0.5 * x` and the like) and a CPU kernel may cast (4 B, AdamW's `exp_avg_sq.sqrt() / bias_correction2_sqrt`);

@@ -15,7 +15,7 @@ def gpt2_cpu_and_cuda():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     cpu = preflight.estimate(model, opt, lm_batch())
-    cuda = preflight.estimate(model, opt, lm_batch(), gpu="H100-80GB")
+    cuda = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB")))
     return model, cpu, cuda
 
 
@@ -42,12 +42,12 @@ def test_cuda_target_traces_the_foreach_optimizer():
     # torch picks foreach for CUDA tensors: its step allocates per-group temporaries the for-loop does not.
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
-    cuda = preflight.estimate(model, opt, lm_batch(), device="cuda", steps=1)
+    cuda = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(steps=1), target=preflight.Target(device="cuda")))
     ops = {e.phase for e in cuda.events}
     assert "step1/optimizer" in ops
     assert cuda.device_total_bytes is None  # no GPU named: no context or workspace figure
     explicit = preflight.estimate(model, torch.optim.AdamW(model.parameters(), foreach=False), lm_batch(),
-                                  device="cuda", steps=1)
+                                  run=preflight.Run(loop=preflight.Loop(steps=1), target=preflight.Target(device="cuda")))
     opt_bytes = lambda est: max(  # noqa: E731 - peak live bytes during the optimizer phase
         p.live_bytes for p in est.timeline if p.phase == "step1/optimizer")
     assert opt_bytes(cuda) > opt_bytes(explicit)
@@ -56,8 +56,8 @@ def test_cuda_target_traces_the_foreach_optimizer():
 def test_expandable_segments_setting_changes_reserved_not_allocated():
     model = make_llama()
     opt = torch.optim.AdamW(model.parameters())
-    default = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB")
-    expandable = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", allocator="expandable_segments:True")
+    default = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
+    expandable = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB", allocator="expandable_segments:True")))
     assert expandable.peak_bytes == default.peak_bytes
     assert expandable.peak_reserved_bytes == allocator.simulate(
         expandable.events, allocator.AllocatorConfig(expandable_segments=True)).peak_reserved_bytes
@@ -67,8 +67,7 @@ def test_expandable_segments_setting_changes_reserved_not_allocated():
 def test_sharding_gives_each_rank_its_share(gpt2_cpu_and_cuda, sharding):
     # DDP and ZeRO rescale every allocation of the single-device trace; FSDP1's strategies trace each rank.
     model, _, single = gpt2_cpu_and_cuda
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(), gpu="H100-80GB",
-                             world_size=4, sharding=sharding)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"), parallel=preflight.ParallelPlan(4, sharding)))
     assert est.world_size == 4 and est.sharding == sharding
     if sharding.startswith("fsdp"):
         assert est.per_rank_peak_bytes is not None and est.peak_bytes == max(est.per_rank_peak_bytes)
@@ -102,9 +101,8 @@ def test_sharding_gives_each_rank_its_share(gpt2_cpu_and_cuda, sharding):
 def test_offloading_the_optimizer_removes_its_step_from_the_gpu():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
-    on_gpu = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=2, sharding="zero2")
-    offloaded = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=2, sharding="zero2",
-                                   offload_optimizer=True)
+    on_gpu = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB"), parallel=preflight.ParallelPlan(2, "zero2")))
+    offloaded = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB"), parallel=preflight.ParallelPlan(2, "zero2", offload_optimizer=True)))
     for est in (on_gpu, offloaded):
         assert est.peak_bytes == sum(est.breakdown.values())
     optimizer_phase = [e for e in offloaded.events if e.phase.endswith("/optimizer") and e.nbytes > 0]
@@ -116,15 +114,15 @@ def test_target_argument_errors():
     model = make_gpt2(n_layer=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="Known GPUs|known"):
-        preflight.estimate(model, opt, lm_batch(), gpu="H1000")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="H1000")))
     with pytest.raises(ValueError, match="sharding"):
-        preflight.estimate(model, opt, lm_batch(), world_size=2, sharding="zero4")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(2, "zero4")))
     with pytest.raises(ValueError, match="world_size"):
-        preflight.estimate(model, opt, lm_batch(), world_size=0)
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(0, None)))
     with pytest.raises(ValueError, match="gpu="):
-        preflight.estimate(model, opt, lm_batch(), gpu="H100-80GB", device="cpu")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(device="cpu", gpu="H100-80GB")))
     with pytest.raises(ValueError, match="max_split|expandable|known"):
-        preflight.estimate(model, opt, lm_batch(), device="cuda", allocator="bogus_option:3")
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(device="cuda", allocator="bogus_option:3")))
 
 
 @pytest.mark.requires_cuda
@@ -141,8 +139,8 @@ def test_prediction_matches_the_cuda_allocator():  # pragma: no cover - needs a 
 def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target():
     bnb = pytest.importorskip("bitsandbytes")
     model = make_gpt2()
-    paged = preflight.estimate(model, bnb.optim.PagedAdamW8bit(model.parameters()), lm_batch(), gpu="A100-80GB")
-    plain = preflight.estimate(model, bnb.optim.AdamW8bit(model.parameters()), lm_batch(), gpu="A100-80GB")
+    paged = preflight.estimate(model, bnb.optim.PagedAdamW8bit(model.parameters()), lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
+    plain = preflight.estimate(model, bnb.optim.AdamW8bit(model.parameters()), lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
     assert paged.breakdown["optimizer_state"] == 0  # CUDA managed memory, outside the caching allocator
     assert plain.breakdown["optimizer_state"] > 0
     # the same uint8 states and fp32 absmax, rounded to 512-byte blocks on the plain optimizer
@@ -166,7 +164,7 @@ class ResizesInPlace(torch.nn.Module):
 def test_storages_resized_in_place_replay_through_the_allocator():
     model = ResizesInPlace()
     est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 64),
-                             gpu="A100-80GB")
+                             run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
     assert est.coverage.traced and est.peak_reserved_bytes >= est.peak_bytes > 0
     uids = [e.uid for e in est.events if e.nbytes > 0]
     assert len(uids) == len(set(uids))  # one allocation per uid, as the simulator requires
@@ -175,13 +173,12 @@ def test_storages_resized_in_place_replay_through_the_allocator():
 def test_offload_and_zero3_from_arguments():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
-    plain = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=4, sharding="zero3")
-    offloaded = preflight.estimate(model, opt, lm_batch(), gpu="A100-80GB", world_size=4, sharding="zero3",
-                                   offload_optimizer=True, offload_params=True)
+    plain = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB"), parallel=preflight.ParallelPlan(4, "zero3")))
+    offloaded = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB"), parallel=preflight.ParallelPlan(4, "zero3", offload_optimizer=True, offload_params=True)))
     assert offloaded.breakdown["optimizer_state"] == 0 and offloaded.breakdown["parameters"] == 0
     assert plain.breakdown["optimizer_state"] > 0 and offloaded.peak_bytes < plain.peak_bytes
     with pytest.raises(ValueError, match="offload"):
-        preflight.estimate(model, opt, lm_batch(), world_size=4, sharding="ddp", offload_params=True)
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(4, "ddp", offload_params=True)))
 
 
 @pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
@@ -190,31 +187,30 @@ def test_a_zero_figure_counts_deepspeeds_gradient_reduction_buffers(sharding):
     # (twice with overlap_comm at stages 1 and 2); measured on 2 CPU processes: benchmarks/deepspeed_cpu.py.
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
-    default = preflight.estimate(model, opt, lm_batch(), world_size=2, sharding=sharding)
+    default = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(2, sharding)))
     stage = int(sharding[-1])
     # Stage 3's gathered parameters are communication too (its own terms, tests/test_sharding.py); the buffers
     # are what changes with the config below.
     gathered = default.breakdown["communication"] - 500_000_000 * 4  # DeepSpeed's default size, fp32 gradients
     assert gathered == 0 if stage < 3 else gathered > 0
     assert any("DeepSpeed's default" in n for n in default.coverage.notes)
-    off = preflight.estimate(model, opt, lm_batch(), world_size=2,
-                             deepspeed_config={"zero_optimization": {"stage": stage, "contiguous_gradients": False}})
+    off = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": stage, "contiguous_gradients": False}}, world_size=2)))
     assert off.breakdown["communication"] == gathered
     config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7, "overlap_comm": True},
               "bf16": {"enabled": True}}
-    given = preflight.estimate(model, opt, lm_batch(), world_size=2, deepspeed_config=config)
+    given = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan(config, world_size=2)))
     copies = 1 if stage == 3 else 2  # stage 3 keeps one buffer per dtype whatever overlap_comm says
     assert given.sharding == sharding
     if stage < 3:
         assert given.breakdown["communication"] == 50_000_000 * copies * 2
         # Only the buffers change with their settings (the bf16 model is traced as DeepSpeed casts it either way).
-        bf16 = preflight.estimate(model, opt, lm_batch(), world_size=2, deepspeed_config={
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+        bf16 = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}, world_size=2)))
         assert given.peak_bytes - given.breakdown["communication"] == \
             bf16.peak_bytes - bf16.breakdown["communication"] < default.peak_bytes - 2_000_000_000
     else:  # bf16: the gathered parameters are 16-bit, half the fp32 figure
         assert given.breakdown["communication"] - 50_000_000 * copies * 2 == gathered // 2
-    ddp = preflight.estimate(model, opt, lm_batch(), world_size=2, sharding="ddp")
+    ddp = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(2, "ddp")))
     assert ddp.breakdown["communication"] == 0
 
 
@@ -244,13 +240,11 @@ def test_a_deepspeed_config_that_contradicts_the_arguments_is_refused():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="stage 2 is 'zero2'"):
-        preflight.estimate(model, opt, lm_batch(), world_size=2, sharding="zero3",
-                           deepspeed_config={"zero_optimization": {"stage": 2}})
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": 2}}, world_size=2)))
     with pytest.raises(ValueError, match="offload_params=True"):
-        preflight.estimate(model, opt, lm_batch(), world_size=2, offload_params=True,
-                           deepspeed_config={"zero_optimization": {"stage": 3}})
+        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": 3}}, world_size=2)))
     auto = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
-    est = preflight.estimate(model, opt, lm_batch(), world_size=2, deepspeed_config=auto)
+    est = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan(auto, world_size=2)))
     # Filled as the HF Trainer fills "auto": hidden_size**2 elements, alive during each backward (the peak of this
     # tiny model is elsewhere, so it is in the events, not the breakdown).
     elements = model.config.hidden_size ** 2

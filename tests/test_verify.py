@@ -29,7 +29,7 @@ def test_step_peaks_match_preflight_measure():
         meter.start(_resident(model, optimizer, batch))
         run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=1)
         meter.stop()
-    measured = preflight.measure(twin, torch.optim.AdamW(twin.parameters()), batch, steps=2)
+    measured = preflight.measure(twin, torch.optim.AdamW(twin.parameters()), batch, run=preflight.Run(loop=preflight.Loop(steps=2)))
     assert len(meter.step_peaks) == 3
     assert meter.step_peaks[0] < meter.step_peaks[1] == meter.step_peaks[2]  # step 1 has no optimizer state yet
     assert abs(meter.step_peaks[1] - measured.peak_bytes) <= 256

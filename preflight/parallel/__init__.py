@@ -22,11 +22,11 @@ from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
-                                            fsdp_plan)
+                                            fsdp_plan, read_ddp)
 from preflight.parallel._stand_in import stand_in
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "held_tensors", "rank_groups", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in", "trace_fsdp1",
+           "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in", "trace_fsdp1",
            "trace_fsdp2", "WrappedFSDP1", "WrappedFSDP2", "WrappedZero", "deepspeed_optimizer", "zero_plan"]

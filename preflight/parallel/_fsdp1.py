@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from preflight._result import Category
-from preflight._steps import Schedule, StepFn
+from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._rank import Engine, ParamTwins, ScratchedDist, communicating, default_units, fake_replica
@@ -359,7 +359,7 @@ def trace_fsdp1(
     step: StepFn | None,
     precision: str | None,
     steps: int,
-    schedule: Schedule = Schedule(),
+    schedule: Loop = Loop(),
     record_op: Any = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,

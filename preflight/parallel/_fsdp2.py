@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from preflight._result import Category
-from preflight._steps import Schedule, StepFn
+from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._rank import Engine, ParamTwins, ScratchedDist, communicating, default_units, patched
 from preflight.parallel._rank import reporting_resizes, trace_rank
@@ -215,7 +215,7 @@ def trace_fsdp2(
     step: StepFn | None,
     precision: str | None,
     steps: int,
-    schedule: Schedule = Schedule(),
+    schedule: Loop = Loop(),
     record_op: Callable[[Any, Any], bool] | None = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,

@@ -31,7 +31,7 @@ from preflight._device import iter_tensors, named_tensors
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
-from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
+from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
 from preflight.trace import TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_rng, mark_user_error
@@ -263,7 +263,7 @@ def trace_rank(
     step: StepFn | None,
     precision: str | None,
     steps: int,
-    schedule: Schedule,
+    schedule: Loop,
     record_op: Callable[[Any, Any], bool] | None,
     routing: str,
     cuda: CudaTarget | None,
@@ -303,7 +303,7 @@ def trace_rank(
 
 
 def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, world_size: int,
-              rank: int, step: StepFn | None, precision: str | None, steps: int, schedule: Schedule,
+              rank: int, step: StepFn | None, precision: str | None, steps: int, schedule: Loop,
               cuda: CudaTarget | None, tracker: StorageTracker, twins: TwinMaker, notes: list[str],
               result: Callable[..., TraceResult]) -> TraceResult:
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ParallelPlan", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan"]
+from preflight._sharding import SHARDING_CHOICES
+
+__all__ = ["ParallelPlan", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan", "read_ddp"]
 
 _FSDP = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "ddp",
          "HYBRID_SHARD": "fsdp-full", "_HYBRID_SHARD_ZERO2": "fsdp-grad-op", "HYBRID_SHARD_ZERO2": "fsdp-grad-op"}
@@ -63,6 +65,17 @@ class ParallelPlan:
     fsdp: Any = None
     deepspeed: Mapping[str, Any] | None = None
     gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        _check_world(self.world_size)
+        if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
+            raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got {self.sharding!r}.")
+        for name in ("offload_optimizer", "offload_params", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`ParallelPlan.{name}` should be True or False, got {getattr(self, name)!r}.")
+        if self.gradient_as_bucket_view and self.sharding not in (None, "ddp"):
+            raise ValueError(f"`gradient_as_bucket_view` is DDP's option, but the sharding is {self.sharding!r}: "
+                             "pass sharding='ddp', or leave gradient_as_bucket_view out.")
 
     @property
     def sharded(self) -> bool:
@@ -217,6 +230,19 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     return fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
                      source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})",
                      **options)
+
+
+def read_ddp(model: Any) -> tuple[Any, ParallelPlan] | None:
+    """The module a ``DistributedDataParallel`` wraps and the plan the wrapper runs (``"ddp"`` over its process
+    group's ranks, with its ``gradient_as_bucket_view``), or None for any other model. A DDP model is itself a
+    description of the run's parallel section: its buckets hold a flat copy of every gradient on each rank."""
+    from torch import nn
+
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    world = dist.get_world_size(model.process_group) if dist.is_available() and dist.is_initialized() else 1
+    return model.module, ParallelPlan(world, "ddp", source="the model's DistributedDataParallel",
+                                      gradient_as_bucket_view=bool(model.gradient_as_bucket_view))
 
 
 def already_sharded(model: Any) -> str | None:

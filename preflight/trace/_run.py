@@ -32,7 +32,7 @@ from preflight.trace._step_checks import kernel_dtype_error
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._restore import isolated_rng, restored_module
 from preflight._result import Category, Event
-from preflight._steps import LossNotFoundError, Schedule, StepFn, run_steps
+from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
@@ -104,7 +104,7 @@ def trace_steps(
     trace_device: torch.device,
     target_device: torch.device,
     steps: int,
-    schedule: Schedule = Schedule(),
+    schedule: Loop = Loop(),
     record_op: Callable[[Any, Any], bool] | None = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,

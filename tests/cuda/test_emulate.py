@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import preflight
-from preflight._steps import Schedule
+from preflight._steps import Loop
 from preflight.cuda import CudaTarget
 from preflight.trace import trace_steps
 from conftest import lm_batch, make_gpt2, make_llama
@@ -28,7 +28,7 @@ def _softmax_backward_dtypes(cuda: CudaTarget | None, target: str) -> set[torch.
     model = _Attention()
     result = trace_steps(model, torch.optim.AdamW(model.parameters()), torch.randn(2, 16, 32), step=None,
                          precision="16-mixed", trace_device=torch.device("cpu"),
-                         target_device=torch.device(target), steps=1, schedule=Schedule(),
+                         target_device=torch.device(target), steps=1, schedule=Loop(),
                          record_op=lambda f, args: f is torch.ops.aten._softmax_backward_data.default, cuda=cuda)
     assert result.error is None
     return {args[1].dtype for _, _, _, args, _ in result.op_log}  # (grad_output, output, dim, input_dtype)
@@ -43,19 +43,18 @@ def test_estimate_for_a_gpu_names_what_it_applied():
     model = make_gpt2(attn_implementation="sdpa")
     opt = torch.optim.AdamW(model.parameters())
     batch = lm_batch(2, 32)
-    notes = {gpu: [n for n in preflight.estimate(model, opt, batch, precision="bf16-mixed", gpu=gpu).coverage.notes
+    notes = {gpu: [n for n in preflight.estimate(model, opt, batch, run=preflight.Run(precision="bf16-mixed", target=preflight.Target(gpu=gpu))).coverage.notes
                    if n.startswith("CUDA semantics")] for gpu in ("V100-16GB", "H100-80GB")}
     assert "V100-16GB (sm_70)" in notes["V100-16GB"][0] and "attention kernels math x4" in notes["V100-16GB"][0]
     assert "H100-80GB (sm_90)" in notes["H100-80GB"][0] and "attention kernels flash x4" in notes["H100-80GB"][0]
-    cpu = preflight.estimate(model, opt, batch, precision="bf16-mixed")
+    cpu = preflight.estimate(model, opt, batch, run=preflight.Run(precision="bf16-mixed"))
     assert not any(n.startswith("CUDA semantics") for n in cpu.coverage.notes)
 
 
 def test_user_model_is_untouched_and_cpu_autocast_restored():
     model = make_gpt2(attn_implementation="eager")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 32), precision="16-mixed",
-                       gpu="A100-80GB")
+    preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 32), run=preflight.Run(precision="16-mixed", target=preflight.Target(gpu="A100-80GB")))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     x = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -67,5 +66,5 @@ def test_grouped_query_attention_traces_for_every_catalog_architecture():
     opt = torch.optim.AdamW(model.parameters())
     for gpu in ("V100-16GB", "A100-80GB", "H100-80GB"):
         for precision in (None, "bf16-mixed"):
-            est = preflight.estimate(model, opt, lm_batch(2, 32), precision=precision, gpu=gpu)
+            est = preflight.estimate(model, opt, lm_batch(2, 32), run=preflight.Run(precision=precision, target=preflight.Target(gpu=gpu)))
             assert not est.coverage.lower_bound, (gpu, precision, est.coverage.reason)

@@ -20,7 +20,7 @@ def test_size_per_architecture_and_environment():
 def test_a_cuda_estimate_holds_two_workspaces_from_the_first_forward_and_backward(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     model = make_gpt2(n_layer=1)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), gpu="H100-80GB")
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16), run=preflight.Run(target=preflight.Target(gpu="H100-80GB")))
     ws = [e for e in est.events if e.uid in WORKSPACE_UIDS]
     assert [(e.nbytes, e.phase) for e in ws] == [(32 * 2**20, "step1/forward"), (32 * 2**20, "step1/backward")]
     assert not any(e.uid in WORKSPACE_UIDS and e.nbytes < 0 for e in est.events)
@@ -44,14 +44,14 @@ def test_cudnn_convolution_workspace_is_a_stated_assumption_on_a_cuda_target(mon
     # bounded. The CPU target calibrates its convolution scratch instead and says nothing of cuDNN.
     model, batch = _ConvNet(), torch.randn(2, 3, 16, 16)
     monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, gpu="A100-80GB")
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
     [note] = [n for n in est.coverage.notes if "cuDNN" in n]
     # forward, and backward (input and weight gradients in one call)
     assert note.startswith("cuDNN convolution workspace not counted for 2 configuration(s) (convolution[")
     assert "cannot cause an out-of-memory error by itself" in note and "CUDNN_CONV_WSCAP_DBG=<MiB> caps it" in note
     assert not any("kernel scratch not calibrated" in n for n in est.coverage.notes)
     monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "256")
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, gpu="A100-80GB")
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch, run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
     assert any("at most 256 MiB per call (CUDNN_CONV_WSCAP_DBG)" in n for n in est.coverage.notes)
     cpu = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch)
     assert not any("cuDNN" in n for n in cpu.coverage.notes)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preflight
 import torch
 
 accelerate = pytest.importorskip("accelerate")
@@ -30,7 +31,7 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(Batches(), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    report = preflight_check(accelerator, model, optimizer, loader, budget="1GiB", eval_dataloader=loader)
+    report = preflight_check(accelerator, model, optimizer, loader, run=preflight.Run(target=preflight.Target(budget="1GiB")), eval_dataloader=loader)
     assert report.fits is True and report.schedule == {"accumulate": 2, "zero_grad": "after_step",
                                                      "max_grad_norm": None, "grad_scaler": False}
     assert report.eval_predicted_peak_bytes is not None
@@ -52,7 +53,7 @@ def test_an_evaluation_batch_between_measured_steps_is_measured_and_compared():
     loader = torch.utils.data.DataLoader(Batches(), batch_size=4)
     eval_loader = torch.utils.data.DataLoader(Batches(), batch_size=8)
     model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
-    report = preflight_check(accelerator, model, optimizer, loader, budget="1GiB", eval_dataloader=eval_loader)
+    report = preflight_check(accelerator, model, optimizer, loader, run=preflight.Run(target=preflight.Target(budget="1GiB")), eval_dataloader=eval_loader)
     verifier = StepVerifier(accelerator, model, optimizer, report, steps=3)
     for i, batch in enumerate(loader):
         with verifier.step(batch):

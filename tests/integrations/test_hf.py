@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 import preflight  # noqa: E402
 from preflight.integrations.hf import PreflightCallback, attach, autotune  # noqa: E402
+from preflight import Run, Target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
     trainer = make_trainer(tmp_path, train=VariableTokens(fixed=48, key="input_ids"),
                            eval_dataset=VariableTokens(8, fixed=48, key="input_ids"),
                            gradient_accumulation_steps=2)
-    callback = attach(trainer, budget="1GiB", report_path=str(tmp_path / "r.json"))
+    callback = attach(trainer, run=preflight.Run(target=preflight.Target(budget="1GiB")), report_path=str(tmp_path / "r.json"))
     trainer.train()
     report = json.loads((tmp_path / "r.json").read_text())
     # Same quantity on both sides: one optimizer step (both micro-batches), first forward to zero_grad, over the
@@ -94,7 +95,7 @@ def test_a_step_whose_later_micro_batch_is_longer_is_predicted_for_it(tmp_path):
                              logging_strategy="no", disable_tqdm=True, seed=0)
     trainer = InOrder(model=make_gpt2(n_layer=2, n_embd=64), args=args, train_dataset=ShortThenLong(),
                       data_collator=pad_tokens)
-    attach(trainer, budget="1GiB", report_path=str(tmp_path / "r.json"))
+    attach(trainer, run=preflight.Run(target=preflight.Target(budget="1GiB")), report_path=str(tmp_path / "r.json"))
     trainer.train()
     report = json.loads((tmp_path / "r.json").read_text())
     measured, predicted = report["measured_step_peaks"], report["predicted_step_peaks"]
@@ -110,7 +111,7 @@ def test_a_deep_model_is_composed_and_verified_and_fast_false_traces_it_in_full(
     for fast in (True, False):
         trainer = make_trainer(tmp_path, train=VariableTokens(fixed=32, key="input_ids"), steps=2,
                                model=make_gpt2(n_layer=12, n_embd=32))
-        attach(trainer, budget="1GiB", report_path=str(tmp_path / f"r{fast}.json"), verify_steps=2, fast=fast)
+        attach(trainer, run=preflight.Run(target=preflight.Target(budget="1GiB"), fast=fast), report_path=str(tmp_path / f"r{fast}.json"), verify_steps=2)
         trainer.train()
         reports[fast] = json.loads((tmp_path / f"r{fast}.json").read_text())
     composed = [n for n in reports[True]["coverage"]["notes"] if n.startswith("depth-independent trace")]
@@ -163,7 +164,7 @@ def test_the_trainers_log_history_is_unchanged(tmp_path, how):
 
 
 def test_overflow_raises_before_any_optimizer_step(tmp_path):
-    trainer = make_trainer(tmp_path, callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
+    trainer = make_trainer(tmp_path, callbacks=[PreflightCallback(run=preflight.Run(target=preflight.Target(budget="2MiB")), suggest=False)])
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(preflight.PreflightError, match="over the usable"):
         trainer.train()
@@ -179,7 +180,8 @@ sys.path.insert(0, {here!r})
 from pathlib import Path
 from test_hf import make_trainer
 from preflight.integrations.hf import PreflightCallback
-trainer = make_trainer(Path({tmp!r}), callbacks=[PreflightCallback(budget="1GiB", report_path={report!r})])
+from preflight import Run, Target
+trainer = make_trainer(Path({tmp!r}), callbacks=[PreflightCallback(Run(target=Target(budget="1GiB")), report_path={report!r})])
 trainer.train()
 print("TRAINED")
 """
@@ -204,7 +206,7 @@ def test_autotune_sets_micro_batch_accumulation_and_eval_batch(tmp_path):
                            eval_dataset=VariableTokens(16, fixed=32, key="input_ids"), callbacks=[seen],
                            per_device_train_batch_size=8, steps=1)
     callback = attach(trainer, verify_steps=0)
-    chosen = autotune(trainer, budget="1GiB", max_batch_size=4)
+    chosen = autotune(trainer, run=preflight.Run(target=preflight.Target(budget="1GiB")), max_batch_size=4)
     args = trainer.args
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2)
     assert chosen["global_batch_size"] == 8 and chosen["exact"]
@@ -235,7 +237,7 @@ def test_auto_find_batch_size_takes_the_batch_from_the_prediction(tmp_path, caps
     seen = Seen()
     trainer = make_trainer(tmp_path, train=data, callbacks=[seen], steps=2, per_device_train_batch_size=16,
                            auto_find_batch_size=True)
-    callback = attach(trainer, budget=budget, verify_steps=0, suggest=False)
+    callback = attach(trainer, run=preflight.Run(target=preflight.Target(budget=budget)), verify_steps=0, suggest=False)
     trainer.train()
     chosen = callback.report.autotune["train_batch_size"]
     assert 4 <= chosen < 16 and callback.report.fits is True
@@ -247,7 +249,7 @@ def test_auto_find_batch_size_takes_the_batch_from_the_prediction(tmp_path, caps
 
 def test_the_overflow_error_names_autotune(tmp_path):
     trainer = make_trainer(tmp_path, steps=1)
-    attach(trainer, budget="2MiB", suggest=False)
+    attach(trainer, run=preflight.Run(target=preflight.Target(budget="2MiB")), suggest=False)
     with pytest.raises(preflight.PreflightError, match=r"hf\.autotune\(trainer\)"):
         trainer.train()
 
@@ -271,12 +273,13 @@ import json, sys
 import torch, torch.distributed as dist, transformers
 from transformers import Trainer, TrainingArguments
 from preflight.integrations.hf import PreflightCallback
+from preflight import Run, Target
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500,
                                                              n_positions=64))
 ids = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
 args = TrainingArguments(output_dir="out", fsdp="full_shard", use_cpu=True, max_steps=3, per_device_train_batch_size=4,
                          report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True)
-callback = PreflightCallback(budget="2GiB", verify_steps=2, suggest=False)
+callback = PreflightCallback(Run(target=Target(budget="2GiB")), verify_steps=2, suggest=False)
 Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids], callbacks=[callback]).train()
 r = callback.report
 open(f"rank{dist.get_rank()}.json", "w").write(json.dumps({"error": r.relative_error, "notes": r.coverage["notes"]}))

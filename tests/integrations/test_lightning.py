@@ -28,6 +28,7 @@ L = PACKAGES[0]
 
 import preflight  # noqa: E402
 from preflight.integrations.lightning import PreflightCallback  # noqa: E402
+from preflight import Run, Target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,7 +116,7 @@ def _package_of(module):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     torch.manual_seed(0)
-    callback = PreflightCallback(budget="1GiB", report_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), report_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
     logger = pl.Metrics()
     fit(pl.GPT(fixed=48), [callback], logger=logger, accumulate_grad_batches=accumulate)
     report = json.loads((tmp_path / "r.json").read_text())
@@ -171,7 +172,7 @@ def test_overflow_raises_before_any_optimizer_step(pl):
     before = [p.detach().clone() for p in module.parameters()]
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[PreflightCallback(budget="2MiB", suggest=False)])
+                        callbacks=[PreflightCallback(run=preflight.Run(target=preflight.Target(budget="2MiB")), suggest=False)])
     with pytest.raises(preflight.PreflightError, match="over the usable 1.80 MiB") as info:
         trainer.fit(module)
     assert "PreflightCallback(autotune=True) sets the largest that fits" in str(info.value)
@@ -188,7 +189,7 @@ def test_internal_failure_warns_and_training_runs(monkeypatch):
         raise RuntimeError("trace exploded")
 
     monkeypatch.setattr(_check, "estimate", broken)
-    callback = PreflightCallback(budget="1GiB")
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")))
     with pytest.warns(RuntimeWarning, match="the prediction failed and was skipped.*trace exploded"):
         trainer = fit(GPT(val=False), [callback], steps=2)
     assert trainer.global_step == 2
@@ -205,7 +206,7 @@ def test_internal_failure_with_a_lower_bound_over_the_budget_stops_the_run(monke
     monkeypatch.setattr(_check, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("trace exploded")))
     module = GPT(val=False)
     with pytest.raises(preflight.PreflightError, match="over the usable 921.60 KiB"):
-        fit(module, [PreflightCallback(budget="1MiB", suggest=False)], steps=2)
+        fit(module, [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1MiB")), suggest=False)], steps=2)
     assert module.seen == []
 
 
@@ -230,7 +231,7 @@ class _FlakyGPT(GPT):
 
 
 def test_a_sample_that_raises_is_named_and_the_prediction_uses_the_rest():
-    callback = PreflightCallback(budget="1GiB", on_overflow="warn", verify_steps=0)
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), on_overflow="warn", verify_steps=0)
     with pytest.warns(RuntimeWarning, match=r"1 sample\(s\) raised when read: #5 \(OSError: record 5: read timed out\)"):
         trainer = fit(_FlakyGPT(val=False), [callback], steps=2)
     report = callback.report
@@ -245,7 +246,7 @@ def test_a_sample_that_raises_is_named_and_the_prediction_uses_the_rest():
 def test_a_sample_that_raises_stops_the_run_when_failing_fast():
     module = _FlakyGPT(val=False)
     with pytest.raises(preflight.PreflightError, match="reading sample 5 of the training dataset raised OSError"):
-        fit(module, [PreflightCallback(budget="1GiB")], steps=2)
+        fit(module, [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")))], steps=2)
     assert module.seen == []
 
 
@@ -262,7 +263,8 @@ sys.path.insert(0, {tests!r})
 sys.path.insert(0, {here!r})
 from test_lightning import GPT, fit
 from preflight.integrations.lightning import PreflightCallback
-fit(GPT(val=False), [PreflightCallback(budget={budget!r}, report_path={report!r}, suggest=False)], steps=2)
+from preflight import Run, Target
+fit(GPT(val=False), [PreflightCallback(Run(target=Target(budget={budget!r})), report_path={report!r}, suggest=False)], steps=2)
 print("TRAINED")
 """
 
@@ -286,8 +288,9 @@ sys.path.insert(0, {tests!r})
 sys.path.insert(0, {here!r})
 import pytorch_lightning as pl
 from preflight.integrations.lightning import PreflightCallback
+from preflight import Run, Target
 from test_lightning import GPT, Metrics, fit
-callback = PreflightCallback(budget="1GiB", report_path={report!r}, verify_steps=2)
+callback = PreflightCallback(Run(target=Target(budget="1GiB")), report_path={report!r}, verify_steps=2)
 logger = Metrics()
 trainer = fit(GPT(fixed=32), [callback], steps=2, logger=logger)
 assert type(trainer) is pl.Trainer and "lightning.pytorch" not in sys.modules
@@ -318,7 +321,7 @@ def test_autotune_keeps_the_global_batch(tmp_path, pl):
     pytest.importorskip("preflight._autotune")
     torch.manual_seed(0)
     module = pl.GPT(batch_size=8, fixed=32, val=False)
-    callback = PreflightCallback(budget="1GiB", autotune=True, max_batch_size=4, verify_steps=0,
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), autotune=True, max_batch_size=4, verify_steps=0,
                                  report_path=str(tmp_path / "r.json"))
     trainer = fit(module, [callback], steps=2)
     assert module.batch_size == 4 and trainer.accumulate_grad_batches == 2
@@ -338,7 +341,7 @@ def test_autotune_failure_restores_the_setup(monkeypatch):
     torch.manual_seed(0)
     module = GPT(batch_size=8, fixed=32, val=False)
     with pytest.warns(RuntimeWarning, match="autotune failed.*search failed"):
-        trainer = fit(module, [PreflightCallback(budget="1GiB", autotune=True, verify_steps=0)], steps=1)
+        trainer = fit(module, [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), autotune=True, verify_steps=0)], steps=1)
     assert module.batch_size == 8 and trainer.accumulate_grad_batches == 1
     assert [b.shape[0] for b in module.seen] == [8]
 
@@ -352,9 +355,10 @@ import preflight
 from test_lightning import CLASSES
 GPT = CLASSES[{package!r}][0]
 from preflight.integrations.lightning import PreflightCallback
+from preflight import Run, Target
 rank = int(os.environ.get("LOCAL_RANK", 0))
 # Rank 1 is given a budget it cannot meet; rank 0's fits. Both must stop, before any step.
-callback = PreflightCallback(budget="1GiB" if rank == 0 else "2MiB", suggest=False, verify_steps=0)
+callback = PreflightCallback(Run(target=Target(budget="1GiB" if rank == 0 else "2MiB")), suggest=False, verify_steps=0)
 module = GPT(val=False)
 trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -406,12 +410,13 @@ import preflight
 from preflight import _check
 from test_lightning import GPT
 from preflight.integrations.lightning import PreflightCallback
+from preflight import Run, Target
 rank = int(os.environ.get("LOCAL_RANK", 0))
 if rank == 1:  # preflight fails inside on this rank only
     def broken(*args, **kwargs):
         raise RuntimeError("trace exploded on rank 1")
     _check.estimate = broken
-callback = PreflightCallback(budget="1GiB", suggest=False, verify_steps=2)
+callback = PreflightCallback(Run(target=Target(budget="1GiB")), suggest=False, verify_steps=2)
 module = GPT(val=False)
 trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -482,7 +487,7 @@ def test_compiled_submodules_stay_compiled_and_64_true_batches_are_converted():
             return torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
 
     module = Compiled()
-    callback = PreflightCallback(budget="1GiB", verify_steps=0)
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), verify_steps=0)
     fit(module, [callback], steps=2, precision="64-true")
     coverage = callback.report.coverage
     assert coverage["traced"] and any("block (counting)" in n for n in coverage["notes"]), coverage
@@ -495,7 +500,7 @@ def test_an_error_of_the_users_training_step_is_raised_not_swallowed_into_a_warn
             raise ValueError("user bug")
 
     with pytest.raises(ValueError, match="user bug") as caught:
-        fit(Buggy(val=False), [PreflightCallback(budget="1GiB", verify_steps=0)], steps=1)
+        fit(Buggy(val=False), [PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), verify_steps=0)], steps=1)
     assert any("preflight" in note for note in caught.value.__notes__)  # raised inside preflight's trace
 
 
@@ -504,7 +509,7 @@ def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it():
         def training_step(self, batch):  # Lightning passes batch_idx only to steps that take it
             return self.model(**batch).loss
 
-    callback = PreflightCallback(budget="1GiB", verify_steps=0, suggest=False)
+    callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget="1GiB")), verify_steps=0, suggest=False)
     fit(NoIndex(val=False), [callback], steps=1)
     assert callback.report is not None and not callback.report.coverage.get("lower_bound")
 

@@ -36,9 +36,8 @@ def test_bucket_views_hold_the_gradients_once():
     model, batch = _setup()
     optimizer = torch.optim.AdamW(model.parameters())
     replica = preflight.estimate(model, optimizer, batch, step=_step)
-    copies = preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding="ddp")
-    views = preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding="ddp",
-                               gradient_as_bucket_view=True)
+    copies = preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "ddp")))
+    views = preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "ddp", gradient_as_bucket_view=True)))
     assert replica.peak_phase.endswith("/optimizer")  # every gradient is alive at the peak
     # Buckets from construction on: the replica's peak plus one copy of the gradients; with views, the gradients
     # are the buckets, so the peak is the replica's (each gradient was alive only until it was copied in).
@@ -47,14 +46,12 @@ def test_bucket_views_hold_the_gradients_once():
     assert any("gradient_as_bucket_view" in n for n in views.coverage.notes)
     # The plan carries the option, and only a DDP plan takes it.
     plan = ParallelPlan(2, "ddp", gradient_as_bucket_view=True)
-    assert preflight.estimate(model, optimizer, batch, step=_step, **plan.estimate_kwargs()).peak_bytes == \
+    assert preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=plan)).peak_bytes == \
         views.peak_bytes
     with pytest.raises(ValueError, match="DDP's option"):
-        preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding="zero2",
-                           gradient_as_bucket_view=True)
+        preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "zero2", gradient_as_bucket_view=True)))
     with pytest.raises(TypeError, match="True or False"):
-        preflight.estimate(model, optimizer, batch, step=_step, world_size=2, sharding="ddp",
-                           gradient_as_bucket_view="yes")
+        preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "ddp", gradient_as_bucket_view="yes")))
 
 
 def _gloo_worker(rank: int, world_size: int, port: int, view: bool, queue) -> None:
@@ -86,8 +83,7 @@ def test_real_gloo_ddp_per_rank_peak(view):
     import torch.multiprocessing as mp
 
     model, batch = _setup()
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_step, world_size=2,
-                             sharding="ddp", gradient_as_bucket_view=view)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "ddp", gradient_as_bucket_view=view)))
     # The profiler loses frees made on gloo's worker threads: step 1's all-reduce work holds the first buckets
     # until a worker drops it, and when that comes after DDP's rebuild at step 2 the old buckets stay in the
     # measured curve (4 MB here, in about one rank-run of six). Such losses only add, so each rank's smallest of

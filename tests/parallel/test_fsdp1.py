@@ -51,7 +51,7 @@ def _real_shards(model: nn.Module, plan: FSDP1Plan, rank: int, x: torch.Tensor) 
 @pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
 def test_each_ranks_shards_and_state_are_fsdp1s_own(strategy):
     model, optimizer, x = _setup()
-    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy)
+    est = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, strategy)))
     assert est.sharding == strategy and len(est.per_rank_peak_bytes) == WORLD
     assert any(f"{strategy}: each rank's step traced through FullyShardedDataParallel" in n
                for n in est.coverage.notes)
@@ -68,25 +68,24 @@ def test_the_rank_holding_the_padding_holds_less_state():
     model, optimizer, x = _setup()
     assert fsdp1_rank_groups(model, FSDP1Plan(), WORLD) == [[0, 1, 2], [3]]
     assert fsdp1_rank_groups(model, FSDP1Plan(use_orig_params=False), WORLD) == [[0, 1, 2, 3]]  # flat state
-    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    est = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full")))
     per_rank = est.per_rank_peak_bytes
     assert per_rank[0] == per_rank[1] == per_rank[2] > per_rank[3]
     assert est.peak_rank == 0
     _, state_0 = _real_shards(model, FSDP1Plan(sharding_strategy="FULL_SHARD"), 0, x)
     _, state_3 = _real_shards(model, FSDP1Plan(sharding_strategy="FULL_SHARD"), 3, x)
     assert per_rank[0] - per_rank[3] == state_0 - state_3 > 0  # the state over views rank 3 does not have
-    flat = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                              fsdp=FSDP1Plan(use_orig_params=False))
+    flat = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(use_orig_params=False))))
     assert len(set(flat.per_rank_peak_bytes)) == 1  # state over the padded flat shards: every rank alike
 
 
 @pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
 def test_hybrid_ranks_hold_their_nodes_shards_and_all_reduce_them_in_place(strategy, monkeypatch):
     model, optimizer, x = _setup()
-    node = preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding=strategy)
+    node = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, strategy)))
     calls = spy_all_reduce(monkeypatch)  # (elements, group size) of each all_reduce from here on
     plan = FSDP1Plan(ranks_per_node=2)  # 2 nodes of 2 ranks: HYBRID_SHARD / _HYBRID_SHARD_ZERO2
-    est = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding=strategy, fsdp=plan)
+    est = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, strategy, fsdp=plan)))
     hybrid = "HYBRID_SHARD" if strategy == "fsdp-full" else "_HYBRID_SHARD_ZERO2"
     assert any(f"FullyShardedDataParallel({hybrid})" in n and "fake 2-D mesh of 2 x 2 ranks" in n
                for n in est.coverage.notes), est.coverage.notes
@@ -114,19 +113,16 @@ def test_plan_options_are_checked_and_change_the_figure():
         FSDP1Plan(backward_prefetch="SOMETIMES")
     model, optimizer, x = _setup()
     with pytest.raises(ValueError, match="pass sharding='fsdp-full' or 'fsdp-grad-op'"):
-        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp2", fsdp=FSDP1Plan())
+        preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2", fsdp=FSDP1Plan())))
     with pytest.raises(ValueError, match="make them agree"):
-        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-full",
-                           fsdp=FSDP1Plan(sharding_strategy="SHARD_GRAD_OP"))
+        preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full", fsdp=FSDP1Plan(sharding_strategy="SHARD_GRAD_OP"))))
     with pytest.raises(ValueError, match="says how FSDP wraps the model"):
-        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="zero2", fsdp=FSDP1Plan())
-    default = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+        preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "zero2", fsdp=FSDP1Plan())))
+    default = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full")))
     mixed = FSDP1Plan(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-    bf16 = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=mixed)
-    no_prefetch = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                                     fsdp=FSDP1Plan(backward_prefetch=None))
-    forward = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                                 fsdp=FSDP1Plan(forward_prefetch=True))
+    bf16 = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=mixed)))
+    no_prefetch = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(backward_prefetch=None))))
+    forward = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(forward_prefetch=True))))
     # fp32 shards as FSDP1 lays them out for bf16 compute; the gathered copies are bf16: half the bytes.
     mixed = FSDP1Plan(mixed_precision=mixed.mixed_precision, sharding_strategy="FULL_SHARD")
     assert bf16.breakdown["parameters"] == _real_shards(model, mixed, bf16.peak_rank, x)[0]
@@ -151,7 +147,7 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tensors = dict(model.state_dict(keep_vars=True))
     rng = torch.get_rng_state()
-    preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-grad-op")
+    preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-grad-op")))
     assert not dist.is_initialized()
     assert torch.equal(torch.get_rng_state(), rng)
     for name, value in model.state_dict(keep_vars=True).items():
@@ -160,7 +156,7 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     assert type(model.layers[0]) is nn.Linear and not model._forward_pre_hooks  # FSDP1 wrapped a copy
     assert all(value is internals[name] for name, value in _fsdp1_internals().items())
     with pytest.raises(ValueError, match="the user's own error"):  # put back on the way out of a failed trace too
-        preflight.estimate(model, optimizer, x, step=_failing_step, world_size=WORLD, sharding="fsdp-full")
+        preflight.estimate(model, optimizer, x, step=_failing_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full")))
     assert all(value is internals[name] for name, value in _fsdp1_internals().items())
     assert not dist.is_initialized()
 
@@ -175,23 +171,21 @@ def test_the_users_errors_and_wrong_units_are_raised_not_rescaled():
     model, optimizer, x = _setup()
     for sharding in ("fsdp-full", "fsdp2"):
         with pytest.raises(ValueError, match="the user's own error"):
-            preflight.estimate(model, optimizer, x, step=_failing_step, world_size=2, sharding=sharding)
+            preflight.estimate(model, optimizer, x, step=_failing_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, sharding)))
     with pytest.raises(ValueError, match="'layer.0', which is not a submodule"):
-        preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-full",
-                           fsdp=FSDP1Plan(units=("layer.0",)))
+        preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full", fsdp=FSDP1Plan(units=("layer.0",)))))
 
 
 def test_what_cannot_be_traced_is_rescaled_and_says_why():
     model, optimizer, x = _setup()
-    offloaded = preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-full",
-                                   offload_optimizer=True, offload_params=True)
+    offloaded = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full", offload_optimizer=True, offload_params=True)))
     assert offloaded.per_rank_peak_bytes is None
     assert any("CPU offload is not traced per rank yet; rescaled as fsdp-full" in n for n in offloaded.coverage.notes)
     stepped = torch.optim.AdamW(model.parameters())
     model(x).sum().backward()
     stepped.step()  # existing state: FSDP1's sharded copy of it is not traced
     model.zero_grad()
-    est = preflight.estimate(model, stepped, x, step=_step, world_size=2, sharding="fsdp-full")
+    est = preflight.estimate(model, stepped, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full")))
     assert est.per_rank_peak_bytes is None
     assert any("rescaled as fsdp-full" in n and "FullyShardedDataParallel" in n for n in est.coverage.notes)
 
@@ -238,7 +232,7 @@ def test_real_gloo_fsdp1_per_rank_peak_within_3_percent(strategy, world):
     units = tuple(f"layers.{i}" for i in range(DEEP)) + ("head",)  # every Linear, as ModuleWrapPolicy({nn.Linear})
     sharding = "fsdp-grad-op" if strategy == "SHARD_GRAD_OP" else "fsdp-full"
     plan = FSDP1Plan(units=units, ranks_per_node=world // 2 if strategy == "HYBRID_SHARD" else None)
-    est = preflight.estimate(model, optimizer, batch, step=_step, world_size=world, sharding=sharding, fsdp=plan)
+    est = preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(world, sharding, fsdp=plan)))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:
@@ -255,9 +249,9 @@ def test_beyond_the_trace_cap_the_rank_holding_the_most_bounds_the_others(monkey
     import preflight._estimate as estimate_module
 
     model, optimizer, x = _setup()
-    every = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    every = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full")))
     monkeypatch.setattr(estimate_module, "_MAX_RANK_TRACES", 1)  # the two groups of this model exceed it
-    capped = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full")
+    capped = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full")))
     assert capped.peak_bytes == every.peak_bytes == every.per_rank_peak_bytes[0]  # the largest rank, traced
     assert capped.per_rank_peak_bytes == (every.peak_bytes,) * WORLD  # rank 3 holds less: bounded from above
     assert every.per_rank_peak_bytes[3] < capped.per_rank_peak_bytes[3]
@@ -309,8 +303,7 @@ def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
         model, optimizer, _ = _setup(depth=DEEP, width=NARROW)
         batch = torch.randn(ROWS, NARROW, generator=torch.Generator().manual_seed(1))
         # The prediction before wrapping, in this process (its thread count sets CPU kernels' calibrated scratch).
-        out["before"] = preflight.estimate(model, optimizer, batch, step=_step, world_size=world_size,
-                                           sharding="fsdp-full", fsdp=_PLAN).per_rank_peak_bytes
+        out["before"] = preflight.estimate(model, optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(world_size, "fsdp-full", fsdp=_PLAN))).per_rank_peak_bytes
         # As Lightning's FSDPStrategy wraps it: the root, each block its own unit, use_orig_params=True.
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
                      sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
@@ -332,8 +325,7 @@ def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
         out["measured"] = resident + peak
         # Every other option FSDP1 takes, read back off a second wrapping (flat parameters in the optimizer).
         other, other_optimizer, _ = _setup(depth=2, width=NARROW)
-        out["other_before"] = preflight.estimate(other, other_optimizer, batch, step=_step, world_size=world_size,
-                                                 sharding="fsdp-grad-op", fsdp=_other_plan()).per_rank_peak_bytes
+        out["other_before"] = preflight.estimate(other, other_optimizer, batch, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(world_size, "fsdp-grad-op", fsdp=_other_plan()))).per_rank_peak_bytes
         other = FSDP(other, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=False,
                      sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=torch.device("cpu"),
                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
@@ -406,7 +398,7 @@ _UNITS = ("layers.0", "layers.1", "layers.2", "head")
 def test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped(orig):
     model, optimizer, x = _setup()
     plan = FSDP1Plan(units=_UNITS, use_orig_params=orig)
-    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=plan)))
     model, optimizer, x = _wrapped_in_a_job(use_orig_params=orig)
     try:
         model(x).backward()  # a trained model: FSDP1's lazy init done, gradients held
@@ -436,9 +428,9 @@ def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_a
         assert (read.world_size, read.rank, read.root) == (2, 0, model)
         assert read_fsdp1(model.module).root is model  # the wrapper found around the module it holds
         with pytest.raises(ValueError, match="world_size=4 says otherwise"):
-            preflight.estimate(model, optimizer, x, step=_step, world_size=4)
+            preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(4, None)))
         with pytest.raises(ValueError, match="sharding='fsdp-grad-op'"):
-            preflight.estimate(model, optimizer, x, step=_step, world_size=2, sharding="fsdp-grad-op")
+            preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-grad-op")))
     finally:
         dist.destroy_process_group()
     model, optimizer, x = _wrapped_in_a_job(rank=0, world=2, cpu_offload=CPUOffload(offload_params=True))
@@ -461,8 +453,7 @@ def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
     from preflight.parallel import already_sharded, read_fsdp1
 
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                               fsdp=FSDP1Plan(units=()))
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=()))))
     model, optimizer, x = _wrapped_in_a_job(auto_wrap_policy=None)  # the root alone: no wrapper inside the module
     try:
         assert not any(isinstance(m, type(model)) for m in model.module.modules())
@@ -479,12 +470,13 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
     from preflight.parallel import fsdp_plan
 
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                               fsdp=FSDP1Plan(units=_UNITS))
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=_UNITS))))
     model, optimizer, x = _wrapped_in_a_job()
     try:  # the module the wrapper holds and the strategy's own plan, as Lightning's callback passes them
-        reports = [predict(model.module, optimizer, x, step=_step, options=Options(budget=budget, suggest=False),
-                           parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy"))
+        plan = fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy")
+        reports = [predict(model.module, optimizer, x,
+                           preflight.Run(target=preflight.Target(budget=budget), parallel=plan), step=_step,
+                           options=Options(suggest=False))
                    for budget in (alone.peak_bytes * 2, alone.peak_bytes // 2)]
     finally:
         dist.destroy_process_group()
@@ -502,14 +494,16 @@ def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_mode
 
     model, optimizer, x = _setup()
     plan = ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=_UNITS))
-    alone = preflight.estimate(model, optimizer, x, step=_step, **plan.estimate_kwargs())
-    options = Options(budget=alone.peak_bytes // 2)  # does not fit: suggestions are made
-    before = predict(model, optimizer, x, step=_step, options=options, eval_batch=x, parallel=plan)
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=plan))
+    options = Options()
+    run = preflight.Run(target=preflight.Target(budget=alone.peak_bytes // 2))  # does not fit: suggestions are made
+    before = predict(model, optimizer, x, run.replace(parallel=plan), step=_step, options=options, eval_batch=x)
     model, optimizer, x = _wrapped_in_a_job(rank=0)  # rank zero suggests
     try:
         held = _storages(model)
-        after = predict(model.module, optimizer, x, step=_step, options=options, eval_batch=x,
-                        parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy"))
+        after = predict(model.module, optimizer, x,
+                        run.replace(parallel=fsdp_plan("FULL_SHARD", world_size=WORLD, source="Lightning FSDPStrategy")),
+                        step=_step, options=options, eval_batch=x)
         assert _same(held, _storages(model)) and not optimizer.state
     finally:
         dist.destroy_process_group()
@@ -531,7 +525,7 @@ def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
 
     model, optimizer, x = _setup()
     plan = FSDP1Plan(units=_UNITS, sharding_strategy="HYBRID_SHARD", ranks_per_node=2)
-    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full", fsdp=plan)
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=plan)))
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
     try:  # rank 3: node 1, index 1 in its node
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
@@ -550,8 +544,7 @@ def test_the_module_a_wrapper_holds_steps_through_the_root_wrapper_as_the_traine
     ``FSDPStrategy`` runs as the root's forward); the trace runs each step through the root's forward the same way,
     so the figure is the one of the wrapped model stepped through its root."""
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=_step, world_size=WORLD, sharding="fsdp-full",
-                               fsdp=FSDP1Plan(units=_UNITS))
+    alone = preflight.estimate(model, optimizer, x, step=_step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=_UNITS))))
     model, optimizer, x = _wrapped_in_a_job()
     inner = model.module
     inner.training_step = types.MethodType(lambda self, batch: self(batch), inner)  # a LightningModule's hook

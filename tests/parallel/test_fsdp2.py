@@ -43,7 +43,7 @@ def test_ranks_with_equal_shards_are_grouped():
 
 def test_per_rank_bytes_match_the_hand_computed_shards():
     model, optimizer, x = _setup()
-    est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+    est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2")))
     assert est.sharding == "fsdp2" and est.coverage.traced and len(est.per_rank_peak_bytes) == WORLD
     params = list(model.parameters())
     # Parameters: every rank's storage is padded to ceil(dim0 / 4) rows, so all ranks hold the same bytes.
@@ -68,7 +68,7 @@ def test_even_shards_trace_once_and_say_so():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     est = preflight.estimate(model, torch.optim.SGD(model.parameters()), torch.randn(4, 64),
-                             step=lambda m, b: m(b).sum(), world_size=2, sharding="fsdp2")
+                             step=lambda m, b: m(b).sum(), run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2")))
     assert est.per_rank_peak_bytes[0] == est.per_rank_peak_bytes[1]
     assert any("one trace stands for all 2" in n for n in est.coverage.notes)
 
@@ -77,8 +77,8 @@ def test_sharding_is_cheaper_than_one_device_and_grows_with_fewer_ranks():
     model, optimizer, x = _setup()
     step = lambda m, b: m(b)  # noqa: E731
     single = preflight.estimate(model, optimizer, x, step=step)
-    two = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
-    four = preflight.estimate(model, optimizer, x, step=step, world_size=4, sharding="fsdp2")
+    two = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2")))
+    four = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(4, "fsdp2")))
     assert two.breakdown["parameters"] > four.breakdown["parameters"]
     assert two.breakdown["optimizer_state"] > four.breakdown["optimizer_state"]
     assert single.breakdown["communication"] == 0 and two.breakdown["communication"] > 0
@@ -92,7 +92,7 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     random.seed(7)
     rng = torch.get_rng_state()
     py_rng = random.getstate()
-    preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+    preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2")))
     assert not dist.is_initialized()
     assert torch.equal(torch.get_rng_state(), rng) and random.getstate() == py_rng
     assert all(type(p) is nn.Parameter for p in model.parameters())  # not DTensors: fully_shard ran on a copy
@@ -114,15 +114,13 @@ def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(
     # Hybrid: the fake world's 2-D mesh makes sub-groups too, which must go with it.
     plan = (FSDP2Plan(replicate=2) if sharding == "fsdp2" else FSDP1Plan(ranks_per_node=2)) if hybrid else None
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
-                               fsdp=plan)
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, sharding, fsdp=plan)))
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         job = dist.group.WORLD
         names = dict(c10d._world.pg_names)
-        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding=sharding,
-                                 fsdp=plan)
+        est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, sharding, fsdp=plan)))
         assert dist.group.WORLD is job and dist.get_rank() == 1 and dist.get_world_size() == 2
         assert dict(c10d._world.pg_names) == names
         assert c10d._resolve_process_group(names[job]) is job  # the job's name is still in the C++ registry
@@ -154,14 +152,14 @@ def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped
     from torch.distributed.fsdp import FSDPModule
 
     model, optimizer, x = _setup()
-    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2")))
     hook = sys.excepthook
     model, optimizer, x = _wrapped_in_a_job()
     try:
         hooks = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()}
         params = {n: (p, p.to_local().clone()) for n, p in model.named_parameters()}
         est = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
-        again = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2")
+        again = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2")))
         # The user's wrapped model is as it was, and trains.
         assert isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in model.layers)
         assert {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()} == hooks
@@ -189,13 +187,15 @@ def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_befor
 
     model, optimizer, x = _setup()
     plan = ParallelPlan(WORLD, "fsdp2")
-    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), **plan.estimate_kwargs())
-    options = Options(budget=alone.peak_bytes // 2)
-    before = predict(model, optimizer, x, step=lambda m, b: m(b), options=options, eval_batch=x, parallel=plan)
+    alone = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=plan))
+    options = Options()
+    run = preflight.Run(target=preflight.Target(budget=alone.peak_bytes // 2))
+    before = predict(model, optimizer, x, run.replace(parallel=plan), step=lambda m, b: m(b), options=options,
+                     eval_batch=x)
     model, optimizer, x = _wrapped_in_a_job(rank=0)  # rank zero suggests
     try:
         params = {n: p.to_local().clone() for n, p in model.named_parameters()}
-        after = predict(model, optimizer, x, step=lambda m, b: m(b), options=options, eval_batch=x)
+        after = predict(model, optimizer, x, run, step=lambda m, b: m(b), options=options, eval_batch=x)
         assert all(torch.equal(p.to_local(), params[n]) for n, p in model.named_parameters())
     finally:
         dist.destroy_process_group()
@@ -218,9 +218,9 @@ def test_a_wrapped_models_plan_is_read_from_it_and_conflicting_arguments_are_ref
         assert read.plan == FSDP2Plan(units=("layers.0", "layers.1", "layers.2"), mp_policy=policy,
                                       reshard_after_forward=False)
         with pytest.raises(ValueError, match="world_size=4 says otherwise"):
-            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=4)
+            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(4, None)))
         with pytest.raises(ValueError, match="sharding='zero3'"):
-            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=2, sharding="zero3")
+            preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(2, "zero3")))
     finally:
         dist.destroy_process_group()
     model, optimizer, x = _setup()
@@ -245,10 +245,9 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
 def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(monkeypatch):
     model, optimizer, x = _setup()
     step = lambda m, b: m(b)  # noqa: E731
-    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
+    group = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2")))
     calls = spy_all_reduce(monkeypatch)  # (elements, group size) of each all_reduce from here on
-    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
-                             fsdp=FSDP2Plan(replicate=2))
+    est = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2", fsdp=FSDP2Plan(replicate=2))))
     assert any("fake 2-D mesh of 2 x 2 ranks" in n for n in est.coverage.notes), est.coverage.notes
     assert rank_groups(model, WORLD, replicate=2) == [[0, 2], [1, 3]]  # a rank's shard: its index in its group
     # Every unit's gradient shard (a block's 33 rows of 66 + 33 of bias; the head's row and bias padded to 2, one
@@ -261,14 +260,11 @@ def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-    group = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2",
-                               fsdp=FSDP2Plan(mp_policy=bf16))
-    est = preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
-                             fsdp=FSDP2Plan(replicate=2, mp_policy=bf16))
+    group = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2", fsdp=FSDP2Plan(mp_policy=bf16))))
+    est = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2", fsdp=FSDP2Plan(replicate=2, mp_policy=bf16))))
     assert est.per_rank_peak_bytes == tuple(b + 2211 * 2 for b in group.per_rank_peak_bytes * 2)
     with pytest.raises(ValueError, match=r"`fsdp.replicate` \(3\) should divide the world size 4"):
-        preflight.estimate(model, optimizer, x, step=step, world_size=WORLD, sharding="fsdp2",
-                           fsdp=FSDP2Plan(replicate=3))
+        preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2", fsdp=FSDP2Plan(replicate=3))))
 
 
 def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
@@ -279,8 +275,7 @@ def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
     from preflight.parallel import read_fsdp2
 
     model, optimizer, x = _setup()
-    planned = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=WORLD, sharding="fsdp2",
-                                 fsdp=FSDP2Plan(replicate=2))
+    planned = preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2", fsdp=FSDP2Plan(replicate=2))))
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=WORLD)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -307,14 +302,11 @@ def test_plan_options_are_checked_and_passed_through():
         FSDP2Plan(replicate=0)
     model, optimizer, x = _setup()
     with pytest.raises(ValueError, match="pass sharding='fsdp2'"):
-        preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), world_size=2, sharding="fsdp-full",
-                           fsdp=FSDP2Plan())
+        preflight.estimate(model, optimizer, x, step=lambda m, b: m(b), run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full", fsdp=FSDP2Plan())))
     step = lambda m, b: m(b)  # noqa: E731
-    default = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2")
-    bf16 = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2",
-                              fsdp=FSDP2Plan(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
-    kept = preflight.estimate(model, optimizer, x, step=step, world_size=2, sharding="fsdp2",
-                              fsdp=FSDP2Plan(reshard_after_forward=False))
+    default = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2")))
+    bf16 = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2", fsdp=FSDP2Plan(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))))
+    kept = preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2", fsdp=FSDP2Plan(reshard_after_forward=False))))
     # bf16 all-gathers: half the gathered bytes; parameters kept after forward: more of them alive in backward.
     assert bf16.breakdown["parameters"] == default.breakdown["parameters"]
     assert bf16.peak_bytes < default.peak_bytes < kept.peak_bytes
@@ -367,7 +359,7 @@ def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_ins
 
     model, batch = _deep_setup()
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=lambda m, b: m(b),
-                             world_size=world, sharding="fsdp2", fsdp=FSDP2Plan(replicate=replicate))
+                             run=preflight.Run(parallel=preflight.ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(replicate=replicate))))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with socket.socket() as s:

@@ -70,10 +70,12 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
     model = make_gpt2(n_layer=2, n_embd=64)
     optimizer = torch.optim.AdamW(model.parameters())
     plan = fsdp_plan("FULL_SHARD", world_size=4, source="a test")
-    options = Options(budget="1GiB", suggest=False, fast=False)
-    report = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16), parallel=plan)
-    alone = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16))
-    direct = preflight.estimate(model, optimizer, lm_batch(2, 16), world_size=4, sharding="fsdp-full")
+    options = Options(suggest=False)
+    run = preflight.Run(target=preflight.Target(budget="1GiB"), fast=False)
+    report = predict(model, optimizer, lm_batch(2, 16), run.replace(parallel=plan), options=options,
+                     eval_batch=lm_batch(2, 16))
+    alone = predict(model, optimizer, lm_batch(2, 16), run, options=options, eval_batch=lm_batch(2, 16))
+    direct = preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(parallel=preflight.ParallelPlan(4, "fsdp-full")))
     assert report.predicted_peak_bytes == direct.peak_bytes < alone.predicted_peak_bytes
     assert any("per-rank plan read from a test: fsdp-full over 4 rank(s)" in n for n in report.coverage["notes"])
     # Evaluation: parameters and the resident optimizer state are this rank's share; the batch's activations are not.
@@ -84,19 +86,20 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PREFLIGHT_WORLD_SIZE", "4")
         env.setenv("PREFLIGHT_SHARDING", "fsdp-full")
-        planned = predict(model, optimizer, lm_batch(2, 16), options=options, eval_batch=lm_batch(2, 16),
-                          parallel=fsdp_plan("SHARD_GRAD_OP", world_size=2))
+        planned = predict(model, optimizer, lm_batch(2, 16),
+                          run.replace(parallel=fsdp_plan("SHARD_GRAD_OP", world_size=2)), options=options,
+                          eval_batch=lm_batch(2, 16))
     assert (planned.predicted_peak_bytes, planned.eval_predicted_peak_bytes) == \
         (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
     # Over budget under a plan: the suggestions are predicted per rank under it too.
-    tight = predict(model, optimizer, lm_batch(2, 16), options=Options(budget="100KiB", suggest=True, fast=False),
-                    parallel=plan)
+    tight = predict(model, optimizer, lm_batch(2, 16),
+                    preflight.Run(target=preflight.Target(budget="100KiB"), parallel=plan, fast=False),
+                    options=Options(suggest=True))
     assert tight.fits is False and tight.suggestions
     bf16 = next(s for s in tight.suggestions if s["change"] == {"precision": "bf16-true"})
-    assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), precision="bf16-true",
-                                                              world_size=4, sharding="fsdp-full").peak_bytes
+    assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(precision="bf16-true", parallel=preflight.ParallelPlan(4, "fsdp-full"))).peak_bytes
     # Plain data parallelism is not a sharded plan: the prediction is the replica's.
-    ddp = predict(model, optimizer, lm_batch(2, 16), options=options, parallel=ParallelPlan(4, "ddp"))
+    ddp = predict(model, optimizer, lm_batch(2, 16), run.replace(parallel=ParallelPlan(4, "ddp")), options=options)
     assert ddp.predicted_peak_bytes == alone.predicted_peak_bytes
 
 
@@ -202,8 +205,10 @@ def test_a_model_the_strategy_already_sharded_gets_no_verdict_not_a_second_divis
     # DeepSpeed ZeRO-3 marks its partitioned parameters with ds_numel (their full size).
     next(model.parameters()).ds_numel = 123
     assert "partitioned by DeepSpeed ZeRO-3" in already_sharded(model)
-    report = predict(model, optimizer, lm_batch(2, 16), options=Options(budget="100KiB", suggest=False),
-                     parallel=fsdp_plan("FULL_SHARD", world_size=4))
+    report = predict(model, optimizer, lm_batch(2, 16),
+                     preflight.Run(target=preflight.Target(budget="100KiB"), parallel=fsdp_plan("FULL_SHARD",
+                                                                                                world_size=4)),
+                     options=Options(suggest=False))
     del next(model.parameters()).ds_numel
     assert report.fits is None and report.coverage["lower_bound"] is True
     assert any(w.startswith("no verdict: the strategy sharded the model before preflight saw it") for w in

@@ -94,11 +94,11 @@ def test_check_reraises_the_users_error_instead_of_returning_no_verdict():
     model = Raises(ValueError("user bug"))
     with pytest.raises(ValueError, match="user bug"):
         preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
-                        step=lambda m, b: m(b), budget="1GiB")
+                        step=lambda m, b: m(b), run=preflight.Run(target=preflight.Target(budget="1GiB")))
 
 
 def test_check_rejects_a_step_of_the_wrong_arity_before_tracing():
     model = nn.Linear(8, 1)
     with pytest.raises(TypeError, match="`eval_step` is called as eval_step"):
         preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
-                        step=lambda m, b: m(b).sum(), eval_step=lambda m, b, extra: None, budget="1GiB")
+                        step=lambda m, b: m(b).sum(), eval_step=lambda m, b, extra: None, run=preflight.Run(target=preflight.Target(budget="1GiB")))

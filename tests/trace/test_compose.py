@@ -76,16 +76,16 @@ def _same(fast: preflight.Estimate, full: preflight.Estimate) -> None:
     assert _canonical(fast.events, fast.categories) == _canonical(full.events, full.categories)
 
 
-def _both(model, optimizer, batch, **kwargs):
-    fast = preflight.estimate(model, optimizer, batch, fast=True, **kwargs)
-    full = preflight.estimate(model, optimizer, batch, **kwargs)
+def _both(model, optimizer, batch, run=None, **kwargs):
+    run = run or preflight.Run()
+    fast = preflight.estimate(model, optimizer, batch, run.replace(fast=True), **kwargs)
+    full = preflight.estimate(model, optimizer, batch, run.replace(fast=False), **kwargs)
     return fast, full
 
 
 def test_llama_foreach_adamw_h100_composes_to_the_byte():
     model = _llama(7)
-    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), precision="bf16-true",
-                       gpu="H100-80GB")
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB")))
     _same(fast, full)
     assert "model.layers" in fast.coverage.notes[-1] or any("model.layers" in n for n in fast.coverage.notes)
 
@@ -100,14 +100,14 @@ def test_gemma2_alternating_sliding_and_global_attention_has_period_two():
     optimizer = torch.optim.AdamW(model.parameters())
     stack = find_stack(model, optimizer, min_periods=1)
     assert (stack.name, stack.blocks, stack.period) == ("model.layers", 10, 2)
-    _same(*_both(model, optimizer, _batch(), gpu="H100-80GB"))
+    _same(*_both(model, optimizer, _batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"))))
     assert model.config.num_hidden_layers == 10 and len(model.config.layer_types) == 10  # put back
 
 
 def test_gradient_checkpointing():
     model = _llama(6)
     model.gradient_checkpointing_enable()
-    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"))))
 
 
 def test_a_vision_tower_as_deep_as_the_language_model_keeps_its_depth():
@@ -177,8 +177,7 @@ def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    _same(*_both(model, optimizer, _batch(), precision="bf16-mixed", accumulate=2, zero_grad="before_backward",
-                 gpu="H100-80GB"))
+    _same(*_both(model, optimizer, _batch(), run=preflight.Run(precision="bf16-mixed", loop=preflight.Loop(accumulate=2, zero_grad="before_backward"), target=preflight.Target(gpu="H100-80GB"))))
 
 
 @pytest.mark.parametrize("target", [{}, {"gpu": "H100-80GB", "precision": "16-mixed", "grad_scaler": True}])
@@ -186,7 +185,7 @@ def test_gradient_clipping_whose_norms_grow_with_depth(target):
     # clip_grad_norm_ stacks one norm per gradient: a storage whose size grows with the number of blocks. At 12
     # blocks it is 148 x 4 B (1,024 B in 512-byte CUDA blocks); at the traced depths of 2 to 4, 112 to 208 B.
     model = _gpt2(12)
-    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), max_grad_norm=1.0, **target)
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(loop=preflight.Loop(max_grad_norm=1.0)), **target)
     _same(fast, full)
     stacked = 4 * sum(1 for p in model.parameters())
     assert stacked == 592
@@ -202,7 +201,7 @@ def test_parameter_groups_whose_stretches_meet_in_zero_grad():
     no_decay = [p for n, p in model.named_parameters() if "bias" in n or "ln" in n]
     decay = [p for n, p in model.named_parameters() if not ("bias" in n or "ln" in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
-    _same(*_both(model, optimizer, _batch(), max_grad_norm=1.0))
+    _same(*_both(model, optimizer, _batch(), run=preflight.Run(loop=preflight.Loop(max_grad_norm=1.0))))
 
 
 def test_sharded_rank_and_hf_style_parameter_groups():
@@ -210,8 +209,7 @@ def test_sharded_rank_and_hf_style_parameter_groups():
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
-    _same(*_both(model, optimizer, _batch(), precision="bf16-true", gpu="H100-80GB", world_size=4,
-                 sharding="zero3"))
+    _same(*_both(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB"), parallel=preflight.ParallelPlan(4, "zero3"))))
 
 
 def test_composed_deeper_than_the_traced_depths():
@@ -233,7 +231,7 @@ def test_the_model_is_left_as_it_was():
     optimizer = torch.optim.AdamW(model.parameters())
     layers = list(model.model.layers)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    preflight.estimate(model, optimizer, _batch(), fast=True)
+    preflight.estimate(model, optimizer, _batch(), run=preflight.Run(fast=True))
     assert list(model.model.layers) == layers and len(model.model.layers) == 6
     assert model.config.num_hidden_layers == 6
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
@@ -255,7 +253,7 @@ class _Funnel(nn.Module):
 def test_a_model_without_a_repeated_stack_is_traced_in_full_and_says_so():
     model = _Funnel()
     optimizer = torch.optim.AdamW(model.parameters())
-    fast = preflight.estimate(model, optimizer, torch.randn(8, 64), fast=True)
+    fast = preflight.estimate(model, optimizer, torch.randn(8, 64), run=preflight.Run(fast=True))
     full = preflight.estimate(model, optimizer, torch.randn(8, 64))
     assert fast.peak_bytes == full.peak_bytes
     assert [n for n in fast.coverage.notes if n.startswith("traced in full (fast=True)")] == [
@@ -291,8 +289,9 @@ def test_max_batch_size_with_fast_traces_matches_full_traces():
         return _batch(b, 16)
 
     budget = preflight.estimate(model, optimizer, make_batch(5)).peak_bytes
-    fast = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8, fast=True)
-    full = preflight.max_batch_size(model, optimizer, make_batch, budget=budget, max_batch=8)
+    fast = preflight.max_batch_size(model, optimizer, make_batch, run=preflight.Run(target=preflight.Target(budget=budget), fast=True), max_batch=8)
+    full = preflight.max_batch_size(model, optimizer, make_batch,
+                                    run=preflight.Run(target=preflight.Target(budget=budget), fast=False), max_batch=8)
     assert int(fast) == int(full) == 5
     assert fast.predicted_peak_bytes == full.predicted_peak_bytes
 
@@ -304,7 +303,7 @@ def test_mixture_of_experts_mixtral():
     model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                              num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
-    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), gpu="H100-80GB"))
+    _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"))))
 
 
 def test_hybrid_mamba_attention_pattern_jamba_composes_with_its_convolution_scratch():
@@ -337,7 +336,7 @@ def test_bf16_matmul_scratch_on_the_cpu_and_a_convolution_patch_embedding_compos
     from transformers import ViTConfig, ViTForImageClassification
 
     model = _llama(6)
-    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), precision="bf16-mixed")
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(precision="bf16-mixed"))
     assert any(n.startswith("depth-independent trace") for n in fast.coverage.notes), fast.coverage.notes
     assert fast.coverage.calibrated and set(fast.coverage.calibrated) == set(full.coverage.calibrated)
     _same_figures(fast, full)

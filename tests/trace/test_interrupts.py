@@ -186,9 +186,9 @@ def test_a_trace_leaves_no_garbage_whose_collection_runs_python(entry):
     model, opt, x = _model()
     step = lambda m, b: m(b).sum()  # noqa: E731
     run = {"estimate": lambda: preflight.estimate(model, opt, x, step=step),
-           "check": lambda: preflight.check(model, opt, x, step=step, eval_batch=x, eval_step=lambda m, b: m(b), budget="1 GiB"),
-           "fsdp2": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp2"),
-           "fsdp-full": lambda: preflight.estimate(model, opt, x, step=step, world_size=2, sharding="fsdp-full"),
+           "check": lambda: preflight.check(model, opt, x, step=step, eval_batch=x, eval_step=lambda m, b: m(b), run=preflight.Run(target=preflight.Target(budget="1 GiB"))),
+           "fsdp2": lambda: preflight.estimate(model, opt, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2"))),
+           "fsdp-full": lambda: preflight.estimate(model, opt, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full"))),
            "user-error": lambda: _raises(lambda: preflight.estimate(model, opt, x, step=_failing_step))}[entry]
     assert _finalizable_garbage(run) == []
 

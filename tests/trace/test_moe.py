@@ -70,7 +70,7 @@ def test_grouped_experts_fp32(name):
 @pytest.mark.parametrize("name", ["mixtral", "deepseek-v3", "gpt-oss", "qwen3-next"])
 def test_grouped_experts_bf16_mixed(name):
     model = make_moe(name)  # fp32 master weights: the experts' grouped_mm runs fp32 under autocast
-    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), moe_batch(), precision="bf16-mixed")
+    err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), moe_batch(), preflight.Run(precision="bf16-mixed"))
     assert abs(err) < MOE_TOL
 
 
@@ -96,7 +96,7 @@ def test_eager_experts_balanced_routing(name):
 
 def test_eager_experts_skewed_routing():
     model = make_moe("qwen3-moe", experts="eager")
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), moe_batch(), routing="skewed")
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), moe_batch(), run=preflight.Run(routing="skewed"))
     assert est.coverage.traced and not est.coverage.lower_bound
     assert any("routing assumed skewed" in n for n in est.coverage.notes)
 
@@ -104,7 +104,7 @@ def test_eager_experts_skewed_routing():
 def test_routing_is_checked():
     model = make_moe("olmoe")
     with pytest.raises(ValueError, match="'balanced', 'skewed', got 'uniform'"):
-        preflight.estimate(model, torch.optim.AdamW(model.parameters()), moe_batch(), routing="uniform")
+        preflight.estimate(model, torch.optim.AdamW(model.parameters()), moe_batch(), run=preflight.Run(routing="uniform"))
 
 
 @pytest.mark.parametrize("tokens", [64, 63])

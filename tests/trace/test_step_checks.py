@@ -32,9 +32,9 @@ def _real_error(model: nn.Module, batch, step, precision: str | None = None) -> 
     raise AssertionError("the real step did not fail")
 
 
-def _predicted_error(model: nn.Module, batch, step=None, **kwargs) -> StepWouldFailError:
+def _predicted_error(model: nn.Module, batch, step=None, run=None) -> StepWouldFailError:
     with pytest.raises(StepWouldFailError) as info:
-        preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=step, **kwargs)
+        preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run, step=step)
     return info.value
 
 
@@ -48,7 +48,7 @@ def test_a_batch_of_another_dtype_into_a_linear(dtype, precision):
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
     batch = torch.randn(2, 8, dtype=dtype)
     real = _real_error(model, batch, _linear_step, precision)
-    err = _predicted_error(model, batch, _linear_step, precision=precision)
+    err = _predicted_error(model, batch, _linear_step, run=preflight.Run(precision=precision))
     assert str(real) in str(err) and type(err.__cause__) is type(real)
     assert "aten.addmm" in str(err) and "test_step_checks.py" in str(err)  # the operator and the user's line
     assert f"the batch ({str(dtype).removeprefix('torch.')} 2x8)" in str(err)
@@ -59,7 +59,7 @@ def test_a_batch_of_another_dtype_into_a_linear(dtype, precision):
 def test_what_autocast_or_a_true_precision_casts_is_not_a_mismatch(precision):
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(2, 8), step=_linear_step,
-                             precision=precision)
+                             run=preflight.Run(precision=precision))
     assert est.coverage.traced and est.peak_bytes > 0
 
 
@@ -102,7 +102,7 @@ def test_dtype_and_fill_value_mismatches_under_autocast(module):
     torch.manual_seed(0)
     model, batch = module(), torch.randn(4, 8)
     real = _real_error(model, batch, _linear_step, "bf16-mixed")
-    err = _predicted_error(model, batch, _linear_step, precision="bf16-mixed")
+    err = _predicted_error(model, batch, _linear_step, run=preflight.Run(precision="bf16-mixed"))
     assert str(real) in str(err) and type(err.__cause__) is type(real)
     assert "test_step_checks.py" in str(err)
     # In fp32 both steps run, and are predicted.
@@ -199,7 +199,7 @@ def test_check_raises_it_instead_of_warning():
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
     with pytest.raises(StepWouldFailError, match="mat1 and mat2 must have the same dtype"):
         preflight.check(model, torch.optim.SGD(model.parameters()), torch.randn(2, 8, dtype=torch.float64),
-                        step=_linear_step, budget="1GiB")
+                        step=_linear_step, run=preflight.Run(target=preflight.Target(budget="1GiB")))
 
 
 def test_preflight_check_exits_5_with_the_reason(tmp_path):
@@ -208,7 +208,7 @@ def test_preflight_check_exits_5_with_the_reason(tmp_path):
         import torch, preflight
         model = torch.nn.Linear(8, 4)
         preflight.check(model, torch.optim.SGD(model.parameters()), torch.randn(2, 8, dtype=torch.float64),
-                        step=lambda m, b: m(b).sum(), budget="1GiB")
+                        preflight.Run(target=preflight.Target(budget="1GiB")), step=lambda m, b: m(b).sum())
         raise SystemExit("training ran in a dry run")
     """))
     result = subprocess.run([sys.executable, "-m", "preflight", "check", "--", sys.executable, str(script)],

@@ -133,7 +133,7 @@ def main() -> int:
     import deepspeed
 
     import preflight
-    from preflight._estimate import zero_buffers_for
+    from preflight.parallel._deepspeed import zero_buffers_for
     from preflight._sharding import read_deepspeed_config
 
     warnings.filterwarnings("ignore")

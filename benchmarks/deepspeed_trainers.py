@@ -47,7 +47,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, torch.distributed as dist, transformers
 from transformers import Trainer, TrainingArguments
 import preflight
-from preflight._check import Options, lower_bound_report
+from preflight.verdict import Options, lower_bound_report
 from preflight.integrations.hf import PreflightCallback
 from preflight import Run, Target
 from preflight.parallel import deepspeed_optimizer, held_tensors, read_zero

@@ -26,8 +26,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide,
-                              predict, predict_or_lower_bound, training_state)
+from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, predict, predict_or_lower_bound, training_state
+from preflight.report import Report
 from preflight._eval import EvalStepFn
 from preflight._guard import untouched
 from preflight._run import Loop, Run, check_run
@@ -73,11 +73,11 @@ def preflight_check(
         eval_dataloader: the evaluation dataloader, to predict the no-grad eval step.
         step: ``step(model, batch) -> loss`` if the loop does more than ``model(**batch).loss``.
         eval_step: ``eval_step(model, batch)``; default ``model(**batch)``.
-        headroom, on_overflow, report_path, plot_path, check_eval, suggest: see `preflight._check.Options`.
+        headroom, on_overflow, report_path, plot_path, check_eval, suggest: see `preflight.verdict.Options`.
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Returns:
-        The `preflight._check.Report` (None when the prediction failed: a warning says why and the loop can run).
+        The `preflight.report.Report` (None when the prediction failed: a warning says why and the loop can run).
 
     Raises:
         preflight.PreflightError: the run does not fit and ``on_overflow="raise"`` (on every process alike).

@@ -32,10 +32,9 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, usable_bytes
-from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, eval_resident,
-                              internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound,
-                              training_state)
-from preflight._console import progress
+from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, eval_resident, internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound, training_state
+from preflight.report import Report
+from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._run import Loop, Run, check_run, pinned, run_budget
@@ -55,7 +54,7 @@ class PreflightCallback(TrainerCallback):
             (accumulation, ``max_grad_norm``, the GradScaler) and the ``fsdp`` / ``deepspeed`` plan are read from
             the Trainer's arguments; a field set here wins over them.
         headroom, on_overflow, verify_steps, report_path, plot_path, check_eval, suggest: as for the Lightning
-            callback (`preflight._check.Options`).
+            callback (`preflight.verdict.Options`).
         scan_seconds: time limit for scanning the dataset for its largest samples.
 
     Example:

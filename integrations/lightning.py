@@ -36,9 +36,9 @@ import torch
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight._check import (Options, Report, VerifySession, ddp_bucket_bytes, decide, internal_failures,
-                              is_rank_zero, predict, predict_or_lower_bound, training_state)
-from preflight._console import progress
+from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, internal_failures, is_rank_zero, predict, predict_or_lower_bound, training_state
+from preflight.report import Report
+from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._run import Loop, Run, check_run, run_budget

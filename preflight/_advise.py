@@ -31,7 +31,8 @@ from torch import nn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
-from preflight._estimate import deepspeed_terms, estimate, read_plan_off_ddp, summarize_events
+from preflight._estimate import estimate, read_plan_off_ddp, summarize_events
+from preflight.parallel._deepspeed import deepspeed_terms
 from preflight._guard import untouched
 from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate

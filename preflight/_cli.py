@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
-from preflight._console import progress as _progress
+from preflight.report._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_STEP_FAILS, EXIT_USAGE
 from preflight._gpus import known_gpus
 from preflight._guard import untouched
@@ -192,7 +192,7 @@ def _estimate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     if args.plot:
-        from preflight._plot import plot_estimate
+        from preflight.report._plot import plot_estimate
 
         try:
             plot_estimate(est, args.plot, budget_bytes=verdict["budget_bytes"], usable_bytes=verdict["usable_bytes"])
@@ -351,10 +351,10 @@ def _sharding(args: argparse.Namespace) -> tuple[str | None, dict[str, bool]]:
             ds = read_deepspeed_config(args.deepspeed_config)
         except (ValueError, OSError) as err:
             raise UsageError(f"cannot read the DeepSpeed config {args.deepspeed_config!r}: {err}") from None
-        from preflight._estimate import _deepspeed_settings
+        from preflight.parallel._deepspeed import deepspeed_settings
 
         try:
-            sharding, offload = _deepspeed_settings(ds, sharding, offload)
+            sharding, offload = deepspeed_settings(ds, sharding, offload)
         except ValueError as err:
             raise UsageError(str(err).replace("`deepspeed_config`", "--deepspeed-config")) from None
     from preflight._estimate import check_plan

@@ -18,8 +18,7 @@ from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import Calibrator, calibrate, scratch_ops
-from preflight._sharding import (Zero3Terms, ZeroBuffers, hf_hidden_size, read_deepspeed_config,
-                                shard_breakdown, zero3_terms, zero_buffers)
+from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run
 from preflight._steps import StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
@@ -29,9 +28,10 @@ from preflight.cuda import CudaTarget, cudnn_workspace_note
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
+from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.trace import device_mismatch, float_dtype_for, trace_composed, trace_steps
 
-__all__ = ["check_plan", "deepspeed_terms", "estimate", "read_plan_off_ddp", "summarize_events", "zero3_terms_for", "zero_buffers_for"]
+__all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -152,7 +152,7 @@ def estimate(
     ds = None
     if deepspeed_config is not None:
         ds = read_deepspeed_config(deepspeed_config, hidden_size=hf_hidden_size(model))
-        sharding, offload = _deepspeed_settings(ds, sharding, offload)
+        sharding, offload = deepspeed_settings(ds, sharding, offload)
         precision = deepspeed_precision(model, ds, precision)
     # A ValueError names a wrapping the per-rank trace does not follow.
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = read_fsdp2(model) or read_fsdp1(model)
@@ -287,118 +287,6 @@ def read_plan_off_ddp(model: nn.Module, run: Run) -> tuple[nn.Module, Run, str |
         plan = dataclasses.replace(given, sharding="ddp", gradient_as_bucket_view=plan.gradient_as_bucket_view)
     return module, run.replace(parallel=plan), f"per-rank plan read from the model's DistributedDataParallel: " \
         f"ddp over {plan.world_size} rank(s)" + (", gradients as bucket views" if plan.gradient_as_bucket_view else "")
-
-
-def _deepspeed_settings(ds: dict[str, Any], sharding: str | None,
-                        offload: dict[str, bool]) -> tuple[str, dict[str, bool]]:
-    """The sharding and offload a DeepSpeed config says; a ValueError where the arguments say otherwise."""
-    said = []
-    if sharding not in (None, ds["sharding"]):
-        said.append(f"sharding={sharding!r} (the config's stage {ds['stage']} is {ds['sharding']!r})")
-    said.extend(f"{name}=True" for name, on in offload.items() if on and not ds[name])
-    if said:
-        raise ValueError(f"`deepspeed_config` plans the run, but {', '.join(said)} says otherwise: drop those "
-                         "arguments, or change the config.")
-    return ds["sharding"], {name: ds[name] for name in offload}
-
-
-# preflight's precisions under which DeepSpeed runs the model in 16 bits (its bf16 / fp16 sections enabled).
-_HALF = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-         "16-true": torch.float16}
-
-
-def zero_buffers_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None,
-                     precision: str | None) -> ZeroBuffers | None:
-    """ZeRO's gradient reduction buffers (`preflight._sharding.zero_buffers`) for a ``zero*`` sharding of
-    ``model``: sized by ``ds`` (`read_deepspeed_config`'s output) or, without one, by DeepSpeed's defaults; the
-    gradients are 16-bit where the config enables bf16 / fp16 (or, where it does not say, ``precision`` is a
-    16-bit one). None for other shardings."""
-    if sharding is None or not sharding.startswith("zero"):
-        return None
-    given = ds is not None
-    if ds is None:
-        ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
-    low = _half_dtype(ds, precision, given)
-    dtypes = {low if low is not None and p.is_floating_point() else p.dtype
-              for p in model.parameters() if p.requires_grad}
-    return zero_buffers(ds, sorted(d.itemsize for d in dtypes), given=given)
-
-
-def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch.dtype | None:
-    """The 16-bit dtype DeepSpeed casts the model to under ``ds`` (its bf16 / fp16 sections, or, where the config
-    does not say, ``precision``), or None."""
-    if ds["bf16"] or ds["fp16"]:
-        return torch.bfloat16 if ds["bf16"] else torch.float16
-    if ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
-        return _HALF.get(precision or "")
-    return None
-
-
-def _traced_dtype(model: nn.Module, precision: str | None) -> torch.dtype | None:
-    """The dtype the trace gives ``model``'s floating parameters: the precision's cast, else their own (the
-    first's); None for a model without any."""
-    return float_dtype_for(precision) or next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
-def deepspeed_precision(model: nn.Module, ds: dict[str, Any] | None, precision: str | None) -> str | None:
-    """The precision ``model`` runs at under DeepSpeed config ``ds`` (`read_deepspeed_config`'s): DeepSpeed's bf16 /
-    fp16 modes cast the module to 16 bits (engine.py ``_configure_distributed_model``; Lightning's and the HF
-    Trainer's DeepSpeed precision cast the inputs) and step an fp32 copy of each partition, so an fp32 model is
-    traced as that 16-bit model runs (``"bf16-true"`` / ``"16-true"``), its optimizer state counted at fp32
-    (`deepspeed_terms`). ``precision`` otherwise."""
-    half = None if ds is None else _half_dtype(ds, precision, given=True)
-    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if half is not None and floating == {torch.float32} and precision not in ("bf16-true", "16-true"):
-        return "bf16-true" if half is torch.bfloat16 else "16-true"
-    return precision
-
-
-def deepspeed_terms(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
-                    world_size: int, offload: dict[str, bool]) -> tuple[dict[str, Any], list[str]]:
-    """What DeepSpeed itself holds on one rank under ``sharding`` (its gradient reduction buffers, ZeRO-3's own
-    terms; None for other shardings), as the keyword arguments `preflight._target.shard_events` and
-    `per_rank_breakdown` take, and the notes saying what of it is not counted (or how it was counted).
-
-    DeepSpeed's optimizer steps the fp32 copy of the rank's partition (``stage_1_and_2.py``
-    ``single_partition_of_fp32_groups``, ``stage3.py`` ``fp32_partitioned_groups_flat``; their dtype,
-    ``master_weights_and_grads_dtype``, is fp32 unless bf16 master weights are asked for with offload), so its state
-    and the step's temporaries are fp32 where a 16-bit model's trace made them 16-bit: ``state_scale`` scales them."""
-    zero3, note = zero3_terms_for(model, sharding, ds, precision, world_size, offload)
-    notes = [note] if note else []
-    half = _half_dtype(ds, precision, True) if ds is not None else None
-    if half is not None and precision in ("bf16-true", "16-true"):
-        notes.append(f"DeepSpeed's {'bf16' if half is torch.bfloat16 else 'fp16'} mode: the model traced in {half} as "
-                     "DeepSpeed casts it")
-    scale = 1.0
-    if sharding in ("zero1", "zero2", "zero3") and not offload["offload_optimizer"]:
-        traced = _traced_dtype(model, precision)
-        if traced is not None and traced.itemsize < 4:
-            scale = 4 / traced.itemsize
-            notes.append(f"DeepSpeed's optimizer steps the fp32 copy of the partition: the traced {traced} optimizer "
-                         f"state and step counted at fp32 (x{scale:g})")
-    return ({"zero_buffers": zero_buffers_for(model, sharding, ds, precision), "zero3": zero3, "state_scale": scale},
-            notes)
-
-
-def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
-                    world_size: int, offload: dict[str, bool]) -> tuple[Zero3Terms | None, str | None]:
-    """DeepSpeed ZeRO-3's own terms (`preflight._sharding.zero3_terms`) for ``model`` under ``ds`` (DeepSpeed's
-    defaults without one), and a note where they are not counted; (None, None) for other shardings."""
-    if sharding != "zero3":
-        return None, None
-    if any(offload.values()):
-        return None, ("zero3 with offloading: DeepSpeed ZeRO-3's own buffers (fp32 partition copy, gradient "
-                      "partitions, gathered and persistent parameters) are not counted yet; the gathered largest "
-                      "unit and prefetched next one stand for the gathered parameters")
-    given = ds is not None
-    if ds is None:
-        ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
-    params = [(id(p), p.numel(), p.requires_grad) for p in model.parameters()]  # shared parameters once
-    modules = [[id(p) for p in m.parameters(recurse=False)] for m in model.modules()]
-    dtype = _half_dtype(ds, precision, given) or _traced_dtype(model, precision)  # DeepSpeed's 16-bit dtype first
-    itemsize = dtype.itemsize if dtype is not None else 4
-    terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
-    return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
 
 
 def _wrapped_plan(wrapped: WrappedFSDP2 | WrappedFSDP1, world_size: int, sharding: str | None, fsdp: Any,

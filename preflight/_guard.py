@@ -17,7 +17,7 @@ logger and every logger that existed before: its level, handlers, filters, ``pro
 ``logging.disable``'s level. It guards preflight's work only: the callbacks wrap their own hooks, never the user's
 training step that runs between them. The per-step verification hooks that open and close a measured window are
 not wrapped (the guard's own snapshot would be an allocation inside the window); the work they finish with
-(`preflight._check.VerifySession.finish`: traces, the printed report) is.
+(`preflight.verdict.VerifySession.finish`: traces, the printed report) is.
 
 Known limitations: loggers first created inside the window (by a library's import) keep the configuration their
 library gave them; "once" warning registries are not restored (a warning preflight triggered may not repeat).

@@ -14,7 +14,7 @@ import torch
 from conftest import lm_batch, make_gpt2, make_llama
 
 import preflight
-from preflight._check import Options, VerifySession, check, decide, eval_resident, internal_failures, predict
+from preflight.verdict import Options, VerifySession, check, decide, eval_resident, internal_failures, predict
 from preflight._device import live_storage_bytes
 from preflight._eval import estimate_eval
 from preflight._measure import cpu_profiled_peak
@@ -264,8 +264,8 @@ def test_the_target_is_checked_at_construction(kwargs, match):
 
 
 def test_console_and_plot(tmp_path, capsys, monkeypatch):
-    from preflight._console import format_report, print_report
-    from preflight._plot import plot_report
+    from preflight.report._console import format_report, print_report
+    from preflight.report._plot import plot_report
 
     report, _ = _check(budget="1GiB")
     print_report(report)
@@ -290,7 +290,7 @@ class _Terminal(io.StringIO):
 
 @pytest.mark.parametrize("with_rich", [True, False])
 def test_tables_render_for_the_terminal_width(monkeypatch, with_rich):
-    from preflight._console import print_report
+    from preflight.report._console import print_report
 
     report, _ = _check(budget="1GiB")
     report.worst_case_batch = {"method": "scanned", "note": "largest 4 of all 24 samples, by total tokens per sample"}
@@ -391,7 +391,8 @@ def test_measure_with_steps_of_the_wrong_type_is_a_clear_type_error():
 
 
 def test_the_overflow_message_of_a_rank_whose_prediction_failed_has_no_empty_batch_line():
-    from preflight._check import _overflow_message, lower_bound_report
+    from preflight.verdict._decide import _overflow_message
+    from preflight.verdict import lower_bound_report
 
     model = make_gpt2(n_layer=1, n_embd=32)
     report = lower_bound_report(model, torch.optim.AdamW(model.parameters()), Options(headroom=0.0),
@@ -403,7 +404,7 @@ def test_the_overflow_message_of_a_rank_whose_prediction_failed_has_no_empty_bat
 
 
 def test_the_overflow_message_names_the_evaluation_when_its_device_total_decides():
-    from preflight._check import _overflow_message
+    from preflight.verdict._decide import _overflow_message
 
     model = make_gpt2(n_layer=1, n_embd=32)
     options = Options(headroom=0.0, suggest=False)
@@ -417,7 +418,7 @@ def test_the_overflow_message_names_the_evaluation_when_its_device_total_decides
 
 def test_the_options_are_planned_under_the_runs_plan(monkeypatch):
     """`options_plan`: the plan the suggestions and the HF batch step-down predict each option under."""
-    from preflight._check import options_plan
+    from preflight.verdict import options_plan
     from preflight.parallel import ParallelPlan, fsdp_plan
 
     model = make_gpt2(n_layer=1, n_embd=32)

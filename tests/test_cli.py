@@ -383,7 +383,8 @@ def test_gpu_flag_replaces_a_budget_written_in_the_script(tmp_path):
     script.write_text(textwrap.dedent("""
         from preflight import Run, Target
         from preflight._budget import resolve_budget
-        from preflight._check import Options, _with_environment
+        from preflight.verdict import Options
+        from preflight.verdict._predict import _with_environment
         options, settings = _with_environment(Options(headroom=0.2))
         run = settings.run().over(Run(target=Target(budget="24GiB")))
         print("budget", resolve_budget(run.target.budget, gpu=run.target.gpu), "gpu", run.target.gpu,

@@ -12,25 +12,41 @@ ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 # `pip install preflight-memory[...]` (quoted or not): the package is not on PyPI, so the command fails.
 FROM_PYPI = re.compile(r"pip install ['\"]?preflight-memory")
-TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile"
+# The two test tiers: the fast one before every commit, the slow one (multi-process, end-to-end trainers) in CI too.
+FAST_TESTS = 'python -m pytest -q -n 2 --dist loadfile -m "not slow"'
+SLOW_TESTS = "python -m pytest -q -n 2 --dist loadfile -m slow"
+HOW_LONG = re.compile(r"takes\s+(about\s+)?\d+(\s+to\s+\d+)?\s+minutes\s+on\s+2\s+CPU\s+cores")  # across line breaks
+
+
+def _setup_section() -> str:
+    start = README.index("## Set up")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else len(README)]
 
 
 def test_readme_installs_from_a_clone_with_the_extras():
     tomllib = pytest.importorskip("tomllib")
-    setup = README[README.index("## Set up"):README.index("## Use")]
+    setup = _setup_section()
     assert not FROM_PYPI.search(README.replace("(`pip install preflight-memory` finds nothing)", ""))
     for step in ("git clone", "cd preflight", "python -m venv .venv", "source .venv/bin/activate",
-                 'pip install -e ".[dev]"', TEST_COMMAND):
+                 'pip install -e ".[dev]"', "python examples/quickstart.py"):
         assert step in setup, step
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in extras:
         assert f'.[{name}]' in setup, name
-    assert re.search(r"takes (about )?\d+( to \d+)? minutes on 2 CPU cores", setup)  # how long the tests take
 
 
-def test_ci_runs_exactly_the_readmes_test_command():
+def test_readme_gives_both_test_tiers_and_how_long_each_takes():
+    setup = _setup_section()
+    for command in (FAST_TESTS, SLOW_TESTS):
+        assert command in setup, command
+    # Each tier says how long it takes: "takes about N minutes on 2 CPU cores".
+    assert len(HOW_LONG.findall(setup)) >= 2, "each test tier needs its time"
+
+
+def test_ci_ends_with_the_readmes_two_test_commands():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci[-1] == TEST_COMMAND
+    assert ci[-2:] == [FAST_TESTS, SLOW_TESTS]
 
 
 def test_readme_accelerate_snippet_shows_step_verifier():

@@ -12,9 +12,14 @@ already wrapped, whose copy is traced unwrapped and wrapped again in the fake wo
 optimizer DeepSpeed ZeRO has taken over back as the unpartitioned model and a torch optimizer, which a ZeRO plan
 rescales; `stand_in` gives an FSDP-wrapped model's unwrapped meta copy and optimizer, for its evaluation step and
 the suggestions.
-`ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) turns a trainer's strategy settings, read by the
-integrations, into the arguments a per-rank estimate takes. Imports flow one way: this package uses
-`preflight.trace`; `preflight._estimate` uses this package.
+`ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) is the parallel section of a `preflight.Run`: it
+turns a trainer's strategy settings, read by the integrations, into the plan a per-rank estimate follows; `read_ddp`
+reads it off a ``DistributedDataParallel`` model. `_deepspeed` gives what DeepSpeed itself holds beside the traced
+step (ZeRO's buffers, ZeRO-3's own terms, the fp32 state it steps), which the per-category rescale of ZeRO plans
+(`preflight._target.shard_events`, formulas in `preflight._sharding`) adds. Which is used when: FSDP1 and FSDP2
+plans are traced per rank here; DDP and ZeRO plans, and any rank that cannot be traced (offloading, a paged
+optimizer), are one single-device trace rescaled per category, with a note saying so. Imports flow one way: this
+package uses `preflight.trace`; `preflight._estimate` uses this package.
 """
 
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world

@@ -183,7 +183,7 @@ def test_overflow_raises_before_any_optimizer_step(pl):
 
 
 def test_internal_failure_warns_and_training_runs(monkeypatch):
-    from preflight import _check
+    from preflight.verdict import _predict as _check  # where predict finds `estimate`
 
     def broken(*args, **kwargs):
         raise RuntimeError("trace exploded")
@@ -201,7 +201,7 @@ def test_internal_failure_warns_and_training_runs(monkeypatch):
 
 
 def test_internal_failure_with_a_lower_bound_over_the_budget_stops_the_run(monkeypatch):
-    from preflight import _check
+    from preflight.verdict import _predict as _check  # where predict finds `estimate`
 
     monkeypatch.setattr(_check, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("trace exploded")))
     module = GPT(val=False)
@@ -407,7 +407,7 @@ sys.path.insert(0, {tests!r})
 sys.path.insert(0, {here!r})
 import lightning.pytorch as pl
 import preflight
-from preflight import _check
+from preflight.verdict import _predict as _check
 from test_lightning import GPT
 from preflight.integrations.lightning import PreflightCallback
 from preflight import Run, Target

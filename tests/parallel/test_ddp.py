@@ -55,7 +55,7 @@ def test_bucket_views_hold_the_gradients_once():
 
 
 def _gloo_worker(rank: int, world_size: int, port: int, view: bool, queue) -> None:
-    from preflight._check import ddp_bucket_bytes
+    from preflight.verdict import ddp_bucket_bytes
     from preflight._device import live_storage_bytes
     from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
@@ -102,3 +102,67 @@ def test_real_gloo_ddp_per_rank_peak(view):
     for rank, measured in smallest.items():
         # Exact but for a few scalars' lifetimes (a kilobyte or so).
         assert abs(est.peak_bytes - measured) <= 0.001 * measured, (rank, est.peak_bytes, smallest)
+
+
+def _wrapped_worker(rank: int, world_size: int, port: int, queue) -> None:
+    """Each rank passes its DistributedDataParallel model itself to `estimate` and `check` (the README's "no trainer"
+    doors), then measures two real steps."""
+    with gloo_rank(rank, world_size, port):
+        model, batch = _setup()
+        optimizer = torch.optim.AdamW(model.parameters())
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        est = preflight.estimate(ddp, optimizer, batch, step=_step)
+        report = preflight.check(ddp, optimizer, batch, preflight.Run(target=preflight.Target(budget="1GiB")),
+                                 step=_step, suggest=False)
+        del ddp
+        queue.put((rank, est.peak_bytes, report.predicted_peak_bytes, est.coverage.notes, not optimizer.state))
+        _gloo_worker_measure(rank, queue)
+
+
+def _gloo_worker_measure(rank: int, queue) -> None:
+    from preflight._device import live_storage_bytes
+    from preflight._measure import cpu_profiled_peak
+    from preflight._steps import run_steps
+
+    model, batch = _setup()
+    before = live_storage_bytes([list(model.parameters()), batch], torch.device("cpu"))
+    dist.barrier()
+    wrapped = []
+
+    def steps() -> None:
+        wrapped.append(torch.nn.parallel.DistributedDataParallel(model))
+        run_steps(wrapped[0], torch.optim.AdamW(wrapped[0].parameters()), batch, step=_step, precision=None,
+                  device_type="cpu", steps=2)
+
+    peak, _ = cpu_profiled_peak(steps, repair_lost_frees=True)
+    queue.put((rank, before + peak))
+
+
+@pytest.mark.slow
+def test_a_ddp_model_passed_to_estimate_and_check_is_read_as_its_plan():
+    # Issue 23: `preflight.check(ddp_model, ...)` under 2 gloo ranks counted no buckets (6% under the measured peak,
+    # so a run over its budget passed). The wrapper is itself the run's parallel section: estimate and check read it.
+    import torch.multiprocessing as mp
+
+    model, batch = _setup()
+    planned = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_step,
+                                 run=preflight.Run(parallel=ParallelPlan(2, "ddp"))).peak_bytes
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_wrapped_worker, args=(2, port, queue), nprocs=2, start_method="spawn")
+    predicted, measured = {}, {}
+    for _ in range(4):
+        item = queue.get()
+        if len(item) == 5:
+            rank, from_estimate, from_check, notes, untouched = item
+            predicted[rank] = (from_estimate, from_check)
+            assert untouched  # the user's optimizer has no state after the prediction
+            assert any("DistributedDataParallel: ddp over 2 rank(s)" in n for n in notes)
+        else:
+            measured[item[0]] = item[1]
+    for rank in (0, 1):
+        assert predicted[rank] == (planned, planned), (rank, predicted, planned)
+        # Exact but for a few scalars' lifetimes, as the plan form against the same measurement above.
+        assert abs(planned - measured[rank]) <= 0.001 * measured[rank], (rank, planned, measured)

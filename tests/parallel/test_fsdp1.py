@@ -466,7 +466,7 @@ def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
 
 
 def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
-    from preflight._check import Options, predict
+    from preflight.verdict import Options, predict
     from preflight.parallel import fsdp_plan
 
     model, optimizer, x = _setup()
@@ -489,7 +489,7 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
 def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_model_before_wrapping():
     # Evaluation and the suggestions' options run on the wrapped model's unwrapped meta copy
     # (`preflight.parallel.stand_in`) under the plan read off the wrapping: the figures predicted before wrapping.
-    from preflight._check import Options, predict
+    from preflight.verdict import Options, predict
     from preflight.parallel import ParallelPlan, fsdp_plan
 
     model, optimizer, x = _setup()

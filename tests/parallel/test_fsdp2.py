@@ -182,7 +182,7 @@ def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped
 
 def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_before_wrapping():
     # As for FSDP1 (test_fsdp1.py): evaluation and the options run on the unwrapped meta copy under the read plan.
-    from preflight._check import Options, predict
+    from preflight.verdict import Options, predict
     from preflight.parallel import ParallelPlan
 
     model, optimizer, x = _setup()

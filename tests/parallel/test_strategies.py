@@ -10,7 +10,7 @@ from conftest import lm_batch, make_gpt2
 from torch.distributed.fsdp import ShardingStrategy
 
 import preflight
-from preflight._check import Options, predict
+from preflight.verdict import Options, predict
 from preflight._estimate import check_plan, fsdp_trace_plan
 from preflight.parallel import FSDP1Plan, FSDP2Plan, ParallelPlan, deepspeed_plan, fsdp_plan
 

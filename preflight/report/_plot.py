@@ -1,4 +1,4 @@
-"""Render a `preflight._check.Report` as a PNG: the predicted live-memory timeline and the breakdown at the peak.
+"""Render a `preflight.report.Report` as a PNG: the predicted live-memory timeline and the breakdown at the peak.
 
 matplotlib is an optional extra (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in a preflight clone). Only its object-oriented API is used
 (``Figure`` with an Agg canvas), so plotting changes no global matplotlib state (backend, pyplot figures).
@@ -7,13 +7,11 @@ matplotlib is an optional extra (``pip install matplotlib``, or ``pip install -e
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from preflight._units import format_bytes
-
-if TYPE_CHECKING:
-    from preflight._check import Report
-    from preflight._result import Estimate
+from preflight._result import Estimate
+from preflight.report._report import Report
 
 __all__ = ["plot_estimate", "plot_report"]
 

@@ -1,7 +1,7 @@
-"""Render a `preflight._check.Report` for people: a compact table with rich, plain text without it; and say what is
+"""Render a `preflight.report.Report` for people: a compact table with rich, plain text without it; and say what is
 happening while a trace runs (`progress`, shared by the CLI and the callbacks).
 
-Callers print on rank zero only (`preflight._check` does).
+Callers print on rank zero only (`preflight.verdict` does).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from preflight._units import format_bytes
+from preflight.report._report import Report
 
-if TYPE_CHECKING:
-    from preflight._check import Report
 
 __all__ = ["format_report", "print_report", "progress"]
 

@@ -1,0 +1,436 @@
+"""`predict`: one rank's training (and evaluation) peak under the run's description, compared with the budget, as a
+`preflight.report.Report`; no collectives. Also the training state alive during evaluation (`eval_resident`), DDP's
+buckets, and the labelled lower bound of a rank whose prediction failed (`lower_bound_report`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._batches import BatchInfo, failures_text
+from preflight._budget import usable_bytes
+from preflight.report._console import progress
+from preflight._device import live_storage_bytes, resolve_device
+from preflight._dryrun import settings_from_env
+from preflight._analytic import optimizer_state_bytes
+from preflight._estimate import estimate, read_plan_off_ddp
+from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_terms
+from preflight._sharding import hf_hidden_size, read_deepspeed_config
+from preflight._eval import EvalStepFn, estimate_eval
+from preflight._result import Category, Estimate
+from preflight._run import Run, check_run, pinned, run_budget
+from preflight._steps import Loop, StepFn
+from preflight._units import format_bytes
+from preflight._version import __version__
+from preflight.cuda import WORKSPACE_UIDS
+from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
+from preflight.parallel import held_tensors, stand_in
+from preflight.trace import float_dtype_for
+
+from preflight.report._report import Report
+from preflight.verdict._options import Options
+from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
+__all__ = ["predict", "options_plan", "predict_or_lower_bound", "lower_bound_report", "ddp_bucket_bytes", "eval_resident"]
+
+
+def predict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    run: Run,
+    *,
+    options: Options,
+    step: StepFn | None = None,
+    batch_info: BatchInfo | None = None,
+    eval_batch: Any = None,
+    eval_step: EvalStepFn | None = None,
+    eval_batch_info: BatchInfo | None = None,
+    ddp_gradient_buckets: bool = False,
+    make_batch: Callable[[int], Any] | None = None,
+    eval_frees_gradients: bool = False,
+) -> Report:
+    """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
+
+    Args:
+        model, optimizer, batch, step: as for `preflight.estimate` (``batch`` should be the worst-case batch, see
+            `preflight._batches.worst_case_batch`). A ``DistributedDataParallel`` model is read as its plan.
+        run: how the run trains (`preflight.Run`), as the adapter read it off the trainer: both peaks are this
+            rank's share under a sharded ``run.parallel`` (the evaluation peak rescaled by category). What
+            ``preflight check`` asked for through the environment is laid over it (`Run.over`).
+        options: the callback's `Options`.
+        batch_info, eval_batch_info: how the batches were found, for the report.
+        eval_batch: an evaluation batch; with ``options.check_eval`` the no-grad step is predicted too.
+        eval_step: ``eval_step(model, batch)``; default ``model(**batch)`` / ``model(batch)``.
+        ddp_gradient_buckets: the adapter unwrapped a DDP model: its buckets hold a flat copy of every gradient for
+            the whole run (`preflight._sharding.shard_breakdown` docs), added to both peaks as gradients.
+        make_batch: ``make_batch(b)`` builds the worst-case batch at size ``b``, for the suggestions.
+        eval_frees_gradients: the trainer releases the gradients before evaluating (Lightning's default
+            ``on_validation_model_zero_grad``), so a ``"before_backward"`` loop's gradients are not alive during
+            evaluation.
+
+    Returns:
+        A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
+        of `preflight._advise.advise` (left empty, with a warning in the report, when advice fails).
+    """
+    options, settings = _with_environment(options)
+    asked = settings.run()  # `preflight check --gpu/--budget/--world-size/--sharding/--full`: laid over the run
+    from_env = asked.parallel is not None
+    run = asked.over(check_run(run))
+    ddp_note = None
+    if from_env and read_ddp(model) is not None:  # a dry run plans the ranks asked for, whatever wraps it here
+        model = read_ddp(model)[0]
+    else:  # a DDP model is its own plan: buckets counted per rank by the estimate
+        model, run, ddp_note = read_plan_off_ddp(model, run)
+    target = resolve_device(run.target.device, model)
+    budget_bytes = run_budget(run, model, required=False)
+    usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
+    # A model and optimizer DeepSpeed has taken over are read back as the unpartitioned model and a torch optimizer
+    # (`preflight.parallel.read_zero`), predicted under the run's ZeRO plan; a ValueError says what does not map.
+    zero = read_zero(model, optimizer)
+    if zero is not None:
+        model, optimizer = zero.model, zero.optimizer
+        run = run.replace(parallel=zero_plan(zero, run.parallel))
+    parallel = run.parallel
+    if parallel is not None and parallel.deepspeed is not None and parallel.sharded:
+        # DeepSpeed's 16-bit modes: the model as DeepSpeed casts it, for training, evaluation and the resident state
+        run = run.replace(precision=deepspeed_precision(
+            model, read_deepspeed_config(dict(parallel.deepspeed), hidden_size=hf_hidden_size(model)), run.precision))
+    precision, schedule = run.precision, run.loop
+    sharded = parallel if parallel is not None and parallel.sharded else None
+    # The trainer's replicas (DDP from a strategy) are traced as one device, their buckets added below; a plan asked
+    # for through `preflight check` or read off a DDP model is predicted per rank by the estimate.
+    estimate_run = run if from_env or ddp_note is not None else run.replace(parallel=None)
+    wrapped = already_sharded(model)
+    # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
+    # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
+    fsdp2 = read_fsdp2(model) if wrapped is not None else None
+    fsdp1 = read_fsdp1(model) if wrapped is not None and fsdp2 is None else None
+    engine = "fully_shard" if fsdp2 is not None else "FullyShardedDataParallel"
+    own = fsdp2 or fsdp1
+    if fsdp2 is not None:
+        sharded = ParallelPlan(fsdp2.world_size, "fsdp2", source="the model's fully_shard", fsdp=fsdp2.plan)
+        estimate_run = run.replace(parallel=None)
+    elif fsdp1 is not None:
+        sharded = ParallelPlan(fsdp1.world_size, fsdp1.sharding, source="the model's FullyShardedDataParallel",
+                               fsdp=fsdp1.plan)
+        estimate_run = run.replace(parallel=None)
+    elif sharded is not None:
+        estimate_run = run
+        if wrapped is not None:  # its tensors are this rank's shards: the plan would divide them again
+            report = lower_bound_report(model, optimizer, options, run, device=target,
+                                        reason=f"the model is already sharded ({wrapped})")
+            report.fits = None
+            report.warnings.append(f"no verdict: the strategy sharded the model before preflight saw it ({wrapped}); "
+                                   "a per-rank prediction of a model wrapped other than by fully_shard or "
+                                   f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
+            return report
+    if estimate_run.target.planned_device is None:
+        estimate_run = pinned(estimate_run, target)
+
+    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
+        return estimate(model, opt, b, estimate_run, step=step)
+
+    def step_predictor(b: Any) -> dict[int, int]:
+        # After the measured steps the optimizer has state; the measured run's first step had none.
+        # Under a per-rank trace inside a job, this rank's own steps (its shards may differ from the peak rank's).
+        one = run_estimate(b, _without_state(optimizer))
+        rank = _rank() if one.per_rank_peak_bytes is not None and _world_size() == one.world_size else None
+        return {k: v + buckets for k, v in one.step_peaks(rank).items()}
+
+    talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
+    with progress("tracing the training step on fake tensors", enabled=talk):
+        est = run_estimate(batch)
+    if est.device != str(target):
+        target = torch.device(est.device)
+    breakdown = dict(est.breakdown)
+    peak = est.peak_bytes
+    notes: list[str] = []
+    if sharded is not None:
+        notes.append(sharded.note())
+    if zero is not None:
+        notes.append(zero.note())
+    # A plan predicted per rank (asked for through `preflight check`, or read off a DDP model) already has DDP's
+    # buckets in the per-rank breakdown; sharded strategies have none.
+    ddp_gradient_buckets = ddp_gradient_buckets and estimate_run.parallel is None and sharded is None
+    buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
+    total = est.device_total_bytes
+    if buckets:
+        peak += buckets
+        total = None if total is None else total + buckets
+        breakdown["gradients"] += buckets
+        notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
+
+    # A model FSDP already wrapped: its evaluation step and the suggestions' options run on its unwrapped meta copy
+    # (`preflight.parallel.stand_in`), rescaled to the rank or traced per rank under its own plan.
+    base_model, base_optimizer, unwrapped = model, optimizer, True
+    if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
+        try:
+            base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)
+        except (ValueError, TypeError) as err:  # the optimizer does not map to the copy: the verdict stands alone
+            unwrapped = False
+            notes.append(f"no evaluation peak or suggestions for the model {engine} wrapped: {err}")
+    eval_est = eval_predictor = None
+    if options.check_eval and eval_batch is not None and unwrapped:
+        resident = eval_resident(base_model, base_optimizer, precision=precision, schedule=schedule,
+                                 ddp_gradient_buckets=ddp_gradient_buckets, estimate=est,
+                                 frees_gradients=eval_frees_gradients)
+        # The autograd thread's cuBLAS workspace stays allocated from the first backward on.
+        autograd_workspace = next((e.nbytes for e in est.events if e.uid == WORKSPACE_UIDS[1] and e.nbytes > 0), 0)
+        if autograd_workspace:
+            resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
+        eval_run = pinned(run, target)
+        with progress("tracing the evaluation step on fake tensors", enabled=talk):
+            eval_est = estimate_eval(base_model, eval_batch, eval_run, step=eval_step, resident=resident)
+
+        # Under a sharded plan, this rank's share. The resident optimizer state is the per-rank training trace's
+        # where ranks were traced (kept as it is: each rank's own slices and scalars), else closed-form (a
+        # replica's, to shard), else the trace's at its peak.
+        traced_state = None
+        if sharded is not None and est.per_rank_peak_bytes is not None:
+            traced_state = est.resident_bytes(Category.OPTIMIZER_STATE)
+        if traced_state is None and sharded is not None and (own is not None or optimizer_state_bytes(
+                optimizer, param_dtype=float_dtype_for(precision)) is None):
+            traced_state = est.breakdown.get("optimizer_state", 0)
+
+        def eval_figures(one: Estimate) -> tuple[int, int | None]:
+            if sharded is None:
+                return one.peak_bytes, one.device_total_bytes
+            return _rank_share(one, base_model, sharded, precision, traced_state)
+
+        def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
+            return eval_figures(estimate_eval(base_model, b, eval_run, step=eval_step, resident=resident))[0]
+
+    eval_peak = eval_total = None
+    if eval_est is not None:
+        eval_peak, eval_total = eval_figures(eval_est)
+        if sharded is not None:
+            notes.append("evaluation peak: this rank's share of the single-device evaluation trace, rescaled by "
+                         "category (optimizer state, gradients and parameters as the plan shards them)")
+    coverage = est.coverage.to_dict()
+    coverage["notes"] = list(coverage["notes"]) + notes
+    if eval_est is not None and eval_est.coverage.lower_bound:
+        coverage["eval_lower_bound"] = True
+    report = Report(
+        version=__version__,
+        device=str(target),
+        budget_bytes=budget_bytes,
+        headroom=options.headroom,
+        usable_bytes=usable,
+        predicted_peak_bytes=peak,
+        predicted_breakdown=breakdown,
+        peak_phase=est.peak_phase,
+        eval_predicted_peak_bytes=eval_peak,
+        eval_predicted_device_total_bytes=None if total is None else eval_total,
+        eval_peak_phase=eval_est.peak_phase if eval_est is not None else None,
+        worst_case_batch_shape=batch_info.shape if batch_info is not None else _shape(batch),
+        worst_case_batch=batch_info.to_dict() if batch_info is not None else None,
+        eval_batch_shape=(eval_batch_info.shape if eval_batch_info is not None else _shape(eval_batch))
+        if eval_est is not None else None,
+        fits=None,
+        coverage=coverage,
+        precision=precision,
+        schedule=schedule.to_dict(),
+        run=run.to_dict(),
+        predicted_reserved_bytes=est.peak_reserved_bytes,
+        predicted_device_total_bytes=total,
+        estimate=est,
+        eval_estimate=eval_est,
+        step_predictor=step_predictor,
+        eval_predictor=eval_predictor,
+    )
+    for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
+        if info is not None and info.failed_samples:
+            text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
+                    "out of the worst-case batch, and training will hit them")
+            report.warnings.append(text)
+            if talk:
+                warnings.warn(f"preflight: {text}", RuntimeWarning, stacklevel=2)
+    if est.coverage.lower_bound:
+        report.warnings.append("the training step could not be traced: the prediction is a lower bound "
+                               f"(operator {est.coverage.failed_op}: {est.coverage.reason})")
+    if usable is not None:
+        report.fits = report.verdict_bytes <= usable
+        if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
+            report.fits = None  # a lower bound under the budget says nothing about the real peak
+            report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
+    if report.fits is False and options.suggest and talk and unwrapped:
+        with progress("it does not fit: predicting what to change (about ten traces)"):
+            advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
+            report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),
+                                              options, make_batch, report)
+    return report
+
+
+def options_plan(model: nn.Module, parallel: ParallelPlan | None) -> ParallelPlan | None:
+    """The plan the suggestions and the micro-batch search predict each option under: the run's, when it spans
+    several ranks (DDP included), unless the strategy has already wrapped the model (then `preflight.estimate`
+    reads the plan off the model itself, or there is none to follow). A plan ``preflight check --world-size`` asked
+    for takes precedence (the dry run plans for N ranks from one process)."""
+    parallel = settings_from_env().run().parallel or parallel
+    if parallel is None or parallel.world_size < 2 or already_sharded(model) is not None:
+        return None
+    return parallel
+
+
+def _rank_share(eval_est: Estimate, model: nn.Module, plan: ParallelPlan, precision: str | None,
+                traced_state: int | None = None) -> tuple[int, int | None]:
+    """One rank's evaluation peak (and device total, keeping the single-device figure's allocator and context
+    overhead) under a sharded ``plan``: the evaluation breakdown rescaled by category (`per_rank_breakdown`).
+    ``traced_state``: the resident optimizer state when it came from the per-rank training trace (already this
+    rank's, so not divided again)."""
+    from preflight._target import per_rank_breakdown
+
+    ds = None if plan.deepspeed is None else read_deepspeed_config(dict(plan.deepspeed),
+                                                                   hidden_size=hf_hidden_size(model))
+    offload = {"offload_optimizer": plan.offload_optimizer, "offload_params": plan.offload_params}
+    # DeepSpeed's own terms as training leaves them: ZeRO-3's fp32 partition copy, gradient partitions and
+    # persistent / gathered parameters stay through evaluation (without them a ZeRO-3 evaluation was 9% under).
+    terms, _ = deepspeed_terms(model, plan.sharding, ds, precision, plan.world_size, offload)
+    buffers = terms["zero_buffers"]
+    if buffers is not None and buffers.during_backward:  # stages 1 and 2 release them after each backward
+        buffers = None
+    share, _ = per_rank_breakdown(eval_est.breakdown, model, world_size=plan.world_size, sharding=plan.sharding,
+                                  dtype=float_dtype_for(precision), zero_buffers=buffers, zero3=terms["zero3"],
+                                  state_scale=terms["state_scale"], **offload)
+    if traced_state is not None:
+        share["optimizer_state"] = traced_state
+    peak = sum(share.values())
+    total = eval_est.device_total_bytes
+    return peak, None if total is None else total - eval_est.peak_bytes + peak
+
+
+def predict_or_lower_bound(predict_run: Callable[[], Report], model: nn.Module, optimizer: torch.optim.Optimizer,
+                           options: Options, run: Run, *, device: torch.device) -> Report | None:
+    """``run()`` (an adapter's prediction); if it fails inside preflight, a warning and `lower_bound_report`
+    instead, so that under ``torch.distributed`` this rank still takes part in the verdict (as a labelled lower
+    bound) and measures its own steps. None only if the lower bound fails too."""
+    reasons: list[str] = []
+    with internal_failures("the prediction", reasons=reasons):
+        return predict_run()
+    with internal_failures("the lower bound after a failed prediction"):
+        return lower_bound_report(model, optimizer, options, run, device=device, reason=reasons[0])
+    return None
+
+
+def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, run: Run, *,
+                       device: torch.device, reason: str) -> Report:
+    """The report of a rank whose prediction failed: parameters + buffers + gradients + optimizer state in closed
+    form (`preflight._analytic.model_state`), or under DeepSpeed what it holds on the rank now (its partitions and
+    its optimizer's flat buffers, measured), labelled a lower bound (``coverage.lower_bound``), with the reason."""
+    from preflight._analytic import model_state
+
+    options, settings = _with_environment(options)
+    run = settings.run().over(run)
+    precision = run.precision
+    target = resolve_device(device, model)
+    budget_bytes = run_budget(run, model, required=False)
+    usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
+    held = held_tensors(model, optimizer)
+    if held:  # DeepSpeed's: what it holds on this rank now, measured (its partitions; its optimizer's flat buffers)
+        partitions = {id(getattr(p, "ds_tensor", None)) for p in model.parameters()}
+        own = [t for t in held if id(t) in partitions]
+        parameters = live_storage_bytes([list(model.parameters()), own], target)
+        breakdown = {"parameters": parameters, "buffers": live_storage_bytes(list(model.buffers()), target),
+                     "gradients": 0, "optimizer_state": live_storage_bytes([held, list(model.parameters())], target)
+                     - parameters}
+    else:
+        state = model_state(model, optimizer, None, target, param_dtype=float_dtype_for(precision))
+        breakdown = {"parameters": state.parameters, "buffers": state.buffers, "gradients": state.gradients,
+                     "optimizer_state": state.optimizer_state or 0}
+    peak = sum(breakdown.values())
+    report = Report(
+        version=__version__, device=str(target), budget_bytes=budget_bytes, headroom=options.headroom,
+        usable_bytes=usable, predicted_peak_bytes=peak, predicted_breakdown=breakdown, peak_phase="unknown",
+        eval_predicted_peak_bytes=None, eval_peak_phase=None, worst_case_batch_shape=None, worst_case_batch=None,
+        eval_batch_shape=None, fits=None if usable is None or peak <= usable else False,
+        coverage={"traced": False, "lower_bound": True, "failed_op": None, "reason": f"the prediction failed: {reason}",
+                  "notes": []},
+        precision=precision, schedule={}, run=run.to_dict())
+    report.warnings.append(f"the prediction failed on this rank ({reason}): its figure is a lower bound (parameters, "
+                           "buffers, gradients and optimizer state, without activations or the batch)")
+    return report
+
+
+def _with_environment(options: Options) -> tuple[Options, Any]:
+    """``options`` with the headroom ``preflight check`` asked for through the environment (`preflight._dryrun`),
+    and those settings (`DryRunSettings.run` gives what they say of the run)."""
+    settings = settings_from_env()
+    if settings.headroom is not None:
+        options = dataclasses.replace(options, headroom=settings.headroom)
+    return options, settings
+
+
+def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None, run: Run,
+                 options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
+    try:
+        from preflight._advise import advise
+    except ImportError:
+        return []
+    run = run.replace(target=dataclasses.replace(run.target, budget=report.budget_bytes))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
+            found = advise(model, optimizer, batch, run, step=step, make_batch=make_batch, headroom=options.headroom)
+    except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
+        report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
+        return []
+    return [s.to_dict() for s in found]
+
+
+def _without_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with an empty ``state``, for tracing a first step again. The original is
+    never written: the copy gets its own ``state`` in its instance dict (a wrapper whose ``state`` is a property
+    keeps reading its inner optimizer's)."""
+    fresh = object.__new__(type(optimizer))
+    fresh.__dict__.update(optimizer.__dict__)
+    fresh.__dict__["state"] = collections.defaultdict(dict)
+    return fresh
+
+
+def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
+    dtype = float_dtype_for(precision)
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+               for p in params)
+
+
+def ddp_bucket_bytes(wrapped: Any) -> int:
+    """Bytes of DDP's gradient buckets, a flat copy of every trainable parameter's gradient allocated at
+    construction and kept for the whole run, when ``wrapped`` is a ``DistributedDataParallel``; else 0.
+
+    With ``gradient_as_bucket_view=True`` the buckets are there all the same (the gradients become views into them
+    after DDP copies each one in): a 2-rank gloo run of `benchmarks/distributed.py`'s Llama peaked at 240,806,308 B
+    with and without it, 33,563,648 B (the buckets) over the replica's trace, because its peak comes early in
+    backward, before the gradients add up. The replica's trace plus the buckets is exact there and an upper bound
+    where the peak holds the gradients (`preflight.estimate(..., sharding="ddp", gradient_as_bucket_view=True)`
+    times each gradient's life)."""
+    if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        return 0
+    return _gradient_bytes(wrapped.module, None)
+
+
+def eval_resident(model: nn.Module, optimizer: torch.optim.Optimizer, *, precision: str | None, schedule: Loop,
+                  ddp_gradient_buckets: bool = False, estimate: Estimate | None = None,
+                  frees_gradients: bool = False) -> dict[str, int]:
+    """Training state alive during evaluation inside training: the optimizer state (closed form when the optimizer
+    is known, else the traced training breakdown's), the last step's gradients when the trainer frees them only at
+    the next backward and not before evaluating (``frees_gradients``: Lightning's default
+    ``on_validation_model_zero_grad`` releases them), and DDP's buckets."""
+    state = optimizer_state_bytes(optimizer, param_dtype=float_dtype_for(precision))
+    if state is None:
+        state = estimate.breakdown.get("optimizer_state", 0) if estimate is not None else 0
+    grads = _gradient_bytes(model, precision)
+    kept = grads if schedule.zero_grad != "after_step" and not frees_gradients else 0
+    return {"optimizer_state": state, "gradients": kept + (grads if ddp_gradient_buckets else 0)}
+
+
+def _shape(batch: Any) -> Any:
+    from preflight._batches import batch_shape
+
+    return batch_shape(batch) if batch is not None else None

@@ -82,18 +82,18 @@ def run_case(spec: str) -> dict[str, Any]:
         return row
     torch.manual_seed(0)
     model = type(model)(config)
-    target: dict[str, Any] = {}
+    run = preflight.Run()
     if variant == "bf16-mixed":
-        target = {"precision": "bf16-mixed", "gpu": "H100-80GB"}
+        run = preflight.Run(precision="bf16-mixed", target=preflight.Target(gpu="H100-80GB"))
     elif variant == "lora":
         model, _ = arch.apply_variant(model, "lora")
     optimizer = arch.adamw(model)
     row["params"] = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    fast = preflight.estimate(model, optimizer, batch, step=step, run=preflight.Run(fast=True), **target)
+    fast = preflight.estimate(model, optimizer, batch, run.replace(fast=True), step=step)
     row["fast_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    full = preflight.estimate(model, optimizer, batch, step=step, **target)
+    full = preflight.estimate(model, optimizer, batch, run.replace(fast=False), step=step)
     row["full_s"] = time.perf_counter() - start
     note = next((n for n in fast.coverage.notes if n.startswith(("depth-independent", "traced in full (fast=True)"))),
                 "")

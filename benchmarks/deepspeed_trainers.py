@@ -74,9 +74,9 @@ if with_callback:
     # estimate() given DeepSpeed's objects directly, and a failed prediction's lower bound
     hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
     direct = preflight.estimate(model, trainer.optimizer, {"input_ids": ids[:2], "labels": ids[:2]},
-                                deepspeed_config=config)
-    bound = lower_bound_report(model, trainer.optimizer, Options(budget="2GiB"), device=torch.device("cpu"),
-                               precision=None, reason="a test").predicted_breakdown
+                                Run(parallel=preflight.deepspeed_plan(config, world_size=dist.get_world_size())))
+    bound = lower_bound_report(model, trainer.optimizer, Options(), Run(target=Target(budget="2GiB")),
+                               device=torch.device("cpu"), reason="a test").predicted_breakdown
     held = {t.untyped_storage().data_ptr(): t for t in held_tensors(model, trainer.optimizer)}
     out.update(fits=r.fits, error=r.relative_error, notes=r.coverage["notes"], predicted=r.predicted_peak_bytes,
                measured=r.measured_peak_bytes,

@@ -76,7 +76,12 @@ class Case:
     name: str
     build: Callable[[str], tuple[nn.Module, torch.optim.Optimizer, Any]]
     precision: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # estimate/measure keywords (clipping, scaler, ...)
+    options: dict[str, Any] = field(default_factory=dict)  # the loop's fields (clipping, scaler, ...)
+
+    def run(self, gpu: str | None = None) -> preflight.Run:
+        """The case's description, planned for ``gpu`` (a catalog name) or for where the model is."""
+        return preflight.Run(precision=self.precision, loop=preflight.Loop(**self.options),
+                             target=preflight.Target(gpu=gpu))
 
 
 # ---- the zoo ------------------------------------------------------------------------------------------------------
@@ -202,7 +207,7 @@ def _quiet(fn: Callable[[], Any]) -> Any:
 def _plan(case: Case, gpu: str) -> preflight.Estimate:
     model, opt, batch = case.build("cpu")
     with _planned_on_cpu():
-        return _quiet(lambda: preflight.estimate(model, opt, batch, run=preflight.Run(precision=case.precision, target=preflight.Target(gpu=gpu)), **case.options))
+        return _quiet(lambda: preflight.estimate(model, opt, batch, case.run(gpu)))
 
 
 def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover - needs a GPU
@@ -210,8 +215,8 @@ def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover
     torch.cuda.empty_cache()
     free0, total = torch.cuda.mem_get_info()
     model, opt, batch = case.build("cuda")
-    on_device = _quiet(lambda: preflight.estimate(model, opt, batch, run=preflight.Run(precision=case.precision, target=preflight.Target(gpu=gpu)), **case.options))
-    m = _quiet(lambda: preflight.measure(model, opt, batch, run=preflight.Run(precision=case.precision), **case.options))
+    on_device = _quiet(lambda: preflight.estimate(model, opt, batch, case.run(gpu)))
+    m = _quiet(lambda: preflight.measure(model, opt, batch, case.run()))
     free1, _ = torch.cuda.mem_get_info()
     out = {"on_device": on_device.peak_bytes, "on_device_reserved": on_device.peak_reserved_bytes or 0,
            "allocated": m.peak_bytes, "reserved": m.peak_reserved_bytes or 0,

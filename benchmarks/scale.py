@@ -128,7 +128,8 @@ def part3() -> str:
                         f"{len(found['suggestions'])} | {', '.join(map(str, found['suggestions']))} |")
         except subprocess.TimeoutExpired:
             rows.append(f"| {shape} | over {FULL_LIMIT_S} s | | |")
-    return ("`advise(..., budget=\"80GiB\", device=\"cuda\", precision=\"bf16-true\", fast=True)`, every suggestion "
+    return ("`advise(model, optimizer, batch, Run(precision=\"bf16-true\", target=Target(device=\"cuda\", "
+            "budget=\"80GiB\")))` (fast=True, the default), every suggestion "
             "traced (time = the whole call, wall clock and CPU)\n\n| shape | advise time | suggestions | changes |\n"
             "|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
@@ -140,7 +141,8 @@ def part1() -> str:
     rows = []
     for target in ({}, {"gpu": "H100-80GB"}):
         start = time.perf_counter()
-        est = preflight.estimate(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true"), **target)
+        est = preflight.estimate(model, optimizer, _batch(),
+                                 preflight.Run(precision="bf16-true", target=preflight.Target(**target)))
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         rows.append(f"| {target.get('gpu', 'cpu')} | {params / 1e9:.2f} B | {seconds:.1f} | {rss / 2**30:.2f} | "

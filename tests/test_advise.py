@@ -126,6 +126,7 @@ def by_change(suggestions: list[Suggestion], key: str) -> Suggestion:
     return matches[0]
 
 
+@pytest.mark.slow
 def test_micro_batch_suggestion_matches_measurement(gpt2_advice):
     *_, suggestions = gpt2_advice
     s = by_change(suggestions, "micro_batch_size")
@@ -192,6 +193,7 @@ def _kind(s: Suggestion) -> str:
     return "allocator"
 
 
+@pytest.mark.slow
 def test_generic_checkpointing_wraps_the_repeated_blocks():
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
@@ -256,6 +258,7 @@ def test_resize_batch():
         resize_batch({"n": 3}, 2)
 
 
+@pytest.mark.slow
 def test_optimizer_offload_suggestion_matches_planning_it():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
@@ -273,6 +276,7 @@ def test_optimizer_offload_suggestion_matches_planning_it():
         assert offered[0].predicted_peak_bytes == planned.peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim_bits", [32, 8])
 def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
     # issue 10: known by configuration (args.optim_bits), as HF builds it: bnb.optim.AdamW(..., optim_bits=...)
@@ -293,6 +297,7 @@ def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
     assert opt.args.optim_bits == 32  # the user's optimizer is left as it was
 
 
+@pytest.mark.slow
 def test_under_a_plan_every_option_is_predicted_per_rank():
     """Under a data-parallel plan (as the callbacks read it off the trainer), the current peak and every option are
     the plan's per-rank prediction, and the sharding options are the stronger shardings of the same engine."""
@@ -351,6 +356,7 @@ class _CheckpointedBlocks(nn.Module):
         return self.head(x).sum()
 
 
+@pytest.mark.slow
 def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks():
     # The per-rank trace copies the model: the checkpointed forward must run the copy's blocks, not the user's
     # (a closure over the user's block ran it outside FSDP's program: 179,752 B predicted here against 192,840 B).

@@ -57,6 +57,7 @@ def gpt2():
     return model, torch.optim.AdamW(model.parameters())
 
 
+@pytest.mark.slow
 def test_returns_the_true_maximum_measured(gpt2):
     model, opt = gpt2
     fits, over = measured(make_gpt2, lm_batch, 5), measured(make_gpt2, lm_batch, 6)
@@ -71,6 +72,7 @@ def test_returns_the_true_maximum_measured(gpt2):
     assert result.peak_model(9) == preflight.estimate(model, opt, lm_batch(9)).peak_bytes
 
 
+@pytest.mark.slow
 def test_multiple_of_and_budget_string_on_llama():
     model = make_llama()
     opt = torch.optim.AdamW(model.parameters())
@@ -83,6 +85,7 @@ def test_multiple_of_and_budget_string_on_llama():
     assert result.traces <= 4 and any("tracing batch size" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_batch_one_and_nothing_fits(gpt2):
     model, opt = gpt2
     one, two = measured(make_gpt2, lm_batch, 1), measured(make_gpt2, lm_batch, 2)
@@ -96,6 +99,7 @@ def test_batch_one_and_nothing_fits(gpt2):
     assert any("nothing fits" in n for n in nothing.notes)
 
 
+@pytest.mark.slow
 def test_headroom_and_max_batch(gpt2):
     model, opt = gpt2
     result = max_batch_size(model, opt, lm_batch, run=preflight.Run(target=preflight.Target(budget="1GiB")), max_batch=7)
@@ -194,6 +198,7 @@ def test_split_global_batch_rejects_nothing_fits():
         split_global_batch(32, 4, min_fraction=0)
 
 
+@pytest.mark.slow
 def test_under_a_plan_the_largest_rank_decides(gpt2):
     """With a data-parallel plan the search traces each size per rank: the answer fits one GPU on every rank, and
     the next size does not."""

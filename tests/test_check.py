@@ -57,6 +57,7 @@ def _state(model, optimizer, batch):
     return [list(model.parameters()), grads, [list(s.values()) for s in optimizer.state.values()], batch]
 
 
+@pytest.mark.slow
 def test_lightning_order_keeps_gradients_through_the_next_forward():
     # Parameter-heavy and activation-light: the peak is the forward with last step's gradients alive.
     model = make_gpt2(n_layer=2, n_embd=128)
@@ -89,6 +90,7 @@ def test_lightning_order_keeps_gradients_through_the_next_forward():
     assert est.peak_bytes > plain.peak_bytes * 1.05
 
 
+@pytest.mark.slow
 def test_accumulation_keeps_gradients_across_micro_batches():
     model = make_gpt2(n_layer=2, n_embd=64)
     real = copy.deepcopy(model)

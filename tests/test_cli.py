@@ -27,6 +27,7 @@ def run_cli(*args, **kwargs):
     return subprocess.run([sys.executable, "-m", "preflight", *args], capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_estimate_exit_codes_fit_and_overflow(config, tmp_path):
     out = tmp_path / "est.json"
     fits = run_cli("estimate", "--hf-config", config, "--batch", "2", "--seq", "64", "--budget", "1GiB",
@@ -90,6 +91,7 @@ def test_check_reports_a_script_that_never_reaches_preflight(tmp_path, capsys):
     assert "without reaching a preflight check" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_propagates_the_dry_run_verdict(tmp_path):
     # A script that finishes its dry run the way the callbacks do: report, then exit 0 or 3.
     script = tmp_path / "train.py"
@@ -109,6 +111,7 @@ def test_check_propagates_the_dry_run_verdict(tmp_path):
         assert ("DOES NOT FIT" in result.stdout) == (code == 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, code", [("4GiB", 0), ("100MiB", 3)])
 def test_check_dry_runs_an_example_script(budget, code):
     # The example's own check honours the dry run: it predicts, reports and exits before training.
@@ -119,6 +122,7 @@ def test_check_dry_runs_an_example_script(budget, code):
     assert "measured" not in result.stdout  # it stopped before step one: nothing was trained or verified
 
 
+@pytest.mark.slow
 def test_options_for_lora_checkpointing_optimizer_and_task(config, tmp_path):
     base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "64"]
     full, lora, ckpt, sgd, cls = (tmp_path / f"{n}.json" for n in ("full", "lora", "ckpt", "sgd", "cls"))
@@ -267,6 +271,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"preflight {preflight.__version__}"
 
 
+@pytest.mark.slow
 def test_ranked_suggestions_when_it_does_not_fit_unless_no_suggest(config, tmp_path, capsys):
     out = tmp_path / "est.json"
     base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--budget", "4MiB"]
@@ -325,6 +330,7 @@ def _check_run(tmp_path, *command, cwd=None, **env):
     return run_cli("check", "--", *command, env={**os.environ, **env}, cwd=cwd or tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour, need, code", [
     ("catch", 1000, 3),  # caught SystemExit, exited 0: still DOES NOT FIT
     ("catch", 10, 0),
@@ -340,6 +346,7 @@ def test_check_decides_from_the_report(tmp_path, behaviour, need, code):
         assert "exited with status 1 after writing its report" in result.stderr
 
 
+@pytest.mark.slow
 def test_check_through_python_dash_m(tmp_path):
     result = _check_run(tmp_path, sys.executable, "-m", "reporter", NEED="1000", BEHAVIOUR="catch")
     assert result.returncode == 3, result.stderr
@@ -361,6 +368,7 @@ def test_check_summary_names_the_figure_it_compared(tmp_path, total, named):
     assert f"DOES NOT FIT: {named}" in result.stdout and "against 90 B usable (100 B budget" in result.stdout
 
 
+@pytest.mark.slow
 def test_check_through_torchrun(tmp_path):
     # torchrun reports a rank's exit 3 as its own failure (exit 1); the verdict is still the report's.
     result = _check_run(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -369,6 +377,7 @@ def test_check_through_torchrun(tmp_path):
     assert "DOES NOT FIT" in result.stdout
 
 
+@pytest.mark.slow
 def test_check_through_accelerate_launch(tmp_path):
     pytest.importorskip("accelerate")
     result = _check_run(tmp_path, sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes",
@@ -378,6 +387,7 @@ def test_check_through_accelerate_launch(tmp_path):
     assert "DOES NOT FIT" in result.stdout
 
 
+@pytest.mark.slow
 def test_gpu_flag_replaces_a_budget_written_in_the_script(tmp_path):
     script = tmp_path / "budget.py"
     script.write_text(textwrap.dedent("""
@@ -429,6 +439,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_check_through_lightnings_multi_process_launch(tmp_path):
     # Lightning's "ddp" strategy on CPU re-runs the script once per extra rank (its subprocess launcher).
     pytest.importorskip("lightning")
@@ -487,6 +498,7 @@ def test_check_of_a_script_that_is_not_executable_exits_2(tmp_path, capsys):
     assert "permission denied (it is not executable)" in err and f"chmod +x {script}" in err
 
 
+@pytest.mark.slow
 def test_a_deep_model_is_composed_by_default_and_full_traces_every_block(tmp_path):
     # 12 identical decoder layers: composed from 2-, 3- and 4-layer traces unless --full; the bytes agree.
     path = tmp_path / "deep.json"
@@ -518,6 +530,7 @@ def test_check_full_reaches_the_script_as_an_environment_variable(tmp_path):
     assert settings_from_env({}).fast is None
 
 
+@pytest.mark.slow
 def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys):
     """--world-size/--sharding: each suggestion is predicted per rank under the same plan, the stronger sharding
     of FSDP included (SHARD_GRAD_OP -> FULL_SHARD)."""

@@ -68,6 +68,7 @@ def test_a_signal_to_check_stops_the_scripts_whole_group(tmp_path, signum):
     assert _gone(pids), f"left running: {[p for p in pids if _alive(p)]}"
 
 
+@pytest.mark.slow
 def test_timeout_stops_the_script_with_its_own_status(tmp_path):
     check, pids = _start(tmp_path, "--timeout", "3")
     _, err = check.communicate(timeout=60)

@@ -68,6 +68,7 @@ def test_max_batch_size(planned):
     assert int(result) == BATCH and result.predicted_peak_bytes == planned
 
 
+@pytest.mark.slow
 def test_advise_predicts_each_option_under_the_same_plan():
     model = _model()
     tight = RUN.replace(target=Target(budget=100_000))
@@ -79,6 +80,7 @@ def test_advise_predicts_each_option_under_the_same_plan():
     assert "--sharding fsdp2" in " ".join(bf16.run.cli_flags())
 
 
+@pytest.mark.slow
 def test_cli_estimate(planned, tmp_path):
     from preflight import _cli
 
@@ -103,6 +105,7 @@ def test_cli_estimate(planned, tmp_path):
     assert planned - expected == BATCH * SEQ * 8
 
 
+@pytest.mark.slow
 def test_cli_check_lays_its_plan_over_the_scripts(planned, tmp_path):
     report = tmp_path / "report.json"
     script = tmp_path / "train.py"

@@ -254,6 +254,7 @@ def test_argument_errors():
         preflight.estimate(model, opt, no_labels)
 
 
+@pytest.mark.slow
 def test_custom_step_and_existing_optimizer_state():
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
@@ -264,6 +265,7 @@ def test_custom_step_and_existing_optimizer_state():
     assert est.breakdown["optimizer_state"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate, zero_grad", [(3, "after_step"), (1, "before_backward"), (2, "before_backward"),
                                                    (1, "in_place")])
 def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zero_grad):

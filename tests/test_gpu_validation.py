@@ -16,6 +16,7 @@ import preflight
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode only; on a GPU the harness measures")
 def test_quick_cpu_mode_prints_the_planned_column_and_says_measurements_need_a_gpu():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -32,6 +32,7 @@ def _state_after(entry: str, *extra: str, without: bool = False) -> dict:
     return json.loads(line.removeprefix("SIDE_EFFECTS "))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["estimate", "check", "check-over", "cli", "accelerate", "lightning", "hf"])
 def test_a_run_through_an_entry_point_ends_as_a_run_without_preflight(entry, tmp_path):
     if entry == "lightning":

@@ -237,12 +237,19 @@ def test_stage_1_and_2_buffers_live_during_backward_and_stage_3s_from_the_start(
 
 
 def test_a_deepspeed_config_that_contradicts_the_arguments_is_refused():
+    # Where a DeepSpeed config meets other settings of the plan (`preflight estimate --deepspeed-config` beside
+    # --sharding or offload flags), a contradiction is refused, naming both.
+    from preflight._sharding import read_deepspeed_config
+    from preflight.parallel._deepspeed import deepspeed_settings
+
     model = make_gpt2()
     opt = torch.optim.AdamW(model.parameters())
+    no_offload = {"offload_optimizer": False, "offload_params": False}
     with pytest.raises(ValueError, match="stage 2 is 'zero2'"):
-        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": 2}}, world_size=2)))
+        deepspeed_settings(read_deepspeed_config({"zero_optimization": {"stage": 2}}), "zero3", no_offload)
     with pytest.raises(ValueError, match="offload_params=True"):
-        preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan({"zero_optimization": {"stage": 3}}, world_size=2)))
+        deepspeed_settings(read_deepspeed_config({"zero_optimization": {"stage": 3}}), None,
+                           {**no_offload, "offload_params": True})
     auto = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     est = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.deepspeed_plan(auto, world_size=2)))
     # Filled as the HF Trainer fills "auto": hidden_size**2 elements, alive during each backward (the peak of this

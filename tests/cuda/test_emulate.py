@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import preflight
@@ -61,6 +62,7 @@ def test_user_model_is_untouched_and_cpu_autocast_restored():
         assert torch.softmax(x @ x, -1).dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_traces_for_every_catalog_architecture():
     model = make_llama()  # 4 query heads, 2 key/value heads, sdpa
     opt = torch.optim.AdamW(model.parameters())

@@ -113,6 +113,7 @@ def _package_of(module):
     raise TypeError(type(module))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     torch.manual_seed(0)
@@ -124,7 +125,7 @@ def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     # starts with (parameters, gradients, optimizer state, batch); see preflight._verify.
     assert report["steps_measured"] == 3 and abs(report["relative_error"]) < 0.01
     assert report["fits"] is True and report["schedule"] == {"accumulate": accumulate, "zero_grad": "before_backward",
-                                                     "max_grad_norm": None, "grad_scaler": False}
+                                                     "max_grad_norm": None, "grad_scaler": False, "steps": 2}
     assert report["worst_case_batch_shape"]["input_ids"] == [4, 48]
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     assert set(logger.logged) >= {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes",
@@ -132,6 +133,7 @@ def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_training_sees_the_same_batches_and_weights_with_the_callback(pl):
     def run(callbacks):
         torch.manual_seed(0)
@@ -150,6 +152,7 @@ def test_training_sees_the_same_batches_and_weights_with_the_callback(pl):
     assert callback.report.worst_case_batch["method"] == "scanned"
 
 
+@pytest.mark.slow
 def test_the_logged_metrics_are_unchanged(pl):
     """Logging every step: the loggers get the same metrics with preflight as without, preflight's own aside."""
     def run(callbacks):
@@ -269,6 +272,7 @@ print("TRAINED")
 """
 
 
+@pytest.mark.slow
 def test_dry_run_exits_3_when_it_does_not_fit(tmp_path):
     script = tmp_path / "train.py"
     report = tmp_path / "r.json"
@@ -299,6 +303,7 @@ print("TRAINED")
 """
 
 
+@pytest.mark.slow
 def test_only_pytorch_lightning_installed(tmp_path):
     """The standalone `pytorch-lightning` (no `lightning`): the import works and a run with a validation step is
     predicted (eval included), verified and logged. CI runs this: hiding `lightning` in a subprocess is the
@@ -317,6 +322,7 @@ def test_only_pytorch_lightning_installed(tmp_path):
     assert written["steps_measured"] == 2 and written["eval_predicted_peak_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_autotune_keeps_the_global_batch(tmp_path, pl):
     pytest.importorskip("preflight._autotune")
     torch.manual_seed(0)
@@ -386,6 +392,7 @@ def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     assert "TRAINED" not in out
 
 
+@pytest.mark.slow
 def test_the_lightning_example_runs_with_only_pytorch_lightning(tmp_path):
     """examples/lightning_gpt.py, as a user with only the standalone pytorch-lightning runs it: predicted, trained,
     verified."""

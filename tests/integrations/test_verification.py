@@ -77,6 +77,7 @@ def test_each_step_is_compared_with_its_own_batch_and_nothing_leaks(lengths, cap
     assert "preflight: verified 4 step(s)" in out and "worst case predicted" in out
 
 
+@pytest.mark.slow
 def test_a_module_that_caches_outputs_is_reported_as_a_leak():
     callback = PreflightCallback(verify_steps=4)
     messages = fit(GPT([40, 24, 56, 32, 48], leak=True), callback)

@@ -64,6 +64,7 @@ def test_each_ranks_shards_and_state_are_fsdp1s_own(strategy):
     assert est.peak_bytes < single.peak_bytes
 
 
+@pytest.mark.slow
 def test_the_rank_holding_the_padding_holds_less_state():
     model, optimizer, x = _setup()
     assert fsdp1_rank_groups(model, FSDP1Plan(), WORLD) == [[0, 1, 2], [3]]
@@ -79,6 +80,7 @@ def test_the_rank_holding_the_padding_holds_less_state():
     assert len(set(flat.per_rank_peak_bytes)) == 1  # state over the padded flat shards: every rank alike
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
 def test_hybrid_ranks_hold_their_nodes_shards_and_all_reduce_them_in_place(strategy, monkeypatch):
     model, optimizer, x = _setup()
@@ -100,6 +102,7 @@ def test_hybrid_ranks_hold_their_nodes_shards_and_all_reduce_them_in_place(strat
     assert est.per_rank_peak_bytes == node.per_rank_peak_bytes * 2
 
 
+@pytest.mark.slow
 def test_plan_options_are_checked_and_change_the_figure():
     from torch.distributed.fsdp import MixedPrecision
 
@@ -394,6 +397,7 @@ def _wrapped_in_a_job(rank: int = 3, world: int = WORLD, **options):
 _UNITS = ("layers.0", "layers.1", "layers.2", "head")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("orig", [True, False])
 def test_a_model_fsdp1_wrapped_is_traced_per_rank_as_before_it_was_wrapped(orig):
     model, optimizer, x = _setup()
@@ -449,6 +453,7 @@ def test_a_wrapped_fsdp1_models_conflicting_arguments_and_unfollowed_wrappings_a
     assert read_fsdp1(_setup()[0]) is None
 
 
+@pytest.mark.slow
 def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
     from preflight.parallel import already_sharded, read_fsdp1
 
@@ -465,6 +470,7 @@ def test_a_model_whose_wrapper_is_only_around_it_is_read_through_the_wrapper():
     assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
 
 
+@pytest.mark.slow
 def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
     from preflight.verdict import Options, predict
     from preflight.parallel import fsdp_plan
@@ -486,6 +492,7 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
         assert not any(w.startswith("no verdict") for w in report.warnings)
 
 
+@pytest.mark.slow
 def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_model_before_wrapping():
     # Evaluation and the suggestions' options run on the wrapped model's unwrapped meta copy
     # (`preflight.parallel.stand_in`) under the plan read off the wrapping: the figures predicted before wrapping.

@@ -146,6 +146,7 @@ def _wrapped_in_a_job(rank: int = 1, world: int = WORLD, **options):
     return model, torch.optim.AdamW(model.parameters()), x
 
 
+@pytest.mark.slow
 def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped():
     import sys
 
@@ -180,6 +181,7 @@ def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped
     assert est.step_peaks(3) != est.step_peaks(0)  # rank 3 holds the remainder of the uneven shards
 
 
+@pytest.mark.slow
 def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_before_wrapping():
     # As for FSDP1 (test_fsdp1.py): evaluation and the options run on the unwrapped meta copy under the read plan.
     from preflight.verdict import Options, predict
@@ -242,6 +244,7 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(monkeypatch):
     model, optimizer, x = _setup()
     step = lambda m, b: m(b)  # noqa: E731
@@ -267,6 +270,7 @@ def test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place(
         preflight.estimate(model, optimizer, x, step=step, run=preflight.Run(parallel=preflight.ParallelPlan(WORLD, "fsdp2", fsdp=FSDP2Plan(replicate=3))))
 
 
+@pytest.mark.slow
 def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -291,6 +295,7 @@ def test_a_model_wrapped_over_an_hsdp_mesh_is_read_and_traced_per_rank():
     assert any("an HSDP mesh of 2 x 2 ranks; this process is rank 3" in n for n in est.coverage.notes)
 
 
+@pytest.mark.slow
 def test_plan_options_are_checked_and_passed_through():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -66,6 +66,7 @@ def test_deepspeed_configs_as_dict_path_and_text_with_the_integrations_auto_valu
         deepspeed_plan("no-such-config.json", world_size=2)
 
 
+@pytest.mark.slow
 def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluation():
     model = make_gpt2(n_layer=2, n_embd=64)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -6,6 +6,7 @@ tests would make them depend on each other.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch import nn
@@ -107,6 +108,7 @@ def test_an_eager_model_gets_no_compile_note():
     assert not any("torch.compile" in n for n in est.coverage.notes)
 
 
+@pytest.mark.slow
 def test_an_inductor_compiled_model_is_predicted_as_the_compiled_run():
     class SinChain(nn.Module):  # eager saves every intermediate; inductor's partitioner saves x and recomputes
         def __init__(self) -> None:

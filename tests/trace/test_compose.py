@@ -83,6 +83,7 @@ def _both(model, optimizer, batch, run=None, **kwargs):
     return fast, full
 
 
+@pytest.mark.slow
 def test_llama_foreach_adamw_h100_composes_to_the_byte():
     model = _llama(7)
     fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB")))
@@ -90,11 +91,13 @@ def test_llama_foreach_adamw_h100_composes_to_the_byte():
     assert "model.layers" in fast.coverage.notes[-1] or any("model.layers" in n for n in fast.coverage.notes)
 
 
+@pytest.mark.slow
 def test_gpt2_for_loop_adamw_on_cpu():
     model = _gpt2(6)
     _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch()))
 
 
+@pytest.mark.slow
 def test_gemma2_alternating_sliding_and_global_attention_has_period_two():
     model = _gemma2(10)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -104,12 +107,14 @@ def test_gemma2_alternating_sliding_and_global_attention_has_period_two():
     assert model.config.num_hidden_layers == 10 and len(model.config.layer_types) == 10  # put back
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing():
     model = _llama(6)
     model.gradient_checkpointing_enable()
     _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"))))
 
 
+@pytest.mark.slow
 def test_a_vision_tower_as_deep_as_the_language_model_keeps_its_depth():
     # LLaVA: the language model's stack is truncated for the shallow traces; the vision tower's config also says
     # 6 layers, and must keep saying so (LLaVA reads its feature layer through it).
@@ -134,6 +139,7 @@ def test_a_vision_tower_as_deep_as_the_language_model_keeps_its_depth():
     assert (fast.peak_bytes, fast.breakdown) == (full.peak_bytes, full.breakdown)
 
 
+@pytest.mark.slow
 def test_selective_activation_checkpointing():
     # torch's selective checkpointing: each block saves its matmuls and recomputes the rest in the backward.
     import functools
@@ -173,6 +179,7 @@ def test_selective_activation_checkpointing():
     _same(*_both(model, torch.optim.AdamW(model.parameters()), x, step=lambda m, b: m(b)))
 
 
+@pytest.mark.slow
 def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(6), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -180,12 +187,15 @@ def test_lora_with_gradient_accumulation_and_lightning_zero_grad():
     _same(*_both(model, optimizer, _batch(), run=preflight.Run(precision="bf16-mixed", loop=preflight.Loop(accumulate=2, zero_grad="before_backward"), target=preflight.Target(gpu="H100-80GB"))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [{}, {"gpu": "H100-80GB", "precision": "16-mixed", "grad_scaler": True}])
 def test_gradient_clipping_whose_norms_grow_with_depth(target):
+    run = preflight.Run(precision=target.get("precision"), target=preflight.Target(gpu=target.get("gpu")),
+                        loop=preflight.Loop(max_grad_norm=1.0, grad_scaler=target.get("grad_scaler", False)))
     # clip_grad_norm_ stacks one norm per gradient: a storage whose size grows with the number of blocks. At 12
     # blocks it is 148 x 4 B (1,024 B in 512-byte CUDA blocks); at the traced depths of 2 to 4, 112 to 208 B.
     model = _gpt2(12)
-    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(loop=preflight.Loop(max_grad_norm=1.0)), **target)
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=run)
     _same(fast, full)
     stacked = 4 * sum(1 for p in model.parameters())
     assert stacked == 592
@@ -193,6 +203,7 @@ def test_gradient_clipping_whose_norms_grow_with_depth(target):
         assert any(e.nbytes == stacked and "optimizer" in e.phase for e in fast.events)
 
 
+@pytest.mark.slow
 def test_parameter_groups_whose_stretches_meet_in_zero_grad():
     # The HF Trainer's groups: weights with decay, then biases and LayerNorm without. zero_grad frees the last
     # block's weight gradients and then the first block's bias gradients: one insertion at that junction would
@@ -212,6 +223,7 @@ def test_sharded_rank_and_hf_style_parameter_groups():
     _same(*_both(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB"), parallel=preflight.ParallelPlan(4, "zero3"))))
 
 
+@pytest.mark.slow
 def test_composed_deeper_than_the_traced_depths():
     """Compose 10 blocks from traces of 2, 3 and 4 and compare with the 10-block trace."""
     model = _llama(10)
@@ -226,6 +238,7 @@ def test_composed_deeper_than_the_traced_depths():
     assert composed.num_ops == full.num_ops
 
 
+@pytest.mark.slow
 def test_the_model_is_left_as_it_was():
     model = _llama(6)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -281,6 +294,7 @@ def test_an_optimizer_not_in_block_order_is_traced_in_full():
     assert isinstance(found, str) and ("block order" in found or "mixes" in found), found
 
 
+@pytest.mark.slow
 def test_max_batch_size_with_fast_traces_matches_full_traces():
     model = _llama(6)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -296,6 +310,7 @@ def test_max_batch_size_with_fast_traces_matches_full_traces():
     assert fast.predicted_peak_bytes == full.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -306,6 +321,7 @@ def test_mixture_of_experts_mixtral():
     _same(*_both(model, torch.optim.AdamW(model.parameters()), _batch(), run=preflight.Run(target=preflight.Target(gpu="H100-80GB"))))
 
 
+@pytest.mark.slow
 def test_hybrid_mamba_attention_pattern_jamba_composes_with_its_convolution_scratch():
     """Jamba alternates Mamba and attention layers, and dense and expert MLPs: period 2. Its Mamba convolution
     has kernel scratch measured on the CPU: each shallow trace is calibrated, then composed."""
@@ -332,6 +348,7 @@ def _same_figures(fast: preflight.Estimate, full: preflight.Estimate) -> None:
     assert [(e.nbytes, e.op, e.phase) for e in fast.events] == [(e.nbytes, e.op, e.phase) for e in full.events]
 
 
+@pytest.mark.slow
 def test_bf16_matmul_scratch_on_the_cpu_and_a_convolution_patch_embedding_compose():
     from transformers import ViTConfig, ViTForImageClassification
 

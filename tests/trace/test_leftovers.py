@@ -26,6 +26,7 @@ def _fresh_process(*flags: str) -> dict[str, dict]:
     return {row["model"]: row for row in map(json.loads, out.splitlines()) if row}
 
 
+@pytest.mark.slow
 def test_training_after_estimate_equals_a_process_without_preflight():
     plain = _fresh_process()
     for flags in (["--estimate-first"], ["--estimate-first", "--same-model"]):

@@ -59,6 +59,7 @@ def moe_batch():
     return lm_batch(batch_size=2, seq=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_grouped_experts_fp32(name):
     model = make_moe(name)
@@ -103,7 +104,7 @@ def test_eager_experts_skewed_routing():
 
 def test_routing_is_checked():
     model = make_moe("olmoe")
-    with pytest.raises(ValueError, match="'balanced', 'skewed', got 'uniform'"):
+    with pytest.raises(ValueError, match=r"`Run.routing` should be one of \('balanced', 'skewed'\), got 'uniform'"):
         preflight.estimate(model, torch.optim.AdamW(model.parameters()), moe_batch(), run=preflight.Run(routing="uniform"))
 
 

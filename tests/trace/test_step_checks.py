@@ -202,6 +202,7 @@ def test_check_raises_it_instead_of_warning():
                         step=_linear_step, run=preflight.Run(target=preflight.Target(budget="1GiB")))
 
 
+@pytest.mark.slow
 def test_preflight_check_exits_5_with_the_reason(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""

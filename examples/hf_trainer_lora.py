@@ -6,18 +6,20 @@ predicted peak, the others less (see the per-step peaks). Runs on CPU in under a
 python examples/hf_trainer_lora.py
 """
 
-import preflight
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from preflight import format_bytes
+from preflight import Run, Target, format_bytes
 from preflight.integrations.hf import attach
 
 BATCH_SIZE = 4  # per-device micro-batch
 ACCUMULATION = 2  # gradient accumulation steps
 MAX_LEN = 384  # the longest sample in the dataset
 BUDGET = "2GiB"  # memory the run may use; on a GPU leave it out to use the device's capacity
+# How the run trains, beyond what the trainer says: here only the target. Target(gpu="H100-80GB") plans
+# for a GPU you don't have (its memory becomes the budget).
+RUN = Run(target=Target(budget=BUDGET))
 LORA_RANK = 16
 # A small Llama from its config (random weights, nothing downloaded); LoRA trains the adapters only.
 CONFIG = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -55,7 +57,7 @@ args = TrainingArguments(output_dir="out/hf_trainer_lora", max_steps=4, per_devi
                          gradient_accumulation_steps=ACCUMULATION, use_cpu=True, report_to=[], save_strategy="no",
                          logging_strategy="no", disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=Instructions(), data_collator=Pad())
-callback = attach(trainer, run=preflight.Run(target=preflight.Target(budget=BUDGET)), report_path="out/hf_trainer_lora.json")
+callback = attach(trainer, RUN, report_path="out/hf_trainer_lora.json")
 trainer.train()
 
 r = callback.report

@@ -9,17 +9,19 @@ try:
     import lightning.pytorch as pl  # the `lightning` package
 except ImportError:
     import pytorch_lightning as pl  # the standalone `pytorch-lightning`: the callback works the same
-import preflight
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from preflight import format_bytes
+from preflight import Run, Target, format_bytes
 from preflight.integrations.lightning import PreflightCallback
 
 BLOCK = 256  # tokens per training sequence (text packed into fixed-length blocks, as GPT pre-training does)
 BATCH_SIZE = 8  # sequences per optimizer step
 STEPS = 4  # optimizer steps to run (preflight measures the first 3)
 BUDGET = "2GiB"  # memory the run may use; on a GPU leave it out to use the device's capacity
+# How the run trains, beyond what the trainer says: here only the target. Target(gpu="H100-80GB") plans
+# for a GPU you don't have (its memory becomes the budget).
+RUN = Run(target=Target(budget=BUDGET))
 # A small GPT-2 from its config (random weights, nothing downloaded).
 CONFIG = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=BLOCK, bos_token_id=0, eos_token_id=0)
 
@@ -55,7 +57,7 @@ class GPT(pl.LightningModule):
 torch.manual_seed(0)
 loader = torch.utils.data.DataLoader(Blocks(), batch_size=BATCH_SIZE, shuffle=True)
 val_loader = torch.utils.data.DataLoader(Blocks(), batch_size=2 * BATCH_SIZE)  # eval: no gradients, larger batch
-callback = PreflightCallback(run=preflight.Run(target=preflight.Target(budget=BUDGET)), report_path="out/lightning_gpt.json", plot_path="out/lightning_gpt.png")
+callback = PreflightCallback(RUN, report_path="out/lightning_gpt.json", plot_path="out/lightning_gpt.png")
 trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     num_sanity_val_steps=0, limit_val_batches=1)

@@ -88,12 +88,23 @@ class Suggestion:
     fits: bool
     cost: str
     run: Run
+    # What ``run`` changes of the description advise was given (`Run.changes_from`), for `apply`.
+    run_changes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def apply(self, run: Run) -> Run:
+        """``run`` with this suggestion's change of the description made, so suggestions compose:
+        ``micro_batch.apply(bf16.run)`` is the bf16 run with the micro-batch's accumulation. (The model, optimizer
+        or batch changes in ``change`` are the caller's to make.)"""
+        return run.with_changes(self.run_changes)
 
     def to_dict(self) -> dict[str, Any]:
         """The suggestion as plain values (the JSON report's and the CLI's form), the changed run as its fields and
         as ``preflight estimate`` flags."""
+        plain = self.run.to_dict()
+        changes = {name: {k: plain[name][k] for k in value} if isinstance(value, dict) else plain[name]
+                   for name, value in self.run_changes.items()}
         return {"description": self.description, "predicted_peak_bytes": self.predicted_peak_bytes,
-                "fits": self.fits, "change": self.change, "cost": self.cost, "run": self.run.to_dict(),
+                "fits": self.fits, "change": self.change, "cost": self.cost, "run": plain, "run_changes": changes,
                 "cli_flags": self.run.cli_flags()}
 
 
@@ -265,7 +276,7 @@ def advise(
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             warnings.warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning, stacklevel=2)
     ranked.sort(key=lambda ks: (not ks[1].fits, _COST_ORDER.index(ks[0]), ks[1].predicted_peak_bytes))
-    return [s for _, s in ranked]
+    return [dataclasses.replace(s, run_changes=s.run.changes_from(run)) for _, s in ranked]
 
 
 # ---- options ------------------------------------------------------------------------------------------------

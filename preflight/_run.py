@@ -150,6 +150,29 @@ class Run:
         return Run(**{f.name: _over(getattr(self, f.name), getattr(base, f.name), f.name)
                       for f in dataclasses.fields(self)})
 
+    def changes_from(self, base: Run) -> dict[str, Any]:
+        """What this description changes of ``base``: ``{field: value}``, and for ``loop`` and ``target`` the changed
+        fields of the section as a dict (``{"precision": "bf16-true", "loop": {"accumulate": 4}}``)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(base, f.name)
+            if isinstance(mine, (Loop, Target)):
+                section = {g.name: getattr(mine, g.name) for g in dataclasses.fields(mine)
+                           if getattr(mine, g.name) != getattr(theirs, g.name)}
+                if section:
+                    out[f.name] = section
+            elif mine != theirs:
+                out[f.name] = mine
+        return out
+
+    def with_changes(self, changes: dict[str, Any]) -> Run:
+        """This description with ``changes`` (`changes_from`'s form) made: sections field by field."""
+        fields = {}
+        for name, value in changes.items():
+            current = getattr(self, name)
+            fields[name] = dataclasses.replace(current, **value) if isinstance(current, (Loop, Target)) else value
+        return dataclasses.replace(self, **fields)
+
     def to_dict(self) -> dict[str, Any]:
         """The description as plain values, for the JSON report (plans and allocator settings as their text)."""
         parallel = None

@@ -412,3 +412,20 @@ def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
     assert [getattr(f, "func", f) for f in wrapped] == [nn.Linear.forward, hooked, nn.Linear.forward,
                                                          nn.Linear.forward]
     assert isinstance(stack.layers[1].forward, functools.partial)  # put back as it was
+
+
+@pytest.mark.slow
+def test_suggestions_compose_as_changes_of_the_run():
+    # Each suggestion is the description changed; applying one to another's run makes both changes.
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    base = preflight.Run(target=preflight.Target(budget=gpt2_budget() // 2))
+    found = advise(model, opt, lm_batch(BATCH), base)
+    micro = by_change(found, "micro_batch_size")
+    bf16 = next(s for s in found if s.change == {"precision": "bf16-true"})
+    assert bf16.run_changes == {"precision": "bf16-true"} and bf16.apply(base) == bf16.run
+    assert micro.run_changes == {"loop": {"accumulate": micro.change["accumulate_grad_batches"]}}
+    both = micro.apply(bf16.run)
+    assert both.precision == "bf16-true" and both.loop.accumulate == micro.change["accumulate_grad_batches"]
+    assert bf16.to_dict()["run_changes"] == {"precision": "bf16-true"}
+    assert "--precision bf16-true" in " ".join(bf16.to_dict()["cli_flags"])

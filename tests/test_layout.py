@@ -1,6 +1,6 @@
 """The package's layout (issue 23): no import cycle in `preflight` or `preflight.integrations`, counting imports
-inside functions too (they run later, but a cycle there still ties two modules into one), and every subpackage
-says what it is in its ``__init__`` docstring."""
+inside functions and type-only imports too (they run later or never, but a cycle there still ties two modules into
+one), and every subpackage says what it is in its ``__init__`` docstring."""
 
 from __future__ import annotations
 
@@ -22,13 +22,10 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _runtime_imports(tree: ast.AST):
-    """Every import statement outside ``if TYPE_CHECKING:`` blocks (those never run)."""
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+def _imports(tree: ast.AST):
+    """Every import statement: at module level, inside functions, and under ``if TYPE_CHECKING:`` (a type-only import
+    still ties two modules together: neither can be read or moved without the other)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -36,7 +33,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:

@@ -101,3 +101,16 @@ def test_budget_comes_from_the_target():
 def test_pinned_plans_a_copy_for_the_users_device_unless_the_target_names_one():
     assert pinned(Run(), torch.device("cpu")).target.device == torch.device("cpu")
     assert pinned(Run(target=Target(gpu="H100-80GB")), torch.device("cpu")).target.device is None
+
+
+def test_changes_from_and_with_changes_are_inverse_and_compose():
+    base = Run(precision="bf16-mixed", loop=Loop(zero_grad="before_backward"), target=Target(budget="24GiB"))
+    bf16 = base.replace(precision="bf16-true")
+    micro = base.replace(loop=Loop(accumulate=4, zero_grad="before_backward"))
+    assert bf16.changes_from(base) == {"precision": "bf16-true"}
+    assert micro.changes_from(base) == {"loop": {"accumulate": 4}}
+    assert base.with_changes(micro.changes_from(base)) == micro
+    both = bf16.with_changes(micro.changes_from(base))
+    assert both == Run(precision="bf16-true", loop=Loop(accumulate=4, zero_grad="before_backward"),
+                       target=Target(budget="24GiB"))
+    assert base.changes_from(base) == {}

@@ -1,4 +1,4 @@
-"""What a trainer's distributed strategy means for one rank's memory, as the arguments `preflight.estimate` takes.
+"""What a trainer's distributed strategy means for one rank's memory: the parallel section of a `preflight.Run`.
 
 Lightning's strategies, the HF Trainer's ``fsdp`` / ``deepspeed`` arguments and accelerate's plugins describe the
 same few choices in their own words. The integrations read those words off the trainer (framework glue only)

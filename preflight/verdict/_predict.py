@@ -408,7 +408,7 @@ def ddp_bucket_bytes(wrapped: Any) -> int:
     after DDP copies each one in): a 2-rank gloo run of `benchmarks/distributed.py`'s Llama peaked at 240,806,308 B
     with and without it, 33,563,648 B (the buckets) over the replica's trace, because its peak comes early in
     backward, before the gradients add up. The replica's trace plus the buckets is exact there and an upper bound
-    where the peak holds the gradients (`preflight.estimate(..., sharding="ddp", gradient_as_bucket_view=True)`
+    where the peak holds the gradients (`preflight.estimate` under `ParallelPlan(n, "ddp", gradient_as_bucket_view=True)`
     times each gradient's life)."""
     if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
         return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -202,10 +203,16 @@ def loader_batch_size(dataloader: DataLoader) -> int:
     )
 
 
+def _positive_seconds(seconds: Any) -> bool:
+    """A time limit: a positive, finite number (nan would switch the bound off without a word)."""
+    return (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+            and seconds > 0)
+
+
 def check_scan_seconds(seconds: Any) -> float:
     """Validate a scan time limit (the adapters' ``scan_seconds`` option) and return it."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
-        raise ValueError(f"`scan_seconds` should be a positive number of seconds, got {seconds!r}.")
+    if not _positive_seconds(seconds):
+        raise ValueError(f"`scan_seconds` should be a positive, finite number of seconds, got {seconds!r}.")
     return seconds
 
 
@@ -213,8 +220,8 @@ def scan(dataloader: DataLoader, *, time_limit: float = DEFAULT_TIME_LIMIT, batc
          on_error: str = "skip", clock: Callable[[], float] = time.perf_counter) -> SampleScan:
     """Measure and rank the samples of ``dataloader``'s dataset (see the module docstring and `worst_case_batch`).
     ``clock``: the time source the limit is measured with."""
-    if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or time_limit <= 0:
-        raise ValueError(f"`time_limit` should be a positive number of seconds, got {time_limit!r}.")
+    if not _positive_seconds(time_limit):
+        raise ValueError(f"`time_limit` should be a positive, finite number of seconds, got {time_limit!r}.")
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"`on_error` should be either of {ON_ERROR_CHOICES}, got {on_error!r}.")
     dataset = getattr(dataloader, "dataset", None)

@@ -168,7 +168,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     param_dtype, dtype_reason = _param_dtype(args)
     config = _config(args)
-    warnings_ = _config_dtype_warnings(args, config, param_dtype, dtype_reason)
+    warnings_ = _config_dtype_warnings(args, config, param_dtype, dtype_reason) + _one_rank_warnings(args, sharding, offload)
     with _progress("building the model on the meta device"):
         model, optimizer, batch = _build(args, config, param_dtype)
     for text in warnings_:
@@ -217,6 +217,15 @@ def _param_dtype(args: argparse.Namespace) -> tuple[str, str]:
     if args.precision in ("bf16-mixed", "16-mixed"):
         return "float32", f"--precision {args.precision} keeps fp32 master weights"
     return "float32", "the default; pass --param-dtype for half-precision weights"
+
+
+def _one_rank_warnings(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> list[str]:
+    """A warning when a sharding is planned over one rank without offloading (ZeRO-Offload on one GPU is a plan of
+    its own): said, not silently planned as if it were the job's."""
+    if sharding in (None, "ddp") or args.world_size > 1 or any(offload.values()):
+        return []
+    return [f"--sharding {sharding} with --world-size {args.world_size}: one rank holds every shard, so this plans "
+            f"{sharding} over a single GPU. Pass --world-size N with the number of GPUs the job shards over."]
 
 
 def _config_dtype_warnings(args: argparse.Namespace, config: Any, param_dtype: str, reason: str) -> list[str]:
@@ -596,8 +605,8 @@ def _check(args: argparse.Namespace) -> int:
                            ("PREFLIGHT_WORLD_SIZE", args.world_size if args.world_size > 1 else None),
                            ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom),
                            ("PREFLIGHT_FAST", None if args.fast else "0")):
-            if value is not None:
-                env[key] = str(value)
+            if value is not None:  # a number of bytes says its unit: a bare number is refused as a size
+                env[key] = f"{value}B" if key == "PREFLIGHT_BUDGET" and isinstance(value, int) else str(value)
         code = _run_child(command, env, args.timeout)
         if code in (EXIT_TIMEOUT, *_SIGNAL_EXITS):
             return code

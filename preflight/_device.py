@@ -66,6 +66,15 @@ def resolve_device(device: Any, model: nn.Module) -> torch.device:
     return device
 
 
+def unmodelled_device_note(target: torch.device) -> list[str]:
+    """A note for a target whose kernels and allocator preflight does not model (MPS, XPU, ...): only CPU and CUDA
+    are; other devices are planned with the CPU kernels' outputs, which says nothing of their own allocator."""
+    if target.type in ("cpu", "cuda", "meta"):
+        return []
+    return [f"{target.type} is not modelled (only CPU and CUDA are): planned with the CPU kernels' tensor bytes, "
+            f"without {target.type}'s own allocator, workspaces or runtime; treat the figure as a lower bound there"]
+
+
 def trace_device_for(target: torch.device) -> torch.device:
     """Where to run the fake trace: the target when it is here, else CPU (autograd on fake CUDA tensors needs a GPU)."""
     if target.type == "cuda" and cuda_available():

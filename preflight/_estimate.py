@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
-from preflight._device import model_device, resolve_device, trace_device_for
+from preflight._device import model_device, resolve_device, trace_device_for, unmodelled_device_note
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
@@ -206,6 +206,7 @@ def estimate(
         notes.append(ddp_note)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
+    notes.extend(unmodelled_device_note(target))
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
     paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
 

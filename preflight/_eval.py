@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import iter_tensors, resolve_device, trace_device_for
+from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
 from preflight.parallel import read_ddp, read_zero
 from preflight._estimate import _allocator_config, summarize_events
 from preflight._gpus import get_gpu
@@ -91,6 +91,7 @@ def estimate_eval(
     notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
+    notes.extend(unmodelled_device_note(target))
     if result.error is not None:
         return _lower_bound(model, batch, target, precision, resident, result.error, result.failed_op, notes,
                             result.seconds)

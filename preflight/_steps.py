@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -84,8 +85,10 @@ class Loop:
         if self.zero_grad not in ZERO_GRAD_CHOICES:
             raise ValueError(f"`zero_grad` should be one of {ZERO_GRAD_CHOICES}, got {self.zero_grad!r}.")
         norm = self.max_grad_norm
-        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or norm <= 0):
-            raise ValueError(f"`max_grad_norm` should be a positive number or None (no clipping), got {norm!r}.")
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                                 or not math.isfinite(norm) or norm <= 0):
+            raise ValueError(f"`max_grad_norm` should be a positive, finite number or None (no clipping), got "
+                             f"{norm!r}.")
         if not isinstance(self.grad_scaler, bool):
             raise ValueError(f"`grad_scaler` should be True or False, got {self.grad_scaler!r}.")
 

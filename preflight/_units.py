@@ -8,7 +8,7 @@ import operator
 import re
 from fractions import Fraction
 
-__all__ = ["MAX_BYTES", "parse_bytes", "format_bytes"]
+__all__ = ["MAX_BYTES", "parse_bytes", "format_bytes", "margin_text", "signed_percent"]
 
 MAX_BYTES = 2**64  # a 64-bit address space: no device holds more, and every size here fits a float exactly enough
 _MAX_DIGITS = 40  # digits a size may have (2**64 has 20): longer strings are rejected before any arithmetic
@@ -24,8 +24,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: int | float | str, *, name: str | None = None) -> int:
     """Return ``value`` as a whole number of bytes.
 
-    Accepts an int (numpy integers too), a float, or a string with an optional SI (kB, MB, GB, TB: powers of 1000)
-    or binary (KiB, MiB, GiB, TiB: powers of 1024) unit, case-insensitive: ``parse_bytes("24GiB") == 24 * 2**30``.
+    Accepts an int (numpy integers too) or a float, a number of bytes, or a string with a unit: B, SI (kB, MB, GB,
+    TB: powers of 1000) or binary (KiB, MiB, GiB, TiB: powers of 1024), case-insensitive:
+    ``parse_bytes("24GiB") == 24 * 2**30``. A string without a unit (``"80"``) is refused with a hint: it is more
+    often 80 GB meant than 80 bytes.
     ``name`` (e.g. ``"budget"``) is the argument the value came from, named in the error.
 
     Raises:
@@ -45,6 +47,10 @@ def parse_bytes(value: int | float | str, *, name: str | None = None) -> int:
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _UNITS and len(match.group(1)) <= _MAX_DIGITS:
             number = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
+            if not match.group(2) and number:  # "80": 80 bytes, or the 80 GB the user meant? Ask, never guess.
+                digits = match.group(1)
+                raise ValueError(f"{prefix}{value!r} has no unit. Did you mean {digits}GB or {digits}GiB? Write the "
+                                 f"unit ({digits}B for bytes), or pass an int for a number of bytes.")
         elif match and match.group(2).lower() in _UNITS:
             number = Fraction(10) ** len(match.group(1))  # too many digits to be a size: rejected just below
     if number is None:
@@ -76,3 +82,18 @@ def format_bytes(n: int | float | None) -> str:
         if n >= scale:
             return f"{sign}{n / scale:.2f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def signed_percent(fraction: float, digits: int = 1) -> str:
+    """``fraction`` as a signed percentage rounded to ``digits``, without a negative zero: ``+0.00%``, never
+    ``-0.00%`` for a difference that rounds to nothing."""
+    value = round(fraction * 100, digits)
+    return f"{value + 0.0 if value else 0.0:+.{digits}f}%"
+
+
+def margin_text(fraction: float) -> str:
+    """How far a prediction is from a measurement, in words: ``"1.2% above"``, ``"0.4% below"``, ``"equal to"``."""
+    value = round(abs(fraction) * 100, 1)
+    if not value:
+        return "equal to"
+    return f"{value:.1f}% {'above' if fraction > 0 else 'below'}"

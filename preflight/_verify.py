@@ -31,7 +31,7 @@ import torch
 from preflight._device import cuda_peaks, cuda_reset_peaks, live_storages
 from preflight._measure import profiled_memory_peak
 from preflight._quiet import StderrFilter
-from preflight._units import format_bytes
+from preflight._units import format_bytes, margin_text, signed_percent
 
 __all__ = ["LEAK_TOLERANCE", "UNDER_PREDICTION_TOLERANCE", "StepPeakMeter", "Verification", "compare", "summary"]
 
@@ -234,15 +234,20 @@ def _leaks(retained: tuple[int, ...], peak: int) -> bool:
 
 
 def summary(predicted_peak_bytes: int | None, result: Verification) -> str:
-    """One line: the prediction for the measured batches, the measurement, the error, the worst case's headroom."""
+    """One line: the prediction for the measured batches, the measurement, the error computed from those two
+    numbers, the largest error of one step where that differs, and the worst case's margin. Every figure printed is
+    the one its neighbours give: an error beside two sizes is computed from them."""
     own = [p for p in result.predicted_step_peaks if p]
     predicted = max(own) if own else predicted_peak_bytes
-    line = f"preflight: verified {result.steps_measured} step(s): measured {format_bytes(result.measured_peak_bytes)}"
+    measured = result.measured_peak_bytes
+    line = f"preflight: verified {result.steps_measured} step(s): measured {format_bytes(measured)}"
     if predicted:
-        line += f", predicted {format_bytes(predicted)} for these batches"
-    if result.relative_error is not None:
-        line += f" (error {result.relative_error:+.2%})"
+        shown = (predicted - measured) / measured
+        line += f", predicted {format_bytes(predicted)} for these batches (error {signed_percent(shown, 2)})"
+        if result.relative_error is not None and signed_percent(result.relative_error, 2) != signed_percent(shown, 2):
+            line += f"; largest error of one step {signed_percent(result.relative_error, 2)}"
     if result.worst_case_headroom is not None and predicted_peak_bytes:
         line += (f"; worst case predicted {format_bytes(predicted_peak_bytes)}, "
-                 f"{result.worst_case_headroom:+.1%} above the largest measured step")
+                 f"{margin_text(result.worst_case_headroom)} the largest measured step")
     return line
+

@@ -205,3 +205,15 @@ def test_ranking_orders_by_size_then_index():
     samples = scan(DataLoader(Sized(lengths), batch_size=3, collate_fn=pad))
     expected = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda p: (-p[0], p[1]))
     assert list(samples.ranked) == expected
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -2.0, True])
+def test_a_scan_time_limit_is_a_positive_finite_number(value):
+    # Issue 24, item 10: nan switched the scan's time bound off without a word.
+    from preflight._batches import check_scan_seconds, scan
+
+    with pytest.raises(ValueError, match=r"`scan_seconds` should be a positive, finite number of seconds"):
+        check_scan_seconds(value)
+    loader = torch.utils.data.DataLoader([torch.zeros(3)] * 4, batch_size=2)
+    with pytest.raises(ValueError, match=r"`time_limit` should be a positive, finite number of seconds"):
+        scan(loader, time_limit=value)

@@ -49,6 +49,7 @@ def test_estimate_exit_codes_fit_and_overflow(config, tmp_path):
     [
         (["--gpu", "H1000"], "Known GPUs|known"),
         (["--budget", "12 GB?"], "Cannot read"),
+        (["--budget", "80"], r"--budget: '80' has no unit\. Did you mean 80GB or 80GiB\?"),
         (["--hf-config", "/no/such/config.json"], "config not found"),
     ],
 )
@@ -565,3 +566,16 @@ def test_gradient_as_bucket_view_plans_ddp_with_bucket_views(config, tmp_path, c
     assert main(["estimate", "--hf-config", config, "--batch", "1", "--seq", "8", "--world-size", "2",
                  "--sharding", "zero2", "--gradient-as-bucket-view"]) == 2
     assert "--gradient-as-bucket-view is DDP's option" in capsys.readouterr().err
+
+
+def test_a_sharding_over_one_rank_is_said(config, capsys, tmp_path):
+    # Issue 24, item 10: `--sharding zero3` without `--world-size` planned ZeRO-3 over one GPU without a word.
+    out = tmp_path / "est.json"
+    base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "32", "--no-suggest", "--json", str(out)]
+    assert main(base + ["--sharding", "zero3"]) == 0
+    warning = "--sharding zero3 with --world-size 1: one rank holds every shard"
+    assert warning in capsys.readouterr().err
+    assert any(w.startswith(warning) for w in json.loads(out.read_text())["warnings"])
+    assert main(base + ["--sharding", "zero3", "--world-size", "4"]) == 0
+    assert main(base + ["--offload-optimizer"]) == 0  # ZeRO-Offload on one GPU: a plan of its own
+    assert "one rank holds every shard" not in capsys.readouterr().err

@@ -502,3 +502,17 @@ def test_deepspeeds_16_bit_modes_trace_the_model_as_deepspeed_casts_it(section, 
     assert planned.peak_bytes == as_run.peak_bytes
     assert any(f"DeepSpeed's {section} mode: the model traced in {dtype}" in n for n in planned.coverage.notes)
     assert all(p.dtype is torch.float32 for p in model.parameters())  # the user's model is not cast
+
+
+def test_a_device_preflight_does_not_model_is_named():
+    # Issue 24, item 10: device="mps" got a number with no word that MPS is not modelled.
+    model = torch.nn.Linear(8, 8)
+    run = preflight.Run(target=preflight.Target(device="mps"))
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8), run,
+                             step=lambda m, b: m(b).sum())
+    ev = preflight.estimate_eval(model, torch.randn(2, 8), run)
+    for notes in (est.coverage.notes, ev.coverage.notes):
+        assert any(n.startswith("mps is not modelled (only CPU and CUDA are)") for n in notes), notes
+    cpu = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
+                             step=lambda m, b: m(b).sum())
+    assert not any("not modelled" in n for n in cpu.coverage.notes)

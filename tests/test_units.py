@@ -6,7 +6,7 @@ from preflight import format_bytes, parse_bytes
 @pytest.mark.parametrize(
     "text, expected",
     [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1.5gib", 3 * 2**29),
-     (1 << 30, 1 << 30), ("100", 100), ("2TB", 2 * 10**12)],
+     (1 << 30, 1 << 30), ("100B", 100), ("2TB", 2 * 10**12), ("0", 0)],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -44,3 +44,12 @@ def test_numpy_numbers_are_sizes():
     assert parse_bytes(np.int64(2**30)) == 2**30
     assert parse_bytes(np.float32(1024.0)) == 1024
     assert parse_bytes(2**64) == 2**64  # the largest accepted: a 64-bit address space
+
+
+@pytest.mark.parametrize("text", ["80", "80.5", " 24 "])
+def test_a_string_without_a_unit_is_refused_with_the_units_meant(text):
+    # Issue 24, item 10: "80" silently meant 80 bytes (and ten suggestions traced for an 80-byte budget).
+    digits = text.strip()
+    with pytest.raises(ValueError, match=rf"'{text}' has no unit\. Did you mean {digits}GB or {digits}GiB\?"):
+        parse_bytes(text, name="budget")
+    assert parse_bytes(int(float(digits))) == int(float(digits))  # an int is a number of bytes, as documented

@@ -68,7 +68,31 @@ def test_each_step_is_compared_with_the_prediction_for_its_own_batch():
     under = compare(2000, [900, 1500, 1100], method="cpu-profiler", predicted_step_peaks=[900, 1400, 1100])
     assert under.relative_error == pytest.approx(-100 / 1500) and "own batch" in under.warnings[0]
     line = summary(2000, result)
-    assert "predicted 1.46 KiB for these batches" in line and "error -0.07%" in line and "+33.3%" in line
+    assert "predicted 1.46 KiB for these batches (error -0.07%)" in line and "33.3% above the largest" in line
+
+
+def test_the_headline_error_is_the_one_its_two_numbers_give():
+    # Issue 24, item 8: "measured 125.12 MiB, predicted 125.12 MiB for these batches (error +1.88%)": the error of
+    # another step beside the two maxima. Now the headline's error is computed from the numbers beside it, and the
+    # largest error of one step is named as such.
+    result = compare(1500, [900, 1500, 1000], method="cpu-profiler", predicted_step_peaks=[950, 1500, 1019])
+    assert result.relative_error == pytest.approx(0.019)
+    line = summary(1500, result)
+    assert "measured 1.46 KiB, predicted 1.46 KiB for these batches (error +0.00%)" in line
+    assert "largest error of one step +1.90%" in line
+    assert "worst case predicted 1.46 KiB, equal to the largest measured step" in line  # never "-0.0% above"
+    below = summary(1490, compare(1490, [1500], method="cpu-profiler"))
+    assert "(error -0.67%)" in below and "0.7% below the largest measured step" in below
+    assert "largest error of one step" not in below  # one number, said once
+
+
+def test_percentages_keep_their_sign_honest_and_two_significant_digits():
+    from preflight._units import margin_text, signed_percent
+    from preflight.report._console import share_text
+
+    assert signed_percent(-0.00001, 2) == "+0.00%" and signed_percent(-0.0188, 2) == "-1.88%"
+    assert margin_text(-0.00001) == "equal to" and margin_text(0.012) == "1.2% above"
+    assert [share_text(x) for x in (0.0023, 0.0987, 0.32, 0.0)] == ["0.23%", "9.9%", "32%", "0%"]
 
 
 def test_a_leak_is_memory_retained_step_after_step_not_growing_peaks():

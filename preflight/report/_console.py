@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from preflight._units import format_bytes
+from preflight._units import format_bytes, margin_text, signed_percent
 from preflight.report._report import Report
 
 
@@ -200,7 +200,7 @@ def _rows(r: Report) -> list[tuple[str, str]]:
                                f"{format_bytes(r.usable_bytes)}"))
         share = r.verdict_bytes / r.usable_bytes if r.usable_bytes else float("inf")
         verdict = {True: "fits", False: "DOES NOT FIT", None: "no verdict (lower bound)"}[r.fits]
-        rows.append(("verdict", f"{verdict} ({share:.0%} of usable)"))
+        rows.append(("verdict", f"{verdict} ({share_text(share)} of usable)"))
     for i, s in enumerate(r.suggestions[:_TOP_SUGGESTIONS]):
         # advise's descriptions carry the predicted peak and whether it fits
         rows.append(("suggestion" if i == 0 else "", f"{'FITS' if s['fits'] else 'over'}: {s['description']}"))
@@ -209,20 +209,28 @@ def _rows(r: Report) -> list[tuple[str, str]]:
     return rows
 
 
+def share_text(share: float) -> str:
+    """A share of the usable budget with two significant digits: ``"0.23%"``, ``"9.9%"``, ``"32%"``, never a ``0%``
+    beside a prediction that is not zero."""
+    if share == 0 or share >= 0.1:
+        return f"{share:.0%}"
+    return f"{share * 100:.2g}%"
+
+
 def _verification_rows(r: Report) -> list[tuple[str, str]]:
     own = [p for p in r.predicted_step_peaks if p]
     rows = [("predicted", f"{format_bytes(max(own))} for the measured batches" if own else
              format_bytes(r.predicted_peak_bytes)),
             ("measured", f"{format_bytes(r.measured_peak_bytes)} over {r.steps_measured} step(s) ({r.verify_method})")]
     if r.relative_error is not None:
-        rows.append(("error", f"{r.relative_error:+.2%} (predicted - measured) / measured, per step"
-                     if own else f"{r.relative_error:+.2%} (predicted - measured) / measured"))
+        rows.append(("error", f"{signed_percent(r.relative_error, 2)} (predicted - measured) / measured, the largest "
+                     "of one step" if own else f"{signed_percent(r.relative_error, 2)} (predicted - measured) / measured"))
     if r.worst_case_headroom is not None and own:
         rows.append(("worst case", f"{format_bytes(r.predicted_peak_bytes)} predicted, "
-                     f"{r.worst_case_headroom:+.1%} above the largest measured step"))
+                     f"{margin_text(r.worst_case_headroom)} the largest measured step"))
     if r.eval_measured_peak_bytes is not None:
         predicted = "" if not r.eval_predicted_measured_bytes else \
-            f", predicted {format_bytes(r.eval_predicted_measured_bytes)} ({r.eval_relative_error:+.2%})"
+            f", predicted {format_bytes(r.eval_predicted_measured_bytes)} ({signed_percent(r.eval_relative_error, 2)})"
         rows.append(("eval", f"measured {format_bytes(r.eval_measured_peak_bytes)}{predicted}"))
     if r.measured_reserved_bytes is not None:
         rows.append(("reserved", format_bytes(r.measured_reserved_bytes)))

@@ -11,9 +11,10 @@ from preflight._steps import Loop
 from preflight.trace import trace_steps
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, True, "1"])
+@pytest.mark.parametrize("bad", [0, -1.0, True, "1", float("nan"), float("inf")])
 def test_max_grad_norm_is_checked(bad):
-    with pytest.raises(ValueError, match=f"`max_grad_norm` should be a positive number.*got {bad!r}"):
+    # nan and inf too (issue 24, item 10: nan was accepted as a clipping norm).
+    with pytest.raises(ValueError, match=f"`max_grad_norm` should be a positive, finite number.*got {bad!r}"):
         Loop(max_grad_norm=bad)
 
 

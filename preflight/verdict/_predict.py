@@ -83,9 +83,10 @@ def predict(
     from_env = asked.parallel is not None
     run = asked.over(check_run(run))
     ddp_note = None
-    if from_env and read_ddp(model) is not None:  # a dry run plans the ranks asked for, whatever wraps it here
-        model = read_ddp(model)[0]
-    else:  # a DDP model is its own plan: buckets counted per rank by the estimate
+    wrapper = read_ddp(model)
+    if from_env and wrapper is not None:  # a dry run plans the ranks asked for, whatever wraps it here
+        model = wrapper[0]
+    elif wrapper is not None:  # a DDP model is its own plan: buckets counted per rank by the estimate
         model, run, ddp_note = read_plan_off_ddp(model, run)
     target = resolve_device(run.target.device, model)
     budget_bytes = run_budget(run, model, required=False)

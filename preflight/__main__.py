@@ -1,3 +1,5 @@
+"""``python -m preflight``: the ``preflight`` command (`preflight._cli.main`)."""
+
 import sys
 
 from preflight._cli import main

@@ -26,7 +26,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, predict, predict_or_lower_bound, training_state
+from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, predict, predict_or_lower_bound,
+                               training_state)
 from preflight.report import Report
 from preflight._eval import EvalStepFn
 from preflight._guard import untouched
@@ -98,7 +99,8 @@ def preflight_check(
     check_scan_seconds(scan_seconds)
     given = check_run(run)
     base = Run(precision=_PRECISIONS.get(str(accelerator.mixed_precision)),
-               loop=Loop(accumulate=accelerator.gradient_accumulation_steps), parallel=accelerate_plan(accelerator.state))
+               loop=Loop(accumulate=accelerator.gradient_accumulation_steps),
+               parallel=accelerate_plan(accelerator.state))
     run = given.over(base)
     # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
     report = predict_or_lower_bound(
@@ -169,7 +171,8 @@ def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: A
     batch, info = samples.worst_case()
     eval_batch = eval_info = None
     if options.check_eval and eval_dataloader is not None:
-        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds, on_error=options.scan_on_error).worst_case()
+        eval_batch, eval_info = scan(eval_dataloader, time_limit=scan_seconds,
+                                     on_error=options.scan_on_error).worst_case()
     mixed = str(accelerator.mixed_precision)
     if mixed not in _PRECISIONS:
         raise ValueError(f"mixed_precision={mixed!r} is not modelled (only no, bf16 and fp16)")

@@ -32,7 +32,8 @@ from torch import nn
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, usable_bytes
-from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, eval_resident, internal_failures, is_rank_zero, options_plan, predict, predict_or_lower_bound, training_state
+from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, eval_resident, internal_failures,
+                               is_rank_zero, options_plan, predict, predict_or_lower_bound, training_state)
 from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched

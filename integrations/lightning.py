@@ -36,7 +36,8 @@ import torch
 
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight.verdict import Options, VerifySession, ddp_bucket_bytes, decide, internal_failures, is_rank_zero, predict, predict_or_lower_bound, training_state
+from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, internal_failures, is_rank_zero,
+                               predict, predict_or_lower_bound, training_state)
 from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched

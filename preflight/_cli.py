@@ -168,7 +168,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
     param_dtype, dtype_reason = _param_dtype(args)
     config = _config(args)
-    warnings_ = _config_dtype_warnings(args, config, param_dtype, dtype_reason) + _one_rank_warnings(args, sharding, offload)
+    warnings_ = (_config_dtype_warnings(args, config, param_dtype, dtype_reason)
+                 + _one_rank_warnings(args, sharding, offload))
     with _progress("building the model on the meta device"):
         model, optimizer, batch = _build(args, config, param_dtype)
     for text in warnings_:

@@ -33,5 +33,6 @@ from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tens
 
 __all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in", "trace_fsdp1",
+           "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in",
+           "trace_fsdp1",
            "trace_fsdp2", "WrappedFSDP1", "WrappedFSDP2", "WrappedZero", "deepspeed_optimizer", "zero_plan"]

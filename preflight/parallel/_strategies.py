@@ -69,7 +69,8 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         _check_world(self.world_size)
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
-            raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got {self.sharding!r}.")
+            raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got "
+                             f"{self.sharding!r}.")
         for name in ("offload_optimizer", "offload_params", "gradient_as_bucket_view"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`ParallelPlan.{name}` should be True or False, got {getattr(self, name)!r}.")

@@ -223,8 +223,8 @@ def _verification_rows(r: Report) -> list[tuple[str, str]]:
              format_bytes(r.predicted_peak_bytes)),
             ("measured", f"{format_bytes(r.measured_peak_bytes)} over {r.steps_measured} step(s) ({r.verify_method})")]
     if r.relative_error is not None:
-        rows.append(("error", f"{signed_percent(r.relative_error, 2)} (predicted - measured) / measured, the largest "
-                     "of one step" if own else f"{signed_percent(r.relative_error, 2)} (predicted - measured) / measured"))
+        error = f"{signed_percent(r.relative_error, 2)} (predicted - measured) / measured"
+        rows.append(("error", f"{error}, the largest of one step" if own else error))
     if r.worst_case_headroom is not None and own:
         rows.append(("worst case", f"{format_bytes(r.predicted_peak_bytes)} predicted, "
                      f"{margin_text(r.worst_case_headroom)} the largest measured step"))

@@ -36,7 +36,8 @@ from preflight.trace import float_dtype_for
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
-__all__ = ["predict", "options_plan", "predict_or_lower_bound", "lower_bound_report", "ddp_bucket_bytes", "eval_resident"]
+__all__ = ["ddp_bucket_bytes", "eval_resident", "lower_bound_report", "options_plan", "predict",
+           "predict_or_lower_bound"]
 
 
 def predict(
@@ -409,8 +410,8 @@ def ddp_bucket_bytes(wrapped: Any) -> int:
     after DDP copies each one in): a 2-rank gloo run of `benchmarks/distributed.py`'s Llama peaked at 240,806,308 B
     with and without it, 33,563,648 B (the buckets) over the replica's trace, because its peak comes early in
     backward, before the gradients add up. The replica's trace plus the buckets is exact there and an upper bound
-    where the peak holds the gradients (`preflight.estimate` under `ParallelPlan(n, "ddp", gradient_as_bucket_view=True)`
-    times each gradient's life)."""
+    where the peak holds the gradients (`preflight.estimate` under ``ParallelPlan(n, "ddp",
+    gradient_as_bucket_view=True)`` times each gradient's life)."""
     if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
         return 0
     return _gradient_bytes(wrapped.module, None)

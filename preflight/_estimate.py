@@ -19,7 +19,7 @@ from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._scratch import Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
-from preflight._run import Run, check_run
+from preflight._run import Run, check_run, pinned
 from preflight._steps import StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
@@ -125,11 +125,9 @@ def estimate(
     # run gives one. A ValueError says what does not map back.
     zero = read_zero(model, optimizer)
     if zero is not None:
-        target = run.target
-        if target.planned_device is None:
-            target = dataclasses.replace(target, device=resolve_device(None, model))
+        planned = pinned(run, resolve_device(None, model))  # the partitioned model's device, not the stand-in's
         est = estimate(zero.model, zero.optimizer, batch,
-                       run.replace(parallel=run.parallel or zero_plan(zero, None), target=target), step=step)
+                       planned.replace(parallel=run.parallel or zero_plan(zero, None)), step=step)
         return dataclasses.replace(est, coverage=dataclasses.replace(
             est.coverage, notes=(*est.coverage.notes, zero.note())))
     # A DDP model is its own parallel plan: the module it wraps is traced, DDP's buckets counted per rank.
@@ -166,9 +164,7 @@ def estimate(
     if gpu_info is not None and device is None:
         device = "cuda"
     allocator = _allocator_config(allocator)
-    target = resolve_device(device, model)
-    if gpu_info is not None and target.type != "cuda":
-        raise ValueError(f"`gpu={gpu!r}` plans for a CUDA device, but `device` is {device!r}. Drop one of them.")
+    target = resolve_device(device, model)  # CUDA for a catalog GPU: `Target` refuses a gpu with another device
     if gpu_info is None:
         gpu_info = resolve_gpu(None, target)
     trace_device = trace_device_for(target)

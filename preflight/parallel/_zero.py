@@ -89,7 +89,8 @@ def read_zero(model: nn.Module, optimizer: Any) -> WrappedZero | None:
 
     Example (inside a DeepSpeed job):
         >>> zero = read_zero(trainer.model, trainer.optimizer)          # doctest: +SKIP
-        >>> preflight.estimate(zero.model, zero.optimizer, batch, **plan.estimate_kwargs())   # doctest: +SKIP
+        >>> run = preflight.Run(parallel=zero_plan(zero, None))             # doctest: +SKIP
+        >>> preflight.estimate(zero.model, zero.optimizer, batch, run)       # doctest: +SKIP
     """
     from preflight.parallel._rank import MetaTwins, fake_replica
 

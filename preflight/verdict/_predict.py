@@ -132,8 +132,7 @@ def predict(
                                    "a per-rank prediction of a model wrapped other than by fully_shard or "
                                    f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
             return report
-    if estimate_run.target.planned_device is None:
-        estimate_run = pinned(estimate_run, target)
+    estimate_run = pinned(estimate_run, target)
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
         return estimate(model, opt, b, estimate_run, step=step)

@@ -10,9 +10,10 @@ process-wide state as a side effect of something else:
   or set a logger's level from its forward;
 - preflight's own quietening of torch's loggers during a trace (`preflight._quiet.handled_fake_tensor_errors`).
 
-`untouched` snapshots, and on exit puts back: Python's ``random`` state, numpy's global ``RandomState`` (when numpy
-is loaded), torch's CPU generator and, where CUDA is initialised, every CUDA device's generator (through
-`CudaRng`, replaceable for tests), torch's grad mode and default dtype, ``warnings.filters``, and for the root
+`untouched` keeps the random streams as they would be without preflight (`preflight.trace.isolated_rng`: Python's
+``random`` and numpy's global ``RandomState`` routed per thread, so other threads' draws are not rewound; torch's
+CPU generator and, where CUDA is initialised, every CUDA device's generator through `CudaRng`, replaceable for
+tests, restored), and on exit puts back torch's grad mode and default dtype, ``warnings.filters``, and for the root
 logger and every logger that existed before: its level, handlers, filters, ``propagate`` and ``disabled``, plus
 ``logging.disable``'s level. It guards preflight's work only: the callbacks wrap their own hooks, never the user's
 training step that runs between them. The per-step verification hooks that open and close a measured window are
@@ -27,28 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from preflight.trace._process import CudaRng, isolated_rng
+
 __all__ = ["CudaRng", "untouched"]
-
-
-class CudaRng:
-    """Read and write the CUDA generators' states; only where CUDA is already initialised (reading them would
-    initialise it otherwise, which is itself a change). Tests replace the module's ``CUDA`` with a double."""
-
-    def get(self) -> list[torch.Tensor] | None:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return None
-        return torch.cuda.get_rng_state_all()
-
-    def set(self, states: list[torch.Tensor]) -> None:
-        torch.cuda.set_rng_state_all(states)
 
 
 CUDA = CudaRng()  # the seam through which `untouched` reaches the CUDA generators
@@ -63,24 +51,13 @@ def untouched() -> Iterator[None]:
         >>> with untouched():  # doctest: +SKIP
         ...     import rich.console  # consumes random's stream; restored on exit
     """
-    cuda = CUDA
-    saved_random = random.getstate()
-    np = sys.modules.get("numpy")
-    saved_numpy = np.random.get_state() if np is not None else None
-    saved_torch = torch.get_rng_state()
-    saved_cuda = cuda.get()
     saved_grad, saved_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     saved_filters = list(warnings.filters)
     saved_logging = _logging_state()
     try:
-        yield
+        with isolated_rng(cuda=CUDA):
+            yield
     finally:
-        random.setstate(saved_random)
-        if saved_numpy is not None:
-            np.random.set_state(saved_numpy)
-        torch.set_rng_state(saved_torch)
-        if saved_cuda is not None:
-            cuda.set(saved_cuda)
         torch.set_grad_enabled(saved_grad)
         torch.set_default_dtype(saved_dtype)
         if warnings.filters != saved_filters:

@@ -34,7 +34,8 @@ from preflight._result import Category
 from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
-from preflight.trace import TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_rng, mark_user_error
+from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
+                             mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
 from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
@@ -284,7 +285,9 @@ def trace_rank(
 
     tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None)
     sweep.watch(tracker.tensors)
+    tracker.on_adopt = sweep.remember
     twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))
+    tracker.twin_of = twins.existing
     notes: list[str] = []
 
     def result(error: BaseException | None = None, failed: str | None = None) -> TraceResult:
@@ -309,7 +312,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
-    with fake_world(world_size, rank, engine.replicate) as mesh, isolated_rng():
+    with fake_world(world_size, rank, engine.replicate) as mesh, isolated_process(notes), isolated_rng(notes):
         try:
             replica = fake_replica(model, twins)
             with fake_mode:

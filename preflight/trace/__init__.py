@@ -5,7 +5,8 @@ for fake twins (`_twin`), run the user's code under a `FakeTensorMode` with a `S
 top (`_tracker`), which records allocation events and answers data-dependent questions from value shadows, with
 stated assumptions where no value exists (mixture-of-experts routing: `_routing`; random branches), kernels
 whose fake implementations disagree with the real ones (`_fake_kernels`, `_layouts`) and libraries' real-run code
-paths (`_compat`). Afterwards the model is put back exactly (`_restore`) and whatever the user's code kept of the
+paths (`_compat`). Afterwards the model is put back exactly (`_restore`), the process around it too (`_process`: random streams,
+global hooks and flags) and whatever the user's code kept of the
 trace is repaired (`_leftovers`). An exception of the user's own code is re-raised, not reported as a limit of
 the trace (`_blame`). `trace_composed` gives a deep stack's trace composed from traces of its first blocks
 (`_stack` finds the stack, `_compose` composes). Nothing here knows about estimates, budgets or trainers:
@@ -15,7 +16,8 @@ the trace (`_blame`). `trace_composed` gives a deep stack's trace composed from 
 from preflight.trace._blame import blamed_on_user, is_user_error, mark_user_error
 from preflight.trace._compose import trace_composed
 from preflight.trace._leftovers import Sweep, fake_region, swept
-from preflight.trace._restore import NotRestoredError, isolated_rng, restored_module
+from preflight.trace._process import isolated_process, isolated_rng
+from preflight.trace._restore import NotRestoredError, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
 from preflight.trace._run import FakeRun, TensorSpec, TraceResult, trace_steps
 from preflight.trace._step_checks import device_mismatch
@@ -34,6 +36,7 @@ __all__ = [
     "fake_region",
     "float_dtype_for",
     "is_user_error",
+    "isolated_process",
     "isolated_rng",
     "mark_user_error",
     "restored_module",

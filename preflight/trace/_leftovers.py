@@ -13,6 +13,10 @@ gradients). `Sweep` prevents that without knowing any cache in advance:
    what the trace left behind. `gc.get_referrers` walks up from them to the containers that hold them, through
    immutable ones (a cached ``(cos, sin)`` tuple), and each holder is repaired:
 
+   - a slot that held one of the user's real tensors before the trace (a module-level ``STATE["pos"]`` or a
+     helper's attribute rebound to a value computed from it, or the fake twin standing for it): the real tensor
+     is put back (`Sweep.remember`, called as the tracker adopts each real tensor);
+
    - a ``functools`` cache wrapper (``lru_cache``, ``cache``, bounded or not): cleared (a cache refills itself);
    - a module's globals: the name gets its value from before the trace back, or is removed if it was new;
    - an object's attribute (a ``cached_property`` too): deleted from the instance, so the class default, or
@@ -23,9 +27,9 @@ gradients). `Sweep` prevents that without knowing any cache in advance:
 Each repair is described in the trace's notes. The traced model's own modules are put back separately, and
 exactly, by `preflight.trace._restore.restored_module`.
 
-Known limitations: an attribute rebound during the trace on an object outside the traced model loses the value
-it had before (it is deleted, not restored), and a closure cell is set to None; fakes held only by C++ objects (not
-visible to ``gc``) cannot be found, and are reported as such.
+Known limitations: an attribute outside the traced model that held no tensor before the trace (or held one the
+trace never read) and now holds a fake is deleted, not restored, and such a closure cell is set to None; fakes
+held only by C++ objects (not visible to ``gc``) cannot be found, and are reported as such.
 """
 
 from __future__ import annotations
@@ -63,23 +67,33 @@ class Sweep:
         self._watched: list[WeakIdKeyDictionary] = []
         self._globals = {id(m.__dict__): (m, dict(m.__dict__))
                          for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)}
+        self._before = _Before()
 
     def watch(self, tensors: WeakIdKeyDictionary) -> None:
         """Check the keys of ``tensors`` (the trace's fake tensors, weakly held) when the sweep runs."""
         self._watched.append(tensors)
+
+    def remember(self, real: Any, fake: Any) -> None:
+        """``fake`` stands for the user's tensor ``real`` in the trace: wherever the trace left ``fake`` or rebound a
+        slot that held ``real``, put ``real`` back; restore ``real.grad`` (a backward through ``real`` sets it)."""
+        self._before.remember(real, fake)
 
     def _alive(self) -> list[Any]:
         return [t for tensors in self._watched for t in list(tensors.keys())]
 
     def run(self) -> list[str]:
         """Repair every holder of a watched tensor that is still alive; return what was repaired."""
+        notes = self._before.restore_grads()
         if not self._alive():
-            return []
+            self._before.clear()
+            return notes
         gc.collect()  # fakes in garbage cycles are not leftovers
         alive = self._alive()
         if not alive:
-            return []
-        notes = _repair(alive, self._globals)
+            self._before.clear()
+            return notes
+        notes += _repair(alive, self._globals, self._before)
+        self._before.clear()
         del alive
         gc.collect()
         remaining = len(self._alive())
@@ -101,7 +115,77 @@ def clear_traceback_frames(err: BaseException | None) -> None:
         err = err.__cause__ or err.__context__
 
 
-def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, dict]]) -> list[str]:
+class _Before:
+    """What the user's real tensors were and where they were held, recorded as the trace adopted them
+    (`preflight.trace._tracker.StorageTracker._adopt`): a slot that held the real tensor and holds a fake after the
+    trace (``STATE["pos"] = STATE["pos"] + 1``, ``helper.t = helper.t * 2``) gets the real tensor back instead of
+    losing its entry.
+
+    Finding the slots costs one pass over the garbage collector's objects per adopted tensor (tens of
+    milliseconds in a process with transformers loaded), so only the first `LOOKUPS` are looked up; a slot of a
+    later one that the trace rebound is handled as any other leftover (the entry removed, the attribute deleted)
+    and the notes say so."""
+
+    LOOKUPS = 32
+
+    def __init__(self) -> None:
+        self.real_of = WeakIdKeyDictionary()  # fake twin -> the user's tensor it stands for
+        self.slots: dict[tuple[int, Any], Any] = {}  # (id(container), key) -> the real tensor the slot held
+        self._containers: list[Any] = []  # keeps the slots' containers (and so their ids) alive
+        self._grads: list[tuple[Any, Any]] = []
+        self._looked_up = 0
+        self.unlooked = 0
+
+    def remember(self, real: Any, fake: Any) -> None:
+        self.real_of[fake] = real
+        if real.requires_grad and real.is_leaf:
+            self._grads.append((real, real.grad))
+        if self._looked_up >= self.LOOKUPS:
+            self.unlooked += 1
+            return
+        self._looked_up += 1
+        for holder in gc.get_referrers(real):
+            if isinstance(holder, types.FrameType):
+                continue
+            if type(holder) is dict or isinstance(holder, dict) and type(holder).__module__ == "collections":
+                keys = [k for k, v in list(holder.items()) if v is real]
+            elif isinstance(holder, (list, collections.deque)):
+                keys = [i for i, v in enumerate(holder) if v is real]
+            elif isinstance(holder, types.CellType):
+                keys = [None]
+            else:  # an object whose attribute holds it (Python 3.12 reports the object, not its __dict__)
+                own = getattr(holder, "__dict__", None) if not isinstance(holder, type) else None
+                if type(own) is not dict:
+                    continue
+                holder = own
+                keys = [k for k, v in list(own.items()) if v is real]
+            for key in keys:
+                self.slots.setdefault((id(holder), key), real)
+            if keys:
+                self._containers.append(holder)
+
+    def previous(self, holder: Any, key: Any, value: Any) -> Any:
+        """What ``holder[key]`` (now ``value``, a leftover fake) held before the trace, or `_MISSING`."""
+        real = self.real_of.get(value)
+        if real is not None:
+            return real
+        return self.slots.get((id(holder), key), _MISSING)
+
+    def restore_grads(self) -> list[str]:
+        changed = [(real, grad) for real, grad in self._grads if real.grad is not grad]
+        for real, grad in changed:
+            real.grad = grad
+        self._grads.clear()
+        return ([f"put back .grad of {len(changed)} tensor(s) outside the model that the traced backward had written"]
+                if changed else [])
+
+    def clear(self) -> None:
+        self.slots.clear()
+        self._containers.clear()
+
+
+def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, dict]],
+            before: _Before | None = None) -> list[str]:
     notes: list[str] = []
     done: set[int] = set()
     targets = list(alive)
@@ -124,7 +208,7 @@ def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, 
         ignore.add(id(walk_up))
         for holder in holders:
             done.add(id(holder))
-            note = _repair_holder(holder, target_ids, module_globals, owners)
+            note = _repair_holder(holder, target_ids, module_globals, owners, before or _Before())
             if note is None and isinstance(holder, (tuple, frozenset)):
                 walk_up.append(holder)  # an immutable container: repair whatever holds it
             elif note:
@@ -157,8 +241,11 @@ def _holds(value: Any, target_ids: set[int]) -> bool:
 
 
 def _repair_holder(holder: Any, target_ids: set[int], module_globals: dict[int, tuple[types.ModuleType, dict]],
-                   owners: dict[int, Any]) -> str | None:
+                   owners: dict[int, Any], before: _Before) -> str | None:
     """Repair one holder; return a note, "" for a holder that needs nothing, or None to walk up past it."""
+    restored = _restore_slots(holder, target_ids, before)
+    if restored:
+        return restored
     if isinstance(holder, functools._lru_cache_wrapper):
         holder.cache_clear()
         return f"cleared the functools cache {_name(holder)}, which the trace had filled with fake tensors"
@@ -197,6 +284,32 @@ def _repair_holder(holder: Any, target_ids: set[int], module_globals: dict[int, 
     if isinstance(own, dict) and any(_holds(v, target_ids) for v in own.values()):
         return _delete_attributes(holder, own, target_ids)
     return None
+
+
+def _restore_slots(holder: Any, target_ids: set[int], before: _Before) -> str | None:
+    """Put back the user's tensors in the slots of ``holder`` that held one before the trace, when ``holder`` has
+    no other leftover; a note, or None when there was nothing to put back (or more to repair)."""
+    if isinstance(holder, dict):
+        slots = [(k, v) for k, v in list(holder.items()) if _holds(v, target_ids)]
+    elif isinstance(holder, (list, collections.deque)):
+        slots = [(i, v) for i, v in enumerate(holder) if _holds(v, target_ids)]
+    elif isinstance(holder, types.CellType):
+        slots = [(None, holder.cell_contents)]
+    else:
+        own = getattr(holder, "__dict__", None) if not isinstance(holder, type) else None
+        if not isinstance(own, dict) or not any(_holds(v, target_ids) for v in own.values()):
+            return None
+        return _restore_slots(own, target_ids, before)
+    previous = [(k, before.previous(holder, k, v)) for k, v in slots]
+    if not previous or any(p is _MISSING for _, p in previous):
+        return None
+    for key, value in previous:
+        if key is None:
+            holder.cell_contents = value
+        else:
+            holder[key] = value
+    return (f"put back the value from before the trace in {len(previous)} slot(s) of a {type(holder).__name__} that "
+            "the trace had set to a fake tensor")
 
 
 def _restore_globals(namespace: dict, module: types.ModuleType, before: dict, target_ids: set[int]) -> str:

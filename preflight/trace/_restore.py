@@ -5,15 +5,13 @@ A trace (and `preflight.advise`'s option trials) runs the user's own module: its
 every module's attributes (and those of the plain objects they refer to: a transformers model's ``config``, a
 helper object that caches on itself), the contents of dict attributes (parameter,
 buffer, submodule and hook tables) and ``requires_grad`` flags, puts all of them back on exit, and checks that
-nothing differs. `isolated_rng` does the same for the random streams.
+nothing differs. `preflight.trace._process` does the same for the process around the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
-import sys
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["NotRestoredError", "isolated_rng", "restored_module"]
+__all__ = ["NotRestoredError", "restored_module"]
 
 
 class NotRestoredError(RuntimeError):
@@ -109,19 +107,3 @@ def _same_items(table: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> bool:
     return len(table) == len(items) and all(
         k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(table.items(), items)
     )
-
-
-@contextlib.contextmanager
-def isolated_rng() -> Iterator[None]:
-    """Restore the torch (CPU and CUDA), Python and numpy random streams on exit."""
-    python_state = random.getstate()
-    np = sys.modules.get("numpy")
-    np_state = np.random.get_state() if np is not None else None
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        if np_state is not None:
-            np.random.set_state(np_state)

@@ -30,7 +30,8 @@ from preflight.trace._blame import is_user_error, mark_user_error
 from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
 from preflight.trace._step_checks import kernel_dtype_error
 from preflight.trace._leftovers import Sweep, swept
-from preflight.trace._restore import isolated_rng, restored_module
+from preflight.trace._process import isolated_process, isolated_rng
+from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
@@ -242,7 +243,9 @@ class FakeRun:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts)
         sweep.watch(self.tracker.tensors)
+        self.tracker.on_adopt = sweep.remember
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
+        self.tracker.twin_of = self.twins.existing
         self.state = self.twins.module_state(model)
         self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)
         self.notes: list[str] = []
@@ -271,7 +274,7 @@ class FakeRun:
         # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
         # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
-                preserved_state(model), real_run_paths(self.notes, self.tracker.host_array), \
+                preserved_state(model, self.notes), real_run_paths(self.notes, self.tracker.host_array), \
                 handled_fake_tensor_errors(), emulation as emulated, self.fake_mode, self.tracker, \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
@@ -313,8 +316,9 @@ def can_shadow(t: Any) -> bool:
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore the model (attributes, hook tables, flags: `preflight.trace._restore`) and every RNG stream (torch,
-    CUDA, Python, numpy) on exit."""
-    with restored_module(model), isolated_rng():
+def preserved_state(model: nn.Module, notes: list[str]) -> Iterator[None]:
+    """Restore the model (attributes, hook tables, flags: `preflight.trace._restore`) on exit, and keep the process
+    as it was (random streams, global hooks and flags, outer modes: `preflight.trace._process`); ``notes`` gets
+    what was suspended or put back."""
+    with isolated_process(notes), restored_module(model), isolated_rng(notes):
         yield

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
 from preflight.trace import _interrupts as interrupts
@@ -130,6 +130,14 @@ class StorageTracker(TorchDispatchMode):
         self.names: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.paused = False  # pass operators through unrecorded: capturing a compiled graph allocates nothing real
         self.unrecorded = False  # the running operator's outputs never exist in the real run (fused by inductor)
+        # Real tensors the user's code hands to an operator (a counter on ``self``, a module-level tensor, a loss
+        # module's buffer) run as fake twins: `_adopt`. ``twin_of`` finds an existing twin (a parameter of the
+        # user's optimizer outside the model); ``on_adopt(real, fake)`` lets the leftover sweep put the real back.
+        self.twin_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        self.on_adopt: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, its fake twin)
+        self._external: set[int] = set()  # uids of adopted twins: memory that exists outside the trace, uncounted
+        self._borrowed: set[int] = set()  # ids of shadows that are the user's own tensors: read, never written
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -203,7 +211,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _release(self, uid: int) -> None:
         nbytes = self._sizes.pop(uid, 0)
-        if nbytes:
+        if nbytes and uid not in self._external:
             self.events.append(Event(uid, -nbytes, self.num_ops, self.phase))
 
     def detach(self) -> None:
@@ -213,6 +221,8 @@ class StorageTracker(TorchDispatchMode):
         for fin in self._finalizers:
             fin.detach()
         self._finalizers.clear()
+        self._adopted.clear()
+        self._borrowed.clear()
         # The caller's operator callback usually closes over this tracker: drop it, so that the tracker and its fake
         # mode die by reference counting when the trace returns, not in a later garbage collection that runs their
         # finalizers (Python code) wherever the user's program happens to be, outside `deferred_interrupts`.
@@ -331,6 +341,9 @@ class StorageTracker(TorchDispatchMode):
         known, real_args, real_kwargs = self._real_args(args, kwargs)
         if not known:
             return False, None
+        if self._borrowed and func._schema.is_mutable and any(
+                id(self._shadows.get(a)) in self._borrowed for a in _written(func, args, kwargs)):
+            return False, None  # the shadow is the user's own tensor: never written
         with _disable_current_modes():
             try:
                 return True, func(*real_args, **real_kwargs)
@@ -353,6 +366,8 @@ class StorageTracker(TorchDispatchMode):
         self.last_op = str(func)
         if self._in_place is not None:
             self._settle_in_place()
+        if func not in _LIFTS:  # a lift's real argument is a constant the step just made (torch.tensor(0.0))
+            args, kwargs = self._adopt(args, kwargs)
         try:
             out = self._dispatch(func, args, kwargs)
         except Exception as exc:
@@ -368,6 +383,56 @@ class StorageTracker(TorchDispatchMode):
         if self.on_op is not None:
             self.on_op(index, func, args, kwargs, out)
         return out
+
+    def _adopt(self, args: Any, kwargs: dict) -> tuple[Any, dict]:
+        """``args`` and ``kwargs`` with every real tensor replaced by its fake twin, so that no operator of the trace
+        reads or writes the user's memory: ``self.seen += n``, ``GLOBAL.add_(1)`` or a loss module's running
+        statistics run on the twin, and the user's tensor keeps its value. The twin stands for memory that exists
+        before the step and is not counted (as the real tensor was not); it carries the real values as its
+        shadow, so data-dependent reads still see them."""
+        flat, spec = tree_flatten((args, kwargs))
+        if not any(_adoptable(x) for x in flat):
+            return args, kwargs
+        fresh = []
+        for i, x in enumerate(flat):
+            if not _adoptable(x):
+                continue
+            held = self._adopted.get(id(x))
+            if held is not None:
+                flat[i] = held[1]
+                continue
+            fake = self.twin_of(x) if self.twin_of is not None else None
+            if fake is None:
+                fake = self.fake_mode.from_tensor(x)
+                self._adopt_storage(fake)
+                if x.numel() <= _ADOPT_COPY_NUMEL or (not x.is_floating_point() and x.numel() <= SHADOW_MAX_NUMEL):
+                    with _disable_current_modes():
+                        self._shadows[fake] = x.detach().to("cpu", copy=True)
+                elif x.device.type == "cpu":
+                    # Too large to copy: its values are read from the user's tensor, which is never written.
+                    self._shadows[fake] = x
+                    self._borrowed.add(id(x))
+            self._adopted[id(x)] = (x, fake)
+            self.tensors[fake] = None
+            fresh.append((x, fake))
+            flat[i] = fake
+        for real, fake in fresh:
+            if self.on_adopt is not None:
+                self.on_adopt(real, fake)
+        return tree_unflatten(flat, spec)
+
+    def _adopt_storage(self, fake: torch.Tensor) -> None:
+        try:
+            storage = fake.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return
+        if self._uids.get(storage) is not None:  # a view of a tensor adopted before
+            return
+        uid = next(self._counter)
+        self._sizes[uid] = storage.nbytes()
+        self.categories[uid] = Category.BUFFERS
+        self._external.add(uid)
+        self._uids[storage] = [uid]
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
         check = STEP_CHECKS.get(func)
@@ -601,6 +666,18 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+_LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
+
+# Real tensors up to this many elements are copied for their shadow when adopted (`StorageTracker._adopt`).
+_ADOPT_COPY_NUMEL = 1 << 16
+
+
+def _adoptable(x: Any) -> bool:
+    """A real, dense tensor of the user's (not a fake, not meta, not a wrapper subclass of fakes)."""
+    return (isinstance(x, torch.Tensor) and not _is_fake(x) and x.device.type != "meta"
+            and x.layout == torch.strided and _inner_tensors(x) is None)
 
 
 def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:

@@ -49,6 +49,10 @@ class TwinMaker:
         self._keep.append(t)
         return twin
 
+    def existing(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The twin already made for ``t``, or None."""
+        return self._memo.get(id(t))
+
     def module_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Twins of every parameter and buffer of ``model``, keyed by their qualified names (tied names included)."""
         state: dict[str, torch.Tensor] = {}

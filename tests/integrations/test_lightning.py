@@ -542,3 +542,55 @@ def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
         assert any(f"Lightning DeepSpeedStrategy: zero{stage} over 2 rank(s)" in n for n in report["notes"])
         assert any(f"read back from DeepSpeed ZeRO stage {stage}" in n for n in report["notes"])
         assert abs(report["error"]) < 0.01, report
+
+
+@pytest.mark.slow
+def test_state_outside_the_model_trains_bitwise_identically_with_the_callback(pl):
+    """A tensor counter in training_step, a criterion module with buffers kept outside the model and an SWA average
+    updated by a global optimizer hook: the same weights, counter, criterion statistics and average with and
+    without the callback (issue 24, items 1-2)."""
+    from torch import nn
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.swa_utils import AveragedModel
+
+    module_cls = importlib.import_module(pl.name).LightningModule
+
+    class Counted(module_cls):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.seen = torch.zeros((), dtype=torch.long)  # a plain tensor attribute, not a buffer
+            self.__dict__["criterion"] = nn.BatchNorm1d(4)  # outside the module tree: the loss side
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen += x.shape[0]
+            out = self.net(x)
+            return nn.functional.mse_loss(self.criterion(out), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+            return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        module = Counted()
+        average = AveragedModel(module.net)
+        handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: average.update_parameters(module.net))
+        try:
+            fit(module, callbacks, steps=4)
+        finally:
+            handle.remove()
+        return module, average
+
+    plain, plain_avg = run([])
+    checked, checked_avg = run([PreflightCallback(verify_steps=2)])
+    assert plain.seen.item() == checked.seen.item() == 32
+    assert plain_avg.n_averaged.item() == checked_avg.n_averaged.item() == 4
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), checked.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(plain_avg.parameters(), checked_avg.parameters()))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(plain.criterion, name), getattr(checked.criterion, name)), name

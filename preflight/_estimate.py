@@ -17,7 +17,8 @@ from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
-from preflight._scratch import Calibrator, calibrate, scratch_ops
+from preflight._warnings import warn
+from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
 from preflight._steps import StepFn, check_step
@@ -29,7 +30,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.trace import device_mismatch, float_dtype_for, trace_composed, trace_steps
+from preflight.trace import TraceResult, device_mismatch, float_dtype_for, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
 
@@ -250,7 +251,7 @@ def estimate(
         breakdown=breakdown,
         peak_phase=phase,
         device=str(target),
-        coverage=Coverage(traced=True, calibrated=tuple(calibrator.calibrated), notes=tuple(notes)),
+        coverage=_traced_coverage(result, calibrator.skipped, calibrator.calibrated, notes),
         timeline=timeline,
         steps=steps,
         trace_seconds=result.seconds,
@@ -448,6 +449,22 @@ def _ranks_text(ranks: list[int]) -> str:
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
+def _traced_coverage(result: TraceResult, skipped: list[str], calibrated: list[str], notes: list[str]) -> Coverage:
+    """The coverage of a trace that ran to the end: a lower bound when the trace says so (`TraceResult.lower_bound`)
+    or a kernel that allocates temporaries of its own on every device (`preflight._scratch.KERNEL_OPS`) could not
+    be calibrated here."""
+    kernels = sorted({str(op.overloadpacket.__name__) for op in KERNEL_OPS})
+    unmeasured = [label for label in skipped if label.split("[", 1)[0] in kernels]
+    reasons = [result.lower_bound] if result.lower_bound else []
+    if unmeasured:
+        reasons.append(f"the temporaries of {', '.join(unmeasured[:3])} inside the kernel could not be measured here "
+                       "(they need the target device); the peak leaves them out")
+    if reasons:
+        warn(f"preflight: the prediction is a lower bound: {'; '.join(reasons)}.")
+    return Coverage(traced=True, lower_bound=bool(reasons), reason="; ".join(reasons) or None,
+                    calibrated=tuple(calibrated), notes=tuple(notes))
+
+
 def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
     """Coverage notes for kernel scratch that could not be measured here: on a CUDA target planned from a CPU host,
     cuDNN's convolution workspace (`preflight.cuda.cudnn_workspace_note`), otherwise the configurations."""
@@ -498,7 +515,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         breakdown=breakdown,
         peak_phase=phase,
         device=str(target),
-        coverage=Coverage(traced=True, calibrated=tuple(scratch.calibrated), notes=tuple([*notes, note])),
+        coverage=_traced_coverage(result, scratch.skipped, scratch.calibrated, [*notes, note]),
         timeline=timeline,
         steps=steps,
         trace_seconds=sum(f[2].seconds for f in figures),

@@ -214,6 +214,10 @@ def run_steps(
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
     ``before_backward(loss)`` just before each ``loss.backward()``."""
     scaler = _LossScaler() if schedule.grad_scaler else None
+    if needs_closure(optimizer):
+        _run_closure_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type,
+                           steps=steps, on_phase=on_phase, before_backward=before_backward)
+        return
     for i in range(1, steps + 1):
         for micro in range(schedule.micro_steps):
             on_phase(i, "forward")
@@ -240,6 +244,40 @@ def run_steps(
         if schedule.zero_grad != "before_backward":
             on_phase(i, "zero_grad")
             optimizer.zero_grad(set_to_none=schedule.zero_grad == "after_step")
+    on_phase(steps, "end")
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` must be given a closure (``LBFGS``): its ``closure`` parameter has no default."""
+    try:
+        parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _run_closure_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, step: StepFn | None,
+                       precision: str | None, device_type: str, steps: int,
+                       on_phase: Callable[[int, str], None],
+                       before_backward: Callable[[torch.Tensor], None]) -> None:
+    """The loop a closure optimizer is trained with (the LBFGS example in torch.optim's documentation): each step
+    is ``optimizer.step(closure)``, the closure zeroing the gradients, computing the loss and running backward; the
+    optimizer calls it as many times as it decides."""
+    for i in range(1, steps + 1):
+        def closure(i: int = i) -> torch.Tensor:
+            on_phase(i, "zero_grad")
+            optimizer.zero_grad(set_to_none=True)
+            on_phase(i, "forward")
+            with autocast_for(precision, device_type):
+                loss = compute_loss(model, batch, step)
+            on_phase(i, "backward")
+            before_backward(loss)
+            loss.backward()
+            on_phase(i, "optimizer")
+            return loss.detach()
+
+        on_phase(i, "optimizer")
+        optimizer.step(closure)
     on_phase(steps, "end")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -104,3 +105,36 @@ def test_peak_at_a_kernel_copying_its_input_matches_the_measured_one(monkeypatch
     monkeypatch.setattr(_scratch, "_computes_new_tensor", lambda func: False)
     uncalibrated = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_scores_step)
     assert uncalibrated.peak_bytes < 0.85 * measured.peak_bytes  # the copy is a fifth of this peak
+
+
+def test_the_matrix_exponential_of_an_orthogonal_parametrization_is_calibrated():
+    """matrix_exp keeps powers of its matrix in buffers of its own (and its backward takes the exponential of a
+    matrix twice the size): calibrated on the worst-case Pade path, the prediction matches the measured peak."""
+    from torch.nn.utils import parametrizations
+
+    import preflight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+    parametrizations.orthogonal(model[0])
+    opt = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(16, 128)
+    step = lambda m, b: m(b).sum()  # noqa: E731
+    est = preflight.estimate(model, opt, batch, step=step)
+    measured = preflight.measure(model, opt, batch, step=step)
+    assert any(label.startswith("linalg_matrix_exp[(256, 256)]") for label in est.coverage.calibrated)
+    assert not est.coverage.lower_bound
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
+
+
+def test_an_uncalibrated_matrix_exponential_makes_a_labelled_lower_bound():
+    from torch.nn.utils import parametrizations
+
+    import preflight
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    parametrizations.orthogonal(model[0])
+    with pytest.warns(RuntimeWarning, match="linalg_matrix_exp"):
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(4, 64),
+                                 preflight.Run(target=preflight.Target(gpu="H100-80GB")), step=lambda m, b: m(b).sum())
+    assert est.coverage.lower_bound and "linalg_matrix_exp" in est.coverage.reason

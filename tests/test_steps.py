@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from conftest import lm_batch, make_gpt2
 
 import preflight
@@ -54,3 +55,22 @@ def test_prediction_matches_measurement_with_clipping_and_scaler(kw):
     # the trace does not count these, which never live on a GPU.
     assert 0 <= m.peak_bytes - est.peak_bytes <= 64
     assert est.peak_bytes >= plain.peak_bytes
+
+
+def test_a_closure_optimizer_is_stepped_with_a_closure_and_labelled_a_lower_bound():
+    """LBFGS needs step(closure), as the user's loop passes it: traced (not blamed on the user), the figure a
+    labelled lower bound since how often it evaluates the closure depends on parameter values."""
+    import preflight
+    from preflight._steps import needs_closure
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.LBFGS(model.parameters(), history_size=5, max_iter=4)
+    assert needs_closure(opt) and not needs_closure(torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = torch.randn(8, 16)
+    step = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="LBFGS.step\\(closure\\)"):
+        est = preflight.estimate(model, opt, batch, step=step)
+    measured = preflight.measure(model, opt, batch, step=step)
+    assert est.coverage.traced and est.coverage.lower_bound and "LBFGS" in est.coverage.reason
+    assert 0 < est.peak_bytes <= measured.peak_bytes
+    assert est.breakdown["activations"] > 0  # the closure's forward was traced, not the analytic fallback

@@ -20,15 +20,20 @@ The rule (`is_user_error`), by exception type and origin, in order:
    trace's: it came from a fake kernel, and a fake kernel is not the real one (shape checks included, so a shape
    mismatch is reported as "could not trace" with the operator, the line and torch's message).
 4. ``NotImplementedError`` is the trace's (a kernel or a feature fakes do not have).
-5. An exception whose innermost frame is preflight's own code is the trace's (ours: reported, never blamed on the
-   user).
+5. An exception about a fake tensor itself (``'FakeTensor' object has no attribute 'CB'``, a message naming
+   ``FakeTensor``) is the trace's. An exception whose innermost frame is preflight's own code is the trace's (ours:
+   reported, never blamed on the user), and so is one raised inside a third-party library or the standard library
+   (installed under site-packages): a library failing on fake tensors (bitsandbytes' 8-bit layers, a kernel
+   wrapper that checks for a CUDA device the trace emulates) is a gap in preflight's coverage, and the real step
+   runs that library on real tensors. Only the user's own files are the user's.
 6. A ``RuntimeError`` (torch's generic error, also what C++ raises for tensor subclasses) is the user's only when a
    ``raise`` statement outside torch raised it, i.e. the user's or a library's Python code; else the trace's.
 7. Every other exception (``ValueError``, ``TypeError``, ``KeyError``, ``AttributeError``, ``IndexError``,
    ``AssertionError``, the user's own classes not derived from ``RuntimeError``) is the user's.
 
-Known limitations: a fake-caused error of another type raised outside any operator (pickling a fake tensor raises
-``AttributeError``) is blamed on the user; a ``RuntimeError`` raised by torch's own autograd engine for a genuine
+Known limitations: a genuine mistake that a library detects (transformers' "You have to specify either input_ids
+or inputs_embeds") is reported as "could not trace" with a lower bound and a warning naming it, and the real step
+then raises it; a ``RuntimeError`` raised by torch's own autograd engine for a genuine
 mistake (a loss that does not require grad) stays "could not trace".
 """
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import dis
 import os
+import sysconfig
 import types
 
 import torch
@@ -61,6 +67,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PREFLIGHT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _INTEGRATIONS_DIR = os.path.join(os.path.dirname(_PREFLIGHT_DIR.rstrip(os.sep)), "integrations") + os.sep
 _RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})
+_STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")})
 
 
 def mark_user_error(err: BaseException, what: str = "traced the training step") -> BaseException:
@@ -87,8 +94,12 @@ def is_user_error(err: BaseException) -> bool:
         return False
     if isinstance(err, NotImplementedError):
         return False
+    if any(_about_a_fake(e) for e in chain):
+        return False
     last = _innermost(err.__traceback__)
     if last is not None and _is_ours(last.tb_frame.f_code.co_filename):
+        return False
+    if last is not None and _is_library(last.tb_frame.f_code.co_filename):
         return False
     if isinstance(err, RuntimeError):
         return last is not None and _raised_by_statement(last) and \
@@ -114,6 +125,24 @@ def _innermost(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _is_ours(filename: str) -> bool:
     path = os.path.abspath(filename)
     return path.startswith(_PREFLIGHT_DIR) or path.startswith(_INTEGRATIONS_DIR)
+
+
+def _about_a_fake(err: BaseException) -> bool:
+    """Whether ``err`` is about a fake tensor itself (``'FakeTensor' object has no attribute 'CB'``: the real
+    parameter is bitsandbytes' ``Int8Params``, its twin a plain fake)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(getattr(err, "obj", None), FakeTensor) or "FakeTensor" in str(err)
+
+
+def _is_library(filename: str) -> bool:
+    """Whether ``filename`` is a third-party library's or the standard library's code (torch's has rules of its
+    own): installed under site-packages or dist-packages, or in the standard library's folder."""
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR) or filename.startswith("<"):
+        return False
+    parts = path.split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts or path.startswith(_STDLIB_DIRS)
 
 
 def _raised_by_statement(tb: types.TracebackType) -> bool:

@@ -101,7 +101,8 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
         return full, f"traced in full (fast=True): {label}'s shallow traces did not compose: {reason}"
     deepest = traces[-1]
     result = TraceResult(events=events, categories=categories, num_ops=num_ops,
-                         seconds=time.perf_counter() - start, notes=list(deepest.notes))
+                         seconds=time.perf_counter() - start, notes=list(deepest.notes),
+                         lower_bound=deepest.lower_bound)
     note = (f"depth-independent trace: the {stack.blocks} blocks of {label} (period {stack.period}) composed "
             f"from traces of {', '.join(map(str, depths))} blocks, checked event for event against the traced "
             "depths")

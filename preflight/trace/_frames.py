@@ -27,7 +27,10 @@ def _is_user(filename: str) -> bool:
 
 
 def _describe(filename: str, lineno: int, function: str) -> str:
-    return f"{os.path.basename(filename)}:{lineno} in {function}"
+    name = os.path.basename(filename)
+    if name == "__init__.py":  # a package's own module: name the package
+        name = os.path.join(os.path.basename(os.path.dirname(filename)), name)
+    return f"{name}:{lineno} in {function}"
 
 
 def user_frame(frame: types.FrameType | None = None) -> str | None:

@@ -33,7 +33,7 @@ from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._process import isolated_process, isolated_rng
 from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
-from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
+from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
@@ -67,6 +67,7 @@ class TraceResult:
     failed_op: str | None = None
     op_log: list[tuple[int, int, Any, Any, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    lower_bound: str | None = None  # the trace ran to the end, but its peak is a lower bound: why
 
 
 def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) -> Callable[[int, str], None]:
@@ -170,7 +171,12 @@ def trace_steps(
     except BaseException:
         run.finish()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
-    if tracker.placeholders_used:
+    bound = []
+    if tracker.placeholders_used and needs_closure(fake_opt):
+        bound.append(f"{type(optimizer).__name__}.step(closure) decides how many times to evaluate the closure from "
+                     f"values computed from the parameters ({tracker.placeholders_used} read); the trace took the "
+                     "first exit, so later evaluations and the history they build are not in the figure")
+    elif tracker.placeholders_used:
         run.notes.append(f"the optimizer read {tracker.placeholders_used} parameter-dependent value(s); "
                          "placeholders were used (they change arithmetic, not which tensors exist)")
     if tracker.routing.note():
@@ -188,6 +194,7 @@ def trace_steps(
         failed_op=run.failed_op,
         op_log=op_log,
         notes=run.notes,
+        lower_bound="; ".join(bound) or None,
     )
 
 

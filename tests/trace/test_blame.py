@@ -102,3 +102,59 @@ def test_check_rejects_a_step_of_the_wrong_arity_before_tracing():
     with pytest.raises(TypeError, match="`eval_step` is called as eval_step"):
         preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
                         step=lambda m, b: m(b).sum(), eval_step=lambda m, b, extra: None, run=preflight.Run(target=preflight.Target(budget="1GiB")))
+
+
+_LIBRARY = '''
+import torch
+from torch import nn
+
+
+class QuantWeight(nn.Parameter):
+    """A parameter subclass carrying quantization state as attributes, as bitsandbytes' Int8Params does."""
+
+
+class QuantLinear(nn.Linear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight = QuantWeight(self.weight.data)
+        self.weight.CB = torch.ones(1)
+
+    def forward(self, x):
+        scale = self.weight.CB  # a plain fake twin has no CB
+        return super().forward(x) * scale
+
+
+class PlainOnly(nn.Linear):
+    def forward(self, x):
+        if type(x) is not torch.Tensor:  # a kernel wrapper that only takes plain tensors
+            raise TypeError("plain tensors only")
+        return super().forward(x)
+'''
+
+
+@pytest.fixture
+def library(tmp_path, monkeypatch):
+    """A third-party package installed under a site-packages folder."""
+    import importlib
+    import sys
+
+    root = tmp_path / "site-packages"
+    (root / "quantlib").mkdir(parents=True)
+    (root / "quantlib" / "__init__.py").write_text(_LIBRARY)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "quantlib", raising=False)
+    return importlib.import_module("quantlib")
+
+
+@pytest.mark.parametrize("layer", ["QuantLinear", "PlainOnly"])
+def test_a_library_failing_only_on_fake_tensors_is_a_coverage_gap_not_the_users_error(library, layer):
+    model = nn.Sequential(getattr(library, layer)(8, 8), nn.Linear(8, 1))
+    batch = torch.randn(4, 8)
+    model(batch).sum().backward()  # the real step trains
+    with pytest.warns(RuntimeWarning, match="could not trace"):
+        est = _estimate(model, batch, step=lambda m, b: m(b).sum())
+    assert est.coverage.lower_bound and "quantlib/__init__.py" in est.coverage.failed_op
+    # check (what the callbacks call) does not stop the run: a lower bound under the budget is no verdict
+    verdict = preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum(),
+                              run=preflight.Run(target=preflight.Target(budget="1GiB")))
+    assert verdict.fits is not False and verdict.estimate.coverage.lower_bound

@@ -16,7 +16,6 @@ A callback does not see the Trainer, so it cannot build the eval dataloader or l
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 try:
@@ -30,6 +29,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM, usable_bytes
 from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, eval_resident, internal_failures,
@@ -380,9 +380,9 @@ def _tune(trainer: Trainer, run: Run, options: Options, max_batch_size: int | No
     budget = run_budget(run, model)
     if (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)) and \
             not getattr(model, "is_gradient_checkpointing", False):
-        warnings.warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
+        warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
                       "applies later; the batch size is tuned without it (call model.gradient_checkpointing_enable() "
-                      "first to tune with it).", RuntimeWarning, stacklevel=3)
+                      "first to tune with it).", RuntimeWarning)
     optimizer = trainer.optimizer
     if optimizer is None:
         optimizer = trainer.create_optimizer()

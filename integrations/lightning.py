@@ -27,13 +27,13 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import warnings
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from preflight._warnings import warn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
 from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, internal_failures, is_rank_zero,
@@ -188,7 +188,7 @@ class PreflightCallback(*_callback_bases()):
         supported = _unsupported_reason(trainer, pl_module)
         if supported is not None:
             if is_rank_zero():
-                warnings.warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning, stacklevel=2)
+                warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning)
             return
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
         report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module), pl_module, trainer.optimizers[0],
@@ -285,9 +285,8 @@ class PreflightCallback(*_callback_bases()):
         lightning_getattr, lightning_hasattr, lightning_setattr = (parsing.lightning_getattr, parsing.lightning_hasattr,
                                                                    parsing.lightning_setattr)
         if not lightning_hasattr(pl_module, "batch_size"):
-            warnings.warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
-                          "the datamodule (as BatchSizeFinder does); the batch size was not tuned.",
-                          RuntimeWarning, stacklevel=2)
+            warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
+                          "the datamodule (as BatchSizeFinder does); the batch size was not tuned.", RuntimeWarning)
             return
         original = (lightning_getattr(pl_module, "batch_size"), trainer.accumulate_grad_batches)
         done = False

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, usable_bytes
 from preflight._device import iter_tensors, map_tensors, resolve_device
@@ -274,7 +275,7 @@ def advise(
             raise
         except Exception as err:  # noqa: BLE001 - one option failing must not hide the others (reported below)
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            warnings.warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning, stacklevel=2)
+            warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning)
     ranked.sort(key=lambda ks: (not ks[1].fits, _COST_ORDER.index(ks[0]), ks[1].predicted_peak_bytes))
     return [dataclasses.replace(s, run_changes=s.run.changes_from(run)) for _, s in ranked]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -601,12 +600,8 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
                                              dtype=float_dtype_for(precision), **offload, **terms)
         notes.extend([note, *terms_notes])
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
-    warnings.warn(
-        f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
-        "lower bound: parameters + gradients + optimizer state + batch, without activations.",
-        RuntimeWarning,
-        stacklevel=4,  # _fallback, estimate, its `untouched` wrapper, the caller
-    )
+    warn(f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
+        "lower bound: parameters + gradients + optimizer state + batch, without activations.", RuntimeWarning)
     return Estimate(
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,

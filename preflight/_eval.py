@@ -9,13 +9,13 @@ step's gradients); pass those bytes as ``resident`` so the peak is the one the d
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
 from preflight.parallel import read_ddp, read_zero
 from preflight._estimate import _allocator_config, summarize_events
@@ -164,9 +164,8 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
     for name, nbytes in resident.items():
         breakdown[name] += nbytes
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    warnings.warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
-                  "estimate is a lower bound: parameters + buffers + batch, without activations.",
-                  RuntimeWarning, stacklevel=4)  # _lower_bound, estimate_eval, its `untouched` wrapper, the caller
+    warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
+                  "estimate is a lower bound: parameters + buffers + batch, without activations.", RuntimeWarning)  # _lower_bound, estimate_eval, its `untouched` wrapper, the caller
     return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",
                     device=str(target), coverage=Coverage(traced=False, lower_bound=True, failed_op=failed_op,
                                                           reason=reason, notes=tuple(notes)),

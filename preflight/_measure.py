@@ -242,9 +242,26 @@ def profiled_memory_peak(prof: Any, *, with_end: bool = False, resident: Mapping
     `preflight._device.live_storages`) such frees count at the resident block's own size and those of any other
     block not at all, since the caller's baseline does not hold it; without, at the size the profiler recorded.
     """
-    allocations, _ = _profiled_allocations(prof)
-    peak, end = session_peak([(nbytes, ptr) for _, nbytes, ptr in allocations], resident)
+    peak, end = session_peak(profiled_events(prof), resident)
     return (peak, end) if with_end else peak
+
+
+def profiled_events(prof: Any) -> list[tuple[int, int]]:
+    """The ``(nbytes, address)`` CPU allocation (> 0) and free (< 0) events of a finished profiler session, in time
+    order."""
+    allocations, _ = _profiled_allocations(prof)
+    return [(nbytes, ptr) for _, nbytes, ptr in allocations]
+
+
+def session_survivors(events: list[tuple[int, int]]) -> dict[int, int]:
+    """address -> bytes of the blocks allocated over ``events`` and not freed in them."""
+    alive: dict[int, int] = {}
+    for nbytes, ptr in events:
+        if nbytes > 0:
+            alive[ptr] = nbytes
+        else:
+            alive.pop(ptr, None)
+    return alive
 
 
 def session_peak(events: list[tuple[int, int]], resident: Mapping[int, int] | None = None) -> tuple[int, int]:

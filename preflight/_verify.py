@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from preflight._device import cuda_peaks, cuda_reset_peaks, live_storages
-from preflight._measure import profiled_memory_peak
+from preflight._measure import profiled_events, session_peak, session_survivors
 from preflight._quiet import StderrFilter
 from preflight._units import format_bytes, margin_text, signed_percent
 
@@ -58,7 +58,11 @@ class StepPeakMeter:
         self.device = torch.device(device)
         self.step_peaks: list[int] = []
         self.reserved_peaks: list[int] = []
-        self.step_retained: list[int] = []  # bytes a step allocated and did not free: what it leaves alive
+        # Bytes each step allocated that are still alive: at its end on CUDA (allocated memory's growth over the
+        # step); on CPU, at the end of the last measured step, since a block a step leaves is often freed by the
+        # next one (an output kept until the next iteration, gradients Lightning frees at the next backward).
+        self.step_retained: list[int] = []
+        self._held: dict[int, tuple[int, int]] = {}  # CPU: address -> (step index, bytes) of blocks steps left alive
         self._resident: dict[int, int] = {}  # address -> bytes of the storages alive at the step's start
         self._allocated_at_start = 0
         self._profiler: Any = None
@@ -120,12 +124,30 @@ class StepPeakMeter:
                 atexit.unregister(self.abort)
             if also_resident is not None:
                 self._resident.update(live_storages(also_resident, self.device))
-            profiled_peak, retained = profiled_memory_peak(profiler, with_end=True, resident=self._resident)
+            events = profiled_events(profiler)
+            profiled_peak, _ = session_peak(events, self._resident)
             peak = sum(self._resident.values()) + profiled_peak
+            retained = self._hold(events)
         self._running = False
         self.step_peaks.append(peak)
-        self.step_retained.append(retained)
+        if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
+            self.step_retained.append(retained)
         return peak
+
+    def _hold(self, events: list[tuple[int, int]]) -> int:
+        """Update which blocks earlier steps left alive with this step's events (a free of one, or a new block at
+        its address, which means it was freed between the steps), record those this step leaves, and recount
+        every step's still-held bytes into ``step_retained``."""
+        for nbytes, ptr in events:
+            self._held.pop(ptr, None)
+        index = len(self.step_peaks)
+        for ptr, nbytes in session_survivors(events).items():
+            self._held[ptr] = (index, nbytes)
+        held = [0] * (index + 1)
+        for step, nbytes in self._held.values():
+            held[step] += nbytes
+        self.step_retained[:] = held
+        return held[index]
 
     def abort(self) -> None:
         """Stop a running profiler without recording (training ended inside a measured step)."""

@@ -109,16 +109,20 @@ def test_a_leak_is_memory_retained_step_after_step_not_growing_peaks():
     assert short.warnings == ()  # one steady step: no trend to judge
 
 
-@pytest.mark.parametrize("leak", [False, True])
+@pytest.mark.parametrize("leak", ["none", "every step", "until the next step"])
 def test_meter_measures_what_a_step_leaves_alive(leak):
+    """A leak is growth: outputs cached every step are; an output kept until the next step replaces it (an
+    accelerate loop's ``outputs`` variable, Lightning holding gradients until the next backward) is not."""
     model = make_gpt2(n_layer=1, n_embd=32)
     optimizer = torch.optim.AdamW(model.parameters())
     kept = []
 
     def step(m, b):
         out = m(**b)
-        if leak:
+        if leak == "every step":
             kept.append(out.logits)  # caches every step's outputs
+        elif leak == "until the next step":
+            kept[:] = [out.logits]  # the last output stays alive between steps
         return out.loss
 
     meter = StepPeakMeter(torch.device("cpu"))
@@ -129,7 +133,9 @@ def test_meter_measures_what_a_step_leaves_alive(leak):
         meter.stop()
     result = compare(None, meter.step_peaks, method="cpu-profiler", step_retained=meter.step_retained)
     assert meter.step_retained[0] > 0  # the optimizer state
-    assert any("step after step" in w for w in result.warnings) == leak
+    assert any("step after step" in w for w in result.warnings) == (leak == "every step")
+    if leak == "until the next step":  # only the last step's output is still held
+        assert meter.step_retained[1:3] == [0, 0] and meter.step_retained[3] > 0
 
 
 def test_meter_rejects_other_devices():

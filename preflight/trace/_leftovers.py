@@ -41,12 +41,12 @@ import gc
 import sys
 import traceback
 import types
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from preflight._warnings import warn
 from preflight.trace import _interrupts as interrupts
 
 __all__ = ["Sweep", "clear_traceback_frames", "swept"]
@@ -68,10 +68,15 @@ class Sweep:
         self._globals = {id(m.__dict__): (m, dict(m.__dict__))
                          for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)}
         self._before = _Before()
+        self._after: list[Callable[[], list[str]]] = []
 
     def watch(self, tensors: WeakIdKeyDictionary) -> None:
         """Check the keys of ``tensors`` (the trace's fake tensors, weakly held) when the sweep runs."""
         self._watched.append(tensors)
+
+    def after(self, repair: Callable[[], list[str]]) -> None:
+        """Call ``repair()`` (returning notes) once the leftovers are repaired."""
+        self._after.append(repair)
 
     def remember(self, real: Any, fake: Any) -> None:
         """``fake`` stands for the user's tensor ``real`` in the trace: wherever the trace left ``fake`` or rebound a
@@ -83,6 +88,13 @@ class Sweep:
 
     def run(self) -> list[str]:
         """Repair every holder of a watched tensor that is still alive; return what was repaired."""
+        notes = self._leftovers()
+        for repair in self._after:
+            notes.extend(repair())
+        self._after.clear()
+        return notes
+
+    def _leftovers(self) -> list[str]:
         notes = self._before.restore_grads()
         if not self._alive():
             self._before.clear()
@@ -138,7 +150,9 @@ class _Before:
 
     def remember(self, real: Any, fake: Any) -> None:
         self.real_of[fake] = real
-        if real.requires_grad and real.is_leaf:
+        if real.requires_grad and real.is_leaf and not _is_fake(real.grad):
+            # A fake .grad now was put there by preflight (`preflight.trace._run.carry_parameter_hooks`), which puts
+            # the real one back itself.
             self._grads.append((real, real.grad))
         if self._looked_up >= self.LOOKUPS:
             self.unlooked += 1
@@ -182,6 +196,12 @@ class _Before:
     def clear(self) -> None:
         self.slots.clear()
         self._containers.clear()
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, dict]],
@@ -398,7 +418,6 @@ def _run_or_warn(sweep: Sweep) -> list[str]:
     try:
         return sweep.run()
     except Exception as err:  # noqa: BLE001 - never crash the user's run; say what could not be checked
-        warnings.warn(f"preflight could not check that its trace left no fake tensors behind ({type(err).__name__}: "
-                      f"{err}); if later real steps fail on FakeTensors, please report it.", RuntimeWarning,
-                      stacklevel=3)
+        warn(f"preflight could not check that its trace left no fake tensors behind ({type(err).__name__}: "
+                      f"{err}); if later real steps fail on FakeTensors, please report it.", RuntimeWarning)
         return []

@@ -259,9 +259,13 @@ class FakeRun:
         self.cuda = cuda
         self.error: BaseException | None = None
         self.failed_op: str | None = None
-        for name, _ in model.named_parameters():
+        optimizers: dict[int, list[torch.optim.Optimizer]] | None = None
+        for name, p in model.named_parameters():
             self.tracker.register(self.state[name], Category.PARAMETERS)
             self.tracker.names[self.state[name]] = f"parameter '{name}'"
+            if getattr(p, "_post_accumulate_grad_hooks", None) and optimizers is None:
+                optimizers = _optimizers_by_parameter()
+            carry_parameter_hooks(p, self.state[name], self.notes, sweep, (optimizers or {}).get(id(p), []))
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
             self.tracker.names[self.state[name]] = f"buffer '{name}'"
@@ -309,6 +313,66 @@ class FakeRun:
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""
         self.tracker.detach()
+
+
+def carry_parameter_hooks(real: torch.Tensor, twin: torch.Tensor, notes: list[str], sweep: Sweep,
+                          optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give ``twin`` the hooks the user put on the parameter ``real``: gradient hooks (``register_hook``) as they
+    are, and post-accumulate-grad hooks (the optimizer step fused into backward, torch's tutorial
+    "How to save memory by fusing the optimizer step into the backward pass") called with ``real``, whose ``.grad``
+    is the twin's fake gradient while the hook runs: a hook looks its optimizer up by the real parameter, and that
+    optimizer's work on it runs on the twin (`StorageTracker._adopt`). What the hook leaves in ``.grad`` (None after
+    ``zero_grad``) becomes the twin's; the real parameter's gradient is put back, and so are the optimizers'
+    ``state`` tables over ``real`` (the entries the hook's optimizer created are removed after the trace)."""
+    for hook in list((getattr(real, "_backward_hooks", None) or {}).values()):
+        twin.register_hook(hook)
+    hooks = list((getattr(real, "_post_accumulate_grad_hooks", None) or {}).values())
+    if not hooks or not twin.requires_grad:
+        return
+    tables = [opt.state for opt in optimizers]
+    had = [real in table for table in tables]
+
+    def put_back_state() -> list[str]:
+        added = [table for table, present in zip(tables, had) if not present and real in table]
+        for table in added:
+            del table[real]
+        return []
+
+    sweep.after(put_back_state)
+
+    def on_real(fake: torch.Tensor) -> None:
+        saved = real.grad
+        try:
+            real.grad = fake.grad
+        except RuntimeError as err:  # the real parameter lives on another device than the trace
+            notes.append(f"a post-accumulate-grad hook on a parameter could not run in the trace ({err}); what it "
+                         "frees or allocates in backward is not in the figure")
+            return
+        try:
+            for hook in hooks:
+                hook(real)
+            fake.grad = real.grad if isinstance(real.grad, FakeTensor) else None
+        finally:
+            real.grad = saved
+
+    twin.register_post_accumulate_grad_hook(on_real)
+
+
+def _optimizers_by_parameter() -> dict[int, list[torch.optim.Optimizer]]:
+    """The live optimizers of each parameter, by the parameter's id: what post-accumulate-grad hooks step (one
+    optimizer per parameter in torch's tutorial). One pass over the garbage collector's objects."""
+    import gc
+    import warnings
+
+    found: dict[int, list[torch.optim.Optimizer]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on lazily imported objects may warn
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                found.setdefault(id(p), []).append(opt)
+    return found
 
 
 def can_shadow(t: Any) -> bool:

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._budget import DEFAULT_HEADROOM
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_NO_VERDICT, settings_from_env
 from preflight._errors import PreflightError
@@ -164,7 +164,7 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
         message = _overflow_message(report, ranks, local_fits, remedy, stops=options.on_overflow == "raise")
         if options.on_overflow == "raise":
             raise PreflightError(message, report=report.to_dict() if report is not None else None)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warn(message, RuntimeWarning)
     return report
 
 

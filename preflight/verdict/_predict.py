@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._batches import BatchInfo, failures_text
 from preflight._budget import usable_bytes
 from preflight.report._console import progress
@@ -251,7 +252,7 @@ def predict(
                     "out of the worst-case batch, and training will hit them")
             report.warnings.append(text)
             if talk:
-                warnings.warn(f"preflight: {text}", RuntimeWarning, stacklevel=2)
+                warn(f"preflight: {text}", RuntimeWarning)
     if est.coverage.lower_bound:
         report.warnings.append("the training step could not be traced: the prediction is a lower bound "
                                f"(operator {est.coverage.failed_op}: {est.coverage.reason})")

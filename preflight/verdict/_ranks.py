@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 
+from preflight._warnings import warn
 from preflight._dryrun import finish_failed_step
 from preflight._errors import PreflightError, StepWouldFailError
 from preflight.trace import blamed_on_user
@@ -99,5 +99,4 @@ def internal_failures(what: str, reraise: tuple[type[BaseException], ...] = (),
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:500]
         if reasons is not None:
             reasons.append(reason)
-        warnings.warn(f"preflight: {what} failed and was skipped; training proceeds. Reason: {reason}",
-                      RuntimeWarning, stacklevel=3)
+        warn(f"preflight: {what} failed and was skipped; training proceeds. Reason: {reason}", RuntimeWarning)

@@ -4,12 +4,12 @@ step compared with the prediction for its own batch."""
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from preflight._warnings import warn
 from preflight._device import iter_tensors, map_tensors
 from preflight._guard import untouched
 from preflight._verify import StepPeakMeter, compare, summary
@@ -186,7 +186,7 @@ class VerifySession:
             report.warnings.extend(result.warnings)
             if is_rank_zero():
                 for message in result.warnings:
-                    warnings.warn(f"preflight: {message}", RuntimeWarning, stacklevel=2)
+                    warn(f"preflight: {message}", RuntimeWarning)
                 _emit(report, self.options, verified=True)
                 print(summary(predicted, result), flush=True)
         return report

@@ -195,3 +195,33 @@ def test_a_step_that_seeds_does_not_change_the_stream():
 def _no_leftover_hooks():
     yield
     assert not nn.modules.module._global_forward_hooks
+
+
+def test_optimizer_in_backward_hooks_are_carried_to_the_trace():
+    """torch's tutorial pattern: one optimizer per parameter stepped from a post-accumulate-grad hook. The trace
+    runs the hooks (gradients freed in backward, state built there), matching the measured peak, and leaves the
+    user's optimizers, weights and gradients as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+    optimizers = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
+
+    def hook(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    gradient_hook_calls = []
+    model[0].bias.register_hook(lambda g: gradient_hook_calls.append(type(g).__name__))
+    placeholder = torch.optim.SGD(model.parameters(), lr=0.0)  # steps nothing: every gradient is gone by then
+    batch = torch.randn(16, 128)
+    step = lambda m, b: m(b).sum()  # noqa: E731
+    weights = [p.detach().clone() for p in model.parameters()]
+    est = preflight.estimate(model, placeholder, batch, step=step)
+    assert gradient_hook_calls == ["FakeTensor", "FakeTensor"]  # one per traced step
+    assert all(len(o.state) == 0 for o in optimizers.values())
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    measured = preflight.measure(model, placeholder, batch, step=step)
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes
+    assert est.breakdown["gradients"] == 0  # freed by the hooks before the optimizer phase

@@ -566,18 +566,22 @@ def _optimizer(name: str, params: list) -> Any:
 def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None) -> dict[str, Any]:
     import torch
 
+    from preflight._device import planned
+
+    # On the meta device: a planned batch takes no host memory, however large (`preflight._device.planned`).
     b = batch_size or args.batch
     if args.task == "image-cls":
         size = getattr(config, "image_size", 224)
         size = size if isinstance(size, int) else size[0]
         channels = getattr(config, "num_channels", 3)
-        return {"pixel_values": torch.zeros(b, channels, size, size), "labels": torch.zeros(b, dtype=torch.long)}
+        return {"pixel_values": planned((b, channels, size, size), torch.float32, 0.0),
+                "labels": planned((b,), torch.long, 0)}
     if args.seq is None:
         raise UsageError(f"--seq is required for the {args.task} task")
-    ids = torch.zeros(b, args.seq, dtype=torch.long)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ids = planned((b, args.seq), torch.long, 0)
+    batch = {"input_ids": ids, "attention_mask": planned((b, args.seq), torch.long, 1)}
     if args.task == "seq-cls":
-        batch["labels"] = torch.zeros(b, dtype=torch.long)
+        batch["labels"] = planned((b,), torch.long, 0)
     else:
         batch["labels"] = ids
     return batch

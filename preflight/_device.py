@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 __all__ = [
+    "planned",
+    "planned_fill",
     "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
     "live_storages", "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
 ]
@@ -97,6 +99,19 @@ def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
         storage = t.untyped_storage()
         storages[storage.data_ptr() or id(storage)] = storage.nbytes()
     return storages
+
+
+def planned(shape: tuple[int, ...], dtype: torch.dtype, fill: float | int) -> torch.Tensor:
+    """A batch tensor for planning: on the meta device (no host memory, whatever its size), filled with ``fill``
+    as far as a trace is concerned (its twin's value shadow, `preflight.trace._run.shadow_value`)."""
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    t._preflight_fill = fill
+    return t
+
+
+def planned_fill(t: Any) -> float | int | None:
+    """The constant a `planned` tensor stands for, or None."""
+    return getattr(t, "_preflight_fill", None) if isinstance(t, torch.Tensor) else None
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

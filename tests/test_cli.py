@@ -579,3 +579,23 @@ def test_a_sharding_over_one_rank_is_said(config, capsys, tmp_path):
     assert main(base + ["--sharding", "zero3", "--world-size", "4"]) == 0
     assert main(base + ["--offload-optimizer"]) == 0  # ZeRO-Offload on one GPU: a plan of its own
     assert "one rank holds every shard" not in capsys.readouterr().err
+
+
+def test_a_planned_batch_takes_no_host_memory(config):
+    """The planned batch is built on the meta device: 100 million sequences plan in the same host memory as 4
+    (before, the OOM killer stopped it), and a batch too large for value shadows is a labelled lower bound."""
+    import resource
+
+    def run(batch):
+        # The child's own peak RSS, read after it exits (ru_maxrss of the largest waited-for child so far is
+        # monotone, so each size runs in its own grandchild).
+        code = ("import resource, subprocess, sys; subprocess.run([sys.executable, '-m', 'preflight', 'estimate', "
+                f"'--hf-config', {str(config)!r}, '--batch', '{batch}', '--seq', '32', '--no-suggest'], "
+                "capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return int(done.stdout.strip()) * 1024
+
+    small, huge = run(4), run(100_000_000)
+    assert huge < small + 256 * 2**20  # the planned batch's int64 ids alone would be 25.6 GB
+    done = run_cli("estimate", "--hf-config", str(config), "--batch", "100000000", "--seq", "32", "--no-suggest")
+    assert done.returncode == 0 and "lower bound: " in done.stdout

@@ -38,7 +38,7 @@ from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_e
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import can_shadow, phase_bookkeeping, settled_frees
+from preflight.trace._run import phase_bookkeeping, settled_frees, shadow_value
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
@@ -328,8 +328,9 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
         for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
             tracker.register(fake, Category.INPUTS)
             tracker.names[fake] = f"the batch{path}"
-            if can_shadow(real):
-                tracker.shadow(fake, real.detach().to("cpu", copy=True))
+            value = shadow_value(real)
+            if value is not None:
+                tracker.shadow(fake, value)
         on_phase = phase_bookkeeping(tracker, fake_opt)
         emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.trace._compat import real_run_paths
-from preflight._device import iter_tensors, named_tensors
+from preflight._device import iter_tensors, named_tensors, planned_fill
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
 from preflight.trace import _interrupts as interrupts
@@ -37,7 +37,7 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "phase_bookkeeping", "preserved_state", "trace_steps"]
+__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "shadow_value", "phase_bookkeeping", "preserved_state", "trace_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +272,9 @@ class FakeRun:
         for (path, real), fake in zip(named_tensors(batch), iter_tensors(self.batch)):
             self.tracker.register(fake, Category.INPUTS)
             self.tracker.names[fake] = f"the batch{path}"
-            if can_shadow(real):
-                # A copy: the model may write into its batch (labels[mask] = -100), and the shadow runs it for real.
-                self.tracker.shadow(fake, real.detach().to("cpu", copy=True))
+            value = shadow_value(real)
+            if value is not None:
+                self.tracker.shadow(fake, value)
 
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:
@@ -375,11 +375,22 @@ def _optimizers_by_parameter() -> dict[int, list[torch.optim.Optimizer]]:
     return found
 
 
+def shadow_value(t: Any) -> torch.Tensor | None:
+    """The values a batch tensor's twin carries as its shadow (`can_shadow`): a copy of ``t`` (the model may write
+    into its batch, ``labels[mask] = -100``, and the shadow runs that for real), or for a planned tensor
+    (`preflight._device.planned`) its constant; None for a tensor without one."""
+    if not can_shadow(t):
+        return None
+    if t.device.type == "meta":  # at most SHADOW_MAX_NUMEL elements, like any shadow
+        return torch.full(tuple(t.shape), planned_fill(t), dtype=t.dtype)
+    return t.detach().to("cpu", copy=True)
+
+
 def can_shadow(t: Any) -> bool:
     """Whether a real batch tensor keeps a value shadow in the trace: small integer tensors (ids, masks)."""
     return (
         isinstance(t, torch.Tensor)
-        and t.device.type != "meta"
+        and (t.device.type != "meta" or planned_fill(t) is not None)
         and not t.is_floating_point()
         and not t.is_complex()
         and t.numel() <= SHADOW_MAX_NUMEL

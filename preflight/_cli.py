@@ -449,8 +449,8 @@ def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any
         with torch.device("meta"):
             # The dtype is ours to choose, not the config's: see _param_dtype.
             model = classes[args.task].from_config(config, dtype=getattr(torch, param_dtype))
-    except ValueError as err:
-        raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {err}".splitlines()[0]) from None
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises building from the user's config is its error
+        raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {_one_line(err)}") from None
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:
@@ -488,10 +488,25 @@ def _load_config(path: str, transformers: Any) -> Any:
             config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         else:
             config = transformers.AutoConfig.for_model(**data)
-    except (OSError, ValueError, json.JSONDecodeError) as err:
-        raise UsageError(f"cannot read the config {path!r}: {err}".splitlines()[0]) from None
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a config transformers refuses (a field's type, a failed validator)
+        raise UsageError(f"cannot read the config {path!r}: {_one_line(err)}") from None
     _check_sizes(path, config)
     return config
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as one line: its message's lines joined (huggingface_hub's validation errors name the field on the
+    first line and say what is wrong on the next), with the exception's type where the message alone is a key."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, KeyError):
+        import traceback
+
+        frames = traceback.extract_tb(err.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        text = f"no entry {text}{where}: check the config's values for {text}"
+    return text[:400]
 
 
 def _check_model_type(path: str, model_type: Any, transformers: Any) -> None:

@@ -599,3 +599,17 @@ def test_a_planned_batch_takes_no_host_memory(config):
     assert huge < small + 256 * 2**20  # the planned batch's int64 ids alone would be 25.6 GB
     done = run_cli("estimate", "--hf-config", str(config), "--batch", "100000000", "--seq", "32", "--no-suggest")
     assert done.returncode == 0 and "lower bound: " in done.stdout
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"hidden_size": "big"}, "hidden_size"),  # a field of the wrong type
+    ({"num_attention_heads": 5}, "not a multiple of the number of attention heads"),  # an inconsistent config
+    ({"rope_scaling": {"type": "bogus", "factor": 2.0}}, "'bogus'"),  # a value the model cannot build
+])
+def test_a_config_transformers_refuses_is_one_line_and_exit_2(tmp_path, change, named):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, **change}))
+    done = run_cli("estimate", "--hf-config", str(path), "--batch", "2", "--seq", "16", "--no-suggest")
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("preflight: error:")]
+    assert len(errors) == 1 and named in errors[0] and "Traceback" not in done.stderr

@@ -55,7 +55,9 @@ def untouched() -> Iterator[None]:
     saved_filters = list(warnings.filters)
     saved_logging = _logging_state()
     try:
-        with isolated_rng(cuda=CUDA):
+        # preflight's work is a training run's, whatever mode the caller is in: tensors made under inference mode
+        # could never require grad.
+        with isolated_rng(cuda=CUDA), torch.inference_mode(False):
             yield
     finally:
         torch.set_grad_enabled(saved_grad)

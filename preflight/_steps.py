@@ -161,21 +161,40 @@ def compute_loss(model: nn.Module, batch: Any, step: StepFn | None) -> torch.Ten
         out = step(model, batch)
         loss = _find_loss(out)
         if loss is None:
-            raise LossNotFoundError(
+            raise LossNotFoundError(_without_grad(out, model) or (
                 f"`step` returned {_describe(out)}; it should return a scalar loss tensor (or an output with .loss)."
-            )
+            ))
         return loss
     out = model(**batch) if isinstance(batch, Mapping) else model(batch)
     loss = _find_loss(out)
     if loss is None:
-        raise LossNotFoundError(
+        raise LossNotFoundError(_without_grad(out, model) or (
             f"Could not find a loss in the model's output ({_describe(out)}). Pass `step=lambda model, batch: ...` "
             "returning a scalar loss, or include labels in the batch so the model computes its loss."
-        )
+        ))
     return loss
 
 
-def _find_loss(out: Any) -> torch.Tensor | None:
+def _without_grad(out: Any, model: nn.Module) -> str | None:
+    """Why a scalar loss the step did return records no gradient, or None when it returned none."""
+    candidate = _find_loss(out, requiring_grad=False)
+    if candidate is None or candidate.requires_grad:
+        return None
+    if torch.is_inference_mode_enabled():
+        why = "the step ran under torch.inference_mode()"
+    elif not torch.is_grad_enabled():
+        why = "the step ran under torch.no_grad() (or set_grad_enabled(False))"
+    elif not any(p.requires_grad for p in model.parameters()):
+        why = "no parameter of the model requires grad (all frozen)"
+    else:
+        why = ("no parameter that requires grad reached it: the step ran its forward under torch.no_grad() or "
+               "torch.inference_mode(), disabled its adapters (peft's disable_adapter()), or used only frozen "
+               "parameters")
+    return (f"The step's loss ({_describe(candidate)}) records no gradient: {why}. A training step needs a loss "
+            "that backward can run from; fix the step, not the batch.")
+
+
+def _find_loss(out: Any, *, requiring_grad: bool = True) -> torch.Tensor | None:
     candidate = None
     if isinstance(out, torch.Tensor):
         candidate = out
@@ -185,8 +204,8 @@ def _find_loss(out: Any) -> torch.Tensor | None:
         candidate = out["loss"]
     elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         candidate = out[0]
-    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and candidate.requires_grad:
-        return candidate.reshape(())
+    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and (candidate.requires_grad or not requiring_grad):
+        return candidate.reshape(()) if requiring_grad else candidate
     return None
 
 
@@ -213,6 +232,14 @@ def run_steps(
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
     ``before_backward(loss)`` just before each ``loss.backward()``."""
+    with torch.inference_mode(False), torch.enable_grad():  # a training step records gradients, whatever the caller's mode
+        _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
+                   schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+
+
+def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, step: StepFn | None,
+               precision: str | None, device_type: str, steps: int, schedule: Loop,
+               on_phase: Callable[[int, str], None], before_backward: Callable[[torch.Tensor], None]) -> None:
     scaler = _LossScaler() if schedule.grad_scaler else None
     if needs_closure(optimizer):
         _run_closure_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type,

@@ -74,3 +74,30 @@ def test_a_closure_optimizer_is_stepped_with_a_closure_and_labelled_a_lower_boun
     assert est.coverage.traced and est.coverage.lower_bound and "LBFGS" in est.coverage.reason
     assert 0 < est.peak_bytes <= measured.peak_bytes
     assert est.breakdown["activations"] > 0  # the closure's forward was traced, not the analytic fallback
+
+
+def test_a_loss_without_gradient_says_why_not_include_labels():
+    import preflight
+    from preflight._steps import LossNotFoundError
+
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(4, 8)
+    step = lambda m, b: m(b).sum()  # noqa: E731
+    plain = preflight.estimate(model, opt, batch, step=step).peak_bytes
+    # The caller's mode is not the training step's: estimated as a training step.
+    with torch.no_grad():
+        assert preflight.estimate(model, opt, batch, step=step).peak_bytes == plain
+    with torch.inference_mode():
+        assert preflight.estimate(model, opt, batch, step=step).peak_bytes == plain
+
+    def under_no_grad(m, b):
+        with torch.no_grad():
+            return m(b).sum()
+
+    with pytest.raises(LossNotFoundError, match="records no gradient: no parameter that requires grad reached it"):
+        preflight.estimate(model, opt, batch, step=under_no_grad)
+    frozen = nn.Linear(8, 1).requires_grad_(False)
+    with pytest.raises(LossNotFoundError, match="all frozen") as caught:
+        preflight.estimate(frozen, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), batch, step=step)
+    assert "labels" not in str(caught.value)

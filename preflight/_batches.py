@@ -137,7 +137,15 @@ class SampleScan:
             if not self.auto_collation:  # the dataset yields whole batches: its largest item is the batch
                 return self.collate_fn(self._sample(0))
             picks = [self._sample(i % len(self.ranked)) for i in range(batch_size)]
-            return self.collate_fn(picks)
+            try:
+                return self.collate_fn(picks)
+            except Exception as err:
+                indices = [self.ranked[i % len(self.ranked)][1] for i in range(batch_size)]
+                shown = ", ".join(map(str, indices[:8])) + (f", ... ({len(indices)} in all)" if len(indices) > 8 else "")
+                err.add_note(f"preflight: the loader's collate_fn raised this on the {batch_size} largest samples "
+                             f"preflight combined into the worst-case batch (dataset indices {shown}); a shuffled "
+                             "epoch can draw them together too. Try collate_fn([dataset[i] for i in those indices]).")
+                raise
 
     def worst_case(self) -> tuple[Any, BatchInfo]:
         """The worst-case batch at the loader's batch size, and how it was found."""

@@ -217,3 +217,19 @@ def test_a_scan_time_limit_is_a_positive_finite_number(value):
     loader = torch.utils.data.DataLoader([torch.zeros(3)] * 4, batch_size=2)
     with pytest.raises(ValueError, match=r"`time_limit` should be a positive, finite number of seconds"):
         scan(loader, time_limit=value)
+
+
+def test_a_collate_fn_failing_on_the_combined_samples_names_them():
+    """The worst case combines samples the loader's first batch may never have: the error says which."""
+    data = [torch.ones(n) for n in (3, 9, 4, 7)]
+
+    def collate(samples):
+        if sum(len(s) for s in samples) > 15:
+            raise ValueError("batch too long for my buffer")
+        return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+
+    loader = torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
+    with pytest.raises(ValueError, match="too long") as caught:
+        worst_case_batch(loader)
+    note = "\n".join(caught.value.__notes__)
+    assert "dataset indices 1, 3" in note and "2 largest samples" in note

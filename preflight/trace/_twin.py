@@ -37,6 +37,10 @@ class TwinMaker:
         key = id(t)
         if key in self._memo:
             return self._memo[key]
+        if t.is_nested:
+            raise NotImplementedError(
+                "a nested (jagged) tensor cannot be given a fake twin: its lengths are symbolic sizes, which need a "
+                "symbolic shape environment the trace does not run (pad the batch, or pass a padded worst case)")
         dtype = t.dtype
         if cast and self.cast_dtype is not None and t.is_floating_point():
             dtype = self.cast_dtype

@@ -158,3 +158,13 @@ def test_a_library_failing_only_on_fake_tensors_is_a_coverage_gap_not_the_users_
     verdict = preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum(),
                               run=preflight.Run(target=preflight.Target(budget="1GiB")))
     assert verdict.fits is not False and verdict.estimate.coverage.lower_bound
+
+
+def test_a_jagged_nested_tensor_batch_is_a_labelled_lower_bound_not_an_internal_error():
+    model = nn.Linear(8, 1)
+    batch = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged)
+    step = lambda m, b: m(b).values().sum()  # noqa: E731
+    step(model, batch)  # the real step runs
+    with pytest.warns(RuntimeWarning, match="nested"):
+        est = _estimate(model, batch, step=step)
+    assert est.coverage.lower_bound and "fake copies" in est.coverage.failed_op

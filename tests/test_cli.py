@@ -613,3 +613,11 @@ def test_a_config_transformers_refuses_is_one_line_and_exit_2(tmp_path, change, 
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("preflight: error:")]
     assert len(errors) == 1 and named in errors[0] and "Traceback" not in done.stderr
+
+
+def test_a_folder_named_preflight_in_the_working_directory_is_named_not_a_traceback(tmp_path):
+    (tmp_path / "preflight").mkdir()  # a clone named preflight, run from the folder holding it
+    done = subprocess.run([sys.executable, "-m", "preflight", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert str(tmp_path / "preflight") in done.stderr and "rename the clone" in done.stderr

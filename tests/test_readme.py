@@ -28,7 +28,7 @@ def test_readme_installs_from_a_clone_with_the_extras():
     tomllib = pytest.importorskip("tomllib")
     setup = _setup_section()
     assert not FROM_PYPI.search(README.replace("(`pip install preflight-memory` finds nothing)", ""))
-    for step in ("git clone", "cd preflight", "python -m venv .venv", "source .venv/bin/activate",
+    for step in ("git clone", "cd preflight-memory", "python -m venv .venv", "source .venv/bin/activate",
                  'pip install -e ".[dev]"', "python examples/quickstart.py"):
         assert step in setup, step
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

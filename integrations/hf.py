@@ -282,10 +282,27 @@ class PreflightCallback(TrainerCallback):
             # To the loggers as ``Trainer.log`` sends them, but not through it: its ``CallbackHandler.on_log`` resets
             # ``control.should_log``, which drops the training loss the Trainer was about to log this step. The
             # callbacks get a copy of the control, so none of them can change what the Trainer does next.
+            # Not to the console printers (ProgressCallback, PrinterCallback, the notebook's): the report says it in
+            # words, and a line of raw byte counts among the losses reads as noise.
             handler = self.trainer.callback_handler
-            handler.call_event("on_log", self.trainer.args, state, dataclasses.replace(self.trainer.control),
-                               logs=dict(metrics))
+            for callback in handler.callbacks:
+                if type(callback).__name__ in _CONSOLE_PRINTERS:
+                    continue
+                event = getattr(callback, "on_log", None)
+                if event is not None:
+                    event(self.trainer.args, state, dataclasses.replace(self.trainer.control), **_event_objects(handler),
+                          logs=dict(metrics))
 
+
+def _event_objects(handler: Any) -> dict[str, Any]:
+    """The objects ``CallbackHandler.call_event`` passes each callback (``processing_class`` was ``tokenizer``
+    before transformers 4.46)."""
+    names = ["model", "processing_class" if hasattr(handler, "processing_class") else "tokenizer", "optimizer",
+             "lr_scheduler", "train_dataloader", "eval_dataloader"]
+    return {name: getattr(handler, name, None) for name in names}
+
+
+_CONSOLE_PRINTERS = frozenset({"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"})
 
 _REMEDY = ("Or let preflight choose the micro-batch: preflight.integrations.hf.autotune(trainer) before train() sets "
            "the largest that fits and keeps the global batch (`max_batch_size` caps it); with "

@@ -442,7 +442,8 @@ def _bnb_8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
     try:
-        import peft
+        with quiet_import_logs("bitsandbytes"):  # peft imports bitsandbytes where installed
+            import peft
         import transformers
     except ImportError:
         return []

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -542,8 +543,11 @@ def _check_sizes(path: str, config: Any) -> None:
 
 
 def _lora(model: Any, args: argparse.Namespace) -> Any:
+    from preflight._quiet import quiet_import_logs
+
     try:
-        import peft
+        with quiet_import_logs("bitsandbytes"):  # peft imports bitsandbytes where installed: not the user's import
+            import peft
     except ImportError as err:
         raise UsageError("--lora-r needs peft: pip install peft (or, in your preflight clone, "
                          "pip install -e '.[hf]')") from err
@@ -565,8 +569,11 @@ def _optimizer(name: str, params: list) -> Any:
     import torch
 
     if name == "adamw8bit":
+        from preflight._quiet import quiet_import_logs
+
         try:
-            import bitsandbytes as bnb
+            with quiet_import_logs("bitsandbytes"):  # its CPU build logs a missing optional kernel package
+                import bitsandbytes as bnb
         except ImportError as err:
             raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes (or, in your "
                              "preflight clone, pip install -e '.[bnb]')") from err
@@ -645,6 +652,8 @@ def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -
     return its exit status; SIGINT, SIGTERM and SIGHUP sent to ``preflight check`` are passed on to that group.
     After a passed-on signal, or past ``timeout`` (then SIGTERM), the group gets `_GRACE_SECONDS` to exit before
     SIGKILL, and the status returned is 128 + the signal's number, or `EXIT_TIMEOUT`."""
+    reaper = _become_subreaper()
+    ours = set(_orphans()) if reaper else set()  # children this process had before: not the script's
     try:
         child = subprocess.Popen(command, env=env, start_new_session=True)
     except FileNotFoundError:
@@ -678,6 +687,84 @@ def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stop_leftovers(child, reaper, ours)
+
+
+def _become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so that a
+    process the script daemonized (forked twice, in a session of its own, out of reach of the group's signals)
+    comes back to ``preflight check`` when its parent exits, and can be stopped. False where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _stop_leftovers(child: subprocess.Popen, reaper: bool, ours: set[int]) -> None:
+    """Stop whatever the script left running once it has exited: its process group, and with ``reaper`` every
+    orphaned descendant (daemonized ones included), SIGTERM then, after `_GRACE_SECONDS`, SIGKILL; say so."""
+    if child.poll() is None:
+        return  # still running: the caller's signal handling has not finished with it
+    _signal_group(child.pid, signal.SIGTERM)
+
+    def left() -> list[int]:
+        return [pid for pid in _orphans() if pid not in ours] if reaper else []
+
+    orphans = left()
+    for pid in orphans:
+        _signal_pid(pid, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_SECONDS
+    while left() and time.monotonic() < deadline:
+        _reap(orphans)
+        time.sleep(0.05)
+    for pid in left():
+        _signal_pid(pid, signal.SIGKILL)
+    _signal_group(child.pid, signal.SIGKILL)
+    time.sleep(0.05)
+    _reap(orphans)
+    if orphans:
+        print(f"preflight check: stopped {len(orphans)} process(es) the script left running after it exited "
+              f"(pid {', '.join(map(str, orphans[:5]))}).", file=sys.stderr, flush=True)
+
+
+def _orphans() -> list[int]:
+    """The processes whose parent is this one (orphans re-parented here by `_become_subreaper`), not reaped yet."""
+    me, found = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def _signal_pid(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop_group(child: subprocess.Popen, signum: int) -> None:

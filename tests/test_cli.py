@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -621,3 +622,41 @@ def test_a_folder_named_preflight_in_the_working_directory_is_named_not_a_traceb
                           cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert str(tmp_path / "preflight") in done.stderr and "rename the clone" in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="stopping daemonized descendants uses Linux's "
+                    "PR_SET_CHILD_SUBREAPER")
+def test_a_daemonized_grandchild_does_not_outlive_preflight_check(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    script = tmp_path / "daemonizes.py"
+    script.write_text(f"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    os._exit(0)
+time.sleep(0.5)
+""")
+    done = run_cli("check", "--", sys.executable, str(script), timeout=120)
+    assert done.returncode == 2  # no preflight report: the script never reached a check
+    daemon = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(daemon, 0)
+    assert "stopped 1 process(es)" in done.stderr
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.5])  # during the imports of torch and transformers, and later
+def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(config, delay):
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-m", "preflight", "estimate", "--hf-config", config, "--batch", "2",
+                              "--seq", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    if child.returncode == 0:
+        pytest.skip("the run finished before the signal")
+    assert child.returncode == 130 and "Traceback" not in err and "interrupted" in err

@@ -354,3 +354,21 @@ def test_deepspeed_training_is_unchanged_by_the_callback(tmp_path):
     for a, b in zip(with_, without):
         assert a["losses"] == b["losses"] and len(a["losses"]) == 3
         assert a["weights"] == b["weights"]
+
+
+def test_preflight_metrics_reach_the_loggers_not_the_console(tmp_path, capsys):
+    """The loggers (a custom callback here, like TensorBoard's) get preflight's metrics; the console printer does
+    not print a line of raw byte counts among the losses (issue 24, item 13)."""
+    received = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            received.append(dict(logs or {}))
+
+    trainer = make_trainer(tmp_path, callbacks=[Logs()], disable_tqdm=True, logging_strategy="steps",
+                           logging_steps=1)
+    attach(trainer, verify_steps=2)
+    trainer.train()
+    printed = capsys.readouterr().out
+    assert any("preflight/predicted_peak_bytes" in entry for entry in received)
+    assert "'loss'" in printed and "preflight/" not in printed

@@ -634,7 +634,7 @@ def _check(args: argparse.Namespace) -> int:
                            ("PREFLIGHT_FAST", None if args.fast else "0")):
             if value is not None:  # a number of bytes says its unit: a bare number is refused as a size
                 env[key] = f"{value}B" if key == "PREFLIGHT_BUDGET" and isinstance(value, int) else str(value)
-        code = _run_child(command, env, args.timeout)
+        code = _run_child(command, env, args.timeout, report_path)
         if code in (EXIT_TIMEOUT, *_SIGNAL_EXITS):
             return code
         report = None
@@ -647,15 +647,19 @@ def _check(args: argparse.Namespace) -> int:
     return _decide(report, code)
 
 
-def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -> int:
+def _run_child(command: list[str], env: dict[str, str], timeout: float | None, report_path: str) -> int:
     """Run the user's script in its own session (so its process group is its own: a launcher's workers too) and
     return its exit status; SIGINT, SIGTERM and SIGHUP sent to ``preflight check`` are passed on to that group.
     After a passed-on signal, or past ``timeout`` (then SIGTERM), the group gets `_GRACE_SECONDS` to exit before
-    SIGKILL, and the status returned is 128 + the signal's number, or `EXIT_TIMEOUT`."""
+    SIGKILL, and the status returned is 128 + the signal's number, or `EXIT_TIMEOUT`.
+
+    The script's standard error is passed through as it comes until the report is written; what it prints after
+    (a launcher's traceback for a rank's exit 3, when the exit status is the point) goes to a log file, named in one
+    line, and only preflight's own lines of it are shown (`_ErrorPump`)."""
     reaper = _become_subreaper()
     ours = set(_orphans()) if reaper else set()  # children this process had before: not the script's
     try:
-        child = subprocess.Popen(command, env=env, start_new_session=True)
+        child = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise UsageError(f"command not found: {command[0]!r}") from None
     except PermissionError:
@@ -665,6 +669,7 @@ def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -
     except OSError as err:
         raise UsageError(f"cannot run {command[0]!r}: {err.strerror or err}. Run it through its interpreter, "
                          f"e.g. `preflight check -- python {command[0]}`.") from None
+    pump = _ErrorPump(child, report_path)
     received: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:
@@ -688,6 +693,65 @@ def _run_child(command: list[str], env: dict[str, str], timeout: float | None) -
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop_leftovers(child, reaper, ours)
+        pump.finish()
+
+
+class _ErrorPump:
+    """Copy the script's standard error to ours as it comes (chunks, so progress bars' carriage returns pass at
+    once) until ``report_path`` exists; after that, hold it back. `finish` shows preflight's own held-back lines and
+    names the log file that has all the script's standard error, when anything was held back."""
+
+    def __init__(self, child: subprocess.Popen, report_path: str) -> None:
+        import threading
+
+        self.child, self.report_path = child, report_path
+        self.held: list[bytes] = []
+        self.everything: list[bytes] = []
+        self.thread = threading.Thread(target=self._pump, name="preflight-check-stderr", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        fd = self.child.stderr.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.everything.append(chunk)
+            if self.held or os.path.exists(self.report_path):
+                self.held.append(chunk)
+            else:
+                _write_stderr(chunk)
+
+    def finish(self) -> None:
+        self.thread.join(timeout=5)
+        self.child.stderr.close()
+        if not self.held:
+            return
+        text = b"".join(self.held).decode(errors="replace")
+        ours = [line for line in text.splitlines() if line.startswith("preflight")]
+        others = [line for line in text.splitlines() if line.strip() and not line.startswith("preflight")]
+        for line in ours:
+            print(line, file=sys.stderr)
+        if others:
+            fd, log = tempfile.mkstemp(prefix="preflight-check-", suffix=".log")
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"".join(self.everything))
+            print(f"preflight check: the script printed {len(others)} more line(s) on stderr after the report was "
+                  f"written (last: {others[-1].strip()[:120]!r}); its whole stderr is in {log}", file=sys.stderr,
+                  flush=True)
+
+
+def _write_stderr(chunk: bytes) -> None:
+    buffer = getattr(sys.stderr, "buffer", None)
+    if buffer is not None:
+        buffer.write(chunk)
+        buffer.flush()
+    else:
+        sys.stderr.write(chunk.decode(errors="replace"))
+        sys.stderr.flush()
 
 
 def _become_subreaper() -> bool:

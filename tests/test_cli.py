@@ -647,8 +647,9 @@ time.sleep(0.5)
     assert "stopped 1 process(es)" in done.stderr
 
 
-@pytest.mark.parametrize("delay", [0.2, 1.5])  # during the imports of torch and transformers, and later
-def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(config, delay):
+def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(config):
+    """(Ctrl-C inside a trace is tests/trace/test_interrupts.py's.)"""
+    delay = 0.3  # the command is importing torch and transformers by then
     import signal
     import time
 
@@ -660,3 +661,35 @@ def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(config, delay):
     if child.returncode == 0:
         pytest.skip("the run finished before the signal")
     assert child.returncode == 130 and "Traceback" not in err and "interrupted" in err
+
+
+def test_a_launchers_traceback_after_the_verdict_is_one_line_and_a_log(tmp_path):
+    """A launcher turns the rank's exit 3 into a long traceback of its own; when the verdict is the point, preflight
+    check shows one line and where the whole output went, and still the verdict's exit status."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(textwrap.dedent("""
+        import subprocess, sys
+        rc = subprocess.call([sys.executable] + sys.argv[1:])
+        if rc:
+            for _ in range(30):
+                sys.stderr.write('  File "launcher.py", line 1, in <module>\\n')
+            sys.stderr.write(f"ChildFailedError: rank 0 exited with {rc}\\n")
+            sys.exit(1)
+    """))
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, preflight
+        model = torch.nn.Linear(8, 1)
+        preflight.check(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8),
+                        preflight.Run(target=preflight.Target(budget="100B")), step=lambda m, b: m(b).sum(),
+                        suggest=False)
+    """))
+    done = run_cli("check", "--", sys.executable, str(launcher), str(script), timeout=300)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert 'File "launcher.py"' not in done.stderr
+    line = next(x for x in done.stderr.splitlines() if "more line(s) on stderr after the report" in x)
+    assert "ChildFailedError" in line
+    log = line.rsplit(" is in ", 1)[1].strip()
+    assert open(log).read().count('File "launcher.py"') == 30
+    os.unlink(log)
+    assert "exiting with status 3" in done.stderr  # preflight's own held-back line is shown

@@ -585,7 +585,6 @@ def test_a_sharding_over_one_rank_is_said(config, capsys, tmp_path):
 def test_a_planned_batch_takes_no_host_memory(config):
     """The planned batch is built on the meta device: 100 million sequences plan in the same host memory as 4
     (before, the OOM killer stopped it), and a batch too large for value shadows is a labelled lower bound."""
-    import resource
 
     def run(batch):
         # The child's own peak RSS, read after it exits (ru_maxrss of the largest waited-for child so far is

@@ -117,7 +117,9 @@ def _install() -> None:
     if current is None or current is signal.SIG_IGN:  # set from C, or ignored: not ours to change
         return
     _state.previous = current
-    _state.raises = current is signal.default_int_handler
+    # Python's default, or a handler that does what it does (the ``preflight`` command's, which also remembers the
+    # press in case a library swallows the KeyboardInterrupt): interrupt at the next safe point.
+    _state.raises = current is signal.default_int_handler or getattr(current, "raises_keyboard_interrupt", False)
     signal.signal(signal.SIGINT, _record)
     _state.installed = True
 
@@ -145,6 +147,8 @@ def _deliver(propagating: BaseException | None, outermost: bool) -> None:
     _state.pending, _state.raised, _state.previous, _state.raises = 0, False, None, True
     if previous is signal.default_int_handler or previous is None:
         raise KeyboardInterrupt from propagating
+    if getattr(previous, "raises_keyboard_interrupt", False):
+        previous(signal.SIGINT, None)  # records the press, raises KeyboardInterrupt
     if previous is signal.SIG_DFL:
         signal.raise_signal(signal.SIGINT)  # what the process would have done: end by SIGINT
         return

@@ -604,12 +604,17 @@ def orthogonal() -> Result:
 def optimizer_in_backward() -> Result:
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
     optimizers = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
+    def hook(q: torch.Tensor) -> None:
+        optimizers[q].step()
+        optimizers[q].zero_grad()
+
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda q: (optimizers[q].step(), optimizers[q].zero_grad()))
-    error, _ = _error_against_measure(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(16, 128),
-                                      sum_step)
-    if any(len(o.state) for o in optimizers.values()):
-        return CHANGED, "the user's per-parameter optimizers kept state from the trace"
+        p.register_post_accumulate_grad_hook(hook)
+    placeholder, batch = torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(16, 128)
+    _quietly(lambda: preflight.estimate(model, placeholder, batch, step=sum_step))
+    if any(len(o.state) for o in optimizers.values()) or any(p.grad is not None for p in model.parameters()):
+        return CHANGED, "the user's per-parameter optimizers or gradients kept something of the trace"
+    error, _ = _error_against_measure(model, placeholder, batch, sum_step)  # measure's real steps do step them
     if abs(error) <= 0.01:
         return CORRECT, f"error {error:+.3%} against the measured peak; the user's optimizers untouched"
     return UNCLEAR, f"error {error:+.2%}"
@@ -743,7 +748,7 @@ def launcher_traceback() -> Result:
     with open(launcher, "w") as f:
         f.write("import subprocess, sys\nrc = subprocess.call([sys.executable] + sys.argv[1:])\nif rc:\n"
                 "    for _ in range(40):\n        sys.stderr.write('  File \"launcher.py\", line 1\\n')\n"
-                "    sys.exit(1)\n")
+                "    sys.stderr.write(f'ChildFailedError: rank 0 exited with {rc}\\n')\n    sys.exit(1)\n")
     script = os.path.join(_tmp(), "over.py")
     with open(script, "w") as f:
         f.write("import torch, preflight\nm = torch.nn.Linear(8, 1)\npreflight.check(m, torch.optim.SGD("

@@ -739,8 +739,10 @@ class _ErrorPump:
             fd, log = tempfile.mkstemp(prefix="preflight-check-", suffix=".log")
             with os.fdopen(fd, "wb") as f:
                 f.write(b"".join(self.everything))
+            # The last line that is not a traceback's indented frame: usually the error itself.
+            last = next((line for line in reversed(others) if not line[:1].isspace()), others[-1])
             print(f"preflight check: the script printed {len(others)} more line(s) on stderr after the report was "
-                  f"written (last: {others[-1].strip()[:120]!r}); its whole stderr is in {log}", file=sys.stderr,
+                  f"written (last: {last.strip()[:120]!r}); its whole stderr is in {log}", file=sys.stderr,
                   flush=True)
 
 

@@ -16,7 +16,7 @@ Issue 24's probes (training unchanged, blame, confident numbers, bad input, nois
 by appending to `PROBES`. Probes of issue 13's other sections (compiled models, dtype and index checks,
 dataset faults, SIGTERM) are here too, so the table follows each fix.
 
-Run: python benchmarks/faults.py [--only NAME,NAME] [--fast]   (about 6 minutes on 2 CPU cores; --fast skips the
+Run: python benchmarks/faults.py [--only NAME,NAME] [--fast]   (about 10 minutes on 2 CPU cores; --fast skips the
 probes that train in fresh processes, about 1 minute). Prints a markdown table and the counts.
 """
 

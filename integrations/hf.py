@@ -290,8 +290,8 @@ class PreflightCallback(TrainerCallback):
                     continue
                 event = getattr(callback, "on_log", None)
                 if event is not None:
-                    event(self.trainer.args, state, dataclasses.replace(self.trainer.control), **_event_objects(handler),
-                          logs=dict(metrics))
+                    event(self.trainer.args, state, dataclasses.replace(self.trainer.control),
+                          **_event_objects(handler), logs=dict(metrics))
 
 
 def _event_objects(handler: Any) -> dict[str, Any]:
@@ -398,8 +398,8 @@ def _tune(trainer: Trainer, run: Run, options: Options, max_batch_size: int | No
     if (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)) and \
             not getattr(model, "is_gradient_checkpointing", False):
         warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
-                      "applies later; the batch size is tuned without it (call model.gradient_checkpointing_enable() "
-                      "first to tune with it).", RuntimeWarning)
+             "applies later; the batch size is tuned without it (call model.gradient_checkpointing_enable() "
+             "first to tune with it).", RuntimeWarning)
     optimizer = trainer.optimizer
     if optimizer is None:
         optimizer = trainer.create_optimizer()

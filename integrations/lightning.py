@@ -286,7 +286,7 @@ class PreflightCallback(*_callback_bases()):
                                                                    parsing.lightning_setattr)
         if not lightning_hasattr(pl_module, "batch_size"):
             warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
-                          "the datamodule (as BatchSizeFinder does); the batch size was not tuned.", RuntimeWarning)
+                 "the datamodule (as BatchSizeFinder does); the batch size was not tuned.", RuntimeWarning)
             return
         original = (lightning_getattr(pl_module, "batch_size"), trainer.accumulate_grad_batches)
         done = False

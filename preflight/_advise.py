@@ -38,7 +38,7 @@ from preflight._guard import untouched
 from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate
 from preflight._run import Run, check_run, pinned, run_budget
-from preflight._steps import StepFn
+from preflight._steps import StepFn, with_optimizer_impl
 from preflight._target import round_events, shard_events
 from preflight._units import format_bytes
 from preflight.parallel import ParallelPlan
@@ -49,7 +49,9 @@ __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of"]
 # Ranking among options that fit: cheapest first. What each costs is in its `cost` text.
 _COST_ORDER = (
     "allocator",  # an environment variable
+    "fused",  # the same updates in one kernel: usually faster
     "micro_batch",  # same updates, lower throughput
+    "for-loop",  # the same updates, one kernel launch per parameter: a slower step
     "bf16-mixed",  # usually no quality change, needs bf16 hardware
     "zero1", "zero2",  # DDP's communication volume, needs the GPUs
     "checkpointing",  # about one extra forward per step
@@ -199,6 +201,9 @@ def advise(
       plan's DeepSpeed config with the stage changed).
     - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
       reserved peak is more than 10% above the allocated peak.
+    - ``fused`` and ``for-loop``: the optimizer step's implementation (`preflight.Loop.optimizer_impl`), when the
+      optimizer's class takes it and it lowers the peak (torch's default on CUDA, foreach, holds temporaries the
+      size of every parameter it updates).
 
     Args:
         model, optimizer, batch, step: as for `preflight.estimate`.
@@ -211,8 +216,9 @@ def advise(
         headroom: the fraction of the budget kept free, in [0, 1).
 
     Returns:
-        Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting,
-        micro-batch, bf16-mixed, ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16,
+        Suggestions ranked: those that fit first, then by cost (cheapest first: allocator setting, a fused
+        optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed, ZeRO-1/2, checkpointing, ZeRO-3, 8-bit
+        AdamW, optimizer offload, pure bf16,
         LoRA), then by peak.
         An option whose trace fails is left out with a ``RuntimeWarning`` saying why.
 
@@ -258,6 +264,7 @@ def advise(
     setup = _Setup(model, optimizer, batch, step, run, target, budget_bytes, usable_bytes(budget_bytes, headroom),
                    headroom, make_batch, baseline)
     options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
+        ("optimizer implementation", _optimizer_impl),
         ("micro-batch", _micro_batch),
         ("activation checkpointing", _checkpointing),
         ("8-bit AdamW", _adamw8bit),
@@ -281,6 +288,35 @@ def advise(
 
 
 # ---- options ------------------------------------------------------------------------------------------------
+
+
+_IMPL_COSTS = {
+    "fused": "the same updates, computed by one fused kernel per step (torch's fastest implementation where the "
+             "optimizer has one; parameters must be floating point on CUDA or CPU)",
+    "for-loop": "the same updates, one parameter at a time: a slower optimizer step (a kernel launch per tensor)",
+}
+
+
+def _optimizer_impl(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The optimizer step as a fused kernel, or one parameter at a time, when that lowers the peak: torch's default
+    on CUDA (foreach) allocates temporaries the size of all the parameters it updates."""
+    out = []
+    for impl in ("fused", "for-loop"):
+        if setup.run.loop.optimizer_impl == impl:
+            continue
+        changed = setup.with_loop(optimizer_impl=impl)
+        try:
+            with_optimizer_impl(setup.optimizer, impl)
+        except ValueError:  # the optimizer has no such implementation
+            continue
+        est = setup.trace(run=changed)
+        if est.peak_bytes >= setup.baseline.peak_bytes:
+            continue
+        argument = {"fused": "fused=True", "for-loop": "foreach=False"}[impl]
+        text = f"optimizer step {impl} ({type(setup.optimizer).__name__}({argument})): {setup.versus(est.peak_bytes)}"
+        out.append((impl, Suggestion({"optimizer_impl": impl}, text, est.peak_bytes, est.peak_bytes <= setup.limit,
+                                     _IMPL_COSTS[impl], changed)))
+    return out
 
 
 def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:

@@ -141,7 +141,8 @@ class SampleScan:
                 return self.collate_fn(picks)
             except Exception as err:
                 indices = [self.ranked[i % len(self.ranked)][1] for i in range(batch_size)]
-                shown = ", ".join(map(str, indices[:8])) + (f", ... ({len(indices)} in all)" if len(indices) > 8 else "")
+                shown = ", ".join(map(str, indices[:8]))
+                shown += f", ... ({len(indices)} in all)" if len(indices) > 8 else ""
                 err.add_note(f"preflight: the loader's collate_fn raised this on the {batch_size} largest samples "
                              f"preflight combined into the worst-case batch (dataset indices {shown}); a shuffled "
                              "epoch can draw them together too. Try collate_fn([dataset[i] for i in those indices]).")

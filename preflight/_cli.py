@@ -45,7 +45,8 @@ _PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-tru
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 _TOP_SUGGESTIONS = 5
 # Suggestions whose change is the run's description alone (`Suggestion.run`), so its flags reproduce it.
-_RUN_CHANGES = {"precision", "sharding", "world_size", "zero_stage", "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF"}
+_RUN_CHANGES = {"precision", "sharding", "world_size", "zero_stage", "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF",
+                "optimizer_impl"}
 EXIT_TIMEOUT = 124  # the `timeout` command's status when it stops the command
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNAL_EXITS = tuple(128 + sig for sig in _FORWARDED)  # the shell's convention for "ended by signal N"
@@ -93,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
     est.add_argument("--accumulate", type=int, default=1, metavar="N",
                      help="gradient-accumulation micro-batches per optimizer step (--batch is one micro-batch)")
+    est.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"], default=None,
+                     help="how the optimizer step runs: foreach (torch's default on CUDA: a temporary the size of "
+                          "the parameters it updates), fused (one kernel, no such temporary) or for-loop")
     est.add_argument("--allocator", metavar="CONF", default=None,
                      help="CUDA allocator settings for the reserved-memory simulation, as PYTORCH_CUDA_ALLOC_CONF "
                           "writes them (e.g. expandable_segments:True); default: the environment's")
@@ -285,7 +289,8 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             parallel = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
                                     source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
                                     **offload)
-        return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate),
+        return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate,
+                                                       optimizer_impl=getattr(args, "optimizer_impl", None)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
                                  allocator=args.allocator),
                    parallel=parallel, fast=args.fast)

@@ -20,7 +20,7 @@ from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
-from preflight._steps import StepFn, check_step
+from preflight._steps import with_optimizer_impl, StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight.allocator import AllocatorConfig
@@ -138,6 +138,7 @@ def estimate(
             "Pass the optimizer you will train with, built over the model's parameters."
         )
     check_step(step)
+    optimizer = with_optimizer_impl(optimizer, run.loop.optimizer_impl)  # the step as the run will take it
     precision, schedule, steps, routing, fast = run.precision, run.loop, run.loop.steps, run.routing, run.fast
     device, gpu, allocator = run.target.device, run.target.gpu, run.target.allocator
     plan_kwargs = run.parallel.estimate_kwargs() if run.parallel is not None else {}
@@ -601,7 +602,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         notes.extend([note, *terms_notes])
     reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:300]
     warn(f"preflight could not trace the training step (stopped at {result.failed_op}: {reason}). The estimate is a "
-        "lower bound: parameters + gradients + optimizer state + batch, without activations.", RuntimeWarning)
+         "lower bound: parameters + gradients + optimizer state + batch, without activations.", RuntimeWarning)
     return Estimate(
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,

@@ -165,7 +165,7 @@ def _lower_bound(model: nn.Module, batch: Any, target: torch.device, precision: 
         breakdown[name] += nbytes
     reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     warn(f"preflight could not trace the evaluation step (stopped at {failed_op}: {reason}). The eval "
-                  "estimate is a lower bound: parameters + buffers + batch, without activations.", RuntimeWarning)  # _lower_bound, estimate_eval, its `untouched` wrapper, the caller
+         "estimate is a lower bound: parameters + buffers + batch, without activations.", RuntimeWarning)
     return Estimate(peak_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase="unknown",
                     device=str(target), coverage=Coverage(traced=False, lower_bound=True, failed_op=failed_op,
                                                           reason=reason, notes=tuple(notes)),

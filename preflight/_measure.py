@@ -13,7 +13,7 @@ from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, liv
                                model_device)
 from preflight._result import Measurement
 from preflight._run import Run, check_run
-from preflight._steps import StepFn, check_step, run_steps
+from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "lost_free_peaks", "placed_peaks", "profiled_memory_peak",
@@ -56,6 +56,7 @@ def measure(
     run = check_run(run)
     precision, schedule, steps = run.precision, run.loop, run.loop.steps
     check_step(step)
+    optimizer = with_optimizer_impl(optimizer, run.loop.optimizer_impl)
     device = model_device(model)
     wanted = run.target.device
     if wanted is not None and torch.device(wanted).type != device.type:

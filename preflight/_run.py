@@ -200,6 +200,8 @@ class Run:
             flags += ["--allocator", str(self.target.allocator)]
         if self.loop.accumulate != 1:
             flags += ["--accumulate", str(self.loop.accumulate)]
+        if self.loop.optimizer_impl is not None:
+            flags += ["--optimizer-impl", self.loop.optimizer_impl]
         if self.parallel is not None:
             flags += ["--world-size", str(self.parallel.world_size)]
             if self.parallel.sharding is not None:

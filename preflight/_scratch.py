@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Category, Event
 
-__all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "KERNEL_OPS", "scratch_ops", "calibrate", "Calibrator", "ScratchResult"]
+__all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "KERNEL_OPS", "scratch_ops", "calibrate", "Calibrator",
+           "ScratchResult"]
 
 _aten = torch.ops.aten
 # Operator -> positions of its arguments that carry the batch dimension (the rest are weights and options).

@@ -69,6 +69,11 @@ class Loop:
         grad_scaler: run the step through a loss scaler, as fp16 mixed precision on CUDA does.
         steps: optimizer steps simulated (not the run's length): 2 by default, because step 1 creates the
             optimizer state and step 2 is the steady state.
+        optimizer_impl: how the optimizer's step runs: ``"for-loop"`` (one parameter at a time), ``"foreach"``
+            (torch's multi-tensor kernels: one temporary per step the size of every parameter it updates) or
+            ``"fused"`` (one kernel, no such temporaries), set on the optimizer as torch's ``foreach=`` /
+            ``fused=`` arguments (`with_optimizer_impl`); None: as the optimizer is configured (torch's default
+            is foreach on CUDA, the for-loop on CPU).
     """
 
     accumulate: int = 1
@@ -77,9 +82,12 @@ class Loop:
     grad_scaler: bool = False
     # Two: step 1 creates the optimizer state, step 2 is the steady state every later step repeats.
     steps: int = 2
+    optimizer_impl: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", check_steps(self.steps))
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"`optimizer_impl` should be one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}.")
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"`accumulate` should be a positive integer, got {self.accumulate!r}.")
         if self.zero_grad not in ZERO_GRAD_CHOICES:
@@ -99,6 +107,41 @@ class Loop:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+OPTIMIZER_IMPLS = (None, "for-loop", "foreach", "fused")
+
+
+def with_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str | None) -> torch.optim.Optimizer:
+    """``optimizer`` as it runs with implementation ``impl`` (`Loop.optimizer_impl`): the same object when ``impl``
+    is None or already in effect, else a new optimizer of the same class over the same parameter groups and
+    hyperparameters with ``foreach``/``fused`` set, holding the same state. The user's optimizer is not changed.
+
+    Raises:
+        ValueError: the optimizer's class does not take the argument ``impl`` needs (``fused`` for SGD before torch
+            2.5, any bitsandbytes optimizer).
+    """
+    if impl is None:
+        return optimizer
+    wanted = {"for-loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True, "fused": False},
+              "fused": {"foreach": False, "fused": True}}[impl]
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    missing = [k for k, v in wanted.items() if v and k not in accepted]
+    if missing or "foreach" not in accepted:
+        raise ValueError(f"`optimizer_impl={impl!r}`: {cls.__module__}.{cls.__qualname__} does not take "
+                         f"`{(missing or ['foreach'])[0]}=`; leave optimizer_impl to None for it.")
+    wanted = {k: v for k, v in wanted.items() if k in accepted}
+    # foreach=None is torch's default for the device (foreach on CUDA), not False; fused=None is False.
+    if all(group.get(k) == v or (k == "fused" and not v and not group.get(k)) for group in optimizer.param_groups
+           for k, v in wanted.items()):
+        return optimizer
+    groups = [{**{k: v for k, v in group.items()}, **wanted} for group in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("params", "self")}
+    changed = cls(groups, **{**defaults, **wanted})
+    for p, state in optimizer.state.items():
+        changed.state[p] = state
+    return changed
 
 
 class LossNotFoundError(ValueError):
@@ -204,7 +247,8 @@ def _find_loss(out: Any, *, requiring_grad: bool = True) -> torch.Tensor | None:
         candidate = out["loss"]
     elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         candidate = out[0]
-    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and (candidate.requires_grad or not requiring_grad):
+    wanted = isinstance(candidate, torch.Tensor) and candidate.numel() == 1
+    if wanted and (candidate.requires_grad or not requiring_grad):
         return candidate.reshape(()) if requiring_grad else candidate
     return None
 
@@ -232,7 +276,8 @@ def run_steps(
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
     ``before_backward(loss)`` just before each ``loss.backward()``."""
-    with torch.inference_mode(False), torch.enable_grad():  # a training step records gradients, whatever the caller's mode
+    # A training step records gradients, whatever the caller's mode.
+    with torch.inference_mode(False), torch.enable_grad():
         _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
                    schedule=schedule, on_phase=on_phase, before_backward=before_backward)
 

@@ -429,3 +429,36 @@ def test_suggestions_compose_as_changes_of_the_run():
     assert both.precision == "bf16-true" and both.loop.accumulate == micro.change["accumulate_grad_batches"]
     assert bf16.to_dict()["run_changes"] == {"precision": "bf16-true"}
     assert "--precision bf16-true" in " ".join(bf16.to_dict()["cli_flags"])
+
+
+def test_the_optimizer_implementation_is_a_described_change_and_suggested_when_it_lowers_the_peak():
+    """torch's default optimizer step on CUDA (foreach) holds a temporary the size of the parameters it updates; the
+    fused step does not. `Loop(optimizer_impl=...)` plans it (same figure as an optimizer built with fused=True /
+    foreach=False), and advise offers it, as a changed run, where it lowers the peak."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    batch = torch.randn(8, 256)
+    step = lambda m, b: m(b).sum()  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters())
+    gpu = preflight.Target(gpu="H100-80GB")
+    by_run = {impl: preflight.estimate(model, opt, batch, preflight.Run(target=gpu, loop=preflight.Loop(
+        optimizer_impl=impl)), step=step).peak_bytes for impl in (None, "foreach", "for-loop", "fused")}
+    by_optimizer = {impl: preflight.estimate(model, torch.optim.AdamW(model.parameters(), **kwargs), batch,
+                                             preflight.Run(target=gpu), step=step).peak_bytes
+                    for impl, kwargs in (("for-loop", {"foreach": False}), ("fused", {"fused": True}))}
+    assert by_run["foreach"] == by_run[None] > by_run["for-loop"] == by_optimizer["for-loop"]
+    assert by_run["fused"] == by_optimizer["fused"] < by_run[None]
+    assert opt.defaults.get("fused") is None and not opt.state  # the user's optimizer is not changed
+    # On CPU the measured peak agrees with the plan.
+    cpu = preflight.Run(loop=preflight.Loop(optimizer_impl="fused"))
+    assert preflight.estimate(model, opt, batch, cpu, step=step).peak_bytes == \
+        preflight.measure(model, opt, batch, cpu, step=step).peak_bytes
+    suggestions = preflight.advise(model, opt, batch, preflight.Run(target=preflight.Target(
+        gpu="H100-80GB", budget=by_run[None])), step=step, headroom=0.0)
+    fused = next(s for s in suggestions if s.change == {"optimizer_impl": "fused"})
+    assert fused.predicted_peak_bytes == by_run["fused"] and fused.fits
+    assert fused.run_changes == {"loop": {"optimizer_impl": "fused"}} and "--optimizer-impl" in fused.run.cli_flags()
+    with pytest.raises(ValueError, match="optimizer_impl"):
+        preflight.Loop(optimizer_impl="fast")

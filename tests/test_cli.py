@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 import sys
 import textwrap
 
@@ -692,3 +693,14 @@ def test_a_launchers_traceback_after_the_verdict_is_one_line_and_a_log(tmp_path)
     assert open(log).read().count('File "launcher.py"') == 30
     os.unlink(log)
     assert "exiting with status 3" in done.stderr  # preflight's own held-back line is shown
+
+
+def test_optimizer_impl_flag_plans_the_fused_step(config):
+    peaks = {}
+    for impl in (None, "fused"):
+        args = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--gpu", "H100-80GB", "--no-suggest"]
+        args += ["--optimizer-impl", impl] if impl else []
+        done = run_cli(*args, "--json", str(Path(config).parent / f"{impl}.json"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks[impl] = json.loads((Path(config).parent / f"{impl}.json").read_text())["peak_bytes"]
+    assert peaks["fused"] < peaks[None]

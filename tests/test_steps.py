@@ -101,3 +101,15 @@ def test_a_loss_without_gradient_says_why_not_include_labels():
     with pytest.raises(LossNotFoundError, match="all frozen") as caught:
         preflight.estimate(frozen, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), batch, step=step)
     assert "labels" not in str(caught.value)
+
+
+def test_an_optimizer_without_the_implementation_is_refused_by_name():
+    from preflight._steps import with_optimizer_impl
+
+    params = [nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="LBFGS does not take `fused=`"):
+        with_optimizer_impl(torch.optim.LBFGS(params), "fused")
+    opt = torch.optim.AdamW(params, foreach=False)
+    assert with_optimizer_impl(opt, "for-loop") is opt and with_optimizer_impl(opt, None) is opt
+    fused = with_optimizer_impl(opt, "fused")
+    assert fused is not opt and fused.param_groups[0]["fused"] and not opt.param_groups[0].get("fused")

@@ -419,5 +419,5 @@ def _run_or_warn(sweep: Sweep) -> list[str]:
         return sweep.run()
     except Exception as err:  # noqa: BLE001 - never crash the user's run; say what could not be checked
         warn(f"preflight could not check that its trace left no fake tensors behind ({type(err).__name__}: "
-                      f"{err}); if later real steps fail on FakeTensors, please report it.", RuntimeWarning)
+             f"{err}); if later real steps fail on FakeTensors, please report it.", RuntimeWarning)
         return []

@@ -37,7 +37,8 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "shadow_value", "phase_bookkeeping", "preserved_state", "trace_steps"]
+__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "phase_bookkeeping", "preserved_state", "shadow_value",
+           "trace_steps"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -395,8 +395,12 @@ def _tune(trainer: Trainer, run: Run, options: Options, max_batch_size: int | No
     device = _device(model)
     run = pinned(run.over(Run(precision=_precision(args), loop=_schedule(trainer, args))), device)
     budget = run_budget(run, model)
+    # transformers 5 names the property is_activation_checkpointing (reading the old name warns).
+    enabled = getattr(model, "is_activation_checkpointing", None)
+    if enabled is None:
+        enabled = getattr(model, "is_gradient_checkpointing", False)
     if (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)) and \
-            not getattr(model, "is_gradient_checkpointing", False):
+            not enabled:
         warn("preflight autotune: TrainingArguments asks for activation checkpointing, which Trainer.train() "
              "applies later; the batch size is tuned without it (call model.gradient_checkpointing_enable() "
              "first to tune with it).", RuntimeWarning)

@@ -136,7 +136,7 @@ def with_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str | None) -> t
     if all(group.get(k) == v or (k == "fused" and not v and not group.get(k)) for group in optimizer.param_groups
            for k, v in wanted.items()):
         return optimizer
-    groups = [{**{k: v for k, v in group.items()}, **wanted} for group in optimizer.param_groups]
+    groups = [{**group, **wanted} for group in optimizer.param_groups]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("params", "self")}
     changed = cls(groups, **{**defaults, **wanted})
     for p, state in optimizer.state.items():

@@ -48,6 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from preflight._warnings import warn
 from preflight.trace import _interrupts as interrupts
+from preflight.trace._tracker import _is_fake
 
 __all__ = ["Sweep", "clear_traceback_frames", "swept"]
 
@@ -105,6 +106,10 @@ class Sweep:
             self._before.clear()
             return notes
         notes += _repair(alive, self._globals, self._before)
+        if self._before.unlooked:
+            notes.append(f"{self._before.unlooked} real tensor(s) the step read came after the first "
+                         f"{_Before.LOOKUPS}, whose holders were recorded: a slot of theirs the trace rebound was "
+                         "repaired as any leftover (entry removed, attribute deleted), not given its tensor back")
         self._before.clear()
         del alive
         gc.collect()
@@ -198,14 +203,8 @@ class _Before:
         self._containers.clear()
 
 
-def _is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, dict]],
-            before: _Before | None = None) -> list[str]:
+            before: _Before) -> list[str]:
     notes: list[str] = []
     done: set[int] = set()
     targets = list(alive)
@@ -228,7 +227,7 @@ def _repair(alive: list[Any], module_globals: dict[int, tuple[types.ModuleType, 
         ignore.add(id(walk_up))
         for holder in holders:
             done.add(id(holder))
-            note = _repair_holder(holder, target_ids, module_globals, owners, before or _Before())
+            note = _repair_holder(holder, target_ids, module_globals, owners, before)
             if note is None and isinstance(holder, (tuple, frozenset)):
                 walk_up.append(holder)  # an immutable container: repair whatever holds it
             elif note:

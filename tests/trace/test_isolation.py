@@ -225,3 +225,17 @@ def test_optimizer_in_backward_hooks_are_carried_to_the_trace():
     measured = preflight.measure(model, placeholder, batch, step=step)
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes
     assert est.breakdown["gradients"] == 0  # freed by the hooks before the optimizer phase
+
+
+def test_past_the_lookup_limit_a_rebound_slot_is_repaired_as_a_leftover_and_said(monkeypatch):
+    from preflight.trace import _leftovers
+
+    monkeypatch.setattr(_leftovers._Before, "LOOKUPS", 0)
+    model = Touchy()
+    try:
+        estimate = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), _batch(), step=None)
+        assert "pos" not in STATE  # removed, not given its tensor back: the documented fallback
+        assert any("came after the first 0" in n for n in estimate.coverage.notes)
+        assert COUNTER.item() == 0  # the tensor itself is still never written
+    finally:
+        STATE["pos"], HELPER.t = torch.zeros(1), torch.zeros(2)

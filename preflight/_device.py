@@ -6,6 +6,8 @@ them runs and is tested on CPU; tests of the CUDA paths carry the ``requires_cud
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -16,7 +18,7 @@ __all__ = [
     "planned",
     "planned_fill",
     "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
-    "live_storages", "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
+    "live_storages", "map_held_tensors", "held_tensors", "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
 ]
 
 
@@ -159,3 +161,78 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v) for v in obj)
     return obj
+
+
+def map_held_tensors(t: torch.Tensor, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+    """The public attributes of a parameter subclass, with each tensor ``x`` held in them replaced by
+    ``fn(path, x)``: bitsandbytes' ``Params4bit.quant_state`` (``absmax``, ``code``, the nested ``state2``) and
+    ``Int8Params.CB`` / ``SCB`` are memory the weight holds on the device beside its own storage. Plain objects
+    that hold tensors (``QuantState``) are copied with theirs replaced; anything else (``blocksize``, the
+    ``module`` a weight names) is returned as it is. Empty for a plain tensor or parameter."""
+    if type(t) in (torch.Tensor, nn.Parameter) or type(t).__name__ == "FakeTensor":
+        return {}
+    attributes: dict[str, Any] = {}
+    for name, value in _public_attributes(t):
+        mapped = _map_held(value, f".{name}", fn, {}, 0)
+        attributes[name] = value if mapped is _NOTHING else mapped
+    return attributes
+
+
+def held_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors `map_held_tensors` finds on ``t``, with their attribute paths (``.quant_state.absmax``)."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def keep(path: str, x: torch.Tensor) -> torch.Tensor:
+        found.append((path, x))
+        return x
+
+    map_held_tensors(t, keep)
+    return found
+
+
+_NOTHING = object()
+
+
+def _map_held(value: Any, path: str, fn: Callable[[str, torch.Tensor], torch.Tensor], seen: dict[int, Any],
+              depth: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(path, value)
+    if depth >= 4 or not _holds_attributes(value):
+        return _NOTHING
+    if id(value) in seen:
+        return seen[id(value)]
+    seen[id(value)] = value
+    changes = {}
+    found = False
+    for name, item in _public_attributes(value):
+        mapped = _map_held(item, f"{path}.{name}", fn, seen, depth + 1)
+        if mapped is not _NOTHING:
+            found = True
+            if mapped is not item:
+                changes[name] = mapped
+    if not found:
+        return _NOTHING
+    if changes:
+        clone = copy.copy(value)
+        vars(clone).update(changes)
+        seen[id(value)] = clone
+        return clone
+    return value
+
+
+def _public_attributes(obj: Any) -> list[tuple[str, Any]]:
+    try:
+        return [(k, v) for k, v in vars(obj).items() if not k.startswith("_")]
+    except TypeError:  # no __dict__
+        return []
+
+
+def _holds_attributes(value: Any) -> bool:
+    """An instance of a Python class with its own ``__dict__`` (a ``QuantState``): not a module, tensor, class,
+    function or module object."""
+    if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    try:
+        return type(vars(value)) is dict
+    except TypeError:
+        return False

@@ -139,7 +139,7 @@ def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precis
     run.finish()
     return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
                        seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
-                       notes=run.notes + tracker.random_notes() +
+                       notes=run.notes + tracker.assumption_notes() +
                        ([tracker.layouts.note()] if tracker.layouts is not None and tracker.layouts.note() else []))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, live_storages, map_tensors,
+from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, held_tensors, live_storages, map_tensors,
                                model_device)
 from preflight._result import Measurement
 from preflight._run import Run, check_run
@@ -296,6 +296,7 @@ def session_peak(events: list[tuple[int, int]], resident: Mapping[int, int] | No
 def _live_before(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                  device: torch.device) -> dict[int, int]:
     tensors = [list(model.parameters()), list(model.buffers()), batch]
+    tensors.append([held for p in model.parameters() for _, held in held_tensors(p)])  # quantisation state
     tensors.append([p.grad for p in model.parameters() if p.grad is not None])
     tensors.append([list(s.values()) for s in optimizer.state.values()])
     return live_storages(tensors, device)

@@ -283,7 +283,8 @@ def trace_rank(
             op_log.append((index, len(tracker.events), func, torch.utils._pytree.tree_map(TensorSpec.of, args),
                            torch.utils._pytree.tree_map(TensorSpec.of, kwargs)))
 
-    tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None)
+    tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None,
+                             cuda=cuda is not None)
     sweep.watch(tracker.tensors)
     tracker.on_adopt = sweep.remember
     twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))
@@ -322,6 +323,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             return result(err, f"{engine.name} ({type(err).__name__})")
         for p in engine.parameters(wrapped):
             tracker.register(p, Category.PARAMETERS)
+        for _, held in twins.carried:  # a quantised weight's state, held whole by each rank
+            tracker.register(held, Category.PARAMETERS)
         for b in wrapped.buffers():
             tracker.register(b, Category.BUFFERS)
         fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
@@ -356,7 +359,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
         raise mark_user_error(user_error)
     if tracker.layouts is not None and tracker.layouts.note():
         notes.append(tracker.layouts.note())
-    notes.extend(tracker.random_notes())
+    notes.extend(tracker.assumption_notes())
     if tracker.routing.note():
         notes.append(tracker.routing.note())
     return result(error, failed)

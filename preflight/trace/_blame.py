@@ -128,8 +128,8 @@ def _is_ours(filename: str) -> bool:
 
 
 def _about_a_fake(err: BaseException) -> bool:
-    """Whether ``err`` is about a fake tensor itself (``'FakeTensor' object has no attribute 'CB'``: the real
-    parameter is bitsandbytes' ``Int8Params``, its twin a plain fake)."""
+    """Whether ``err`` is about a fake tensor itself (``'FakeTensor' object has no attribute 'scale'``: an
+    attribute the real tensor has that its twin lacks, such as one set on a batch tensor)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(getattr(err, "obj", None), FakeTensor) or "FakeTensor" in str(err)

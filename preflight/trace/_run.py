@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.trace._compat import real_run_paths
@@ -30,6 +32,7 @@ from preflight.trace._blame import is_user_error, mark_user_error
 from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
 from preflight.trace._step_checks import kernel_dtype_error
 from preflight.trace._leftovers import Sweep, swept
+from preflight.trace._library_kernels import layer_notes
 from preflight.trace._process import isolated_process, isolated_rng
 from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
@@ -37,7 +40,7 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "phase_bookkeeping", "preserved_state", "shadow_value",
+__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value",
            "trace_steps"]
 
 
@@ -186,7 +189,7 @@ def trace_steps(
                          "placeholders were used (they change arithmetic, not which tensors exist)")
     if tracker.routing.note():
         run.notes.append(tracker.routing.note())
-    run.notes.extend(tracker.random_notes())
+    run.notes.extend(tracker.assumption_notes())
     if tracker.layouts is not None and tracker.layouts.note():
         run.notes.append(tracker.layouts.note())
     run.finish()
@@ -253,14 +256,15 @@ class FakeRun:
                  sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced",
                  layouts: bool = False, cuda: CudaTarget | None = None) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts)
+        self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts,
+                                      cuda=cuda is not None)
         sweep.watch(self.tracker.tensors)
         self.tracker.on_adopt = sweep.remember
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
         self.tracker.twin_of = self.twins.existing
         self.state = self.twins.module_state(model)
         self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)
-        self.notes: list[str] = []
+        self.notes: list[str] = layer_notes(model, cuda is not None)
         self.cuda = cuda
         self.error: BaseException | None = None
         self.failed_op: str | None = None
@@ -271,6 +275,9 @@ class FakeRun:
             if getattr(p, "_post_accumulate_grad_hooks", None) and optimizers is None:
                 optimizers = _optimizers_by_parameter()
             carry_parameter_hooks(p, self.state[name], self.notes, sweep, (optimizers or {}).get(id(p), []))
+        for path, twin in self.twins.carried:  # a quantised weight's state (absmax, code): held with the weight
+            self.tracker.register(twin, Category.PARAMETERS)
+            self.tracker.names[twin] = f"quantisation state {path}"
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
             self.tracker.names[self.state[name]] = f"buffer '{name}'"
@@ -292,6 +299,7 @@ class FakeRun:
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
                 preserved_state(model, self.notes), real_run_paths(self.notes, self.tracker.host_array), \
                 handled_fake_tensor_errors(), emulation as emulated, self.fake_mode, self.tracker, \
+                counted_rng_snapshots(self.tracker, host=self.cuda is None), \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
             try:
@@ -318,6 +326,33 @@ class FakeRun:
     def finish(self) -> None:
         """Stop listening for frees: the events after the user's code are not part of any peak."""
         self.tracker.detach()
+
+
+@contextlib.contextmanager
+def counted_rng_snapshots(tracker: StorageTracker, *, host: bool) -> Iterator[None]:
+    """Count the CPU generator's state each ``torch.get_rng_state()`` of the traced code returns, for as long as
+    the snapshot lives, when the target is the host: activation checkpointing keeps one per checkpointed region
+    from its forward to its recomputation (``preserve_rng_state``, ``torch/utils/checkpoint.py``), 5,056 bytes of
+    host memory each that no operator allocates. On a CUDA target the snapshots (of the CUDA generators too) are
+    host memory and not counted. Only the tracing thread's calls count."""
+    if not host:
+        yield
+        return
+    real_get = torch.get_rng_state
+    held: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get_rng_state() -> torch.Tensor:
+        state = real_get()
+        if _get_current_dispatch_mode() is tracker:
+            # A stand-in of the snapshot's size, allocated as an operator of the trace, freed with the snapshot.
+            held[state] = torch.empty(state.untyped_storage().nbytes(), dtype=torch.uint8, device="cpu")
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = real_get
 
 
 def carry_parameter_hooks(real: torch.Tensor, twin: torch.Tensor, notes: list[str], sweep: Sweep,

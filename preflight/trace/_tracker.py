@@ -15,9 +15,9 @@ per tensor.
 Tensors made from host data (``torch.tensor(ndarray)``, lists, ``arange``, ``full``) have known values and are
 shadowed too; a boolean mask with a shadow can index (``x[mask]``), in forward and backward. Small draws of
 uniform random operators (``torch.rand([]) < layerdrop``) get a synthetic shadow at the top of their range, so
-the trace takes the worst case for memory (every LayerDrop layer kept); `random_notes` says where that was read.
+the trace takes the worst case for memory (every LayerDrop layer kept); `assumption_notes` says where that was read.
 
-Two more stated assumptions about values computed from parameters, each named with its line in `random_notes`:
+Two more stated assumptions about values computed from parameters, each named with its line in `assumption_notes`:
 ``x.all()`` over them is True (sanity checks of a healthy run: ``if not torch.isfinite(h).all()``), and handed
 to NumPy they are zeros (DETR's Hungarian matching in scipy: the matches' count, not their values, sizes memory).
 
@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 
 from preflight.trace import _interrupts as interrupts
 from preflight.trace._fake_kernels import FAKE_KERNELS
+from preflight.trace._library_kernels import composite_kernel
 from preflight._errors import StepWouldFailError
 from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._layouts import LayoutCalibration
@@ -98,9 +99,13 @@ class StorageTracker(TorchDispatchMode):
     """
 
     def __init__(self, fake_mode: Any, on_op: Callable[..., None] | None = None, routing: str = "balanced",
-                 layouts: bool = False) -> None:
+                 layouts: bool = False, cuda: bool = False) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        # Library operators run as the target's kernel composes them (`preflight.trace._library_kernels`).
+        self.cuda = cuda
+        self._composites: dict[Any, Any] = {}
+        self._kernel_notes: dict[str, int] = {}
         # The real CPU kernel's output layouts (`preflight.trace._layouts`): only meaningful when the target is the CPU.
         self.layouts = LayoutCalibration() if layouts else None
         self.on_op = on_op
@@ -368,6 +373,14 @@ class StorageTracker(TorchDispatchMode):
             self._settle_in_place()
         if func not in _LIFTS:  # a lift's real argument is a constant the step just made (torch.tensor(0.0))
             args, kwargs = self._adopt(args, kwargs)
+        composite = self._composite(func)
+        if composite is not None:  # its operators are traced one by one
+            run, note = composite
+            text = note(*args, **kwargs)
+            if text is not None:
+                self._kernel_notes[text] = self._kernel_notes.get(text, 0) + 1
+            with self:
+                return run(*args, **kwargs)
         try:
             out = self._dispatch(func, args, kwargs)
         except Exception as exc:
@@ -383,6 +396,11 @@ class StorageTracker(TorchDispatchMode):
         if self.on_op is not None:
             self.on_op(index, func, args, kwargs, out)
         return out
+
+    def _composite(self, func: Any) -> Any:
+        if func not in self._composites:
+            self._composites[func] = composite_kernel(func, self.cuda)
+        return self._composites[func]
 
     def _adopt(self, args: Any, kwargs: dict) -> tuple[Any, dict]:
         """``args`` and ``kwargs`` with every real tensor replaced by its fake twin, so that no operator of the trace
@@ -571,7 +589,7 @@ class StorageTracker(TorchDispatchMode):
     def _shadow_random_draw(self, func: Any, args: Any, kwargs: dict, out: Any) -> None:
         """A small draw of a uniform random operator gets a shadow at the top of its range (``torch.rand`` just
         below 1, ``randint`` ``high - 1``): ``torch.rand([]) < layerdrop`` is False, so every layer is kept, the
-        worst case for memory. Where such a value is read is reported by `random_notes`."""
+        worst case for memory. Where such a value is read is reported by `assumption_notes`."""
         if not isinstance(out, torch.Tensor) or out.numel() > _DRAW_MAX_NUMEL:
             self._forget_mutated(func, args, kwargs)
             return
@@ -600,7 +618,7 @@ class StorageTracker(TorchDispatchMode):
 
     def host_array(self, fake: torch.Tensor) -> Any:
         """The NumPy array the real run would make of ``fake``: its shadow's values, else zeros of its shape and
-        dtype (values computed from parameters cannot be known; the line is named in `random_notes`). Zeros keep
+        dtype (values computed from parameters cannot be known; the line is named in `assumption_notes`). Zeros keep
         every shape that does not depend on the values, e.g. the matches of DETR's Hungarian matcher."""
         import numpy as np
 
@@ -618,16 +636,17 @@ class StorageTracker(TorchDispatchMode):
         """``x.all()`` over values the trace cannot know is taken as True. Training code reads it for sanity
         checks that hold in a healthy run (DETR: ``if not torch.isfinite(h).all(): clamp``; the detection loss:
         ``if not (boxes[:, 2:] >= boxes[:, :2]).all(): raise``), and preflight predicts a healthy run. Each line
-        that read such a value is named in `random_notes`."""
+        that read such a value is named in `assumption_notes`."""
         if func is not torch.ops.aten.all.default or len(outs) != 1:
             return
         with _disable_current_modes():
             self.shadow(outs[0], torch.ones((), dtype=torch.bool))
         self._drawn[outs[0]] = _ASSUMED_CHECK
 
-    def random_notes(self) -> list[str]:
-        """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`)."""
-        return [f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
+    def assumption_notes(self) -> list[str]:
+        """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`), per line that
+        read unknown values into NumPy, and per assumed kernel choice of a library operator."""
+        return [f"{text} ({n} call(s))" for text, n in self._kernel_notes.items()] + [f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
                 "a healthy run, e.g. finite values)" if drawn == _ASSUMED_CHECK else
                 f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
                 "at the top of its range (every layer kept: the worst case for memory)"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import map_tensors
+from preflight._device import map_held_tensors, map_tensors
 
 __all__ = ["TwinMaker", "clone_optimizer", "float_dtype_for"]
 
@@ -31,6 +31,9 @@ class TwinMaker:
         self.cast_dtype = cast_dtype
         self._memo: dict[int, torch.Tensor] = {}
         self._keep: list[torch.Tensor] = []  # keep originals alive so ids stay unique while memoised
+        # Tensors carried by a parameter subclass's attributes (a 4-bit weight's quantisation state): memory the
+        # weight holds on the device, (description, twin) in the order made.
+        self.carried: list[tuple[str, torch.Tensor]] = []
 
     def tensor(self, t: torch.Tensor, *, cast: bool = True, requires_grad: bool | None = None) -> torch.Tensor:
         """A fake twin of ``t`` (the same twin for the same ``t``)."""
@@ -51,6 +54,17 @@ class TwinMaker:
             twin.requires_grad_(True)
         self._memo[key] = twin
         self._keep.append(t)
+        for name, value in map_held_tensors(t, self._carry).items():
+            setattr(twin, name, value)
+        return twin
+
+    def _carry(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        """The twin of a tensor a parameter subclass holds (`preflight._device.map_held_tensors`)."""
+        known = self.existing(t)
+        if known is not None:
+            return known
+        twin = self.tensor(t, cast=False, requires_grad=False)
+        self.carried.append((path, twin))
         return twin
 
     def existing(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -543,24 +543,21 @@ def flags_and_modes() -> Result:
 
 
 def library_fails_on_fakes() -> Result:
-    class Int8Params(nn.Parameter):
-        pass
-
-    # A layer that fails only where its weight lacks the real subclass's attribute (bitsandbytes' Int8Params.CB).
-    # Its code must live in a library, not in the user's files: write it into a site-packages folder.
+    # A layer that fails only on fake tensors: a C kernel called through ctypes refusing a tensor without data.
+    # (A weight lacking its real subclass's attributes, bitsandbytes' Int8Params.CB, no longer fails: a twin
+    # carries them.) Its code must live in a library, not in the user's files: write it into a site-packages folder.
     root = os.path.join(_tmp(), "site-packages", "quantlib_probe")
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "__init__.py"), "w") as f:
         f.write("import torch\nfrom torch import nn\n\nclass QuantLinear(nn.Linear):\n    def forward(self, x):\n"
-                "        return super().forward(x) * self.weight.CB\n")
+                "        if x.data_ptr() == 0:\n            raise RuntimeError('null data pointer')\n"
+                "        return super().forward(x)\n")
     sys.path.insert(0, os.path.dirname(root))
     try:
         import quantlib_probe
     finally:
         sys.path.pop(0)
     layer = quantlib_probe.QuantLinear(8, 1)
-    layer.weight = Int8Params(layer.weight.data)
-    layer.weight.CB = torch.ones(1)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     try:
         report = _quietly(lambda: preflight.check(layer, opt, torch.randn(4, 8), step=sum_step,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 from pathlib import Path
 import sys
@@ -656,6 +657,10 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(config):
     child = subprocess.Popen([sys.executable, "-m", "preflight", "estimate", "--hf-config", config, "--batch", "2",
                               "--seq", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(delay)
+    maps = pathlib.Path(f"/proc/{child.pid}/maps")
+    deadline = time.monotonic() + 30
+    while maps.exists() and "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a loaded machine: wait until torch is being imported (the handler is set before that)
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=120)
     if child.returncode == 0:

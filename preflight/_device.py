@@ -17,8 +17,9 @@ from torch import nn
 __all__ = [
     "planned",
     "planned_fill",
-    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "iter_tensors", "live_storage_bytes",
-    "live_storages", "map_held_tensors", "held_tensors", "map_tensors", "model_device", "named_tensors", "resolve_device", "trace_device_for",
+    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "held_tensors", "is_plain_object",
+    "iter_tensors", "live_storage_bytes", "live_storages", "map_held_tensors", "map_tensors", "model_device",
+    "named_tensors", "resolve_device", "trace_device_for",
 ]
 
 
@@ -197,7 +198,7 @@ def _map_held(value: Any, path: str, fn: Callable[[str, torch.Tensor], torch.Ten
               depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(path, value)
-    if depth >= 4 or not _holds_attributes(value):
+    if depth >= 4 or not is_plain_object(value):
         return _NOTHING
     if id(value) in seen:
         return seen[id(value)]
@@ -227,9 +228,9 @@ def _public_attributes(obj: Any) -> list[tuple[str, Any]]:
         return []
 
 
-def _holds_attributes(value: Any) -> bool:
-    """An instance of a Python class with its own ``__dict__`` (a ``QuantState``): not a module, tensor, class,
-    function or module object."""
+def is_plain_object(value: Any) -> bool:
+    """An instance of a Python class with its own ``__dict__`` (a ``QuantState``, a model's config, a helper that
+    caches on itself): not a module, tensor, class, function or module object."""
     if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
         return False
     try:

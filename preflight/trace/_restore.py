@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from preflight._device import is_plain_object
 
 __all__ = ["NotRestoredError", "restored_module"]
 
@@ -81,7 +82,7 @@ def _snapshot(model: nn.Module) -> _Snapshot:
     seen: set[int] = set()
     for module in model.modules():
         # The module, its config, and the plain objects it refers to (a helper that caches on itself).
-        for obj in (module, *(v for v in module.__dict__.values() if _is_plain_object(v))):
+        for obj in (module, *(v for v in module.__dict__.values() if is_plain_object(v))):
             if id(obj) not in seen:
                 seen.add(id(obj))
                 objects.append(obj)
@@ -91,16 +92,6 @@ def _snapshot(model: nn.Module) -> _Snapshot:
         tables = {k: list(v.items()) for k, v in attrs.items() if isinstance(v, dict)}
         entries.append((obj, attrs, tables))
     return _Snapshot(entries, [(p, p.requires_grad) for p in model.parameters()])
-
-
-def _is_plain_object(value: Any) -> bool:
-    """An instance of a Python class with its own ``__dict__``: not a module, tensor, class or function."""
-    if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
-        return False
-    try:
-        return type(vars(value)) is dict
-    except TypeError:  # no __dict__
-        return False
 
 
 def _same_items(table: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> bool:

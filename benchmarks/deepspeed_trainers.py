@@ -96,6 +96,7 @@ if with_callback:
                partitioned=sum(hasattr(p, "ds_tensor") for p in model.parameters()))
 with open(f"rank{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
+torch.distributed.destroy_process_group()  # gloo's threads otherwise may abort the exit (pytorch#190489)
 """
 
 LIGHTNING_SCRIPT = """
@@ -165,6 +166,8 @@ if with_callback:
                eval_measured=r.eval_measured_peak_bytes, eval_error=r.eval_relative_error)
 with open(f"rank{trainer.global_rank}.json", "w") as f:
     json.dump(out, f)
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()  # gloo's threads otherwise may abort the exit (pytorch#190489)
 """
 
 ACCELERATE_SCRIPT = """
@@ -206,6 +209,7 @@ for i, batch in enumerate(loader):
 with open(f"rank{torch.distributed.get_rank()}.json", "w") as f:  # accelerate counts one process here
     json.dump({"fits": report.fits, "error": report.relative_error, "notes": report.coverage["notes"],
                "predicted": report.predicted_peak_bytes, "measured": report.measured_peak_bytes, "steps": i + 1}, f)
+torch.distributed.destroy_process_group()  # gloo's threads otherwise may abort the exit (pytorch#190489)
 """
 TEARDOWN_ABORT = "terminate called without an active exception"
 SCRIPTS = {"hf": HF_SCRIPT, "lightning": LIGHTNING_SCRIPT, "accelerate": ACCELERATE_SCRIPT}

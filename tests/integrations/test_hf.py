@@ -290,6 +290,7 @@ callback = PreflightCallback(Run(target=Target(budget="2GiB")), verify_steps=2, 
 Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids], callbacks=[callback]).train()
 r = callback.report
 open(f"rank{dist.get_rank()}.json", "w").write(json.dumps({"error": r.relative_error, "notes": r.coverage["notes"]}))
+dist.destroy_process_group()  # without it gloo's threads may abort the interpreter's exit (pytorch/pytorch#190489)
 """
 
 

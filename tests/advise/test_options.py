@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import preflight
-import preflight._advise as advise_module
-from preflight._advise import Suggestion, advise, batch_size_of, resize_batch
+import preflight.advise._options as advise_module
+from preflight.advise import Suggestion, advise, batch_size_of, resize_batch
 
 VOCAB = 1000
 BATCH = 8
@@ -160,7 +160,7 @@ def test_ranking_and_other_options(gpt2_advice):
     model, opt, batch, _, suggestions = gpt2_advice
     fits = [s.fits for s in suggestions]
     assert fits == sorted(fits, reverse=True)  # those that fit come first
-    order = advise_module._COST_ORDER
+    order = advise_module.COST_ORDER
     ranks = [order.index(_kind(s)) for s in suggestions if s.fits]
     assert ranks == sorted(ranks)  # then the cheapest
     baseline = preflight.estimate(model, opt, batch)
@@ -286,7 +286,7 @@ def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
     batch = lm_batch(2)
     base = preflight.estimate(model, opt, batch).peak_bytes
     suggestions = advise(model, opt, batch, run=preflight.Run(target=preflight.Target(budget=base // 2)))
-    offered = [s for s in suggestions if s.change.get("optim_bits") == 8]
+    offered = [s for s in suggestions if s.change.get("optim_bits") == 8 and len(s.changes) == 1]  # alone
     if optim_bits == 8:
         assert not offered and not any("optimizer" in s.change for s in suggestions)
         return
@@ -385,7 +385,7 @@ def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
 
     from conftest import Stack
 
-    import preflight._advise as advising
+    import preflight.advise._setup as advising
 
     wrapped = []
     checkpointed = advising._checkpointed

@@ -313,7 +313,7 @@ def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, c
     flags can say it."""
     import dataclasses
 
-    from preflight.advise import advise
+    from preflight.advice import advise
 
     run = run.replace(target=dataclasses.replace(run.target, budget=budget))
     with _progress("ranking changes that would fit, alone and combined (--no-suggest skips this)"):
@@ -505,7 +505,9 @@ def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any
     except Exception as err:  # noqa: BLE001 - whatever transformers raises building from the user's config is its error
         raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {_one_line(err)}") from None
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from preflight.advice._setup import enable_checkpointing
+
+        enable_checkpointing(model)  # as advise switches it on: non-reentrant, under either name transformers has
     if args.lora_r:
         model = _lora(model, args)
     params = [p for p in model.parameters() if p.requires_grad]

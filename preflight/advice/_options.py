@@ -2,7 +2,7 @@
 
 A suggestion is the run's description changed (`Suggestion.run`: precision, loop, target or parallel plan), plus,
 where the change is to the model, the optimizer or the batch, what to change there (`Suggestion.change`).
-Every option is applied to a trace, never to the user's objects for good (`preflight.advise._setup`): a smaller
+Every option is applied to a trace, never to the user's objects for good (`preflight.advice._setup`): a smaller
 micro-batch is traced with gradient accumulation, activation checkpointing is switched on for the trace and
 switched back (every module's attributes and hook tables restored, then checked), an 8-bit optimizer is built over
 the same parameters, LoRA is traced on a copy of the architecture built on the meta device (no weights copied),
@@ -34,8 +34,8 @@ from preflight._run import Run, check_run, pinned, run_budget
 from preflight._steps import StepFn
 from preflight._units import format_bytes
 from preflight._warnings import warn
-from preflight.advise._combine import combine
-from preflight.advise._setup import (
+from preflight.advice._combine import combine
+from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
     checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need, offload_move,
     precision_moves, repeated_blocks, resize_batch,
@@ -95,7 +95,7 @@ def advise(
     - ``fused`` and ``for-loop``: the optimizer step's implementation (`preflight.Loop.optimizer_impl`), when the
       optimizer's class takes it and it lowers the peak (torch's default on CUDA, foreach, holds temporaries the
       size of every parameter it updates).
-    - A combination of the changes above (`preflight.advise._combine`), when no single change fits, or when
+    - A combination of the changes above (`preflight.advice._combine`), when no single change fits, or when
       cheaper changes together fit where only a costlier single one does: the changes are added cheapest first
       while each lowers the peak, the ones found unneeded are dropped, and a micro-batch among them is raised to
       the largest that fits. Its description says how many set-ups were traced and how long it took.

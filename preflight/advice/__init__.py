@@ -7,6 +7,6 @@ together fit where a single costly one would. Both trace copies or switched-back
 for good; imports go to `estimate`, `autotune` and `trace`, nothing here is imported by them.
 """
 
-from preflight.advise._options import Suggestion, advise, batch_size_of, repeated_blocks, resize_batch
+from preflight.advice._options import Suggestion, advise, batch_size_of, repeated_blocks, resize_batch
 
 __all__ = ["Suggestion", "advise", "batch_size_of", "repeated_blocks", "resize_batch"]

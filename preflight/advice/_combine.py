@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from preflight._units import format_bytes
-from preflight.advise._setup import Move, Suggestion, _Setup, batch_size_of, need
+from preflight.advice._setup import Move, Suggestion, _Setup, batch_size_of, need
 
 _PASSES = 3
 

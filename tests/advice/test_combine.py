@@ -12,8 +12,8 @@ import torch
 import preflight
 from preflight import Loop, Run, Target
 from preflight._cli import main
-from preflight.advise import Suggestion, advise
-from preflight.advise._options import ranking
+from preflight.advice import Suggestion, advise
+from preflight.advice._options import ranking
 
 from conftest import lm_batch, make_gpt2
 

@@ -51,7 +51,7 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
                  "base_dtype": "param_dtype"}
 # Said by other keys of the same change, or by the flags' defaults.
-_IMPLIED_CHANGES = {"zero_stage": "sharding", "peft": "r"}
+_IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {"bitsandbytes.optim.AdamW8bit": "adamw8bit"}
 # Flags a rerun leaves out: they write files.
 _RERUN_SKIPS = ("json", "plot")
@@ -331,10 +331,10 @@ def _rerun_command(args: argparse.Namespace, change: dict[str, Any]) -> list[str
             setattr(changed, _CHANGE_FLAGS[key], value)
         elif key == "optimizer" and value in _OPTIMIZER_FLAGS and args.optimizer == "adamw":
             changed.optimizer = _OPTIMIZER_FLAGS[value]
+        elif key == "zero_stage":
+            changed.sharding = f"zero{value}"
         elif key not in _IMPLIED_CHANGES or _IMPLIED_CHANGES[key] not in change:
             return None
-    if "zero_stage" in change:
-        changed.sharding = f"zero{change['zero_stage']}"
     if changed.deepspeed_config and any(k in change for k in ("sharding", "zero_stage", "offload_optimizer")):
         return None  # the stage and offload are the config's
     if changed.precision in _PRECISION_PARAM_DTYPE and "base_dtype" not in change:

@@ -31,7 +31,7 @@ CASES = [  # (name, published config, batch, seq, GPU)
 def run_case(name: str, config: str, batch: int, seq: int, gpu: str) -> dict:
     from preflight._cli import main
 
-    flags = ["--hf-config", os.path.join(HERE, "configs", config), "--batch", str(batch), "--seq", str(seq),
+    flags = ["--hf-config", os.path.relpath(os.path.join(HERE, "configs", config)), "--batch", str(batch), "--seq", str(seq),
              "--precision", "bf16-mixed", "--gpu", gpu]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")

@@ -89,6 +89,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "n
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256}
 
 
+@pytest.mark.slow
 def test_cli_prints_a_command_for_the_first_fitting_set_up_and_it_exits_0(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA))

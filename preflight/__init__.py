@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load on first use (below)
-    from preflight._advise import Suggestion, advise, resize_batch
+    from preflight.advice import Suggestion, advise, resize_batch
     from preflight._autotune import BatchSizeResult, GlobalBatchPlan, max_batch_size, split_global_batch
     from preflight._batches import worst_case_batch
     from preflight.report import Report
@@ -31,9 +31,9 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
 # Public name -> the module defining it. Importing preflight loads none of them (nor torch): the ``preflight``
 # command starts, and answers Ctrl-C, at once; the first use of a name imports its module.
 _WHERE = {
-    "Suggestion": "preflight._advise",
-    "advise": "preflight._advise",
-    "resize_batch": "preflight._advise",
+    "Suggestion": "preflight.advice",
+    "advise": "preflight.advice",
+    "resize_batch": "preflight.advice",
     "BatchSizeResult": "preflight._autotune",
     "GlobalBatchPlan": "preflight._autotune",
     "max_batch_size": "preflight._autotune",

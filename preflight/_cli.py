@@ -44,9 +44,17 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 _PRECISION_PARAM_DTYPE = {"32-true": "float32", "bf16-true": "bfloat16", "16-true": "float16"}
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 _TOP_SUGGESTIONS = 5
-# Suggestions whose change is the run's description alone (`Suggestion.run`), so its flags reproduce it.
-_RUN_CHANGES = {"precision", "sharding", "world_size", "zero_stage", "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF",
-                "optimizer_impl"}
+# How each key of a suggestion's change is said in `preflight estimate`'s flags (the argument names it sets).
+_CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size": "world_size",
+                 "offload_optimizer": "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF": "allocator",
+                 "optimizer_impl": "optimizer_impl", "micro_batch_size": "batch", "accumulate_grad_batches": "accumulate",
+                 "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
+                 "base_dtype": "param_dtype"}
+# Said by other keys of the same change, or by the flags' defaults.
+_IMPLIED_CHANGES = {"peft": "r"}
+_OPTIMIZER_FLAGS = {"bitsandbytes.optim.AdamW8bit": "adamw8bit"}
+# Flags a rerun leaves out: they write files.
+_RERUN_SKIPS = ("json", "plot")
 EXIT_TIMEOUT = 124  # the `timeout` command's status when it stops the command
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNAL_EXITS = tuple(128 + sig for sig in _FORWARDED)  # the shell's convention for "ended by signal N"
@@ -301,26 +309,65 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
              run: Any) -> list[dict[str, Any]]:
     """Ranked changes from `preflight.advise`, as the callbacks print them, each predicted under the flags' run (per
-    rank under --world-size, --sharding, offload or --deepspeed-config)."""
+    rank under --world-size, --sharding, offload or --deepspeed-config), with the command that plans it where the
+    flags can say it."""
     import dataclasses
 
-    from preflight._advise import advise
+    from preflight.advice import advise
 
     run = run.replace(target=dataclasses.replace(run.target, budget=budget))
-    with _progress("ranking changes that would fit (--no-suggest skips this)"):
+    with _progress("ranking changes that would fit, alone and combined (--no-suggest skips this)"):
         found = advise(model, optimizer, batch, run, headroom=args.headroom,
                        make_batch=lambda b: _batch(args, config, batch_size=b))
-    return [s.to_dict() for s in found]
+    return [{**s.to_dict(), "command": _rerun_command(args, s.change)} for s in found]
+
+
+def _rerun_command(args: argparse.Namespace, change: dict[str, Any]) -> list[str] | None:
+    """``preflight estimate`` with ``args`` and the suggestion's ``change`` made, or None where a flag cannot say
+    the change (a bitsandbytes optimizer the CLI does not build, a DeepSpeed config of its own)."""
+    changed = argparse.Namespace(**vars(args))
+    for key, value in change.items():
+        if key in _CHANGE_FLAGS:
+            setattr(changed, _CHANGE_FLAGS[key], value)
+        elif key == "optimizer" and value in _OPTIMIZER_FLAGS and args.optimizer == "adamw":
+            changed.optimizer = _OPTIMIZER_FLAGS[value]
+        elif key == "zero_stage":
+            changed.sharding = f"zero{value}"
+        elif key not in _IMPLIED_CHANGES or _IMPLIED_CHANGES[key] not in change:
+            return None
+    if changed.deepspeed_config and any(k in change for k in ("sharding", "zero_stage", "offload_optimizer")):
+        return None  # the stage and offload are the config's
+    if changed.precision in _PRECISION_PARAM_DTYPE and "base_dtype" not in change:
+        changed.param_dtype = None  # the precision casts the parameters
+    return ["preflight", "estimate", *_flags(changed)]
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The flags that say ``args`` (those that differ from the defaults), in the parser's order."""
+    parser = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["estimate"]
+    out: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", *_RERUN_SKIPS):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def _suggestions_text(suggestions: list[dict[str, Any]]) -> str:
     if not suggestions:
-        return "what to change: preflight.advise found no single change that lowers the peak"
+        return "what to change: preflight.advise found no change that lowers the peak"
     lines = ["what to change (ranked; predicted peak with the change):"]
     for i, s in enumerate(suggestions[:_TOP_SUGGESTIONS], 1):
         lines.append(f"  {i}. {'fits' if s['fits'] else 'still over'}: {s['description']}")
-        if s["change"].keys() <= _RUN_CHANGES:  # a change of the run alone: the flags that plan it
-            lines.append(f"     as flags: {' '.join(s['cli_flags'])}")
+        if s.get("command"):
+            lines.append(f"     rerun: {' '.join(s['command'])}")
     return "\n".join(lines)
 
 
@@ -458,7 +505,9 @@ def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any
     except Exception as err:  # noqa: BLE001 - whatever transformers raises building from the user's config is its error
         raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {_one_line(err)}") from None
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from preflight.advice._setup import enable_checkpointing
+
+        enable_checkpointing(model)  # as advise switches it on: non-reentrant, under either name transformers has
     if args.lora_r:
         model = _lora(model, args)
     params = [p for p in model.parameters() if p.requires_grad]

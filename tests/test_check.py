@@ -163,7 +163,7 @@ def test_no_budget_on_cpu_gives_no_verdict():
 
 
 def test_suggestions_are_ranked_into_the_error(monkeypatch):
-    from preflight import _advise
+    import preflight.advice as _advise
 
     class Suggestion:
         def __init__(self, description, peak, fits):

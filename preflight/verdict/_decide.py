@@ -15,7 +15,7 @@ Policies:
   decide, and its lower bound stops the run if it alone is over the budget. After the measured steps, each rank
   compares its own measurement with its own prediction.
 - **Overflow**: ``on_overflow="raise"`` raises `preflight.PreflightError` before any optimizer step, with the
-  numbers and what to change (top suggestions of `preflight._advise.advise` when it can run); ``"warn"`` warns.
+  numbers and what to change (top suggestions of `preflight.advice.advise` when it can run); ``"warn"`` warns.
 - **Dry run** (`preflight._dryrun`'s protocol, used by ``preflight check -- python train.py``): with
   ``PREFLIGHT_DRY_RUN=1`` the process ends after the report with exit status 0 when the run fits (or there is no
   budget to compare with), 3 (`EXIT_DOES_NOT_FIT`) when it does not, 4 (`EXIT_NO_VERDICT`) when the model could

@@ -31,7 +31,7 @@ class Options:
         report_path: where to write the JSON report (rank zero), or None.
         plot_path: where to write a PNG of the predicted timeline and breakdown (needs matplotlib), or None.
         check_eval: also predict the evaluation step when there is an eval dataloader.
-        suggest: when the run does not fit, rank what to change with `preflight._advise.advise` (rank zero; it
+        suggest: when the run does not fit, rank what to change with `preflight.advice.advise` (rank zero; it
             traces each option, about ten more traces).
     """
 

@@ -78,7 +78,7 @@ def predict(
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
-        of `preflight._advise.advise` (left empty, with a warning in the report, when advice fails).
+        of `preflight.advice.advise` (left empty, with a warning in the report, when advice fails).
     """
     options, settings = _with_environment(options)
     asked = settings.run()  # `preflight check --gpu/--budget/--world-size/--sharding/--full`: laid over the run
@@ -371,7 +371,7 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
 def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None, run: Run,
                  options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
     try:
-        from preflight._advise import advise
+        from preflight.advice import advise
     except ImportError:
         return []
     run = run.replace(target=dataclasses.replace(run.target, budget=report.budget_bytes))

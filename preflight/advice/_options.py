@@ -1,0 +1,425 @@
+"""`advise`: what to change when a run does not fit, each option with a peak traced from the changed set-up.
+
+A suggestion is the run's description changed (`Suggestion.run`: precision, loop, target or parallel plan), plus,
+where the change is to the model, the optimizer or the batch, what to change there (`Suggestion.change`).
+Every option is applied to a trace, never to the user's objects for good (`preflight.advice._setup`): a smaller
+micro-batch is traced with gradient accumulation, activation checkpointing is switched on for the trace and
+switched back (every module's attributes and hook tables restored, then checked), an 8-bit optimizer is built over
+the same parameters, LoRA is traced on a copy of the architecture built on the meta device (no weights copied),
+and precisions are the trace's own option. ZeRO-Offload is predicted as `preflight.estimate` predicts that plan
+(every traced allocation rescaled to one rank's share, `preflight._target.shard_events`), and says so.
+
+Under a data-parallel plan (``run.parallel``, a `preflight.ParallelPlan`, as the callbacks read it off the
+trainer), the current set-up and every option are predicted per rank as `preflight.estimate` predicts that plan
+(FSDP traced through its own program for each rank, ZeRO rescaled with DeepSpeed's buffers from the config), and
+the sharding options become the stronger shardings of the same engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._autotune import max_batch_size, split_global_batch
+from preflight._budget import check_headroom, usable_bytes
+from preflight._device import resolve_device
+from preflight._estimate import estimate, read_plan_off_ddp
+from preflight._guard import untouched
+from preflight._run import Run, check_run, pinned, run_budget
+from preflight._steps import StepFn
+from preflight._units import format_bytes
+from preflight._warnings import warn
+from preflight.advice._combine import combine
+from preflight.advice._setup import (
+    COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
+    checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need, offload_move,
+    precision_moves, repeated_blocks, resize_batch,
+)
+from preflight.trace import NotRestoredError
+
+__all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of", "repeated_blocks"]
+
+_LITTLE_SAVING = 0.05  # checkpointing that saves less than this fraction of the peak is flagged as saving little
+_RESERVED_GAP = 0.10  # reserved this far above allocated: fragmentation worth an allocator setting
+
+
+def ranking(s: Suggestion) -> tuple[bool, int, int, int]:
+    """Fits first; then what the costliest change costs; then fewer changes; then the lower figure."""
+    return (not s.fits, max(COST_ORDER.index(k) for k in s.changes), len(s.changes), s.predicted_peak_bytes)
+
+
+@untouched()
+def advise(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    run: Run | None = None,
+    *,
+    step: StepFn | None = None,
+    make_batch: Callable[[int], Any] | None = None,
+    headroom: float = 0.0,  # 0: the budget as given; DEFAULT_HEADROOM (0.10) keeps room for the allocator
+) -> list[Suggestion]:
+    """Suggest changes that lower the training peak, each with the peak predicted for the changed set-up.
+
+    The current set-up is traced once; then each applicable option is traced with the change applied (see the
+    module docstring). Options that do not lower the peak are left out, except checkpointing, whose description
+    then says it saves little or nothing, and where the peak is:
+
+    - ``micro_batch`` (only when the current batch does not fit): the largest micro-batch below the current
+      batch that fits, found with `max_batch_size` (traced as a gradient-accumulation micro-step, because the
+      accumulated gradients are alive during the next micro-batch), split with `split_global_batch` so the
+      global batch is kept.
+    - ``checkpointing``: activation checkpointing. Hugging Face models: ``activation_checkpointing_enable``
+      (``gradient_checkpointing_enable`` before transformers 5) with ``use_reentrant=False``; other models: each
+      child of the largest ``nn.ModuleList`` (the repeated blocks) runs under ``torch.utils.checkpoint``.
+    - ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (``Adam8bit`` for ``torch.optim.Adam``) over the same parameter
+      groups and hyperparameters, when the optimizer is torch's AdamW or Adam and bitsandbytes is installed.
+      A bitsandbytes optimizer with 32-bit state (``args.optim_bits == 32``, e.g. HF's ``"paged_adamw_32bit"``)
+      gets the same class with ``optim_bits=8`` instead.
+    - ``lora``: LoRA (peft, r=16, all linear layers) for a transformers ``PreTrainedModel`` that is not already
+      a PEFT model, with AdamW over the adapters; under mixed precision the frozen base weights are in the
+      compute dtype, as users load them (``from_pretrained(..., dtype=torch.bfloat16)``).
+    - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
+    - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU) on one GPU.
+    - Under ``run.parallel``: the stronger shardings of the plan's engine over its ranks,
+      each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
+      (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
+      plan's DeepSpeed config with the stage changed).
+    - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
+      reserved peak is more than 10% above the allocated peak.
+    - ``fused`` and ``for-loop``: the optimizer step's implementation (`preflight.Loop.optimizer_impl`), when the
+      optimizer's class takes it and it lowers the peak (torch's default on CUDA, foreach, holds temporaries the
+      size of every parameter it updates).
+    - A combination of the changes above (`preflight.advice._combine`), when no single change fits, or when
+      cheaper changes together fit where only a costlier single one does: the changes are added cheapest first
+      while each lowers the peak, the ones found unneeded are dropped, and a micro-batch among them is raised to
+      the largest that fits. Its description says how many set-ups were traced and how long it took.
+
+    Args:
+        model, optimizer, batch, step: as for `preflight.estimate`.
+        run: how the run trains (`preflight.Run`), the set-up each option changes. Its target's budget is what
+            the peak may use (``Target(budget="24GiB")``, else the catalog GPU's memory, else the CUDA device's
+            capacity); ``batch`` is one micro-batch, so the global batch the micro-batch option keeps is
+            ``batch size * run.loop.accumulate``; under ``run.parallel`` every peak is the largest rank's, as
+            `preflight.estimate` predicts that plan.
+        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples; default: `resize_batch` of ``batch``.
+        headroom: the fraction of the budget kept free, in [0, 1).
+
+    Returns:
+        Suggestions ranked: those that fit first, then by what the costliest of their changes costs (cheapest
+        first: allocator setting, a fused optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed,
+        ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA), then by the number of
+        changes, then by peak. A suggestion's figure is what the verdict compares (`Suggestion.predicted_peak_bytes`).
+        An option whose trace fails is left out with a ``RuntimeWarning`` saying why.
+
+    Raises:
+        ValueError: a bad option, or no budget on a machine without CUDA.
+        RuntimeError: the current set-up cannot be traced (there is nothing to compare the options with), or an
+            option changed the user's model and it could not be restored (never expected; a bug to report).
+
+    Example:
+        >>> for s in preflight.advise(model, opt, batch, Run(target=Target(budget="24GiB"))):  # doctest: +SKIP
+        ...     print(s.fits, format_bytes(s.predicted_peak_bytes), s.description)
+
+    Known limitations:
+        - The combination search is greedy (cheapest first, then pruned), not exhaustive: a set-up of costlier
+          changes that fits with fewer of them may exist.
+        - ZeRO-Offload's number rescales the single-GPU peak's categories; the offloaded run's peak may fall at
+          another moment (see `preflight._sharding`).
+        - Generic checkpointing wraps only the children of the largest ``nn.ModuleList``; models whose blocks
+          live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
+        - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
+        - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
+    """
+    run = check_run(run)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"`optimizer` should be a torch.optim.Optimizer instance, got {type(optimizer).__name__}.")
+    if make_batch is not None and not callable(make_batch):
+        raise TypeError(f"`make_batch` should be None or a callable make_batch(batch_size) -> batch, got "
+                        f"{type(make_batch).__name__}.")
+    check_headroom(headroom)
+    budget_bytes = run_budget(run, model)
+    model, run, _ = read_plan_off_ddp(model, run)  # a DDP model's plan is the run's, its module the one changed
+    if run.parallel is not None and run.parallel.sharding is None and run.parallel.world_size > 1:
+        run = run.replace(parallel=dataclasses.replace(run.parallel, sharding="ddp"))  # what estimate plans
+    target = resolve_device(run.target.planned_device, model)
+    baseline = estimate(model, optimizer, batch, pinned(run, target), step=step)
+    if baseline.coverage.lower_bound:
+        raise RuntimeError(
+            f"preflight could not trace the current training step (operator {baseline.coverage.failed_op}: "
+            f"{baseline.coverage.reason}), so no option can be compared with it. Pass `step=` with a step that "
+            "traces."
+        )
+    setup = _Setup(model, optimizer, batch, step, run, target, budget_bytes, usable_bytes(budget_bytes, headroom),
+                   headroom, make_batch, baseline)
+    options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
+        ("optimizer implementation", _optimizer_impl),
+        ("micro-batch", _micro_batch),
+        ("activation checkpointing", _checkpointing),
+        ("8-bit AdamW", _adamw8bit),
+        ("LoRA", _lora),
+        ("bf16 precision", _bf16),
+        ("sharding", _sharding),
+        ("optimizer offload", _offload),
+        ("allocator setting", _allocator),
+    )
+    ranked: list[Suggestion] = []
+    for name, option in options:
+        try:
+            ranked.extend(dataclasses.replace(s, changes=(key,)) for key, s in option(setup))
+        except NotRestoredError:
+            raise
+        except Exception as err:  # noqa: BLE001 - one option failing must not hide the others (reported below)
+            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning)
+    try:
+        ranked.extend(_combination(setup, ranked))
+    except NotRestoredError:
+        raise
+    except Exception as err:  # noqa: BLE001 - as above
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        warn(f"preflight.advise left out the combination option: {reason}", RuntimeWarning)
+    ranked.sort(key=ranking)
+    return [dataclasses.replace(s, run_changes=s.run.changes_from(run)) for s in ranked]
+
+
+# ---- options ------------------------------------------------------------------------------------------------
+
+
+def _lowered(setup: _Setup, figure: int) -> bool:
+    return figure < need(setup.baseline)
+
+
+def _optimizer_impl(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The optimizer step as a fused kernel, or one parameter at a time, when that lowers the peak: torch's default
+    on CUDA (foreach) allocates temporaries the size of all the parameters it updates."""
+    out = []
+    for move in impl_moves(setup):
+        figure = need(setup.trace_moves([move]))
+        if not _lowered(setup, figure):
+            continue
+        argument = {"fused": "fused=True", "for-loop": "foreach=False"}[move.key]
+        text = (f"optimizer step {move.key} ({type(setup.optimizer).__name__}({argument})): "
+                f"{setup.versus(figure)}")
+        out.append((move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                         setup.with_loop(optimizer_impl=move.key))))
+    return out
+
+
+def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    if need(setup.baseline) <= setup.limit:
+        return []  # the current batch fits: no need for a smaller one
+    micro = batch_size_of(setup.batch)
+    if micro is None:
+        raise ValueError("no tensor with a batch dimension in the batch; pass make_batch=")
+    if micro < 2:
+        return []
+    current = micro * setup.run.loop.accumulate  # the global batch to keep
+    found = largest_micro_batch(setup, [], micro - 1)
+    if found is None:
+        one = micro_batch_move(setup, 1)
+        assert one is not None
+        figure = need(setup.trace_moves([one]))
+        change = {"micro_batch_size": 1, "accumulate_grad_batches": current}
+        text = (f"micro-batch 1 with {current} gradient-accumulation steps does not fit either: "
+                f"{setup.versus(figure)}; combine it with another option")
+        return [("micro_batch", Suggestion(change, text, figure, False, one.cost, setup.with_loop(accumulate=current)))]
+    move, figure, note = found
+    accumulate = move.change["accumulate_grad_batches"]
+    text = f"{note}: {setup.versus(figure)}"
+    return [("micro_batch", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                       setup.with_loop(accumulate=accumulate)))]
+
+
+def largest_micro_batch(setup: _Setup, others: list[Any], below: int) -> tuple[Any, int, str] | None:
+    """The largest micro-batch up to ``below`` that fits with the moves ``others`` made (found with
+    `max_batch_size`, then split with `split_global_batch` so the global batch is kept), as a micro-batch move with
+    its traced figure and a note; None when even a micro-batch of 1 does not fit."""
+    micro = batch_size_of(setup.batch)
+    assert micro is not None
+    current = micro * setup.run.loop.accumulate
+    with setup.applied(others) as c:
+        search = pinned(c.run.replace(loop=dataclasses.replace(c.run.loop, accumulate=2)), setup.device)
+        search = search.replace(target=dataclasses.replace(search.target, budget=setup.budget_bytes))
+        result = max_batch_size(c.model, c.optimizer, setup.make, search, step=setup.step, max_batch=below,
+                                headroom=setup.headroom)
+    size = result.batch_size
+    # The search compares the allocated peak; the verdict may compare more (a simulated GPU's reserved memory and
+    # context): each size is confirmed by a trace of what the verdict compares, smaller ones until one fits.
+    while size >= 1:
+        plan = split_global_batch(current, size)
+        move = micro_batch_move(setup, plan.micro_batch_size)
+        assert move is not None
+        move = dataclasses.replace(move, change={"micro_batch_size": plan.micro_batch_size,
+                                                 "accumulate_grad_batches": plan.accumulation_steps},
+                                   cost=move.cost.replace(f"{-(-current // plan.micro_batch_size)} forward",
+                                                          f"{plan.accumulation_steps} forward")
+                                   + ("" if plan.exact else f" (a global batch of {plan.global_batch_size} instead "
+                                                            f"of {current})"))
+        figure = need(setup.trace_moves([*others, move]))
+        if figure <= setup.limit:
+            note = (f"{plan.note} (gradient accumulation; the largest micro-batch that fits is {size}, found with "
+                    f"{result.traces} traces)")
+            return move, figure, note
+        size = plan.micro_batch_size - 1
+    return None
+
+
+def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    move = checkpointing_move(setup)
+    if move is None:
+        return []
+    how = checkpointing_how(setup.model)
+    figure = need(setup.trace_moves([move]))
+    base = need(setup.baseline)
+    saving = base - figure
+    text = f"activation checkpointing ({how}): {setup.versus(figure)}"
+    if saving < _LITTLE_SAVING * base:  # kept, unlike other options, to say it does not help here
+        amount = f"saves little ({saving / base:.1%})" if saving > 0 else "does not lower the peak"
+        text += (f". It {amount}: the peak is in {setup.baseline.peak_phase}, where activations hold "
+                 f"{format_bytes(setup.baseline.breakdown.get('activations', 0))} of it")
+    return [("checkpointing", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+
+
+def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    move = eight_bit_move(setup)
+    if move is None:
+        return []
+    est = setup.trace_moves([move])
+    figure = need(est)
+    if not _lowered(setup, figure):
+        return []
+    found = eight_bit(setup.optimizer)
+    assert found is not None
+    before = setup.baseline.breakdown.get("optimizer_state", 0)
+    after = est.breakdown.get("optimizer_state", 0)
+    text = (f"{found[2]}; optimizer state at the peak {format_bytes(before)} -> {format_bytes(after)}: "
+            f"{setup.versus(figure)}")
+    return [("adamw8bit", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+
+
+def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    move = lora_move(setup)
+    if move is None:
+        return []
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    with setup.applied([move]) as c:
+        n_train = sum(p.numel() for p in c.model.parameters() if p.requires_grad)
+        n_all = sum(p.numel() for p in c.model.parameters())
+    text = (f"LoRA (peft, r={LORA_RANK}, all linear layers but the output head, base weights in "
+            f"{move.change['base_dtype']}) with AdamW over the adapters: trains {n_train:,} of {n_all:,} parameters "
+            f"({n_train / n_all:.2%}); {setup.versus(figure)}")
+    return [("lora", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+
+
+def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    out = []
+    for move in precision_moves(setup):
+        figure = need(setup.trace_moves([move]))
+        if not _lowered(setup, figure):
+            continue
+        text = f"precision {move.key!r} instead of {setup.precision or 'fp32'}: {setup.versus(figure)}"
+        out.append((move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                         setup.run.replace(precision=move.key))))
+    return out
+
+
+def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """ZeRO-Offload: the optimizer state and its step on the CPU (DeepSpeed ``offload_optimizer``), on top of
+    ZeRO-2 over the available GPUs (one GPU included)."""
+    move = offload_move(setup)
+    if move is None:
+        return []
+    with setup.applied([move]) as c:
+        changed = c.run
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    text = (f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {setup.world_size} GPU(s): the "
+            f"optimizer state and its step move to the CPU: {setup.versus(figure)} per GPU. Every allocation of the "
+            "traced run rescaled (not a trace of the offloaded run)")
+    return [("offload", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, changed))]
+
+
+def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """Under a plan over several ranks, its engine's stronger shardings; one device has none to offer."""
+    return _stronger_sharding(setup) if setup.plan is not None and setup.plan.world_size > 1 else []
+
+
+# Under a plan: the stronger shardings of the same engine, with the cost class `_COST_ORDER` ranks them by.
+_STRONGER = {"ddp": (("fsdp-grad-op", "zero2"), ("fsdp2", "zero3")), "fsdp-grad-op": (("fsdp-full", "zero3"),),
+             "zero1": (("zero2", "zero2"), ("zero3", "zero3")), "zero2": (("zero3", "zero3"),)}
+_SHARDING_NAMES = {"fsdp-grad-op": "FSDP SHARD_GRAD_OP (gradients and optimizer state sharded)",
+                   "fsdp-full": "FSDP FULL_SHARD (parameters too)", "fsdp2": "FSDP2 (fully_shard on every block)",
+                   "zero2": "DeepSpeed ZeRO stage 2", "zero3": "DeepSpeed ZeRO stage 3"}
+
+
+def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The run's plan with a stronger sharding of the same engine, predicted as `preflight.estimate` predicts it."""
+    plan = setup.plan
+    assert plan is not None
+    out = []
+    for sharding, cost_class in _STRONGER.get(plan.sharding or "", ()):
+        deepspeed, change = None, {"sharding": sharding, "world_size": plan.world_size}
+        if plan.deepspeed is not None:  # the same config, at the new stage
+            deepspeed = copy.deepcopy(dict(plan.deepspeed))
+            deepspeed.setdefault("zero_optimization", {})["stage"] = int(sharding[-1])
+            change["zero_stage"] = int(sharding[-1])
+        fsdp = plan.fsdp if plan.sharding.startswith("fsdp") else None  # FSDP1's units carry over to FULL_SHARD
+        other = dataclasses.replace(plan, sharding=sharding, fsdp=fsdp, deepspeed=deepspeed,
+                                    offload_params=plan.offload_params and sharding in ("zero3", "fsdp-full"))
+        changed = setup.run.replace(parallel=other)
+        peak = need(setup.trace(run=changed))
+        if not _lowered(setup, peak):
+            continue
+        how = ("each rank's step traced through FSDP's own program" if sharding.startswith("fsdp") else
+               "the traced allocations rescaled to one rank's share, plus DeepSpeed's gradient reduction buffers "
+               "from the config")
+        text = (f"{_SHARDING_NAMES[sharding]} over the same {plan.world_size} GPUs instead of {plan.sharding}: "
+                f"{setup.versus(peak)} per GPU ({how})")
+        cost = ("more communication per step: sharded parameters are gathered for every forward and backward "
+                "(about 1.5x DDP's volume, ZeRO paper Sec 7)" if cost_class == "zero3" else
+                "about DDP's communication volume (a reduce-scatter instead of an all-reduce, then an all-gather "
+                "of the updated parameters; ZeRO paper Sec 7)")
+        out.append((cost_class, Suggestion(change, text, peak, peak <= setup.limit, cost, changed)))
+    return out
+
+
+def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    base = setup.baseline
+    reserved = getattr(base, "peak_reserved_bytes", None)
+    if reserved is None or reserved <= (1 + _RESERVED_GAP) * base.peak_bytes:
+        return []
+    from preflight.allocator import AllocatorConfig, simulate
+
+    expandable = simulate(base.events, AllocatorConfig(expandable_segments=True)).peak_reserved_bytes
+    if expandable >= reserved:
+        return []
+    figure = need(base) - reserved + expandable  # the context and workspaces stay
+    text = (f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the simulated reserved peak goes from "
+            f"{format_bytes(reserved)} to {format_bytes(expandable)} (allocated peak {format_bytes(base.peak_bytes)}, "
+            f"unchanged); {setup.versus(figure)}")
+    cost = "an environment variable set before CUDA starts; no change to training"
+    changed = setup.run.replace(target=dataclasses.replace(setup.run.target, allocator="expandable_segments:True"))
+    return [("allocator", Suggestion({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, text, figure,
+                                     figure <= setup.limit, cost, changed))]
+
+
+def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
+    """A combination of moves (`combine`), when no single change fits or cheaper ones together might."""
+    if need(setup.baseline) <= setup.limit:
+        return []  # nothing to search for
+    fitting = [s for s in singles if s.fits]
+    ceiling = min((ranking(s)[1] for s in fitting), default=None)
+    moves = [m for m in available_moves(setup) if ceiling is None or m.rank < ceiling]
+    found = combine(setup, moves, others=largest_micro_batch)
+    return [] if found is None else [found]

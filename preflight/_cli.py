@@ -29,6 +29,7 @@ from preflight.report._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_STEP_FAILS, EXIT_USAGE
 from preflight._gpus import known_gpus
 from preflight._guard import untouched
+from preflight._quantize import SCHEMES
 from preflight._sharding import SHARDING_CHOICES
 from preflight._steps import PRECISIONS
 from preflight._units import format_bytes
@@ -49,7 +50,7 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "offload_optimizer": "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF": "allocator",
                  "optimizer_impl": "optimizer_impl", "micro_batch_size": "batch", "accumulate_grad_batches": "accumulate",
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
-                 "base_dtype": "param_dtype"}
+                 "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant"}
 # Said by other keys of the same change, or by the flags' defaults.
 _IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {"bitsandbytes.optim.AdamW8bit": "adamw8bit"}
@@ -99,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
                           "casts to; mixed precision keeps fp32 master weights). Not read from the config")
     est.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank instead")
     est.add_argument("--lora-targets", default="all-linear", help="LoRA target modules (comma-separated)")
+    est.add_argument("--quantize", choices=SCHEMES, default=None,
+                     help="base weights quantized by bitsandbytes as from_pretrained(quantization_config=...) loads "
+                          "them: nf4 or fp4 (QLoRA's 4-bit, computing in the precision's dtype) or int8 (LLM.int8); "
+                          "prepared as peft's prepare_model_for_kbit_training does; needs --lora-r")
+    est.add_argument("--double-quant", action="store_true",
+                     help="with --quantize nf4/fp4: quantize the 4-bit statistics too (QLoRA's double quantization)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
     est.add_argument("--accumulate", type=int, default=1, metavar="N",
                      help="gradient-accumulation micro-batches per optimizer step (--batch is one micro-batch)")
@@ -173,6 +180,11 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.lora_r is not None and args.lora_r < 1:
         raise UsageError(f"--lora-r should be a positive LoRA rank (8 and 16 are common), got {args.lora_r}; "
                          "leave it out for full fine-tuning.")
+    if args.quantize and not args.lora_r:
+        raise UsageError(f"--quantize {args.quantize}: quantized base weights are frozen, so nothing would train; "
+                         "add --lora-r 16 (LoRA adapters over them: QLoRA with nf4/fp4).")
+    if args.double_quant and args.quantize not in ("nf4", "fp4"):
+        raise UsageError("--double-quant quantizes 4-bit statistics: pass it with --quantize nf4 or fp4.")
     # Before the trace: a file that cannot be written would otherwise lose the verdict after minutes of work.
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         _check_writable(option, path)
@@ -271,6 +283,9 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     dtypes = ", ".join(f"{name} {n:,}" for name, n in params["dtypes"].items())
     shape = f"batch {args.batch}" + (f" x seq {args.seq}" if args.seq is not None else "")
     lora = f"LoRA r={args.lora_r} on {args.lora_targets}" if args.lora_r else "full fine-tuning"
+    if args.quantize:
+        lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
+                 "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
     plan = f"{args.world_size} rank(s)" + (f", {sharding}" if sharding else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
     return "\n".join([
@@ -376,6 +391,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
     return {"hf_config": os.path.abspath(args.hf_config), "task": args.task, "batch": args.batch, "seq": args.seq,
             "precision": args.precision, "param_dtype": param_dtype, "optimizer": args.optimizer,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
+            "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
             "gradient_as_bucket_view": args.gradient_as_bucket_view,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
@@ -504,7 +520,9 @@ def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any
             model = classes[args.task].from_config(config, dtype=getattr(torch, param_dtype))
     except Exception as err:  # noqa: BLE001 - whatever transformers raises building from the user's config is its error
         raise UsageError(f"cannot build a {args.task} model from {args.hf_config}: {_one_line(err)}") from None
-    if args.checkpointing:
+    if args.quantize:
+        model = _quantized(model, args)
+    elif args.checkpointing:
         from preflight.advice._setup import enable_checkpointing
 
         enable_checkpointing(model)  # as advise switches it on: non-reentrant, under either name transformers has
@@ -594,6 +612,25 @@ def _check_sizes(path: str, config: Any) -> None:
         if (_POSITIVE.match(key) and value < 1) or (_COUNTS.match(key) and value < 0):
             least = 1 if _POSITIVE.match(key) else 0
             raise UsageError(f"{path}: {key} = {value}, but it should be at least {least}. Fix the config.")
+
+
+def _quantized(model: Any, args: argparse.Namespace) -> Any:
+    """The model as a QLoRA / LLM.int8 recipe loads it: quantized by transformers' bitsandbytes quantizer, then
+    peft's ``prepare_model_for_kbit_training`` (the other weights in fp32, checkpointing as it enables it)."""
+    import torch
+
+    from preflight._quantize import bnb_config, quantize_on_meta
+    from preflight._quiet import quiet_import_logs
+
+    compute = {"bf16": torch.bfloat16, "16": torch.float16}.get((args.precision or "").split("-")[0], torch.float32)
+    try:
+        with quiet_import_logs("bitsandbytes"):
+            import bitsandbytes  # noqa: F401
+            import peft
+    except ImportError as err:
+        raise UsageError(f"--quantize needs bitsandbytes and peft ({err}): pip install bitsandbytes peft") from err
+    quantize_on_meta(model, bnb_config(args.quantize, compute_dtype=compute, double_quant=args.double_quant))
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing)
 
 
 def _lora(model: Any, args: argparse.Namespace) -> Any:

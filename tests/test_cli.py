@@ -466,6 +466,8 @@ def test_check_through_lightnings_multi_process_launch(tmp_path):
     (["--lora-r", "-4"], "--lora-r should be a positive LoRA rank.*got -4"),
     (["--lora-r", "0"], "--lora-r should be a positive LoRA rank.*got 0"),
     (["--lora-r", "4", "--lora-targets", "q_proj,nope"], "no linear layer named nope.*Its linear layers: .*q_proj"),
+    (["--quantize", "nf4"], "--quantize nf4: quantized base weights are frozen.*add --lora-r 16"),
+    (["--quantize", "int8", "--lora-r", "4", "--double-quant"], "--double-quant .* with --quantize nf4 or fp4"),
     (["--json", "/no/such/folder/out.json"], "--json '/no/such/folder/out.json': the folder '/no/such/folder' does"),
     (["--plot", "/proc/plot.png"], "--plot '/proc/plot.png' cannot be written"),
 ])
@@ -709,3 +711,42 @@ def test_optimizer_impl_flag_plans_the_fused_step(config):
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[impl] = json.loads((Path(config).parent / f"{impl}.json").read_text())["peak_bytes"]
     assert peaks["fused"] < peaks[None]
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_quantized_base_weights_are_planned_as_from_pretrained_loads_them(tmp_path, scheme):
+    """`--quantize` builds on meta what a QLoRA / LLM.int8 recipe loads: from_pretrained with a BitsAndBytesConfig,
+    peft's prepare_model_for_kbit_training, LoRA. The CLI's figure is the estimate of that loaded model."""
+    import argparse
+    import tempfile
+
+    import torch
+
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import preflight
+    from preflight._cli import _batch
+    from preflight._quantize import bnb_config
+
+    path, out = tmp_path / "config.json", tmp_path / "out.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    flags = ["--quantize", scheme, "--lora-r", "4", "--precision", "bf16-mixed", "--checkpointing"]
+    flags += ["--double-quant"] if scheme == "nf4" else []
+    assert main(["estimate", "--hf-config", str(path), "--batch", "2", "--seq", "64", *flags, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["inputs"]["quantize"] == {"scheme": scheme, "double_quant": scheme == "nf4"}
+    assert report["parameters"]["dtypes"].get("uint8" if scheme == "nf4" else "int8", 0) > 0
+
+    config = transformers.AutoConfig.for_model(**TINY_LLAMA)
+    with tempfile.TemporaryDirectory() as folder:
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=bnb_config(scheme, compute_dtype=torch.bfloat16, double_quant=scheme == "nf4"),
+            device_map={"": "cpu"}, dtype=torch.float32)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    batch = _batch(argparse.Namespace(task="causal-lm", batch=2, seq=64), config)
+    loaded = preflight.estimate(model, optimizer, batch, preflight.Run(precision="bf16-mixed"))
+    assert report["peak_bytes"] == loaded.peak_bytes and report["breakdown"] == loaded.breakdown

@@ -38,7 +38,7 @@ from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
     checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need, offload_move,
-    precision_moves, repeated_blocks, resize_batch,
+    precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.trace import NotRestoredError
 
@@ -165,6 +165,7 @@ def advise(
         ("activation checkpointing", _checkpointing),
         ("8-bit AdamW", _adamw8bit),
         ("LoRA", _lora),
+        ("QLoRA", _qlora),
         ("bf16 precision", _bf16),
         ("sharding", _sharding),
         ("optimizer offload", _offload),
@@ -319,6 +320,21 @@ def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
             f"{move.change['base_dtype']}) with AdamW over the adapters: trains {n_train:,} of {n_all:,} parameters "
             f"({n_train / n_all:.2%}); {setup.versus(figure)}")
     return [("lora", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+
+
+def _qlora(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    move = qlora_move(setup)
+    if move is None:
+        return []
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    with setup.applied([move]) as c:
+        n_train = sum(p.numel() for p in c.model.parameters() if p.requires_grad)
+    text = (f"QLoRA (peft LoRA r={LORA_RANK} on all linear layers but the output head, over base weights in NF4 with "
+            f"double quantization, bitsandbytes; the other weights in fp32 as prepare_model_for_kbit_training "
+            f"leaves them) with AdamW over the adapters: trains {n_train:,} parameters; {setup.versus(figure)}")
+    return [("qlora", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
 
 
 def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:

@@ -47,6 +47,7 @@ COST_ORDER = (
     "offload",  # the optimizer step on the CPU: host memory and PCIe traffic, a slower step
     "bf16-true",  # precision risk for the updates
     "lora",  # changes what is trained
+    "qlora",  # changes what is trained, over base weights rounded to 4 bits
 )
 LORA_RANK = 16
 _IMPL_COSTS = {
@@ -70,6 +71,8 @@ _OFFLOAD_COST = ("the optimizer step runs on the CPU: host memory for the state,
                  "step, and a slower step (ZeRO-Offload, arXiv:2101.06840)")
 _LORA_COST = ("changes what is trained: only low-rank adapters learn, which can fall short of full fine-tuning on "
               "tasks far from the pre-training data; the base weights stay frozen")
+_QLORA_COST = (_LORA_COST.removesuffix("; the base weights stay frozen") + "; the frozen base weights are rounded to "
+               "4 bits (NF4, QLoRA), and each forward and backward dequantizes them: a slower step")
 _MICRO_COST = ("{k} forward/backward passes per optimizer step instead of 1: the same updates{rounding}, lower "
                "throughput when the full batch kept the GPU busy")
 
@@ -243,7 +246,7 @@ class _Setup:
 def available_moves(setup: _Setup) -> list[Move]:
     """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
     moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (micro_batch_move, checkpointing_move, eight_bit_move, offload_move, lora_move):
+    for build in (micro_batch_move, checkpointing_move, eight_bit_move, offload_move, lora_move, qlora_move):
         move = build(setup)
         if move is not None:
             moves.append(move)
@@ -438,10 +441,12 @@ def lora_base_dtype(setup: _Setup) -> torch.dtype:
     return mixed or next((p.dtype for p in setup.model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def lora_model(model: nn.Module, dtype: torch.dtype) -> nn.Module | None:
+def lora_model(model: nn.Module, dtype: torch.dtype, quantization: Any = None) -> nn.Module | None:
     """LoRA (peft, r=`LORA_RANK`, all linear layers but the output head) over a copy of ``model``'s architecture
     built on the meta device with base weights in ``dtype`` (peft keeps the adapters in fp32); None for a model
-    that is not a transformers ``PreTrainedModel`` or is already a PEFT model."""
+    that is not a transformers ``PreTrainedModel`` or is already a PEFT model. With ``quantization`` (a
+    ``BitsAndBytesConfig``) the base is quantized as ``from_pretrained`` quantizes it and prepared as peft's
+    ``prepare_model_for_kbit_training`` prepares it (QLoRA: the other weights in fp32)."""
     try:
         with quiet_import_logs("bitsandbytes"):  # peft imports bitsandbytes where installed
             import peft
@@ -462,6 +467,12 @@ def lora_model(model: nn.Module, dtype: torch.dtype) -> nn.Module | None:
                 base = type(model)._from_config(config, dtype=dtype, **kwargs)
             except TypeError:  # transformers < 4.56 names it torch_dtype
                 base = type(model)._from_config(config, torch_dtype=dtype, **kwargs)
+            if quantization is not None:
+                from preflight._quantize import quantize_on_meta
+
+                quantize_on_meta(base, quantization)
+                # Checkpointing is a move of its own (`checkpointing_move`), not switched on here.
+                base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
             return peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, target_modules="all-linear"))
 
 
@@ -479,6 +490,30 @@ def lora_move(setup: _Setup) -> Move | None:
 
     change = {"peft": "lora", "r": LORA_RANK, "target_modules": "all-linear", "base_dtype": name}
     return Move("lora", "lora", change, f"LoRA r={LORA_RANK} over {name} base weights", _LORA_COST, apply, order=0)
+
+
+def qlora_move(setup: _Setup) -> Move | None:
+    """QLoRA: LoRA over base weights in NF4 with double quantization (the QLoRA paper's recipe), computing in the
+    run's mixed-precision dtype; None without bitsandbytes or where LoRA does not apply."""
+    try:
+        with quiet_import_logs("bitsandbytes"):
+            import bitsandbytes  # noqa: F401
+        from preflight._quantize import bnb_config
+    except ImportError:
+        return None
+    compute = lora_base_dtype(setup)
+    compute = compute if compute in (torch.bfloat16, torch.float16) else torch.float32
+    lora = lora_model(setup.model, compute, bnb_config("nf4", compute_dtype=compute, double_quant=True))
+    if lora is None:
+        return None
+    hyper = {k: _plain(v) for k, v in setup.optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+
+    def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
+        return dataclasses.replace(c, model=lora, optimizer=torch.optim.AdamW(trainable, **hyper))
+
+    change = {"peft": "lora", "r": LORA_RANK, "target_modules": "all-linear", "quantize": "nf4", "double_quant": True}
+    return Move("qlora", "lora", change, f"QLoRA r={LORA_RANK} over NF4 base weights", _QLORA_COST, apply, order=0)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

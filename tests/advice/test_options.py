@@ -182,6 +182,8 @@ def _kind(s: Suggestion) -> str:
         return "checkpointing"
     if "optimizer" in s.change:
         return "adamw8bit"
+    if "quantize" in s.change:
+        return "qlora"
     if "peft" in s.change:
         return "lora"
     if "precision" in s.change:
@@ -470,3 +472,43 @@ def test_the_optimizer_implementation_is_a_described_change_and_suggested_when_i
     assert fused.run_changes == {"loop": {"optimizer_impl": "fused"}} and "--optimizer-impl" in fused.run.cli_flags()
     with pytest.raises(ValueError, match="optimizer_impl"):
         preflight.Loop(optimizer_impl="fast")
+
+
+@pytest.mark.slow
+def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads():
+    """QLoRA's figure is the trace of the model a QLoRA recipe loads: from_pretrained in NF4 with double
+    quantization (computing in bf16 under bf16-mixed), prepare_model_for_kbit_training, LoRA on every linear layer
+    but the head; that model's trace matches its measured peak (tests/trace/test_quantized.py)."""
+    import tempfile
+
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from preflight._quantize import bnb_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = lm_batch(4)
+    run = preflight.Run(precision="bf16-mixed")
+    need = preflight.estimate(model, optimizer, batch, run).required_bytes
+    before = state_of(model)
+    suggestions = advise(model, optimizer, batch, run.replace(target=preflight.Target(budget=need - 1)))
+    assert_unchanged(model, before)
+    qlora = next(s for s in suggestions if s.changes == ("qlora",))
+    assert qlora.change == {"peft": "lora", "r": 16, "target_modules": "all-linear", "quantize": "nf4",
+                            "double_quant": True}
+    lora = next(s for s in suggestions if s.changes == ("lora",))
+    assert suggestions.index(lora) < suggestions.index(qlora) or lora.fits > qlora.fits  # LoRA costs less
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=bnb_config("nf4", compute_dtype=torch.bfloat16, double_quant=True),
+            device_map={"": "cpu"}, dtype=torch.bfloat16)
+    loaded = peft.prepare_model_for_kbit_training(loaded, use_gradient_checkpointing=False)
+    loaded = peft.get_peft_model(loaded, peft.LoraConfig(r=16, target_modules="all-linear"))
+    adapters = torch.optim.AdamW([p for p in loaded.parameters() if p.requires_grad], lr=1e-4)
+    assert qlora.predicted_peak_bytes == preflight.estimate(loaded, adapters, batch, run).required_bytes
+    assert qlora.predicted_peak_bytes < need  # offered because it lowers the peak

@@ -317,6 +317,14 @@ REPORTER = textwrap.dedent("""
     try:
         if rank == 0:
             finish(report, need < 100)
+        # preflight's ranks meet after rank zero wrote the report (a barrier): here, wait for the file.
+        path = settings_from_env().report_path
+        for _ in range(600):
+            try:
+                if not path or __import__("json").load(open(path)):
+                    break
+            except (OSError, ValueError):
+                __import__("time").sleep(0.1)
         raise SystemExit(0 if need < 100 else 3)
     except SystemExit:
         if behaviour == "exit":
@@ -750,3 +758,31 @@ def test_quantized_base_weights_are_planned_as_from_pretrained_loads_them(tmp_pa
     batch = _batch(argparse.Namespace(task="causal-lm", batch=2, seq=64), config)
     loaded = preflight.estimate(model, optimizer, batch, preflight.Run(precision="bf16-mixed"))
     assert report["peak_bytes"] == loaded.peak_bytes and report["breakdown"] == loaded.breakdown
+
+
+DDP_CHECK = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    import preflight
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        preflight.check(model, optimizer, torch.randn(8, 64), preflight.Run(target=preflight.Target(budget="64KiB")),
+                        step=lambda m, b: m(b).sum(), suggest=False)
+    finally:
+        dist.destroy_process_group()
+    print("training ran")
+""")
+
+
+@pytest.mark.slow
+def test_check_of_a_ddp_job_through_torchrun_reports_before_any_rank_exits(tmp_path):
+    # Every rank exits 3 together; torchrun stops the others as soon as one exits with a failure, so rank zero's
+    # report must be written before any rank leaves (the ranks meet after it).
+    (tmp_path / "job.py").write_text(DDP_CHECK)
+    result = run_cli("check", "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                     "2", "job.py", cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PREFLIGHT_DRY_RUN"})
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "DOES NOT FIT" in result.stdout and "training ran" not in result.stdout

@@ -57,7 +57,7 @@ from preflight._units import format_bytes
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._predict import predict
-from preflight.verdict._ranks import _agree, _rank, internal_failures, is_rank_zero
+from preflight.verdict._ranks import _agree, _rank, internal_failures, is_rank_zero, wait_for_every_rank
 __all__ = ["REMEDY_MAX_BATCH_SIZE", "check", "decide"]
 
 
@@ -159,6 +159,7 @@ def decide(report: Report | None, options: Options, *, emit: Callable[[Report], 
             print(f"preflight: dry run (PREFLIGHT_DRY_RUN=1): {verdict}; exiting with status {code} before step "
                   "one.", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        wait_for_every_rank()  # rank zero's report is written before any rank exits
         sys.exit(code)
     if fits is False:
         message = _overflow_message(report, ranks, local_fits, remedy, stops=options.on_overflow == "raise")

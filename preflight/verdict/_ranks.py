@@ -41,6 +41,20 @@ def is_rank_zero() -> bool:
     return dist is None or dist.get_rank() == 0
 
 
+def wait_for_every_rank() -> None:
+    """A barrier over the ranks (nothing when not distributed). A dry run's ranks meet here after rank zero wrote
+    the report: a launcher such as torchrun stops every rank as soon as one exits with a failure status (3: does
+    not fit), which could otherwise stop rank zero before its report is written."""
+    dist = _distributed()
+    if dist is None:
+        return
+    try:
+        dist.barrier()
+    except Exception as err:  # noqa: BLE001 - a broken group must not keep a rank from exiting with its verdict
+        warn(f"preflight: the ranks could not meet before exiting ({type(err).__name__}: {err}); the report may be "
+             "missing if another rank exits first", RuntimeWarning)
+
+
 def _all_gather(value: Any) -> list[Any]:
     dist = _distributed()
     if dist is None:

@@ -5,6 +5,7 @@ against the prediction."""
 from __future__ import annotations
 
 import copy
+import re
 import socket
 import types
 
@@ -517,8 +518,11 @@ def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_mode
     assert after.predicted_peak_bytes == before.predicted_peak_bytes and after.fits is False
     assert after.eval_predicted_peak_bytes == before.eval_predicted_peak_bytes is not None
     assert any(n.startswith("evaluation peak: this rank's share") for n in after.coverage["notes"])
-    assert after.suggestions and [(s["description"], s["predicted_peak_bytes"]) for s in after.suggestions] == \
-        [(s["description"], s["predicted_peak_bytes"]) for s in before.suggestions]
+    def said(report):  # the search's wall time is in a combination's words: the rest must be the same
+        return [(re.sub(r"traced in [\d.]+ s", "traced in ... s", s["description"]), s["predicted_peak_bytes"])
+                for s in report.suggestions]
+
+    assert after.suggestions and said(after) == said(before)
 
 
 def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():

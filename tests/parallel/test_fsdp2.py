@@ -4,6 +4,7 @@ group left behind, and one real 2-process gloo run measured against the predicti
 from __future__ import annotations
 
 import random
+import re
 import socket
 
 import pytest
@@ -203,8 +204,11 @@ def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_befor
         dist.destroy_process_group()
     assert after.predicted_peak_bytes == before.predicted_peak_bytes and after.fits is False
     assert after.eval_predicted_peak_bytes == before.eval_predicted_peak_bytes is not None
-    assert after.suggestions and [(s["description"], s["predicted_peak_bytes"]) for s in after.suggestions] == \
-        [(s["description"], s["predicted_peak_bytes"]) for s in before.suggestions]
+    def said(report):  # the search's wall time is in a combination's words: the rest must be the same
+        return [(re.sub(r"traced in [\d.]+ s", "traced in ... s", s["description"]), s["predicted_peak_bytes"])
+                for s in report.suggestions]
+
+    assert after.suggestions and said(after) == said(before)
 
 
 def test_a_wrapped_models_plan_is_read_from_it_and_conflicting_arguments_are_refused():

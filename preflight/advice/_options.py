@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +38,8 @@ from preflight._warnings import warn
 from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
-    checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need, offload_move,
-    precision_moves, qlora_move, repeated_blocks, resize_batch,
+    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need,
+    offload_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.trace import NotRestoredError
 
@@ -308,33 +309,36 @@ def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
     move = lora_move(setup)
-    if move is None:
-        return []
-    figure = need(setup.trace_moves([move]))
-    if not _lowered(setup, figure):
-        return []
-    with setup.applied([move]) as c:
-        n_train = sum(p.numel() for p in c.model.parameters() if p.requires_grad)
-        n_all = sum(p.numel() for p in c.model.parameters())
-    text = (f"LoRA (peft, r={LORA_RANK}, all linear layers but the output head, base weights in "
-            f"{move.change['base_dtype']}) with AdamW over the adapters: trains {n_train:,} of {n_all:,} parameters "
-            f"({n_train / n_all:.2%}); {setup.versus(figure)}")
-    return [("lora", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+    return [] if move is None else _adapters(setup, move, f"LoRA (peft, r={LORA_RANK}, all linear layers but the "
+                                             f"output head, base weights in {move.change['base_dtype']})")
 
 
 def _qlora(setup: _Setup) -> list[tuple[str, Suggestion]]:
     move = qlora_move(setup)
-    if move is None:
-        return []
+    return [] if move is None else _adapters(setup, move, f"QLoRA (peft LoRA r={LORA_RANK} on all linear layers but "
+                                             "the output head, over base weights in NF4 with double quantization, "
+                                             "bitsandbytes; the other weights in fp32 as "
+                                             "prepare_model_for_kbit_training leaves them)")
+
+
+def _adapters(setup: _Setup, move: Move, what: str) -> list[tuple[str, Suggestion]]:
+    """Training adapters instead (``move``: LoRA or QLoRA), described as ``what``, where it lowers the peak."""
     figure = need(setup.trace_moves([move]))
     if not _lowered(setup, figure):
         return []
     with setup.applied([move]) as c:
         n_train = sum(p.numel() for p in c.model.parameters() if p.requires_grad)
-    text = (f"QLoRA (peft LoRA r={LORA_RANK} on all linear layers but the output head, over base weights in NF4 with "
-            f"double quantization, bitsandbytes; the other weights in fp32 as prepare_model_for_kbit_training "
-            f"leaves them) with AdamW over the adapters: trains {n_train:,} parameters; {setup.versus(figure)}")
-    return [("qlora", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+        n_all = sum(_weights(p) for p in c.model.parameters())
+    text = (f"{what} with AdamW over the adapters: trains {n_train:,} of {n_all:,} parameters "
+            f"({n_train / n_all:.2%}); {setup.versus(figure)}")
+    return [(move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
+
+
+def _weights(p: torch.Tensor) -> int:
+    """How many weights ``p`` holds: a 4-bit bitsandbytes weight packs two in each byte of its storage, and its
+    ``quant_state.shape`` is the unpacked one."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
 
 
 def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:

@@ -476,20 +476,26 @@ def lora_model(model: nn.Module, dtype: torch.dtype, quantization: Any = None) -
             return peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, target_modules="all-linear"))
 
 
-def lora_move(setup: _Setup) -> Move | None:
-    dtype = lora_base_dtype(setup)
-    lora = lora_model(setup.model, dtype)
+def _adapters_move(setup: _Setup, lora: nn.Module | None, key: str, change: dict[str, Any], words: str,
+                   cost: str) -> Move | None:
+    """Training ``lora`` (a PEFT model) instead, with AdamW over its adapters at the user's hyperparameters."""
     if lora is None:
         return None
     hyper = {k: _plain(v) for k, v in setup.optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
     trainable = [p for p in lora.parameters() if p.requires_grad]
-    name = str(dtype).removeprefix("torch.")
 
     def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
         return dataclasses.replace(c, model=lora, optimizer=torch.optim.AdamW(trainable, **hyper))
 
-    change = {"peft": "lora", "r": LORA_RANK, "target_modules": "all-linear", "base_dtype": name}
-    return Move("lora", "lora", change, f"LoRA r={LORA_RANK} over {name} base weights", _LORA_COST, apply, order=0)
+    change = {"peft": "lora", "r": LORA_RANK, "target_modules": "all-linear", **change}
+    return Move(key, "lora", change, words, cost, apply, order=0)
+
+
+def lora_move(setup: _Setup) -> Move | None:
+    dtype = lora_base_dtype(setup)
+    name = str(dtype).removeprefix("torch.")
+    return _adapters_move(setup, lora_model(setup.model, dtype), "lora", {"base_dtype": name},
+                          f"LoRA r={LORA_RANK} over {name} base weights", _LORA_COST)
 
 
 def qlora_move(setup: _Setup) -> Move | None:
@@ -504,16 +510,8 @@ def qlora_move(setup: _Setup) -> Move | None:
     compute = lora_base_dtype(setup)
     compute = compute if compute in (torch.bfloat16, torch.float16) else torch.float32
     lora = lora_model(setup.model, compute, bnb_config("nf4", compute_dtype=compute, double_quant=True))
-    if lora is None:
-        return None
-    hyper = {k: _plain(v) for k, v in setup.optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
-    trainable = [p for p in lora.parameters() if p.requires_grad]
-
-    def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
-        return dataclasses.replace(c, model=lora, optimizer=torch.optim.AdamW(trainable, **hyper))
-
-    change = {"peft": "lora", "r": LORA_RANK, "target_modules": "all-linear", "quantize": "nf4", "double_quant": True}
-    return Move("qlora", "lora", change, f"QLoRA r={LORA_RANK} over NF4 base weights", _QLORA_COST, apply, order=0)
+    return _adapters_move(setup, lora, "qlora", {"quantize": "nf4", "double_quant": True},
+                          f"QLoRA r={LORA_RANK} over NF4 base weights", _QLORA_COST)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

@@ -512,3 +512,7 @@ def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads():
     adapters = torch.optim.AdamW([p for p in loaded.parameters() if p.requires_grad], lr=1e-4)
     assert qlora.predicted_peak_bytes == preflight.estimate(loaded, adapters, batch, run).required_bytes
     assert qlora.predicted_peak_bytes < need  # offered because it lowers the peak
+    # Counted in weights, not in the packed 4-bit storage's bytes: the user's model plus the adapters.
+    n_adapters = sum(p.numel() for p in adapters.param_groups[0]["params"])
+    assert f"trains {n_adapters:,} of {sum(p.numel() for p in model.parameters()) + n_adapters:,} parameters" \
+        in qlora.description

@@ -621,8 +621,9 @@ def _quantized(model: Any, args: argparse.Namespace) -> Any:
 
     from preflight._quantize import bnb_config, quantize_on_meta
     from preflight._quiet import quiet_import_logs
+    from preflight._steps import half_dtype
 
-    compute = {"bf16": torch.bfloat16, "16": torch.float16}.get((args.precision or "").split("-")[0], torch.float32)
+    compute = half_dtype(args.precision) or torch.float32
     try:
         with quiet_import_logs("bitsandbytes"):
             import bitsandbytes  # noqa: F401

@@ -44,7 +44,7 @@ from torch import nn
 
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
-    "autocast_for", "compute_loss", "run_steps",
+    "autocast_for", "compute_loss", "half_dtype", "run_steps",
 ]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -183,6 +183,11 @@ def check_step(step: Any, name: str = "step") -> None:
         raise TypeError(f"`{name}` is called as {name}(model, batch), but its signature is {signature} ({err}). "
                         f"Give it two positional parameters, e.g. `lambda model, batch: model(**batch).loss`.") \
             from None
+
+
+def half_dtype(precision: str | None) -> torch.dtype | None:
+    """The 16-bit dtype a precision computes in (``bf16-*``: bfloat16, ``16-*``: float16), or None (32-bit)."""
+    return {"bf16": torch.bfloat16, "16": torch.float16}.get((precision or "").split("-")[0])
 
 
 def autocast_for(precision: str | None, device_type: str) -> contextlib.AbstractContextManager:

@@ -27,7 +27,7 @@ from preflight._estimate import estimate
 from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate
 from preflight._run import Run, pinned
-from preflight._steps import StepFn, with_optimizer_impl
+from preflight._steps import StepFn, half_dtype, with_optimizer_impl
 from preflight._units import format_bytes
 from preflight.parallel import ParallelPlan
 from preflight.trace import restored_module
@@ -507,8 +507,7 @@ def qlora_move(setup: _Setup) -> Move | None:
         from preflight._quantize import bnb_config
     except ImportError:
         return None
-    compute = lora_base_dtype(setup)
-    compute = compute if compute in (torch.bfloat16, torch.float16) else torch.float32
+    compute = half_dtype(setup.precision) or torch.float32  # as `preflight estimate --quantize` computes
     lora = lora_model(setup.model, compute, bnb_config("nf4", compute_dtype=compute, double_quant=True))
     return _adapters_move(setup, lora, "qlora", {"quantize": "nf4", "double_quant": True},
                           f"QLoRA r={LORA_RANK} over NF4 base weights", _QLORA_COST)

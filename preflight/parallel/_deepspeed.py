@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from preflight._sharding import Zero3Terms, ZeroBuffers, read_deepspeed_config, zero3_terms, zero_buffers
+from preflight._steps import half_dtype
 from preflight.trace import float_dtype_for
 
 __all__ = ["deepspeed_precision", "deepspeed_settings", "deepspeed_terms", "zero3_terms_for", "zero_buffers_for"]
@@ -32,11 +33,6 @@ def deepspeed_settings(ds: dict[str, Any], sharding: str | None,
         raise ValueError(f"`deepspeed_config` plans the run, but {', '.join(said)} says otherwise: drop those "
                          "arguments, or change the config.")
     return ds["sharding"], {name: ds[name] for name in offload}
-
-
-# preflight's precisions under which DeepSpeed runs the model in 16 bits (its bf16 / fp16 sections enabled).
-_HALF = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-         "16-true": torch.float16}
 
 
 def zero_buffers_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None,
@@ -62,7 +58,7 @@ def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch
     if ds["bf16"] or ds["fp16"]:
         return torch.bfloat16 if ds["bf16"] else torch.float16
     if ds["bf16"] is None or ds["fp16"] is None or not given:  # "auto" or no config: the precision says
-        return _HALF.get(precision or "")
+        return half_dtype(precision)  # DeepSpeed's bf16 / fp16 section for a 16-bit precision
     return None
 
 

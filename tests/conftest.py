@@ -34,11 +34,11 @@ def _quiet_transformers():
     yield
 
 
-def make_gpt2(n_layer: int = 2, n_embd: int = 128, **kwargs):
+def make_gpt2(n_layer: int = 2, n_embd: int = 128, n_positions: int = 256, **kwargs):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=256,
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=n_positions,
                      bos_token_id=0, eos_token_id=0, **kwargs)
     return GPT2LMHeadModel(cfg)
 

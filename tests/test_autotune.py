@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from conftest import VOCAB, make_gpt2 as tiny_gpt2
 from torch import nn
 
 import preflight
@@ -16,16 +17,11 @@ from preflight._autotune import (
     split_global_batch,
 )
 
-VOCAB = 1000
 SEQ = 32
 
 
 def make_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128,
-                                      bos_token_id=0, eos_token_id=0))
+    return tiny_gpt2(n_embd=64, n_positions=128)
 
 
 def make_llama() -> nn.Module:

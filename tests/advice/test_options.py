@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import VOCAB, make_gpt2 as tiny_gpt2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -16,16 +17,11 @@ import preflight
 import preflight.advice._options as advise_module
 from preflight.advice import Suggestion, advise, batch_size_of, resize_batch
 
-VOCAB = 1000
 BATCH = 8
 
 
 def make_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128,
-                                      bos_token_id=0, eos_token_id=0))
+    return tiny_gpt2(n_embd=64, n_positions=128)
 
 
 def lm_batch(b: int, seq: int = 32) -> dict[str, torch.Tensor]:

@@ -29,7 +29,9 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.trace import TraceResult, device_mismatch, float_dtype_for, trace_composed, trace_steps
+from preflight.parallel._tensor import TPPlan, tp_rank_groups, trace_tp, unmatched_styles
+from preflight._steps import LossNotFoundError
+from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
 
@@ -173,6 +175,13 @@ def estimate(
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
+    tp = plan_kwargs.get("tp")
+    if tp is not None:
+        if wrapped is not None:
+            raise ValueError("`run.parallel.tp` plans tensor parallelism for a model not yet parallelized, but the "
+                             "model is already wrapped by FSDP: call preflight before wrapping it.")
+        return _tp_estimate(model, optimizer, batch, tp, fsdp_trace_plan(fsdp, sharding), world_size, options,
+                            fast=fast, gpu_info=gpu_info, allocator=allocator)
     plan = fsdp_trace_plan(fsdp, sharding)
     # The ranks one rank's state is cut among: under hybrid sharding one shard group's (a ValueError where they do
     # not divide the world), which a rescaled estimate divides by.
@@ -437,6 +446,62 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if fast:
         note += "; fast=True does not apply to the sharded trace (traced in full)"
     return traced, note
+
+
+def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, tp: TPPlan, fsdp: FSDP2Plan | None,
+                 world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
+                 allocator: AllocatorConfig | None) -> Estimate:
+    """Each distinct rank of a tensor-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced
+    through ``parallelize_module`` (`preflight.parallel.trace_tp`); the estimate of the rank that peaks highest. Where
+    a rank cannot be traced, the analytic lower bound with everything divided among the ranks, labelled."""
+    target, cuda = options["target_device"], options["cuda"]
+    if cuda is None and target.type == "cuda":
+        cuda = CudaTarget.of(None)
+    if fsdp is not None and fsdp.replicate != 1:
+        raise ValueError("tensor parallelism is traced with FSDP2 over one data-parallel dim (a 2-D mesh); "
+                         f"FSDP2Plan(replicate={fsdp.replicate}) asks for a third (HSDP): leave replicate at 1.")
+    shape, names = tp.mesh(world_size)
+    mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names))
+    engine = "parallelize_module" + (" then fully_shard over dp" if fsdp is not None else "")
+    sharding = "fsdp2" if fsdp is not None else None
+    skipped = unmatched_styles(model, tp)  # a ValueError where neither the plan nor the model has styles
+    failed = None
+    try:
+        groups = tp_rank_groups(model, tp, world_size, fsdp)
+        traced = []
+        for group in groups:
+            result = trace_tp(model, optimizer, batch, world_size=world_size, rank=group[0], plan=tp, fsdp=fsdp,
+                              step=options["step"], precision=options["precision"], steps=options["steps"],
+                              schedule=options["schedule"], record_op=options["record_op"],
+                              routing=options["routing"], cuda=cuda)
+            if result.error is not None:
+                failed = result
+                break
+            traced.append((group, result))
+    except (LossNotFoundError, StepWouldFailError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the plan could not be applied to the copy: the labelled lower bound
+        if is_user_error(err):
+            raise
+        failed = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
+                             failed_op=f"{engine} ({type(err).__name__})")
+    if failed is not None:
+        notes = [f"tensor parallelism ({mesh}): the rank could not be traced; the lower bound divides the model's "
+                 f"state among the {world_size} rank(s) (a rank holds at least its share)"]
+        return _fallback(model, optimizer, batch, target, options["precision"], options["steps"], failed, notes,
+                         gpu=gpu_info, world_size=world_size, shard_ranks=world_size, sharding="fsdp-full",
+                         offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+    shared = (f"ranks with equal local shapes share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
+              if len(groups) > 1 else f"every rank holds parameters of the same local shapes: one trace stands for "
+              f"all {world_size}")
+    note = f"tensor parallelism: each rank's step traced through {engine} under a fake {mesh} mesh; {shared}"
+    if skipped:
+        note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
+                 "module and were skipped, as parallelize_module skips them")
+    if fast:
+        note += "; fast=True does not apply to the per-rank trace (traced in full)"
+    return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
+                              allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding)
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -29,9 +29,10 @@ from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan, read_ddp)
 from preflight.parallel._stand_in import stand_in
+from preflight.parallel._tensor import TPPlan, model_styles, tp_rank_groups, trace_tp
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
+__all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "TPPlan", "model_styles", "tp_rank_groups", "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
            "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in",
            "trace_fsdp1",

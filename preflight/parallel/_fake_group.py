@@ -16,6 +16,7 @@ the process's global rank are as they were.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +38,8 @@ class ProcessGroupInUseError(RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int, replicate: int | None = None) -> Iterator[Any]:
+def fake_world(world_size: int, rank: int, replicate: int | None = None, *,
+               mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None) -> Iterator[Any]:
     """Initialise a fake default process group of ``world_size`` ranks as ``rank``, yield a CPU device mesh over it,
     and take it down on exit; a process group the job already has is set aside meanwhile and put back as it was
     (module docstring).
@@ -45,12 +47,16 @@ def fake_world(world_size: int, rank: int, replicate: int | None = None) -> Iter
     ``replicate``: None gives a 1-D mesh; an int gives HSDP's 2-D mesh ``(replicate, world_size // replicate)`` with
     dims named ``("replicate", "shard")``, as ``init_device_mesh`` lays it out: ranks ``k * shard .. (k + 1) * shard -
     1`` form the ``k``-th shard group (one node's ranks), and ranks of equal index in the shard groups a replicate
-    group. Its sub-groups are fake groups too, made and taken down with the default one.
+    group. Its sub-groups are fake groups too, made and taken down with the default one. ``mesh``: ``(shape,
+    dim names)`` of any other mesh (tensor parallelism's ``("dp", "tp")``), laid out the same way, row-major;
+    it replaces ``replicate``.
 
     Raises:
         ProcessGroupInUseError: torch has no distributed support, or a process group is initialised and c10d's
             registry does not have the layout this module sets aside; the job's group is then not touched.
     """
+    if mesh is not None and math.prod(mesh[0]) != world_size:
+        raise ValueError(f"the mesh {mesh[0]} should hold the world size {world_size}.")
     if replicate is not None and (replicate < 1 or world_size % replicate):
         raise ValueError(f"`replicate` should divide the world size {world_size}, got {replicate!r}.")
     if not dist.is_available():
@@ -70,7 +76,9 @@ def fake_world(world_size: int, rank: int, replicate: int | None = None) -> Iter
         with _set_aside() if beside else contextlib.nullcontext():
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             try:
-                if replicate is None:
+                if mesh is not None:
+                    yield init_device_mesh("cpu", mesh[0], mesh_dim_names=mesh[1])
+                elif replicate is None:
                     yield init_device_mesh("cpu", (world_size,))
                 else:
                     yield init_device_mesh("cpu", (replicate, world_size // replicate),

@@ -59,6 +59,8 @@ class Engine:
         watch: ``watch(tracker, gloo=...)``: a context manager in force while the step runs.
         replicate: the replicate degree of hybrid sharding (HSDP): ``wrap`` gets the 2-D fake mesh
             ``(replicate, world_size // replicate)`` (`preflight.parallel.fake_world`); None: a 1-D mesh.
+        mesh: ``(shape, dim names)`` of another fake mesh ``wrap`` gets (tensor parallelism's); it replaces
+            ``replicate``.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Engine:
     parameters: Callable[[nn.Module], list[torch.Tensor]]
     watch: Callable[..., contextlib.AbstractContextManager[Any]]
     replicate: int | None = None
+    mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -313,7 +316,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
-    with fake_world(world_size, rank, engine.replicate) as mesh, isolated_process(notes), isolated_rng(notes):
+    with fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, isolated_process(notes), \
+            isolated_rng(notes):
         try:
             replica = fake_replica(model, twins)
             with fake_mode:

@@ -55,6 +55,9 @@ class ParallelPlan:
         deepspeed: the DeepSpeed config (a dict) of a DeepSpeed plan, for `preflight.estimate`'s
             ``deepspeed_config``; None otherwise.
         gradient_as_bucket_view: DDP's option (a ``"ddp"`` plan): gradients are views into DDP's buckets.
+        tp: tensor parallelism (a `preflight.parallel.TPPlan`): with ``sharding=None`` its degree is the world size;
+            with ``"fsdp2"``, FSDP2 shards over the data-parallel dim of the mesh ``(world_size // degree,
+            degree)``, as torchtitan lays out TP x FSDP2 (``fsdp`` may give an `FSDP2Plan` for it).
     """
 
     world_size: int
@@ -65,9 +68,12 @@ class ParallelPlan:
     fsdp: Any = None
     deepspeed: Mapping[str, Any] | None = None
     gradient_as_bucket_view: bool = False
+    tp: Any = None
 
     def __post_init__(self) -> None:
         _check_world(self.world_size)
+        if self.tp is not None:
+            self._check_tp()
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
             raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got "
                              f"{self.sharding!r}.")
@@ -77,6 +83,24 @@ class ParallelPlan:
         if self.gradient_as_bucket_view and self.sharding not in (None, "ddp"):
             raise ValueError(f"`gradient_as_bucket_view` is DDP's option, but the sharding is {self.sharding!r}: "
                              "pass sharding='ddp', or leave gradient_as_bucket_view out.")
+
+    def _check_tp(self) -> None:
+        from preflight.parallel._tensor import TPPlan
+
+        if not isinstance(self.tp, TPPlan):
+            raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
+        self.tp.mesh(self.world_size)  # a ValueError where the degree does not divide the world
+        if self.sharding is None and self.tp.degree != self.world_size:
+            raise ValueError(f"`tp.degree` is {self.tp.degree} but the world size is {self.world_size}: data "
+                             "parallelism beside tensor parallelism is traced with FSDP2 over the other dim; pass "
+                             "sharding='fsdp2', or world_size equal to the degree.")
+        if self.sharding is not None and (self.sharding != "fsdp2" or self.tp.degree == self.world_size):
+            raise ValueError(f"with tensor parallelism of degree {self.tp.degree} over {self.world_size} rank(s), "
+                             f"`sharding` should be 'fsdp2' (FSDP2 over the (world_size // degree) data-parallel "
+                             f"ranks, world_size > degree) or None (tensor parallelism alone), got {self.sharding!r}.")
+        if any((self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("tensor parallelism is traced with FSDP2 or alone, without CPU offload, DeepSpeed or "
+                             "DDP's options: leave them out of a plan with `tp`.")
 
     @property
     def sharded(self) -> bool:
@@ -93,6 +117,8 @@ class ParallelPlan:
             kwargs["deepspeed_config"] = dict(self.deepspeed)
         if self.gradient_as_bucket_view and self.sharding == "ddp":
             kwargs["gradient_as_bucket_view"] = True
+        if self.tp is not None:
+            kwargs["tp"] = self.tp
         return kwargs
 
     def note(self) -> str:
@@ -102,6 +128,8 @@ class ParallelPlan:
         shard = self.fsdp.shard_size(self.world_size) if self.fsdp is not None else self.world_size
         over = (f"{self.world_size} rank(s)" if shard == self.world_size and not getattr(self.fsdp, "hybrid", False)
                 else f"{self.world_size} rank(s) as {self.world_size // shard} replica(s) of {shard}-rank shard groups")
+        if self.tp is not None:
+            over += f", tensor parallel degree {self.tp.degree}"
         return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {over}"
                 + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
 

@@ -1,0 +1,269 @@
+"""One rank's training step under tensor parallelism (DTensor's ``parallelize_module``), alone or inside FSDP2 on
+a 2-D mesh, traced on fake tensors with a fake process group.
+
+A `TPPlan` says which modules are parallelized how: DTensor's own styles (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``, ``PrepareModuleInput`` / ``Output``, or the user's own ``ParallelStyle``), keyed by module
+name with ``*`` wildcards as ``parallelize_module`` takes them, or the model's own plan (a transformers model's
+``base_model_tp_plan`` and ``_tp_plan``, translated to those styles). The fake copy of the model is parallelized
+with that plan over a fake mesh of the job's shape (``("tp",)``, or ``("dp", "tp")`` with FSDP2's ``fully_shard``
+over the ``dp`` dim after, torchtitan's layout) as this rank, and the real step runs as
+`preflight.parallel._rank.trace_rank` describes. So the rank's peak comes out of DTensor's own program: its local
+parameter shards and their optimizer state, the activations each rank holds (sharded where the style leaves them
+sharded, whole where it gathers), and the functional collectives' outputs (the all-reduce after a row-wise layer,
+the all-gathers of sequence parallelism), each an operator the tracker sees.
+
+Ranks whose parameters are cut to the same local shapes run the same program and share a trace
+(`tp_rank_groups`, which applies the plan to a meta copy as each rank to read its shapes).
+
+Known limitations: transformers' own tensor-parallel engine (``from_pretrained(tp_plan="auto")``) is not DTensor's
+and is not traced; its plan entries other than ``colwise``, ``rowwise`` and ``colwise_gather_output`` are refused
+with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
+trace only where the step enters it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._steps import Loop, StepFn
+from preflight.cuda import CudaTarget
+from preflight.parallel._fake_group import fake_world
+from preflight.parallel._fsdp2 import FSDP2Plan, watched_fsdp2
+from preflight.parallel._rank import Engine, MetaTwins, ParamTwins, default_units, fake_replica, trace_rank
+from preflight.trace import Sweep, TraceResult, swept
+from preflight.trace._tracker import StorageTracker
+from preflight.trace._twin import clone_optimizer
+
+__all__ = ["TPPlan", "model_styles", "tp_rank_groups", "trace_tp", "unmatched_styles"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """How tensor parallelism is applied, as the training script applies it with ``parallelize_module``.
+
+    Attributes:
+        degree: the ranks one tensor-parallel group holds (the size of the mesh's ``tp`` dim). The job's world size
+            is ``degree`` times the data-parallel degree.
+        styles: ``parallelize_module``'s ``parallelize_plan``: module name (``*`` matches one name part) -> a
+            ``torch.distributed.tensor.parallel.ParallelStyle``. None: the model's own plan (`model_styles`).
+    """
+
+    degree: int
+    styles: Mapping[str, Any] | None = None  # None: the transformers model's own tp plan
+
+    def __post_init__(self) -> None:
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 1:
+            raise ValueError(f"`TPPlan.degree` should be a positive int (the tensor-parallel group's ranks), got "
+                             f"{self.degree!r}.")
+        if self.styles is not None:
+            from torch.distributed.tensor.parallel import ParallelStyle
+
+            if not isinstance(self.styles, Mapping):
+                raise TypeError("`TPPlan.styles` should be a dict of module name -> ParallelStyle (what "
+                                f"parallelize_module takes) or None, got {type(self.styles).__name__}.")
+            wrong = {k: v for k, v in self.styles.items() if not isinstance(k, str) or not isinstance(v, ParallelStyle)}
+            if wrong:
+                name, style = next(iter(wrong.items()))
+                raise TypeError(f"`TPPlan.styles` should map module names (str) to ParallelStyle instances "
+                                f"(ColwiseParallel(), RowwiseParallel(), ...); got {name!r}: {style!r}.")
+            object.__setattr__(self, "styles", dict(self.styles))
+
+    def mesh(self, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The fake mesh's ``(shape, dim names)`` for ``world_size`` ranks: ``(degree,)`` over ``("tp",)`` when
+        the plan holds every rank, else ``(world_size // degree, degree)`` over ``("dp", "tp")`` (torchtitan's
+        layout: the ranks of one tensor-parallel group are consecutive); a ValueError where ``degree`` does not
+        divide ``world_size``."""
+        if world_size % self.degree:
+            raise ValueError(f"`TPPlan.degree` ({self.degree}) should divide the world size {world_size}: the mesh is "
+                             "(world_size // degree, degree).")
+        if world_size == self.degree:
+            return (self.degree,), ("tp",)
+        return (world_size // self.degree, self.degree), ("dp", "tp")
+
+
+# transformers' tp plan words that DTensor's styles express as they are (transformers.integrations.tensor_parallel
+# names the same layouts): column-wise (output sharded on the last dim), row-wise (input sharded, output
+# all-reduced), column-wise with the output gathered back whole, and an embedding cut along the vocabulary (ids
+# replicated, output all-reduced).
+def _hf_style(word: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}[word]()
+
+
+_HF_WORDS = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+
+
+def model_styles(model: nn.Module) -> dict[str, Any]:
+    """The model's own tensor-parallel plan as DTensor styles: a transformers model's ``config.base_model_tp_plan``
+    (its keys under the base model's prefix) and the class's ``_tp_plan`` (the head's), each word translated
+    (``colwise`` -> ``ColwiseParallel()``, ``rowwise`` -> ``RowwiseParallel()``, ``colwise_gather_output`` ->
+    ``ColwiseParallel(output_layouts=Replicate())``, ``embedding_rowwise`` ->
+    ``RowwiseParallel(input_layouts=Replicate())``).
+
+    Raises:
+        ValueError: the model has no plan of its own, or an entry whose word has no DTensor style here (named).
+    """
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):  # the base model itself: its plan's names are its own
+        prefix = ""
+    plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    plan.update(dict(getattr(model, "_tp_plan", None) or {}))
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own (no config."
+                         "base_model_tp_plan): give TPPlan(degree, styles={'module.name': ColwiseParallel(), ...}), "
+                         "the plan you pass to parallelize_module.")
+    unknown = {k: v for k, v in plan.items() if v not in _HF_WORDS}
+    if unknown:
+        name, word = next(iter(unknown.items()))
+        raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {name!r}: {word!r}, which preflight "
+                         f"translates to no DTensor style (it translates {', '.join(_HF_WORDS)}): give "
+                         "TPPlan(degree, styles=...) with the styles your script applies.")
+    return {name: _hf_style(word) for name, word in plan.items()}
+
+
+def _styles(model: nn.Module, plan: TPPlan) -> dict[str, Any]:
+    return dict(plan.styles) if plan.styles is not None else model_styles(model)
+
+
+def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
+    """The plan's module names (``*`` matching one name part, as ``parallelize_module`` matches them) that match no
+    submodule of ``model``: ``parallelize_module`` skips them with a warning, and so does the trace. A ValueError
+    where the model has no plan of its own and the `TPPlan` gives none (`model_styles`)."""
+    names = [name.split(".") for name, _ in model.named_modules() if name]
+    return [key for key in _styles(model, plan) if key and not any(
+        len(parts) == len(key.split(".")) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, key.split(".")))
+        for parts in names)]
+
+
+def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:
+    styles = _styles(model, plan)
+    shape, names = plan.mesh(world_size)
+
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        with meshes_outside_modes():
+            return _wrap(replica, mesh)
+
+    def _wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh = mesh["tp"] if len(shape) > 1 else mesh
+        parallelize_module(replica, tp_mesh, styles)
+        if fsdp is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            dp_mesh = mesh["dp"] if len(shape) > 1 else None
+            options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": fsdp.reshard_after_forward}
+            if fsdp.mp_policy is not None:
+                options["mp_policy"] = fsdp.mp_policy
+            for name in fsdp.units if fsdp.units is not None else default_units(replica):
+                fully_shard(replica.get_submodule(name), **options)
+            fully_shard(replica, **options)
+        return replica
+
+    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
+                               foreach=None)
+
+    @contextlib.contextmanager
+    def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
+        with watched_fsdp2(tracker, gloo=gloo) if fsdp is not None else contextlib.nullcontext(), \
+                meshes_outside_modes():
+            yield
+
+    return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
+                  optimizer=optimizer, parameters=_local_parameters, watch=watch, mesh=(shape, names))
+
+
+@contextlib.contextmanager
+def meshes_outside_modes() -> Iterator[None]:
+    """For the block, build every ``DeviceMesh`` outside the fake mode and the tracker: a mesh is bookkeeping made of
+    small integer CPU tensors (its coordinates come from ``nonzero``, which a fake tensor cannot answer), never the
+    run's device memory. FSDP2 over a tensor-parallel parameter concatenates the two meshes while it wraps."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    init = DeviceMesh.__init__
+
+    def outside(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _disable_current_modes():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = outside
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
+def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
+    """The rank's own parameter storages: a DTensor parameter's local tensor."""
+    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
+
+
+def tp_rank_groups(model: nn.Module, plan: TPPlan, world_size: int, fsdp: FSDP2Plan | None = None) -> list[list[int]]:
+    """Ranks grouped by the local shapes of their parameters once the plan (and FSDP2, over the ``dp`` dim) is
+    applied: ranks of one group run the same program and trace the same. Each rank's shapes are read off a meta copy
+    of the model parallelized as that rank in a fake world (no step runs)."""
+    engine = _engine(model, plan, fsdp, world_size)
+    signatures: dict[tuple[Any, ...], list[int]] = {}
+    for rank in range(world_size):
+        with fake_world(world_size, rank, mesh=engine.mesh) as mesh:
+            wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
+            shapes = tuple(tuple(t.shape) for t in _local_parameters(wrapped))
+        signatures.setdefault(shapes, []).append(rank)
+    return list(signatures.values())
+
+
+@swept
+def trace_tp(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    world_size: int,
+    rank: int,
+    plan: TPPlan,
+    fsdp: FSDP2Plan | None = None,
+    step: StepFn | None,
+    precision: str | None,
+    steps: int,
+    schedule: Loop = Loop(),
+    record_op: Callable[[Any, Any], bool] | None = None,
+    routing: str = "balanced",
+    cuda: CudaTarget | None = None,
+    sweep: Sweep,
+) -> TraceResult:
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under tensor parallelism (module docstring).
+
+    Args:
+        model, optimizer, batch: the user's; only read. The optimizer is rebuilt (same class and hyperparameters)
+            over the parallelized copy's parameters.
+        plan: the tensor-parallel plan; ``fsdp``: FSDP2 over the ``dp`` dim of the 2-D mesh (None: none; then the
+            plan's degree is the world size).
+        record_op, routing, cuda: as for `preflight.trace.trace_steps`.
+
+    Returns:
+        A `TraceResult` whose events are this rank's; ``error`` is set when the trace stopped or the plan could not
+        be applied to the copy.
+
+    Raises:
+        ProcessGroupInUseError: a fake process group cannot be made in this process.
+        LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
+        Exception: the user's own exception from their step (`preflight.trace._blame`).
+    """
+    return trace_rank(_engine(model, plan, fsdp, world_size), model, optimizer, batch, world_size=world_size,
+                      rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
+                      routing=routing, cuda=cuda, sweep=sweep)

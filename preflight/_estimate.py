@@ -29,7 +29,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.parallel._tensor import TPPlan, tp_rank_groups, trace_tp, unmatched_styles
+from preflight.parallel._tensor import TPPlan, WrappedTP, read_tp, tp_rank_groups, trace_tp, unmatched_styles
 from preflight._steps import LossNotFoundError
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 
@@ -176,6 +176,12 @@ def estimate(
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     tp = plan_kwargs.get("tp")
+    laid_out = read_tp(model) if wrapped is None else None  # a model parallelize_module already laid out
+    if laid_out is not None:
+        if world_size not in (1, laid_out.world_size) or tp is not None or sharding is not None:
+            raise ValueError(f"The model was already parallelized with DTensor over {laid_out.world_size} rank(s), "
+                             "which is its plan: leave `run.parallel` out (or give only its world size).")
+        tp, world_size = laid_out, laid_out.world_size
     if tp is not None:
         if wrapped is not None:
             raise ValueError("`run.parallel.tp` plans tensor parallelism for a model not yet parallelized, but the "
@@ -448,23 +454,28 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return traced, note
 
 
-def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, tp: TPPlan, fsdp: FSDP2Plan | None,
+def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, tp: TPPlan | WrappedTP,
+                 fsdp: FSDP2Plan | None,
                  world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
                  allocator: AllocatorConfig | None) -> Estimate:
     """Each distinct rank of a tensor-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced
     through ``parallelize_module`` (`preflight.parallel.trace_tp`); the estimate of the rank that peaks highest. Where
-    a rank cannot be traced, the analytic lower bound with everything divided among the ranks, labelled."""
+    a rank cannot be traced, the analytic lower bound with everything divided among the ranks, labelled. ``tp``: a
+    plan, or the layout of a model already parallelized (`preflight.parallel.read_tp`)."""
     target, cuda = options["target_device"], options["cuda"]
     if cuda is None and target.type == "cuda":
         cuda = CudaTarget.of(None)
     if fsdp is not None and fsdp.replicate != 1:
         raise ValueError("tensor parallelism is traced with FSDP2 over one data-parallel dim (a 2-D mesh); "
                          f"FSDP2Plan(replicate={fsdp.replicate}) asks for a third (HSDP): leave replicate at 1.")
-    shape, names = tp.mesh(world_size)
-    mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names))
-    engine = "parallelize_module" + (" then fully_shard over dp" if fsdp is not None else "")
+    read = isinstance(tp, WrappedTP)
+    shape, names = tp.mesh if read else tp.mesh(world_size)
+    mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names)) if names else " x ".join(map(str, shape))
+    engine = ("the model's own DTensor layout and hooks" if read else "parallelize_module") + (
+        " then fully_shard over dp" if fsdp is not None else "")
     sharding = "fsdp2" if fsdp is not None else None
-    skipped = unmatched_styles(model, tp)  # a ValueError where neither the plan nor the model has styles
+    # A ValueError where neither the plan nor the model has styles.
+    skipped = [] if read else unmatched_styles(model, tp)
     failed = None
     try:
         groups = tp_rank_groups(model, tp, world_size, fsdp)
@@ -495,6 +506,8 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
               if len(groups) > 1 else f"every rank holds parameters of the same local shapes: one trace stands for "
               f"all {world_size}")
     note = f"tensor parallelism: each rank's step traced through {engine} under a fake {mesh} mesh; {shared}"
+    if read:
+        note = f"{tp.note()}; {note}"
     if skipped:
         note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
                  "module and were skipped, as parallelize_module skips them")

@@ -43,7 +43,7 @@ from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
-           "fake_replica", "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
+           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +316,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
-    with fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, isolated_process(notes), \
-            isolated_rng(notes):
+    with fresh_dtensor_caches(), fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, \
+            isolated_process(notes), isolated_rng(notes):
         try:
             replica = fake_replica(model, twins)
             with fake_mode:
@@ -367,6 +367,38 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     if tracker.routing.note():
         notes.append(tracker.routing.note())
     return result(error, failed)
+
+
+@contextlib.contextmanager
+def fresh_dtensor_caches() -> Iterator[None]:
+    """Run the block with DTensor's caches empty, and empty them again after it.
+
+    DTensor caches its sharding decisions, redistribution plans and mesh topologies keyed by device mesh, and two
+    meshes compare equal by their layout, not by their process groups: a fake mesh of the job's shape would be
+    handed the job's cached entries (collectives on the job's groups, with fake tensors), and the job would be
+    handed the trace's (collectives on fake groups that are gone). Emptying them costs the job one recomputation of
+    each entry, not a change in what it computes.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    except ImportError:  # a build of torch without distributed support, or without these caches
+        yield
+        return
+
+    def clear() -> None:
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
+            torch._C._clear_DTensor_sharding_propagator_cache()
+        clear_redistribute_planner_cache()
+        MeshTopoInfo.build_from_mesh.cache_clear()
+
+    clear()
+    try:
+        yield
+    finally:
+        clear()
 
 
 class ParamTwins:

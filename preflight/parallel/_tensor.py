@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import math
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -36,12 +38,13 @@ from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, watched_fsdp2
-from preflight.parallel._rank import Engine, MetaTwins, ParamTwins, default_units, fake_replica, trace_rank
+from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, default_units, fake_replica,
+                                     fresh_dtensor_caches, trace_rank)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["TPPlan", "model_styles", "tp_rank_groups", "trace_tp", "unmatched_styles"]
+__all__ = ["TPPlan", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups", "trace_tp", "unmatched_styles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,14 +216,16 @@ def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
     return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
 
 
-def tp_rank_groups(model: nn.Module, plan: TPPlan, world_size: int, fsdp: FSDP2Plan | None = None) -> list[list[int]]:
+def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
+                   fsdp: FSDP2Plan | None = None) -> list[list[int]]:
     """Ranks grouped by the local shapes of their parameters once the plan (and FSDP2, over the ``dp`` dim) is
-    applied: ranks of one group run the same program and trace the same. Each rank's shapes are read off a meta copy
-    of the model parallelized as that rank in a fake world (no step runs)."""
-    engine = _engine(model, plan, fsdp, world_size)
+    applied, or the layout a parallelized model was read with (`read_tp`): ranks of one group run the same program
+    and trace the same. Each rank's shapes are read off a meta copy of the model parallelized as that rank in a fake
+    world (no step runs)."""
+    engine = _read_engine(plan) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     signatures: dict[tuple[Any, ...], list[int]] = {}
     for rank in range(world_size):
-        with fake_world(world_size, rank, mesh=engine.mesh) as mesh:
+        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
             wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
             shapes = tuple(tuple(t.shape) for t in _local_parameters(wrapped))
         signatures.setdefault(shapes, []).append(rank)
@@ -235,7 +240,7 @@ def trace_tp(
     *,
     world_size: int,
     rank: int,
-    plan: TPPlan,
+    plan: TPPlan | WrappedTP,
     fsdp: FSDP2Plan | None = None,
     step: StepFn | None,
     precision: str | None,
@@ -251,8 +256,9 @@ def trace_tp(
     Args:
         model, optimizer, batch: the user's; only read. The optimizer is rebuilt (same class and hyperparameters)
             over the parallelized copy's parameters.
-        plan: the tensor-parallel plan; ``fsdp``: FSDP2 over the ``dp`` dim of the 2-D mesh (None: none; then the
-            plan's degree is the world size).
+        plan: the tensor-parallel plan, or the layout of a model already parallelized (`read_tp`), whose copy is
+            laid out the same over the fake mesh; ``fsdp``: FSDP2 over the ``dp`` dim of the 2-D mesh (None: none;
+            then the plan's degree is the world size).
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
 
     Returns:
@@ -264,6 +270,131 @@ def trace_tp(
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
-    return trace_rank(_engine(model, plan, fsdp, world_size), model, optimizer, batch, world_size=world_size,
+    engine = _read_engine(plan) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
+    return trace_rank(engine, model, optimizer, batch, world_size=world_size,
                       rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
                       routing=routing, cuda=cuda, sweep=sweep)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrappedTP:
+    """How ``parallelize_module`` laid a model out before preflight saw it (`read_tp`).
+
+    Attributes:
+        mesh: the job's device mesh as ``(shape, dim names)`` (names None for a mesh made without them).
+        rank: this process's place in it (row-major).
+        layouts: each DTensor parameter or buffer by qualified name -> ``(the dim names of the sub-mesh it lives on,
+            None for the whole mesh; its placements)``.
+    """
+
+    mesh: tuple[tuple[int, ...], tuple[str, ...] | None]
+    rank: int
+    layouts: dict[str, tuple[tuple[str, ...] | None, tuple[Any, ...]]]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh[0])
+
+    def note(self) -> str:
+        dims = " x ".join(map(str, self.mesh[0]))
+        return (f"the model was already parallelized with DTensor ({len(self.layouts)} distributed tensor(s) over a "
+                f"mesh of {dims} ranks; this process is rank {self.rank}): its layout and its modules' hooks were read from the "
+                "model and each rank traced on a fake copy laid out the same")
+
+
+def read_tp(model: nn.Module) -> WrappedTP | None:
+    """The layout of a model ``parallelize_module`` (or ``distribute_module``) already parallelized, or None where no
+    parameter or buffer of it is a DTensor, or FSDP2 manages it (`preflight.parallel.read_fsdp2` reads that).
+
+    Raises:
+        ValueError: its DTensors live on meshes of different roots.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build of torch without distributed support
+        return None
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return None
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    dtensors = [(name, t) for name, t in tensors if isinstance(t, DTensor)]
+    if not dtensors:
+        return None
+    roots = {id(t.device_mesh._get_root_mesh()): t.device_mesh._get_root_mesh() for _, t in dtensors}
+    if len(roots) > 1:
+        raise ValueError("the model's DTensors live on device meshes of different roots; the per-rank trace follows "
+                         "one mesh")
+    root = next(iter(roots.values()))
+    coordinate = root.get_coordinate()
+    rank = 0
+    for index, size in zip(coordinate, root.shape):
+        rank = rank * size + index
+    layouts = {name: (None if t.device_mesh is root else tuple(t.device_mesh.mesh_dim_names), tuple(t.placements))
+               for name, t in dtensors}
+    return WrappedTP(mesh=(tuple(root.shape), None if root.mesh_dim_names is None else tuple(root.mesh_dim_names)),
+                     rank=rank, layouts=layouts)
+
+
+def _read_engine(layout: WrappedTP) -> Engine:
+    """The engine that lays a fake copy out as ``layout`` says: each DTensor tensor distributed over the fake mesh's
+    matching sub-mesh with its placements (each rank keeps its own chunk; no data moves), and every hook that closes
+    over one of the job's device meshes made again over the fake one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        def fake(real: Any) -> Any:
+            root = real._get_root_mesh()
+            return mesh if real is root or real.mesh_dim_names is None else mesh[tuple(real.mesh_dim_names)]
+
+        with meshes_outside_modes():
+            for name, (dims, placements) in layout.layouts.items():
+                owner_name, _, attr = name.rpartition(".")
+                owner = replica.get_submodule(owner_name)
+                whole = getattr(owner, attr)
+                sub = mesh if dims is None else mesh[dims]
+                local = distribute_tensor(whole.detach(), sub, list(placements), src_data_rank=None)
+                if attr in owner._parameters:
+                    owner._parameters[attr] = nn.Parameter(local, requires_grad=whole.requires_grad)
+                else:
+                    owner._buffers[attr] = local
+            for module in replica.modules():
+                for table in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+                    hooks = getattr(module, table, None) or {}
+                    for handle, fn in list(hooks.items()):
+                        hooks[handle] = _over_mesh(fn, fake)
+        return replica
+
+    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
+                               foreach=None)
+
+    @contextlib.contextmanager
+    def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
+        with meshes_outside_modes():
+            yield
+
+    return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=optimizer, parameters=_local_parameters,
+                  watch=watch, mesh=layout.mesh)
+
+
+def _over_mesh(fn: Any, fake: Callable[[Any], Any]) -> Any:
+    """``fn`` (a hook) made again with each device mesh its closure holds replaced by ``fake(mesh)``; ``fn`` itself
+    where it closes over none (DTensor's styles register closures over the mesh, `distribute_module`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cells = getattr(fn, "__closure__", None)
+    if not cells or not any(isinstance(c.cell_contents, DeviceMesh) for c in cells if _filled(c)):
+        return fn
+    closure = tuple(types.CellType(fake(c.cell_contents)) if _filled(c) and isinstance(c.cell_contents, DeviceMesh)
+                    else c for c in cells)
+    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    made.__kwdefaults__ = fn.__kwdefaults__
+    return made
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

@@ -132,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--do-sample", action="store_true", help="sample tokens (top-k/top-p as the model's "
                                                               "generation_config says) instead of greedy or beams")
     _add_plan_options(est)
+    est.add_argument("--tp", type=int, default=None, metavar="N",
+                     help="tensor parallelism of degree N with the model's own plan (its transformers tp plan, cut "
+                          "with DTensor's styles); the world size defaults to N, and a larger --world-size needs "
+                          "--sharding fsdp2 (FSDP2 over the other dim of an (world/N, N) mesh). Each distinct rank "
+                          "traced")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -337,7 +342,9 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     if args.quantize:
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
-    plan = f"{args.world_size} rank(s)" + (f", {sharding}" if sharding else "") + \
+    tp = getattr(args, "tp", None)
+    ranks = tp if tp and args.world_size == 1 else args.world_size
+    plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + (f", {sharding}" if sharding else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
     if args.generate:
         mode = f"{args.num_beams} beams" if args.num_beams > 1 else "greedy"
@@ -368,7 +375,16 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         raise UsageError(f"--accumulate should be at least 1, got {args.accumulate}.")
     parallel = None
     try:
-        if args.deepspeed_config:
+        tp = getattr(args, "tp", None)
+        if tp is not None:
+            if tp < 1 or args.deepspeed_config or any(offload.values()):
+                raise UsageError(f"--tp {tp}: give a degree of at least 1, without --deepspeed-config or offloading "
+                                 "(tensor parallelism is traced alone or with --sharding fsdp2).")
+            from preflight.parallel import TPPlan
+
+            world = tp if args.world_size == 1 else args.world_size
+            parallel = ParallelPlan(world, sharding, tp=TPPlan(tp), source="the command line")
+        elif args.deepspeed_config:
             parallel = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
         elif args.world_size > 1 or sharding or any(offload.values()):
             parallel = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
@@ -380,7 +396,7 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
                                  allocator=args.allocator, cuda_context=args.cuda_context),
                    parallel=parallel, fast=args.fast)
     except (ValueError, TypeError) as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None
 
 
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,

@@ -473,7 +473,8 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names)) if names else " x ".join(map(str, shape))
     engine = ("the model's own DTensor layout and hooks" if read else "parallelize_module") + (
         " then fully_shard over dp" if fsdp is not None else "")
-    sharding = "fsdp2" if fsdp is not None else None
+    degree = shape[-1] if read else tp.degree
+    sharding = f"tp{degree}" + (" x fsdp2" if fsdp is not None else "")
     # A ValueError where neither the plan nor the model has styles.
     skipped = [] if read else unmatched_styles(model, tp)
     failed = None

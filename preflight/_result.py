@@ -96,7 +96,8 @@ class Estimate:
             when known.
         gpu: the catalog GPU planned for, if any.
         world_size: data-parallel ranks; with more than one, ``peak_bytes`` and ``breakdown`` are per rank.
-        sharding: the sharding scheme the per-rank figures assume (``"ddp"``, ``"zero1"`` ... ``"fsdp-full"``).
+        sharding: the sharding scheme the per-rank figures assume (``"ddp"``, ``"zero1"`` ... ``"fsdp-full"``; tensor
+            parallelism is ``"tp2"`` for degree 2, ``"tp2 x fsdp2"`` with FSDP2 over the other mesh dim).
         unsharded_peak_bytes: the single-device traced peak the per-rank figures were derived from (None when
             each rank's own step was traced).
         per_rank_peak_bytes: the peak of each rank, ``[rank 0, rank 1, ...]``, when each rank's step was traced

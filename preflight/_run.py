@@ -203,7 +203,8 @@ class Run:
                         "offload_optimizer": self.parallel.offload_optimizer,
                         "offload_params": self.parallel.offload_params,
                         "gradient_as_bucket_view": self.parallel.gradient_as_bucket_view,
-                        "source": self.parallel.source}
+                        "source": self.parallel.source,
+                        "tp_degree": None if self.parallel.tp is None else self.parallel.tp.degree}
         target = {k: (v if v is None or isinstance(v, (int, float)) else str(v))
                   for k, v in dataclasses.asdict(self.target).items()}
         return {"precision": self.precision, "loop": self.loop.to_dict(), "target": target, "parallel": parallel,
@@ -236,6 +237,8 @@ class Run:
             flags += ["--offload-optimizer"] * self.parallel.offload_optimizer
             flags += ["--offload-params"] * self.parallel.offload_params
             flags += ["--gradient-as-bucket-view"] * self.parallel.gradient_as_bucket_view
+            if self.parallel.tp is not None:  # the CLI plans the model's own styles; given ones are not flags
+                flags += ["--tp", str(self.parallel.tp.degree)]
         if not self.fast:
             flags.append("--full")
         return flags  # generation is not a training flag: `preflight estimate --generate` plans it as its own job

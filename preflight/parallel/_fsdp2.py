@@ -165,6 +165,12 @@ def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
     expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # HSDP: replicated, then sharded
     for name, p in model.named_parameters():
         placements = p.placements if isinstance(p, DTensor) else None
+        if placements is not None and len(p.device_mesh.shape) > mesh.ndim:
+            raise ValueError(f"parameter {name!r} is placed as {placements} over FSDP2's mesh and another (tensor "
+                             "parallelism inside FSDP2): a TP x FSDP2 model is not yet read back once wrapped. Call "
+                             "preflight before parallelize_module and fully_shard, with run=Run(parallel="
+                             "ParallelPlan(world_size, 'fsdp2', tp=TPPlan(degree, styles))): it traces each rank "
+                             "of that layout")
         if placements is not None and placements != expected:
             raise ValueError(f"parameter {name!r} is placed as {placements}, not {expected} (a shard_placement_fn, "
                              "or tensor parallelism): the per-rank trace follows dim-0 shards")

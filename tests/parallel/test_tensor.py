@@ -129,6 +129,33 @@ def test_a_plan_that_cannot_be_applied_gives_a_labelled_lower_bound():
     assert any("could not be traced" in note for note in est.coverage.notes)
 
 
+def test_the_cli_plans_tensor_parallelism_with_the_models_own_plan(tmp_path, capsys):
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN,
+                                  "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": VOCAB, "max_position_embeddings": 64}))
+    base = ["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "32"]
+    out = tmp_path / "tp.json"
+    assert main([*base, "--tp", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["run"]["parallel"]["tp_degree"] == 2 and report["world_size"] == 2
+    assert len(report["per_rank_peak_bytes"]) == 2
+    assert "tensor parallel degree 2" in capsys.readouterr().out
+    both = tmp_path / "tp_fsdp.json"
+    assert main([*base, "--tp", "2", "--world-size", "4", "--sharding", "fsdp2", "--json", str(both)]) == 0
+    report_both = json.loads(both.read_text())
+    assert len(report_both["per_rank_peak_bytes"]) == 4
+    # FSDP2 over the data-parallel dim halves the parameters a rank holds again.
+    assert report_both["breakdown"]["parameters"] < report["breakdown"]["parameters"]
+    capsys.readouterr()
+    assert main([*base, "--tp", "2", "--world-size", "4"]) == 2
+    assert "--sharding fsdp2" in capsys.readouterr().err
+
+
 # ---- real runs with gloo: each rank measured against its prediction -------------------------------------------------
 
 # Activations large beside the small model, as in the FSDP tests; VOCAB stays small so four processes fit.

@@ -11,6 +11,8 @@ both validating with ``_grouped_mm_validate_inputs`` and allocating with ``creat
 dtype, and pad the output's last dimension to 16 bytes (except on ROCm). The backward (``_grouped_mm`` again,
 with transposed operands) goes through the same function.
 
+``_c10d_functional.wait_tensor`` returns its input, where its meta function allocates a copy (`wait_tensor`).
+
 `COMPOSITES` are torch kernels that allocate temporaries inside, which their fake implementations (the output
 only) hide; the tracker runs them as the operators the kernel calls, each traced. ``aten.multinomial`` (sampling
 in generation): ``multinomial_out`` in ``aten/src/ATen/native/Distributions.cpp``, one function for CPU and
@@ -96,6 +98,28 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | No
 
 
 FAKE_KERNELS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: grouped_mm}
+
+
+def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``_c10d_functional.wait_tensor`` as its kernel runs it: it waits for the collective that writes ``tensor``
+    and returns ``tensor`` itself (``wait_tensor`` in ``torch/csrc/distributed/c10d/Functional.cpp``). Its meta
+    function returns ``empty_like(tensor)``, a second block the size of every all-gather's and all-reduce's output
+    that the real run never allocates (DTensor's redistributions and FSDP's collectives call it)."""
+    return tensor
+
+
+def _functional_collectives() -> None:
+    """Add `wait_tensor` where torch has functional collectives (a build with distributed support, once they are
+    loaded: ``torch.distributed`` registers them on import)."""
+    try:
+        import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+        op = torch.ops._c10d_functional.wait_tensor.default
+    except (ImportError, AttributeError, RuntimeError):
+        return
+    FAKE_KERNELS[op] = wait_tensor
+
+
+_functional_collectives()
 
 
 def multinomial(probs: torch.Tensor, num_samples: int, replacement: bool = False, *,

@@ -500,9 +500,12 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if failed is not None:
         notes = [f"tensor parallelism ({mesh}): the rank could not be traced; the lower bound divides the model's "
                  f"state among the {world_size} rank(s) (a rank holds at least its share)"]
-        return _fallback(model, optimizer, batch, target, options["precision"], options["steps"], failed, notes,
-                         gpu=gpu_info, world_size=world_size, shard_ranks=world_size, sharding="fsdp-full",
-                         offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+        # Every category divided among the ranks, as a full sharding divides it: its note is replaced by ours.
+        est = _fallback(model, optimizer, batch, target, options["precision"], options["steps"], failed, notes,
+                        gpu=gpu_info, world_size=world_size, shard_ranks=world_size, sharding="fsdp-full",
+                        offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+        kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
+        return dataclasses.replace(est, sharding=sharding, coverage=dataclasses.replace(est.coverage, notes=kept))
     shared = (f"ranks with equal local shapes share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
               if len(groups) > 1 else f"every rank holds parameters of the same local shapes: one trace stands for "
               f"all {world_size}")

@@ -127,6 +127,10 @@ def test_a_plan_that_cannot_be_applied_gives_a_labelled_lower_bound():
     assert est.coverage.lower_bound and not est.coverage.traced
     assert "NotImplementedError" in est.coverage.failed_op
     assert any("could not be traced" in note for note in est.coverage.notes)
+    assert est.sharding == "tp2" and not any("fsdp-full" in note for note in est.coverage.notes)
+    # The lower bound: every category of the model's state divided between the 2 ranks, no activations.
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.breakdown["parameters"] == whole // 2 and est.breakdown["activations"] == 0
 
 
 def test_the_cli_plans_tensor_parallelism_with_the_models_own_plan(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -156,7 +157,15 @@ def estimate(
         sharding, offload = deepspeed_settings(ds, sharding, offload)
         precision = deepspeed_precision(model, ds, precision)
     # A ValueError names a wrapping the per-rank trace does not follow.
-    wrapped: WrappedFSDP2 | WrappedFSDP1 | None = read_fsdp2(model) or read_fsdp1(model)
+    # A model parallelize_module laid out (then perhaps wrapped by fully_shard over another mesh dim) is traced as
+    # its layout says: its FSDP2 plan, where it has one, is read over FSDP2's own dims.
+    laid_out = read_tp(model)
+    wrapped: WrappedFSDP2 | WrappedFSDP1 | None = None
+    read_tp_fsdp = None
+    if laid_out is not None:
+        read_tp_fsdp = read_fsdp2(model, tensor_parallel=True) if laid_out.fsdp_dims is not None else None
+    else:
+        wrapped = read_fsdp2(model) or read_fsdp1(model)
     traced_model = model
     if wrapped is not None:
         world_size, sharding, fsdp = _wrapped_plan(wrapped, world_size, sharding, fsdp, offload)
@@ -176,12 +185,12 @@ def estimate(
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
     tp = plan_kwargs.get("tp")
-    laid_out = read_tp(model) if wrapped is None else None  # a model parallelize_module already laid out
     if laid_out is not None:
-        if world_size not in (1, laid_out.world_size) or tp is not None or sharding is not None:
+        if world_size not in (1, laid_out.world_size) or tp is not None or sharding not in (None, "fsdp2") or fsdp:
             raise ValueError(f"The model was already parallelized with DTensor over {laid_out.world_size} rank(s), "
                              "which is its plan: leave `run.parallel` out (or give only its world size).")
         tp, world_size = laid_out, laid_out.world_size
+        sharding, fsdp = ("fsdp2", read_tp_fsdp.plan) if read_tp_fsdp is not None else (None, None)
     if tp is not None:
         if wrapped is not None:
             raise ValueError("`run.parallel.tp` plans tensor parallelism for a model not yet parallelized, but the "
@@ -473,7 +482,11 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names)) if names else " x ".join(map(str, shape))
     engine = ("the model's own DTensor layout and hooks" if read else "parallelize_module") + (
         " then fully_shard over dp" if fsdp is not None else "")
-    degree = shape[-1] if read else tp.degree
+    if read:  # the ranks of the mesh dims FSDP2 does not shard over
+        sizes = dict(zip(names or (), shape))
+        degree = world_size // math.prod(sizes[d] for d in tp.fsdp_dims or ())
+    else:
+        degree = tp.degree
     sharding = f"tp{degree}" + (" x fsdp2" if fsdp is not None else "")
     # A ValueError where neither the plan nor the model has styles.
     skipped = [] if read else unmatched_styles(model, tp)

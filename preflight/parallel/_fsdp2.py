@@ -115,13 +115,15 @@ class WrappedFSDP2:
                 "unsharded fake copy of it")
 
 
-def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
+def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSDP2 | None:
     """The plan ``fully_shard`` was applied to ``model`` with, or None where no module of it is an ``FSDPModule``.
 
     Raises:
         ValueError: the wrapping is one the per-rank trace does not follow (the root not wrapped, a mesh of more than
             two dims, units with different meshes, ``reshard_after_forward`` or ``mp_policy``, an ``OffloadPolicy``
-            that offloads, parameters sharded other than on dim 0): the message says which.
+            that offloads, parameters sharded other than on dim 0): the message says which. A tensor-parallel
+            parameter inside FSDP2 (TP x FSDP2) is one, unless ``tensor_parallel``: then its placements over the
+            other dims are left to `preflight.parallel.read_tp`, and the plan read is FSDP2's over its own dims.
     """
     try:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
@@ -166,6 +168,8 @@ def read_fsdp2(model: nn.Module) -> WrappedFSDP2 | None:
     for name, p in model.named_parameters():
         placements = p.placements if isinstance(p, DTensor) else None
         if placements is not None and len(p.device_mesh.shape) > mesh.ndim:
+            if tensor_parallel:  # its tensor-parallel dims are `preflight.parallel.read_tp`'s
+                continue
             raise ValueError(f"parameter {name!r} is placed as {placements} over FSDP2's mesh and another (tensor "
                              "parallelism inside FSDP2): a TP x FSDP2 model is not yet read back once wrapped. Call "
                              "preflight before parallelize_module and fully_shard, with run=Run(parallel="

@@ -165,15 +165,7 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
         tp_mesh = mesh["tp"] if len(shape) > 1 else mesh
         parallelize_module(replica, tp_mesh, styles)
         if fsdp is not None:
-            from torch.distributed.fsdp import fully_shard
-
-            dp_mesh = mesh["dp"] if len(shape) > 1 else None
-            options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": fsdp.reshard_after_forward}
-            if fsdp.mp_policy is not None:
-                options["mp_policy"] = fsdp.mp_policy
-            for name in fsdp.units if fsdp.units is not None else default_units(replica):
-                fully_shard(replica.get_submodule(name), **options)
-            fully_shard(replica, **options)
+            _fully_shard(replica, mesh["dp"], fsdp)
         return replica
 
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
@@ -188,6 +180,19 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
 
     return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
                   optimizer=optimizer, parameters=_local_parameters, watch=watch, mesh=(shape, names))
+
+
+def _fully_shard(replica: nn.Module, mesh: Any, fsdp: FSDP2Plan) -> None:
+    """``fully_shard`` over ``mesh`` on the plan's units (default: the entries of the largest ``nn.ModuleList``),
+    then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
+    if fsdp.mp_policy is not None:
+        options["mp_policy"] = fsdp.mp_policy
+    for name in fsdp.units if fsdp.units is not None else default_units(replica):
+        fully_shard(replica.get_submodule(name), **options)
+    fully_shard(replica, **options)
 
 
 @contextlib.contextmanager
@@ -222,7 +227,7 @@ def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
     applied, or the layout a parallelized model was read with (`read_tp`): ranks of one group run the same program
     and trace the same. Each rank's shapes are read off a meta copy of the model parallelized as that rank in a fake
     world (no step runs)."""
-    engine = _read_engine(plan) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
+    engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     signatures: dict[tuple[Any, ...], list[int]] = {}
     for rank in range(world_size):
         with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
@@ -270,7 +275,7 @@ def trace_tp(
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
-    engine = _read_engine(plan) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
+    engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size,
                       rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
                       routing=routing, cuda=cuda, sweep=sweep)
@@ -283,13 +288,16 @@ class WrappedTP:
     Attributes:
         mesh: the job's device mesh as ``(shape, dim names)`` (names None for a mesh made without them).
         rank: this process's place in it (row-major).
-        layouts: each DTensor parameter or buffer by qualified name -> ``(the dim names of the sub-mesh it lives on,
-            None for the whole mesh; its placements)``.
+        layouts: each tensor-parallel parameter or buffer by qualified name -> ``(the dim names of the sub-mesh its
+            tensor-parallel placements are over, None for the whole mesh; those placements)``.
+        fsdp_dims: the mesh dims FSDP2 shards over where ``fully_shard`` wrapped the model after it was laid out
+            (TP x FSDP2); None: no FSDP2.
     """
 
     mesh: tuple[tuple[int, ...], tuple[str, ...] | None]
     rank: int
     layouts: dict[str, tuple[tuple[str, ...] | None, tuple[Any, ...]]]
+    fsdp_dims: tuple[str, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -297,30 +305,57 @@ class WrappedTP:
 
     def note(self) -> str:
         dims = " x ".join(map(str, self.mesh[0]))
-        return (f"the model was already parallelized with DTensor ({len(self.layouts)} distributed tensor(s) over a "
-                f"mesh of {dims} ranks; this process is rank {self.rank}): its layout and its modules' hooks were read from the "
-                "model and each rank traced on a fake copy laid out the same")
+        fsdp = f", then wrapped by fully_shard over {'/'.join(self.fsdp_dims)}" if self.fsdp_dims else ""
+        return (f"the model was already parallelized with DTensor ({len(self.layouts)} tensor-parallel tensor(s) over "
+                f"a mesh of {dims} ranks{fsdp}; this process is rank {self.rank}): its layout and its modules' hooks "
+                "were read from the model and each rank traced on a fake copy laid out the same")
 
 
 def read_tp(model: nn.Module) -> WrappedTP | None:
-    """The layout of a model ``parallelize_module`` (or ``distribute_module``) already parallelized, or None where no
-    parameter or buffer of it is a DTensor, or FSDP2 manages it (`preflight.parallel.read_fsdp2` reads that).
+    """The layout of a model ``parallelize_module`` (or ``distribute_module``) already parallelized, alone or then
+    wrapped by ``fully_shard`` over another dim of the same mesh (torchtitan's TP x FSDP2); None where no parameter or
+    buffer of it is distributed by tensor parallelism (FSDP2 alone: `preflight.parallel.read_fsdp2` reads that).
 
     Raises:
-        ValueError: its DTensors live on meshes of different roots.
+        ValueError: its DTensors live on meshes of different roots, or FSDP2's units over different meshes.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
     except ImportError:  # a build of torch without distributed support
         return None
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return None
+    fsdp_meshes = []  # each fully_shard call's mesh (slicing a mesh makes a new, equal object each time)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                fsdp_meshes.append(group.mesh_info.mesh)
+    if any(m != fsdp_meshes[0] or m.mesh_dim_names != fsdp_meshes[0].mesh_dim_names for m in fsdp_meshes):
+        raise ValueError("the model's fully_shard units were wrapped over different meshes; the per-rank trace "
+                         "follows one")
+    fsdp_mesh = fsdp_meshes[0] if fsdp_meshes else None
+    fsdp_dims = None
+    if fsdp_mesh is not None:
+        if fsdp_mesh.mesh_dim_names is None:
+            return None  # FSDP2 over an unnamed mesh: no tensor-parallel dim beside it can be named
+        fsdp_dims = tuple(fsdp_mesh.mesh_dim_names)
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     dtensors = [(name, t) for name, t in tensors if isinstance(t, DTensor)]
-    if not dtensors:
+    layouts: dict[str, tuple[tuple[str, ...] | None, tuple[Any, ...]]] = {}
+    roots = {}
+    for name, t in dtensors:
+        mesh = t.device_mesh
+        root = mesh._get_root_mesh()
+        roots[id(root)] = root
+        if fsdp_dims is None:
+            layouts[name] = (None if mesh is root else tuple(mesh.mesh_dim_names), tuple(t.placements))
+            continue
+        names = tuple(mesh.mesh_dim_names or ())
+        tp_dims = tuple(d for d in names if d not in fsdp_dims)
+        if tp_dims:  # FSDP2's spec over (FSDP's dims, the tensor-parallel dims): the latter's placements
+            layouts[name] = (tp_dims, tuple(p for d, p in zip(names, t.placements) if d in tp_dims))
+    if not layouts:
         return None
-    roots = {id(t.device_mesh._get_root_mesh()): t.device_mesh._get_root_mesh() for _, t in dtensors}
     if len(roots) > 1:
         raise ValueError("the model's DTensors live on device meshes of different roots; the per-rank trace follows "
                          "one mesh")
@@ -329,19 +364,25 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
     rank = 0
     for index, size in zip(coordinate, root.shape):
         rank = rank * size + index
-    layouts = {name: (None if t.device_mesh is root else tuple(t.device_mesh.mesh_dim_names), tuple(t.placements))
-               for name, t in dtensors}
     return WrappedTP(mesh=(tuple(root.shape), None if root.mesh_dim_names is None else tuple(root.mesh_dim_names)),
-                     rank=rank, layouts=layouts)
+                     rank=rank, layouts=layouts, fsdp_dims=fsdp_dims)
 
 
-def _read_engine(layout: WrappedTP) -> Engine:
+def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
     """The engine that lays a fake copy out as ``layout`` says: each DTensor tensor distributed over the fake mesh's
     matching sub-mesh with its placements (each rank keeps its own chunk; no data moves), and every hook that closes
-    over one of the job's device meshes made again over the fake one."""
+    over one of the job's device meshes made again over the fake one; then, for TP x FSDP2, ``fully_shard`` as
+    ``fsdp`` says over the fake mesh's FSDP dims."""
     from torch.distributed.tensor import distribute_tensor
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        with meshes_outside_modes():
+            laid_out = _lay_out(replica, mesh)
+            if layout.fsdp_dims is not None and fsdp is not None:
+                _fully_shard(laid_out, mesh[layout.fsdp_dims], fsdp)
+        return laid_out
+
+    def _lay_out(replica: nn.Module, mesh: Any) -> nn.Module:
         def fake(real: Any) -> Any:
             root = real._get_root_mesh()
             return mesh if real is root or real.mesh_dim_names is None else mesh[tuple(real.mesh_dim_names)]
@@ -370,7 +411,8 @@ def _read_engine(layout: WrappedTP) -> Engine:
 
     @contextlib.contextmanager
     def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
-        with meshes_outside_modes():
+        with watched_fsdp2(tracker, gloo=gloo) if layout.fsdp_dims is not None else contextlib.nullcontext(), \
+                meshes_outside_modes():
             yield
 
     return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=optimizer, parameters=_local_parameters,

@@ -11,7 +11,9 @@ same; `read_fsdp2` and `read_fsdp1` read the plan off a model ``fully_shard`` or
 already wrapped, whose copy is traced unwrapped and wrapped again in the fake world; `read_zero` reads a model and
 optimizer DeepSpeed ZeRO has taken over back as the unpartitioned model and a torch optimizer, which a ZeRO plan
 rescales; `stand_in` gives an FSDP-wrapped model's unwrapped meta copy and optimizer, for its evaluation step and
-the suggestions.
+the suggestions. `trace_tp` traces a rank under tensor parallelism (DTensor's ``parallelize_module`` as a `TPPlan`
+says, alone or with FSDP2 over the other dim of a 2-D mesh); `read_tp` reads the layout of a model already laid
+out, whose copy is laid out the same over the fake mesh.
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) is the parallel section of a `preflight.Run`: it
 turns a trainer's strategy settings, read by the integrations, into the plan a per-rank estimate follows; `read_ddp`
 reads it off a ``DistributedDataParallel`` model. `_deepspeed` gives what DeepSpeed itself holds beside the traced
@@ -29,10 +31,11 @@ from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan, read_ddp)
 from preflight.parallel._stand_in import stand_in
-from preflight.parallel._tensor import TPPlan, model_styles, tp_rank_groups, trace_tp
+from preflight.parallel._tensor import TPPlan, WrappedTP, model_styles, read_tp, tp_rank_groups, trace_tp
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "TPPlan", "model_styles", "tp_rank_groups", "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
+__all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "TPPlan", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups",
+           "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
            "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in",
            "trace_fsdp1",

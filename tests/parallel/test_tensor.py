@@ -192,8 +192,13 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
         optimizer = torch.optim.AdamW(model.parameters())
-        # Inside the job, on the model as the job laid it out (and wrapped).
+        # Inside the job, on the model as the job laid it out (and wrapped), and as the callbacks predict it.
+        from preflight.verdict import Options, predict
+
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
+        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=batch)
+        assert report.predicted_peak_bytes == max(inside) and report.eval_predicted_peak_bytes is None
+        assert any("no evaluation peak or suggestions for a tensor-parallel model" in n for n in report.coverage["notes"])
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()

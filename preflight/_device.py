@@ -94,10 +94,17 @@ def live_storage_bytes(tensors: Any, device: torch.device) -> int:
 
 def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
     """The distinct storages behind ``tensors`` (any nested structure) that live on ``device``: their data
-    address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by their own identity."""
+    address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by their own identity; a
+    wrapper subclass (DTensor) counts the tensors it wraps."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     storages: dict[int, int] = {}
     for t in iter_tensors(tensors):
         if t.device.type != device.type:
+            continue
+        if is_traceable_wrapper_subclass(t):  # a DTensor's memory is its local tensor's (a wrapper has no storage)
+            names, _ = t.__tensor_flatten__()
+            storages.update(live_storages([getattr(t, name) for name in names], device))
             continue
         storage = t.untyped_storage()
         storages[storage.data_ptr() or id(storage)] = storage.nbytes()

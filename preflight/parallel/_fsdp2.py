@@ -65,12 +65,16 @@ class FSDP2Plan:
             replicate)`` (dims ``("replicate", "shard")``, ``init_device_mesh``'s layout), so each rank holds the
             shards of the ``world_size // replicate`` ranks of its shard group and all-reduces its gradient shards
             with the ranks of equal shard index; 1: a 1-D mesh (plain FSDP). The world size must be a multiple.
+        root: the qualified name of the module wrapped last, FSDP2's root ("": the model itself). A LightningModule
+            whose ``configure_model`` wraps ``self.model`` has its root at ``"model"``: the training step calls that
+            module, so its forward runs FSDP2's root hooks.
     """
 
     units: tuple[str, ...] | None = None
     mp_policy: Any = None
     reshard_after_forward: bool | int = True
     replicate: int = 1  # 1: plain FSDP over every rank
+    root: str = ""  # the model itself
 
     def __post_init__(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -119,9 +123,10 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
     """The plan ``fully_shard`` was applied to ``model`` with, or None where no module of it is an ``FSDPModule``.
 
     Raises:
-        ValueError: the wrapping is one the per-rank trace does not follow (the root not wrapped, a mesh of more than
-            two dims, units with different meshes, ``reshard_after_forward`` or ``mp_policy``, an ``OffloadPolicy``
-            that offloads, parameters sharded other than on dim 0): the message says which. A tensor-parallel
+        ValueError: the wrapping is one the per-rank trace does not follow (units under no common wrapped root, a
+            mesh of more than two dims, units with different meshes, ``reshard_after_forward`` or ``mp_policy``, an
+            ``OffloadPolicy`` that offloads, parameters sharded other than on dim 0): the message says which. The
+            root is the outermost wrapped module (the model, or the submodule its step calls). A tensor-parallel
             parameter inside FSDP2 (TP x FSDP2) is one, unless ``tensor_parallel``: then its placements over the
             other dims are left to `preflight.parallel.read_tp`, and the plan read is FSDP2's over its own dims.
     """
@@ -132,9 +137,12 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
     units = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not units:
         return None
-    if units[0][0] != "":
-        raise ValueError("the model's submodules are wrapped by fully_shard but the model itself is not: preflight "
-                         "traces a wrapped model whose root is wrapped too (as FSDP2's examples and the trainers do)")
+    root = units[0][0]  # the outermost wrapped module (named_modules goes outside in)
+    outside = [name for name, _ in units[1:] if root and not name.startswith(root + ".")]
+    if outside:
+        raise ValueError(f"the model's fully_shard units {root!r} and {outside[0]!r} have no wrapped module holding "
+                         "both: preflight traces a model whose FSDP2 units sit under one root (the model, or the "
+                         "submodule its step calls), as FSDP2's examples and the trainers wrap it")
     groups = {}
     for name, module in units:
         group = module._get_fsdp_state()._fsdp_param_group
@@ -158,7 +166,7 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
     if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups.values()):
         raise ValueError("the model was wrapped by fully_shard with CPUOffloadPolicy, which the per-rank trace does "
                          "not follow yet")
-    flags = {_reshard_flag(g) for name, g in groups.items() if name != ""}
+    flags = {_reshard_flag(g) for name, g in groups.items() if name != root}
     if len(flags) > 1:
         raise ValueError("the model's fully_shard units differ in reshard_after_forward; the per-rank trace follows "
                          "one setting for all units")
@@ -182,7 +190,7 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
     coordinate = mesh.get_coordinate()  # this process's place in the mesh, which init_device_mesh lays out row-major
     rank = coordinate[-1] if mesh.ndim == 1 else coordinate[0] * shard + coordinate[1]
     plan = FSDP2Plan(units=tuple(name for name, _ in units[1:]), mp_policy=next(iter(groups.values())).mp_policy,
-                     reshard_after_forward=flags.pop() if flags else True, replicate=replicate)
+                     reshard_after_forward=flags.pop() if flags else True, replicate=replicate, root=root)
     return WrappedFSDP2(plan=plan, world_size=mesh.size(), rank=rank)
 
 
@@ -263,7 +271,7 @@ def _engine(plan: FSDP2Plan) -> Engine:
             options["mp_policy"] = plan.mp_policy
         for name in units:
             fully_shard(replica.get_submodule(name), **options)
-        fully_shard(replica, **options)  # FSDP2 itself keeps the root's parameters after forward
+        fully_shard(replica.get_submodule(plan.root), **options)  # FSDP2 itself keeps the root's parameters
         return replica
 
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:

@@ -184,7 +184,7 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
 
 def _fully_shard(replica: nn.Module, mesh: Any, fsdp: FSDP2Plan) -> None:
     """``fully_shard`` over ``mesh`` on the plan's units (default: the entries of the largest ``nn.ModuleList``),
-    then the root."""
+    then its root."""
     from torch.distributed.fsdp import fully_shard
 
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
@@ -192,7 +192,7 @@ def _fully_shard(replica: nn.Module, mesh: Any, fsdp: FSDP2Plan) -> None:
         options["mp_policy"] = fsdp.mp_policy
     for name in fsdp.units if fsdp.units is not None else default_units(replica):
         fully_shard(replica.get_submodule(name), **options)
-    fully_shard(replica, **options)
+    fully_shard(replica.get_submodule(fsdp.root), **options)
 
 
 @contextlib.contextmanager

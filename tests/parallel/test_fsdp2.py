@@ -241,8 +241,9 @@ def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
     model, optimizer, x = _setup()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        fully_shard(model.layers[0])  # the root left unwrapped
-        with pytest.raises(ValueError, match="the model itself is not"):
+        fully_shard(model.layers[0])  # two units and no root holding both
+        fully_shard(model.layers[1])
+        with pytest.raises(ValueError, match="have no wrapped module holding both"):
             preflight.estimate(model, optimizer, x, step=lambda m, b: m(b))
     finally:
         dist.destroy_process_group()

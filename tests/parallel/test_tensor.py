@@ -227,3 +227,20 @@ def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree)
         assert inside == est.per_rank_peak_bytes  # read off the laid-out model: the figure planned before
         error = (est.per_rank_peak_bytes[rank] - measured) / measured
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, {r: m for r, (m, _) in results.items()})
+
+
+@pytest.mark.slow
+def test_the_example_plans_each_layout_per_rank():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    single = float(re.search(r"one device: ([\d.]+) MiB", lines[0]).group(1))
+    per_rank = [re.findall(r"([\d.]+) MiB", line.split("per rank", 1)[1].split("(")[0]) for line in lines[1:]]
+    assert [len(r) for r in per_rank] == [2, 2, 4]
+    assert all(float(b) < single for ranks in per_rank for b in ranks)

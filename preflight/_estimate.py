@@ -24,13 +24,15 @@ from preflight._run import Run, check_run, pinned
 from preflight._steps import with_optimizer_impl, StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
+from preflight._units import format_bytes
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.parallel._tensor import TPPlan, WrappedTP, read_tp, tp_rank_groups, trace_tp, unmatched_styles
+from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
+                                        unmatched_styles, uses_sequence_parallel)
 from preflight._steps import LossNotFoundError
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 
@@ -525,6 +527,13 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     note = f"tensor parallelism: each rank's step traced through {engine} under a fake {mesh} mesh; {shared}"
     if read:
         note = f"{tp.note()}; {note}"
+    sequence = uses_sequence_parallel(model, tp)
+    formula = closed_form_activations(model, batch, degree, sequence)
+    if formula is not None:  # the hand estimate, beside the traced `activations` category
+        note += (f"; the closed form users compute by hand (Korthikanti et al. 2022, "
+                 f"{'sequence' if sequence else 'tensor'} parallelism, GPT layers in 16-bit with dropout, nothing "
+                 f"outside the layers) gives {format_bytes(formula)} of activations, where the trace holds this "
+                 "model's layers in their dtypes, the logits and the loss as they run")
     if skipped:
         note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
                  "module and were skipped, as parallelize_module skips them")

@@ -44,7 +44,8 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["TPPlan", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups", "trace_tp", "unmatched_styles"]
+__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "model_styles", "read_tp", "tp_rank_groups", "trace_tp",
+           "unmatched_styles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,3 +441,37 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def closed_form_activations(model: nn.Module, batch: Any, degree: int, sequence_parallel: bool) -> int | None:
+    """The activation bytes users compute by hand for a transformer under tensor parallelism: Korthikanti et al.,
+    "Reducing Activation Recomputation in Large Transformer Models" (2022), per layer ``s*b*h*(10 + 24/t +
+    5*a*s/(h*t))`` with tensor parallelism and ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, times the
+    layers (what Megatron's theoretical memory report computes). It counts a GPT layer in 16-bit with dropout masks
+    and nothing outside the layers. None where the model has no transformers config (hidden size, heads, layers) or
+    the batch no ``input_ids`` of shape (batch, sequence)."""
+    config = getattr(model, "config", None)
+    h = getattr(config, "hidden_size", None)
+    a = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not all(isinstance(v, int) and v > 0 for v in (h, a, layers)) or not isinstance(ids, torch.Tensor) \
+            or ids.dim() != 2:
+        return None
+    b, seq = ids.shape
+    t = degree
+    if sequence_parallel:
+        per_layer = seq * b * h / t * (34 + 5 * a * seq / h)
+    else:
+        per_layer = seq * b * h * (10 + 24 / t + 5 * a * seq / (h * t))
+    return int(per_layer * layers)
+
+
+def uses_sequence_parallel(model: nn.Module, plan: TPPlan | WrappedTP) -> bool:
+    """Whether the plan (or the laid-out model's hooks) shards activations along the sequence: a
+    ``SequenceParallel`` style in the plan."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if isinstance(plan, TPPlan):
+        return any(isinstance(style, SequenceParallel) for style in _styles(model, plan).values())
+    return False  # a laid-out model keeps its hooks, not its styles

@@ -108,6 +108,18 @@ def test_tensor_parallel_ranks_hold_their_shards_and_every_rank_is_named():
     assert "'model.layer.*.mlp' match no module" in typo.coverage.notes[-1]
 
 
+def test_the_closed_form_is_set_beside_the_trace():
+    from preflight.parallel._tensor import closed_form_activations
+
+    model, batch = _llama()
+    s, b, h, a, layers = 32, 2, HIDDEN, 4, LAYERS  # the batch's sequence and size, the config's dims
+    assert closed_form_activations(model, batch, 2, False) == layers * s * b * h * (10 + 24 / 2 + 5 * a * s / (h * 2))
+    assert closed_form_activations(model, batch, 2, True) == layers * s * b * h / 2 * (34 + 5 * a * s / h)
+    assert closed_form_activations(model, batch["input_ids"], 2, False) is None  # no input_ids to read s and b from
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, _run(2, 2, _styles()))
+    assert "216.00 KiB of activations" in est.coverage.notes[-1]
+
+
 def test_uneven_shards_give_ranks_their_own_traces():
     model, _ = _llama(vocab=VOCAB + 1)  # the vocabulary cut in 2 along the embedding's rows: 257 and 256
     plan = TPPlan(2)  # the model's own plan cuts the embedding and the head

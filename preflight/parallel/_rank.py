@@ -43,7 +43,7 @@ from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
-           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "reporting_resizes", "trace_rank"]
+           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "rebound", "patched", "reporting_resizes", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +166,12 @@ def fake_replica(model: nn.Module, twins: TwinMaker | MetaTwins, *, keep_buffers
         for key, value in tables.items():  # a plain list, tuple or dict of the model's modules: of their copies
             if key not in _MODULE_TABLES and isinstance(value, (list, tuple, dict)):
                 tables[key] = _of_copies(value, copies)
-            elif isinstance(value, types.MethodType) and id(value.__self__) in copies:
+            elif isinstance(value, (types.MethodType, types.FunctionType)):
                 # A method of a model's module kept on an instance (Lightning's forward redirection leaves
-                # `module.forward` set to the bound method after each step): bound to the copy, never the original.
-                tables[key] = types.MethodType(value.__func__, copies[id(value.__self__)])
+                # `module.forward` set to the bound method after each step), or a function closing over the model's
+                # modules (transformers' tensor parallelism replaces `module.forward` by a closure over the module
+                # and its original bound forward): bound to the copies, never the originals.
+                tables[key] = rebound(value, copies)
         gone = set()
         for name in _HOOKS:
             hooks = tables.get(name) or {}
@@ -193,6 +195,40 @@ class MetaTwins:
     def tensor(self, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
         meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         return meta.requires_grad_(requires_grad and (meta.is_floating_point() or meta.is_complex()))
+
+
+def rebound(fn: Any, copies: dict[int, nn.Module], depth: int = 0) -> Any:
+    """``fn`` with what it holds of the model's modules replaced by their copies: a method bound to a copied module
+    is bound to its copy, and a function's closure cells holding a copied module, such a method or such a function
+    (nested closures, a few levels) are made again holding the copies. ``fn`` itself where it holds none."""
+    if isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        return types.MethodType(fn.__func__, copies[id(owner)]) if id(owner) in copies else fn
+    cells = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
+    if not cells or depth > 3:
+        return fn
+    contents = [c.cell_contents if _filled(c) else _EMPTY for c in cells]
+    swapped = [copies.get(id(v), v) if isinstance(v, nn.Module)
+               else rebound(v, copies, depth + 1) if isinstance(v, (types.MethodType, types.FunctionType)) else v
+               for v in contents]
+    if all(a is b for a, b in zip(contents, swapped)):
+        return fn
+    closure = tuple(c if v is _EMPTY or v is old else types.CellType(v)
+                    for c, v, old in zip(cells, swapped, contents))
+    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    made.__kwdefaults__, made.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    return made
+
+
+_EMPTY = object()  # an empty closure cell's stand-in
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _deepspeeds(fn: Any) -> bool:

@@ -293,12 +293,17 @@ class WrappedTP:
             tensor-parallel placements are over, None for the whole mesh; those placements)``.
         fsdp_dims: the mesh dims FSDP2 shards over where ``fully_shard`` wrapped the model after it was laid out
             (TP x FSDP2); None: no FSDP2.
+        storages: for a local shard that is a view into a larger block (a library that sliced the whole weight and
+            kept the slice, as transformers' tensor parallelism does), by qualified name: ``(the block's key, its
+            bytes, the view's offset, shape and strides)``. The copy holds blocks of the same size: the job holds them.
     """
 
     mesh: tuple[tuple[int, ...], tuple[str, ...] | None]
     rank: int
     layouts: dict[str, tuple[tuple[str, ...] | None, tuple[Any, ...]]]
     fsdp_dims: tuple[str, ...] | None = None
+    storages: dict[str, tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -343,6 +348,7 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     dtensors = [(name, t) for name, t in tensors if isinstance(t, DTensor)]
     layouts: dict[str, tuple[tuple[str, ...] | None, tuple[Any, ...]]] = {}
+    storages: dict[str, tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = {}
     roots = {}
     for name, t in dtensors:
         mesh = t.device_mesh
@@ -350,6 +356,11 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
         roots[id(root)] = root
         if fsdp_dims is None:
             layouts[name] = (None if mesh is root else tuple(mesh.mesh_dim_names), tuple(t.placements))
+            local = t.to_local()
+            block = local.untyped_storage()
+            if block.nbytes() > local.numel() * local.element_size():
+                storages[name] = (block.data_ptr() or id(block), block.nbytes(), local.storage_offset(),
+                                  tuple(local.shape), tuple(local.stride()))
             continue
         names = tuple(mesh.mesh_dim_names or ())
         tp_dims = tuple(d for d in names if d not in fsdp_dims)
@@ -366,7 +377,7 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
     for index, size in zip(coordinate, root.shape):
         rank = rank * size + index
     return WrappedTP(mesh=(tuple(root.shape), None if root.mesh_dim_names is None else tuple(root.mesh_dim_names)),
-                     rank=rank, layouts=layouts, fsdp_dims=fsdp_dims)
+                     rank=rank, layouts=layouts, fsdp_dims=fsdp_dims, storages=storages)
 
 
 def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
@@ -388,6 +399,7 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
             root = real._get_root_mesh()
             return mesh if real is root or real.mesh_dim_names is None else mesh[tuple(real.mesh_dim_names)]
 
+        blocks: dict[int, torch.Tensor] = {}  # a block of the job's -> the copy's
         with meshes_outside_modes():
             for name, (dims, placements) in layout.layouts.items():
                 owner_name, _, attr = name.rpartition(".")
@@ -395,6 +407,9 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
                 whole = getattr(owner, attr)
                 sub = mesh if dims is None else mesh[dims]
                 local = distribute_tensor(whole.detach(), sub, list(placements), src_data_rank=None)
+                held = layout.storages.get(name)
+                if held is not None and tuple(local.to_local().shape) == held[3]:
+                    local = _in_block(local, held, blocks)
                 if attr in owner._parameters:
                     owner._parameters[attr] = nn.Parameter(local, requires_grad=whole.requires_grad)
                 else:
@@ -404,6 +419,9 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
                     hooks = getattr(module, table, None) or {}
                     for handle, fn in list(hooks.items()):
                         hooks[handle] = _over_mesh(fn, fake)
+                # transformers' tensor parallelism replaces `forward` on the instance by a closure over the mesh
+                if isinstance(vars(module).get("forward"), types.FunctionType):
+                    module.forward = _over_mesh(module.forward, fake)
         return replica
 
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
@@ -418,6 +436,24 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
 
     return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=optimizer, parameters=_local_parameters,
                   watch=watch, mesh=layout.mesh)
+
+
+def _in_block(local: Any, held: tuple[int, int, int, tuple[int, ...], tuple[int, ...]],
+              blocks: dict[int, torch.Tensor]) -> Any:
+    """``local`` (a DTensor) made again with its local tensor a view into a block of the size the job's shard lives
+    in (`WrappedTP.storages`); shards of one block share one."""
+    from torch.distributed.tensor import DTensor
+
+    key, nbytes, offset, shape, stride = held
+    own = local.to_local()
+    if key not in blocks:
+        blocks[key] = torch.empty(nbytes, dtype=torch.uint8, device=own.device)
+    view = blocks[key].view(own.dtype).as_strided(shape, stride, offset) if nbytes % own.element_size() == 0 \
+        else None
+    if view is None:
+        return local
+    return DTensor.from_local(view, local.device_mesh, local.placements, run_check=False, shape=local.shape,
+                              stride=local.stride())
 
 
 def _over_mesh(fn: Any, fake: Callable[[Any], Any]) -> Any:

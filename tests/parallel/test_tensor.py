@@ -256,3 +256,47 @@ def test_the_example_plans_each_layout_per_rank():
     per_rank = [re.findall(r"([\d.]+) MiB", line.split("per rank", 1)[1].split("(")[0]) for line in lines[1:]]
     assert [len(r) for r in per_rank] == [2, 2, 4]
     assert all(float(b) < single for ranks in per_rank for b in ranks)
+
+
+def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
+    from transformers import LlamaForCausalLM
+
+    from preflight._device import live_storage_bytes
+    from preflight._measure import cpu_profiled_peak
+    from preflight._steps import run_steps
+
+    with gloo_rank(rank, world, port):
+        import os
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        model = LlamaForCausalLM.from_pretrained(path, tp_plan="auto")  # transformers' own tensor parallelism
+        ids = torch.randint(0, VOCAB, BIG_BATCH, generator=torch.Generator().manual_seed(2))
+        batch = {"input_ids": ids, "labels": ids}
+        optimizer = torch.optim.AdamW(model.parameters())
+        inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
+        before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
+        dist.barrier()
+        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=None, precision=None,
+                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+        queue.put((rank, (before + peak, inside)))
+
+
+@pytest.mark.slow
+def test_transformers_own_tensor_parallelism_is_read_inside_the_job(tmp_path):
+    """``from_pretrained(tp_plan="auto")`` lays the model out with DTensor parameters and replaces each parallel
+    module's ``forward`` by a closure over the module and the mesh; it keeps each shard as a view into the whole
+    loaded weight. Read inside a real 2-process gloo job, every rank within 3% of its measurement."""
+    import torch.multiprocessing as mp
+
+    model, _ = _llama()
+    model.save_pretrained(tmp_path / "llama")
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_hf_tp_worker, args=(2, port, str(tmp_path / "llama"), queue), nprocs=2, start_method="spawn")
+    results = dict(queue.get() for _ in range(2))
+    assert results[0][1] == results[1][1]  # every process traces the same ranks
+    for rank in range(2):
+        measured, inside = results[rank]
+        assert abs(inside[rank] - measured) / measured <= 0.03, (rank, inside, measured)

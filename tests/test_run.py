@@ -61,13 +61,22 @@ def test_over_lays_the_fields_someone_set_over_a_base():
     assert Run(precision="bf16-true").over(trainer).precision == "bf16-true"
 
 
+def test_a_tensor_parallel_plan_says_its_degree_back():
+    from preflight.parallel import TPPlan
+
+    run = Run(parallel=ParallelPlan(8, "fsdp2", tp=TPPlan(2)))
+    assert run.to_dict()["parallel"]["tp_degree"] == 2
+    assert run.cli_flags() == ["--world-size", "8", "--sharding", "fsdp2", "--tp", "2"]
+
+
 def test_to_dict_and_cli_flags_say_the_description_back():
     run = Run(precision="bf16-mixed", loop=Loop(accumulate=2),
               target=Target(gpu="A100-80GB", budget="70GiB", allocator="expandable_segments:True"),
               parallel=ParallelPlan(4, "zero3", offload_optimizer=True, source="a test"), fast=False)
     plain = run.to_dict()
     assert plain["parallel"] == {"world_size": 4, "sharding": "zero3", "offload_optimizer": True,
-                                 "offload_params": False, "gradient_as_bucket_view": False, "source": "a test"}
+                                 "offload_params": False, "gradient_as_bucket_view": False, "source": "a test",
+                                 "tp_degree": None}
     assert plain["target"] == {"device": None, "gpu": "A100-80GB", "budget": "70GiB",
                                "allocator": "expandable_segments:True", "cuda_context": None}
     assert plain["loop"]["accumulate"] == 2 and plain["fast"] is False

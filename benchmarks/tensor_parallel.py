@@ -173,11 +173,12 @@ def predict(layout: str, world: int) -> Any:
 
 
 def closed_form(layout: str, world: int) -> int:
-    """Korthikanti et al.'s activation bytes for the run's layers (module docstring)."""
-    t = 2 if "fsdp" in layout else world
-    s, b, h, a = SEQ, BATCH, HIDDEN, HEADS
-    per_layer = s * b * h / t * (34 + 5 * a * s / h) if layout == "sp" else s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    return int(per_layer * LAYERS)
+    """Korthikanti et al.'s activation bytes for the run's layers (module docstring), as the estimate's note gives
+    them (`preflight.parallel._tensor.closed_form_activations`)."""
+    from preflight.parallel._tensor import closed_form_activations
+
+    model, batch = build()
+    return closed_form_activations(model, batch, 2 if "fsdp" in layout else world, sequence_parallel=layout == "sp")
 
 
 def main() -> int:

@@ -344,7 +344,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
     tp = getattr(args, "tp", None)
     ranks = tp if tp and args.world_size == 1 else args.world_size
-    plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + (f", {sharding}" if sharding else "") + \
+    plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
+        (f", {sharding}" if sharding else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
     if args.generate:
         mode = f"{args.num_beams} beams" if args.num_beams > 1 else "greedy"

@@ -21,7 +21,7 @@ from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
-from preflight._steps import with_optimizer_impl, StepFn, check_step
+from preflight._steps import LossNotFoundError, with_optimizer_impl, StepFn, check_step
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight._units import format_bytes
@@ -33,7 +33,6 @@ from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, ze
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
-from preflight._steps import LossNotFoundError
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 
 __all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
@@ -466,8 +465,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 
 def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, tp: TPPlan | WrappedTP,
-                 fsdp: FSDP2Plan | None,
-                 world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
+                 fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
                  allocator: AllocatorConfig | None) -> Estimate:
     """Each distinct rank of a tensor-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced
     through ``parallelize_module`` (`preflight.parallel.trace_tp`); the estimate of the rank that peaks highest. Where

@@ -89,6 +89,8 @@ class FSDP2Plan:
         flag = self.reshard_after_forward
         if not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1):
             raise ValueError(f"`reshard_after_forward` should be True, False or a positive int, got {flag!r}.")
+        if not isinstance(self.root, str):
+            raise TypeError(f"`root` should be a module name (str; '' for the model itself), got {self.root!r}.")
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise ValueError(f"`replicate` should be a positive int (HSDP's replicate degree), got {self.replicate!r}.")
 
@@ -179,10 +181,8 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
             if tensor_parallel:  # its tensor-parallel dims are `preflight.parallel.read_tp`'s
                 continue
             raise ValueError(f"parameter {name!r} is placed as {placements} over FSDP2's mesh and another (tensor "
-                             "parallelism inside FSDP2): a TP x FSDP2 model is not yet read back once wrapped. Call "
-                             "preflight before parallelize_module and fully_shard, with run=Run(parallel="
-                             "ParallelPlan(world_size, 'fsdp2', tp=TPPlan(degree, styles))): it traces each rank "
-                             "of that layout")
+                             "parallelism inside FSDP2): read the model with preflight.parallel.read_tp, which "
+                             "preflight.estimate does first")
         if placements is not None and placements != expected:
             raise ValueError(f"parameter {name!r} is placed as {placements}, not {expected} (a shard_placement_fn, "
                              "or tensor parallelism): the per-rank trace follows dim-0 shards")

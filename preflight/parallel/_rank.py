@@ -43,7 +43,8 @@ from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
-           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "rebound", "patched", "reporting_resizes", "trace_rank"]
+           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound", "reporting_resizes",
+           "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)

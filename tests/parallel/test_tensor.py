@@ -103,7 +103,8 @@ def test_tensor_parallel_ranks_hold_their_shards_and_every_rank_is_named():
     # A name that matches no module is skipped, by parallelize_module and so by the trace, and said.
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    typo = preflight.estimate(model, optimizer, batch, _run(2, 2, {**_styles(), "model.layer.*.mlp": ColwiseParallel()}))
+    typo_plan = {**_styles(), "model.layer.*.mlp": ColwiseParallel()}
+    typo = preflight.estimate(model, optimizer, batch, _run(2, 2, typo_plan))
     assert typo.peak_bytes == est.peak_bytes
     assert "'model.layer.*.mlp' match no module" in typo.coverage.notes[-1]
 
@@ -210,7 +211,8 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
         report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=batch)
         assert report.predicted_peak_bytes == max(inside) and report.eval_predicted_peak_bytes is None
-        assert any("no evaluation peak or suggestions for a tensor-parallel model" in n for n in report.coverage["notes"])
+        said = "no evaluation peak or suggestions for a tensor-parallel model"
+        assert any(said in note for note in report.coverage["notes"])
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()

@@ -42,9 +42,9 @@ from preflight.trace._run import phase_bookkeeping, settled_frees, shadow_value
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
-           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound", "reporting_resizes",
-           "trace_rank"]
+__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "cell_filled", "communicating",
+           "default_units", "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound",
+           "reporting_resizes", "trace_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +208,7 @@ def rebound(fn: Any, copies: dict[int, nn.Module], depth: int = 0) -> Any:
     cells = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
     if not cells or depth > 3:
         return fn
-    contents = [c.cell_contents if _filled(c) else _EMPTY for c in cells]
+    contents = [c.cell_contents if cell_filled(c) else _EMPTY for c in cells]
     swapped = [copies.get(id(v), v) if isinstance(v, nn.Module)
                else rebound(v, copies, depth + 1) if isinstance(v, (types.MethodType, types.FunctionType)) else v
                for v in contents]
@@ -224,7 +224,8 @@ def rebound(fn: Any, copies: dict[int, nn.Module], depth: int = 0) -> Any:
 _EMPTY = object()  # an empty closure cell's stand-in
 
 
-def _filled(cell: Any) -> bool:
+def cell_filled(cell: Any) -> bool:
+    """Whether a closure cell holds a value (reading an empty one raises)."""
     try:
         cell.cell_contents  # noqa: B018 - an empty cell raises
     except ValueError:

@@ -38,7 +38,7 @@ from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, watched_fsdp2
-from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, default_units, fake_replica,
+from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, cell_filled, default_units, fake_replica,
                                      fresh_dtensor_caches, trace_rank)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
@@ -169,18 +169,25 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
             _fully_shard(replica, mesh["dp"], fsdp)
         return replica
 
-    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
-                               foreach=None)
+    return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
+                  optimizer=_optimizer, parameters=_local_parameters, watch=_watch(fsdp is not None),
+                  mesh=(shape, names))
 
+
+def _optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer rebuilt over the laid-out copy's parameters (matched by name)."""
+    return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
+                           foreach=None)
+
+
+def _watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """The engine's watch: meshes built outside the fake mode, and FSDP2's own watch where it shards a dim."""
     @contextlib.contextmanager
     def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
-        with watched_fsdp2(tracker, gloo=gloo) if fsdp is not None else contextlib.nullcontext(), \
-                meshes_outside_modes():
+        with watched_fsdp2(tracker, gloo=gloo) if fsdp else contextlib.nullcontext(), meshes_outside_modes():
             yield
 
-    return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
-                  optimizer=optimizer, parameters=_local_parameters, watch=watch, mesh=(shape, names))
+    return watch
 
 
 def _fully_shard(replica: nn.Module, mesh: Any, fsdp: FSDP2Plan) -> None:
@@ -424,18 +431,8 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
                     module.forward = _over_mesh(module.forward, fake)
         return replica
 
-    def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
-                               foreach=None)
-
-    @contextlib.contextmanager
-    def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
-        with watched_fsdp2(tracker, gloo=gloo) if layout.fsdp_dims is not None else contextlib.nullcontext(), \
-                meshes_outside_modes():
-            yield
-
-    return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=optimizer, parameters=_local_parameters,
-                  watch=watch, mesh=layout.mesh)
+    return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=_optimizer, parameters=_local_parameters,
+                  watch=_watch(layout.fsdp_dims is not None), mesh=layout.mesh)
 
 
 def _in_block(local: Any, held: tuple[int, int, int, tuple[int, ...], tuple[int, ...]],
@@ -462,21 +459,13 @@ def _over_mesh(fn: Any, fake: Callable[[Any], Any]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     cells = getattr(fn, "__closure__", None)
-    if not cells or not any(isinstance(c.cell_contents, DeviceMesh) for c in cells if _filled(c)):
+    if not cells or not any(isinstance(c.cell_contents, DeviceMesh) for c in cells if cell_filled(c)):
         return fn
-    closure = tuple(types.CellType(fake(c.cell_contents)) if _filled(c) and isinstance(c.cell_contents, DeviceMesh)
+    closure = tuple(types.CellType(fake(c.cell_contents)) if cell_filled(c) and isinstance(c.cell_contents, DeviceMesh)
                     else c for c in cells)
     made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
     made.__kwdefaults__ = fn.__kwdefaults__
     return made
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 def closed_form_activations(model: nn.Module, batch: Any, degree: int, sequence_parallel: bool) -> int | None:

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import gloo_rank
+from conftest import call_end_peak, gloo_rank
 
 import preflight
 from preflight.parallel import TPPlan, model_styles, tp_rank_groups
@@ -191,7 +191,6 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from preflight._device import live_storage_bytes
-    from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
 
     with gloo_rank(rank, world, port):
@@ -213,11 +212,10 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
         assert report.predicted_peak_bytes == max(inside) and report.eval_predicted_peak_bytes is None
         said = "no evaluation peak or suggestions for a tensor-parallel model"
         assert any(said in note for note in report.coverage["notes"])
-        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-        before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
+        before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
-        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=None, precision=None,
-                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+        peak = call_end_peak(lambda on_phase: run_steps(model, optimizer, batch, step=None, precision=None,
+                                                        device_type="cpu", steps=2, on_phase=on_phase))
         queue.put((rank, (before + peak, inside)))
 
 
@@ -264,7 +262,6 @@ def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
     from transformers import LlamaForCausalLM
 
     from preflight._device import live_storage_bytes
-    from preflight._measure import cpu_profiled_peak
     from preflight._steps import run_steps
 
     with gloo_rank(rank, world, port):
@@ -278,8 +275,8 @@ def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
         before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
-        peak, _ = cpu_profiled_peak(lambda: run_steps(model, optimizer, batch, step=None, precision=None,
-                                                      device_type="cpu", steps=2), repair_lost_frees=True)
+        peak = call_end_peak(lambda on_phase: run_steps(model, optimizer, batch, step=None, precision=None,
+                                                        device_type="cpu", steps=2, on_phase=on_phase))
         queue.put((rank, (before + peak, inside)))
 
 

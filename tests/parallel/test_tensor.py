@@ -185,13 +185,22 @@ def _big_setup():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def _measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
+    """This rank's measured peak over two real steps: the bytes alive before (its local shards, buffers, the batch)
+    plus the profiled rise, gloo's lost frees placed at the end of their phase (`conftest.call_end_peak`)."""
+    from preflight._device import live_storage_bytes
+    from preflight._steps import run_steps
+
+    before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
+    dist.barrier()
+    return before + call_end_peak(lambda on_phase: run_steps(model, optimizer, batch, step=None, precision=None,
+                                                             device_type="cpu", steps=2, on_phase=on_phase))
+
+
 def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from preflight._device import live_storage_bytes
-    from preflight._steps import run_steps
 
     with gloo_rank(rank, world, port):
         model, batch = _big_setup()
@@ -212,11 +221,7 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
         assert report.predicted_peak_bytes == max(inside) and report.eval_predicted_peak_bytes is None
         said = "no evaluation peak or suggestions for a tensor-parallel model"
         assert any(said in note for note in report.coverage["notes"])
-        before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
-        dist.barrier()
-        peak = call_end_peak(lambda on_phase: run_steps(model, optimizer, batch, step=None, precision=None,
-                                                        device_type="cpu", steps=2, on_phase=on_phase))
-        queue.put((rank, (before + peak, inside)))
+        queue.put((rank, (_measured(model, optimizer, batch), inside)))
 
 
 @pytest.mark.slow
@@ -261,9 +266,6 @@ def test_the_example_plans_each_layout_per_rank():
 def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
     from transformers import LlamaForCausalLM
 
-    from preflight._device import live_storage_bytes
-    from preflight._steps import run_steps
-
     with gloo_rank(rank, world, port):
         import os
 
@@ -273,11 +275,7 @@ def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
         batch = {"input_ids": ids, "labels": ids}
         optimizer = torch.optim.AdamW(model.parameters())
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
-        before = live_storage_bytes([list(model.parameters()), list(model.buffers()), batch], torch.device("cpu"))
-        dist.barrier()
-        peak = call_end_peak(lambda on_phase: run_steps(model, optimizer, batch, step=None, precision=None,
-                                                        device_type="cpu", steps=2, on_phase=on_phase))
-        queue.put((rank, (before + peak, inside)))
+        queue.put((rank, (_measured(model, optimizer, batch), inside)))
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["FSDP2Plan", "WrappedFSDP2", "rank_groups", "read_fsdp2", "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "WrappedFSDP2", "apply_fully_shard", "rank_groups", "read_fsdp2", "trace_fsdp2"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,18 +261,24 @@ def trace_fsdp2(
                       cuda=cuda, sweep=sweep)
 
 
+def apply_fully_shard(replica: nn.Module, mesh: Any, plan: FSDP2Plan) -> nn.Module:
+    """``fully_shard`` over ``mesh`` on the plan's units (default: the entries of the largest ``nn.ModuleList``),
+    then on its root, with its options; ``replica`` back."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = plan.units if plan.units is not None else default_units(replica)
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
+    if plan.mp_policy is not None:
+        options["mp_policy"] = plan.mp_policy
+    for name in units:
+        fully_shard(replica.get_submodule(name), **options)
+    fully_shard(replica.get_submodule(plan.root), **options)  # FSDP2 itself keeps the root's parameters
+    return replica
+
+
 def _engine(plan: FSDP2Plan) -> Engine:
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
-        units = plan.units if plan.units is not None else default_units(replica)
-        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
-        if plan.mp_policy is not None:
-            options["mp_policy"] = plan.mp_policy
-        for name in units:
-            fully_shard(replica.get_submodule(name), **options)
-        fully_shard(replica.get_submodule(plan.root), **options)  # FSDP2 itself keeps the root's parameters
-        return replica
+        return apply_fully_shard(replica, mesh, plan)
 
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
         return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "FSDP2"), foreach=None)

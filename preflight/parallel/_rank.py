@@ -42,9 +42,9 @@ from preflight.trace._run import phase_bookkeeping, settled_frees, shadow_value
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
-__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "cell_filled", "communicating",
-           "default_units", "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound",
-           "reporting_resizes", "trace_rank"]
+__all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
+           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound", "reporting_resizes",
+           "trace_rank", "with_cells"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,32 +205,35 @@ def rebound(fn: Any, copies: dict[int, nn.Module], depth: int = 0) -> Any:
     if isinstance(fn, types.MethodType):
         owner = fn.__self__
         return types.MethodType(fn.__func__, copies[id(owner)]) if id(owner) in copies else fn
-    cells = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
-    if not cells or depth > 3:
+    if depth > 3:
         return fn
-    contents = [c.cell_contents if cell_filled(c) else _EMPTY for c in cells]
-    swapped = [copies.get(id(v), v) if isinstance(v, nn.Module)
-               else rebound(v, copies, depth + 1) if isinstance(v, (types.MethodType, types.FunctionType)) else v
-               for v in contents]
-    if all(a is b for a, b in zip(contents, swapped)):
+    return with_cells(fn, lambda v: copies.get(id(v), v) if isinstance(v, nn.Module)
+                      else rebound(v, copies, depth + 1) if isinstance(v, (types.MethodType, types.FunctionType))
+                      else v)
+
+
+def with_cells(fn: Any, swap: Callable[[Any], Any]) -> Any:
+    """``fn`` (a plain function) made again with each filled closure cell's value ``v`` replaced by ``swap(v)``;
+    ``fn`` itself where ``swap`` changes none, or ``fn`` is not a function with a closure."""
+    cells = fn.__closure__ if isinstance(fn, types.FunctionType) else None
+    if not cells:
         return fn
-    closure = tuple(c if v is _EMPTY or v is old else types.CellType(v)
-                    for c, v, old in zip(cells, swapped, contents))
-    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    changed = False
+    closure = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a variable not yet bound)
+            closure.append(cell)
+            continue
+        new = swap(value)
+        changed = changed or new is not value
+        closure.append(cell if new is value else types.CellType(new))
+    if not changed:
+        return fn
+    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(closure))
     made.__kwdefaults__, made.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
     return made
-
-
-_EMPTY = object()  # an empty closure cell's stand-in
-
-
-def cell_filled(cell: Any) -> bool:
-    """Whether a closure cell holds a value (reading an empty one raises)."""
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 def _deepspeeds(fn: Any) -> bool:

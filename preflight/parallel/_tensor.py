@@ -37,9 +37,9 @@ from torch import nn
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._fsdp2 import FSDP2Plan, watched_fsdp2
-from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, cell_filled, default_units, fake_replica,
-                                     fresh_dtensor_caches, trace_rank)
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
+from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, fake_replica, fresh_dtensor_caches,
+                                     trace_rank, with_cells)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
@@ -166,7 +166,7 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
         tp_mesh = mesh["tp"] if len(shape) > 1 else mesh
         parallelize_module(replica, tp_mesh, styles)
         if fsdp is not None:
-            _fully_shard(replica, mesh["dp"], fsdp)
+            apply_fully_shard(replica, mesh["dp"], fsdp)
         return replica
 
     return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
@@ -188,19 +188,6 @@ def _watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]
             yield
 
     return watch
-
-
-def _fully_shard(replica: nn.Module, mesh: Any, fsdp: FSDP2Plan) -> None:
-    """``fully_shard`` over ``mesh`` on the plan's units (default: the entries of the largest ``nn.ModuleList``),
-    then its root."""
-    from torch.distributed.fsdp import fully_shard
-
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward}
-    if fsdp.mp_policy is not None:
-        options["mp_policy"] = fsdp.mp_policy
-    for name in fsdp.units if fsdp.units is not None else default_units(replica):
-        fully_shard(replica.get_submodule(name), **options)
-    fully_shard(replica.get_submodule(fsdp.root), **options)
 
 
 @contextlib.contextmanager
@@ -398,37 +385,36 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
         with meshes_outside_modes():
             laid_out = _lay_out(replica, mesh)
             if layout.fsdp_dims is not None and fsdp is not None:
-                _fully_shard(laid_out, mesh[layout.fsdp_dims], fsdp)
+                apply_fully_shard(laid_out, mesh[layout.fsdp_dims], fsdp)
         return laid_out
 
-    def _lay_out(replica: nn.Module, mesh: Any) -> nn.Module:
+    def _lay_out(replica: nn.Module, mesh: Any) -> nn.Module:  # inside `wrap`'s meshes_outside_modes
         def fake(real: Any) -> Any:
             root = real._get_root_mesh()
             return mesh if real is root or real.mesh_dim_names is None else mesh[tuple(real.mesh_dim_names)]
 
         blocks: dict[int, torch.Tensor] = {}  # a block of the job's -> the copy's
-        with meshes_outside_modes():
-            for name, (dims, placements) in layout.layouts.items():
-                owner_name, _, attr = name.rpartition(".")
-                owner = replica.get_submodule(owner_name)
-                whole = getattr(owner, attr)
-                sub = mesh if dims is None else mesh[dims]
-                local = distribute_tensor(whole.detach(), sub, list(placements), src_data_rank=None)
-                held = layout.storages.get(name)
-                if held is not None and tuple(local.to_local().shape) == held[3]:
-                    local = _in_block(local, held, blocks)
-                if attr in owner._parameters:
-                    owner._parameters[attr] = nn.Parameter(local, requires_grad=whole.requires_grad)
-                else:
-                    owner._buffers[attr] = local
-            for module in replica.modules():
-                for table in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
-                    hooks = getattr(module, table, None) or {}
-                    for handle, fn in list(hooks.items()):
-                        hooks[handle] = _over_mesh(fn, fake)
-                # transformers' tensor parallelism replaces `forward` on the instance by a closure over the mesh
-                if isinstance(vars(module).get("forward"), types.FunctionType):
-                    module.forward = _over_mesh(module.forward, fake)
+        for name, (dims, placements) in layout.layouts.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = replica.get_submodule(owner_name)
+            whole = getattr(owner, attr)
+            sub = mesh if dims is None else mesh[dims]
+            local = distribute_tensor(whole.detach(), sub, list(placements), src_data_rank=None)
+            held = layout.storages.get(name)
+            if held is not None and tuple(local.to_local().shape) == held[3]:
+                local = _in_block(local, held, blocks)
+            if attr in owner._parameters:
+                owner._parameters[attr] = nn.Parameter(local, requires_grad=whole.requires_grad)
+            else:
+                owner._buffers[attr] = local
+        for module in replica.modules():
+            for table in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+                hooks = getattr(module, table, None) or {}
+                for handle, fn in list(hooks.items()):
+                    hooks[handle] = _over_mesh(fn, fake)
+            # transformers' tensor parallelism replaces `forward` on the instance by a closure over the mesh
+            if isinstance(vars(module).get("forward"), types.FunctionType):
+                module.forward = _over_mesh(module.forward, fake)
         return replica
 
     return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=_optimizer, parameters=_local_parameters,
@@ -458,14 +444,7 @@ def _over_mesh(fn: Any, fake: Callable[[Any], Any]) -> Any:
     where it closes over none (DTensor's styles register closures over the mesh, `distribute_module`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    cells = getattr(fn, "__closure__", None)
-    if not cells or not any(isinstance(c.cell_contents, DeviceMesh) for c in cells if cell_filled(c)):
-        return fn
-    closure = tuple(types.CellType(fake(c.cell_contents)) if cell_filled(c) and isinstance(c.cell_contents, DeviceMesh)
-                    else c for c in cells)
-    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-    made.__kwdefaults__ = fn.__kwdefaults__
-    return made
+    return with_cells(fn, lambda value: fake(value) if isinstance(value, DeviceMesh) else value)
 
 
 def closed_form_activations(model: nn.Module, batch: Any, degree: int, sequence_parallel: bool) -> int | None:

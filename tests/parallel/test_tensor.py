@@ -185,6 +185,19 @@ def _big_setup():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def _spawned(worker, world: int, *args) -> dict:
+    """Run ``worker(rank, world, port, queue, *args)`` in ``world`` fresh processes on a free localhost port; each
+    puts ``(rank, result)``: the results by rank."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(world, port, queue, *args), nprocs=world, start_method="spawn")
+    return dict(queue.get() for _ in range(world))
+
+
 def _measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
     """This rank's measured peak over two real steps: the bytes alive before (its local shards, buffers, the batch)
     plus the profiled rise, gloo's lost frees placed at the end of their phase (`conftest.call_end_peak`)."""
@@ -197,7 +210,7 @@ def _measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: d
                                                              device_type="cpu", steps=2, on_phase=on_phase))
 
 
-def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
+def _gloo_worker(rank: int, world: int, port: int, queue, degree: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -227,18 +240,11 @@ def _gloo_worker(rank: int, world: int, degree: int, port: int, queue) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world, degree", [(2, 2), (4, 2)])  # TP over 2 ranks; TP 2 x FSDP2 2 on a 2-D mesh
 def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree):
-    import torch.multiprocessing as mp
-
     model, batch = _big_setup()
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
                              _run(world, degree, _styles(), None if world == degree else "fsdp2"))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_gloo_worker, args=(world, degree, port, queue), nprocs=world, start_method="spawn")
-    results = dict(queue.get() for _ in range(world))
+    results = _spawned(_gloo_worker, world, degree)
     for rank in range(world):
         measured, inside = results[rank]
         assert inside == est.per_rank_peak_bytes  # read off the laid-out model: the figure planned before
@@ -263,7 +269,7 @@ def test_the_example_plans_each_layout_per_rank():
     assert all(float(b) < single for ranks in per_rank for b in ranks)
 
 
-def _hf_tp_worker(rank: int, world: int, port: int, path: str, queue) -> None:
+def _hf_tp_worker(rank: int, world: int, port: int, queue, path: str) -> None:
     from transformers import LlamaForCausalLM
 
     with gloo_rank(rank, world, port):
@@ -283,16 +289,9 @@ def test_transformers_own_tensor_parallelism_is_read_inside_the_job(tmp_path):
     """``from_pretrained(tp_plan="auto")`` lays the model out with DTensor parameters and replaces each parallel
     module's ``forward`` by a closure over the module and the mesh; it keeps each shard as a view into the whole
     loaded weight. Read inside a real 2-process gloo job, every rank within 3% of its measurement."""
-    import torch.multiprocessing as mp
-
     model, _ = _llama()
     model.save_pretrained(tmp_path / "llama")
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_hf_tp_worker, args=(2, port, str(tmp_path / "llama"), queue), nprocs=2, start_method="spawn")
-    results = dict(queue.get() for _ in range(2))
+    results = _spawned(_hf_tp_worker, 2, str(tmp_path / "llama"))
     assert results[0][1] == results[1][1]  # every process traces the same ranks
     for rank in range(2):
         measured, inside = results[rank]

@@ -18,6 +18,9 @@ _interrupted.raises_keyboard_interrupt = True  # `preflight.trace._interrupts` t
 
 
 def run() -> int:
+    """Exit status 130 after Ctrl-C. CPython itself may then end the process by SIGINT instead (an interrupt that
+    landed inside ``exec`` of a string, as `dataclasses` does while torch imports, marks it unhandled): a shell
+    shows 130 either way, `subprocess` a return code of -2."""
     import signal
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -26,6 +29,10 @@ def run() -> int:
         code = _run()
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except BaseException:
+        if not _interrupted.pressed:
+            raise
+        code = EXIT_INTERRUPTED  # a library caught the KeyboardInterrupt and raised another error from it
     if code == EXIT_INTERRUPTED or _interrupted.pressed:
         sys.stderr.write("\npreflight: interrupted\n")
         return EXIT_INTERRUPTED

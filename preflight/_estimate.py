@@ -31,6 +31,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
+from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
@@ -185,7 +186,13 @@ def estimate(
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
-    tp = plan_kwargs.get("tp")
+    tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
+    if pp is not None:
+        if laid_out is not None or wrapped is not None:
+            raise ValueError("`run.parallel.pp` plans pipeline parallelism for a whole model, but the model is "
+                             "already parallelized or wrapped: call preflight on the model before it is cut and "
+                             "wrapped.")
+        return _pp_estimate(model, optimizer, batch, pp, options, fast=fast, gpu_info=gpu_info, allocator=allocator)
     if laid_out is not None:
         if world_size not in (1, laid_out.world_size) or tp is not None or sharding not in (None, "fsdp2") or fsdp:
             raise ValueError(f"The model was already parallelized with DTensor over {laid_out.world_size} rank(s), "
@@ -539,6 +546,56 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding)
+
+
+def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
+                 options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None) -> Estimate:
+    """Each stage rank of a pipeline-parallel run traced through torch's own stage and schedule
+    (`preflight.parallel.trace_pp`); the estimate of the stage that peaks highest. Where a stage cannot be traced,
+    the analytic lower bound with the model's state divided among the stages, labelled."""
+    if options["step"] is not None:
+        raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
+                         "the last stage's loss from the plan's `loss_fn`): leave `step` out")
+    target, cuda = options["target_device"], options["cuda"]
+    if cuda is None and target.type == "cuda":
+        cuda = CudaTarget.of(None)
+    world_size = pp.stages
+    failed = None
+    traced = []
+    try:
+        for group in stage_rank_groups(model, pp):
+            result = trace_pp(model, optimizer, batch, rank=group[0], plan=pp, step=options["step"],
+                              precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
+                              record_op=options["record_op"], routing=options["routing"], cuda=cuda)
+            if result.error is not None:
+                failed = result
+                break
+            traced.append((group, result))
+    except (LossNotFoundError, StepWouldFailError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the plan could not be applied to the copy: the labelled lower bound
+        if is_user_error(err):
+            raise
+        failed = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
+                             failed_op=f"torch.distributed.pipelining ({type(err).__name__}: {err})")
+    if failed is not None:
+        notes = [f"pipeline parallelism ({pp.label}): a stage could not be traced; the lower bound divides the "
+                 f"model's state among the {world_size} stage(s) (a stage holds at least its share)"]
+        est = _fallback(model, optimizer, batch, target, options["precision"], options["steps"],
+                        failed, notes, gpu=gpu_info, world_size=world_size, shard_ranks=world_size,
+                        sharding="fsdp-full", offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+        kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
+        return dataclasses.replace(est, sharding=f"pp{world_size}",
+                                   coverage=dataclasses.replace(est.coverage, notes=kept))
+    note = (f"pipeline parallelism ({pp.label}): each stage rank's two steps traced through torch's own "
+            "PipelineStage and schedule under a fake process group, the micro-batches in flight as the schedule "
+            "keeps them; the shapes neighbouring stages exchange come from torch's metadata inference over all "
+            "stages; the batch (inputs, target) is held by every rank")
+    if fast:
+        note += "; fast=True does not apply to the per-rank trace (traced in full)"
+    return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
+                              allocator=allocator, steps=options["steps"], world_size=world_size,
+                              sharding=f"pp{world_size}")
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -204,7 +204,10 @@ class Run:
                         "offload_params": self.parallel.offload_params,
                         "gradient_as_bucket_view": self.parallel.gradient_as_bucket_view,
                         "source": self.parallel.source,
-                        "tp_degree": None if self.parallel.tp is None else self.parallel.tp.degree}
+                        "tp_degree": None if self.parallel.tp is None else self.parallel.tp.degree,
+                        "pp": None if self.parallel.pp is None else {
+                            "stages": self.parallel.pp.stages, "schedule": self.parallel.pp.schedule_class.__name__,
+                            "microbatches": self.parallel.pp.n_microbatches}}
         target = {k: (v if v is None or isinstance(v, (int, float)) else str(v))
                   for k, v in dataclasses.asdict(self.target).items()}
         return {"precision": self.precision, "loop": self.loop.to_dict(), "target": target, "parallel": parallel,

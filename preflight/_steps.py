@@ -36,7 +36,7 @@ import dataclasses
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -277,14 +277,79 @@ def run_steps(
     schedule: Loop = Loop(),
     on_phase: Callable[[int, str], None] = lambda i, phase: None,
     before_backward: Callable[[torch.Tensor], None] = lambda loss: None,
+    drive: Callable[[Any], None] | None = None,
 ) -> None:
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
-    ``before_backward(loss)`` just before each ``loss.backward()``."""
+    ``before_backward(loss)`` just before each ``loss.backward()``.
+
+    ``drive``: ``drive(batch)`` runs the forward and the backward itself (a pipeline schedule's ``step``, which
+    interleaves its micro-batches' forwards and backwards), in one phase named ``pipeline``; ``before_backward`` is
+    then called with each root of every backward it runs (`_watching_backward`)."""
     # A training step records gradients, whatever the caller's mode.
     with torch.inference_mode(False), torch.enable_grad():
+        if drive is not None:
+            _run_driven_steps(optimizer, batch, drive=drive, precision=precision, device_type=device_type,
+                              steps=steps, schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+            return
         _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
                    schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+
+
+def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Callable[[Any], None],
+                      precision: str | None, device_type: str, steps: int, schedule: Loop,
+                      on_phase: Callable[[int, str], None], before_backward: Callable[[torch.Tensor], None]) -> None:
+    """`run_steps` with ``drive``: the optimizer and zero_grad phases as the loop has them, the forward and backward
+    in ``drive``."""
+    if schedule.grad_scaler or needs_closure(optimizer):
+        raise ValueError("a step driven by a schedule (pipeline parallelism) is traced without a loss scaler or a "
+                         "closure optimizer")
+    for i in range(1, steps + 1):
+        for micro in range(schedule.micro_steps):
+            if schedule.zero_grad == "before_backward" and micro == 0:
+                on_phase(i, "zero_grad")
+                optimizer.zero_grad(set_to_none=True)
+            on_phase(i, "pipeline")
+            with autocast_for(precision, device_type), _watching_backward(before_backward):
+                drive(batch)
+        on_phase(i, "optimizer")
+        if schedule.max_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm, foreach=_clip_foreach(params))
+        optimizer.step()
+        if schedule.zero_grad != "before_backward":
+            on_phase(i, "zero_grad")
+            optimizer.zero_grad(set_to_none=schedule.zero_grad == "after_step")
+    on_phase(steps, "end")
+
+
+@contextlib.contextmanager
+def _watching_backward(before_backward: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """For the block, call ``before_backward(root)`` for each root of every ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` (a schedule runs its own backwards, one per micro-batch), then run it. Only fake roots
+    (the trace's own) are passed on: a real backward another thread runs meanwhile is left alone."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+
+    def announce(roots: Any) -> None:
+        for root in (roots,) if isinstance(roots, torch.Tensor) else roots:
+            if isinstance(root, FakeTensor) and root.grad_fn is not None:
+                before_backward(root)
+
+    def watched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        announce(tensors)
+        return backward(tensors, *args, **kwargs)
+
+    def watched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        announce(outputs)
+        return grad(outputs, *args, **kwargs)
+
+    torch.autograd.backward, torch.autograd.grad = watched_backward, watched_grad
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = backward, grad
 
 
 def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, step: StepFn | None,

@@ -13,7 +13,8 @@ optimizer DeepSpeed ZeRO has taken over back as the unpartitioned model and a to
 rescales; `stand_in` gives an FSDP-wrapped model's unwrapped meta copy and optimizer, for its evaluation step and
 the suggestions. `trace_tp` traces a rank under tensor parallelism (DTensor's ``parallelize_module`` as a `TPPlan`
 says, alone or with FSDP2 over the other dim of a 2-D mesh); `read_tp` reads the layout of a model already laid
-out, whose copy is laid out the same over the fake mesh.
+out, whose copy is laid out the same over the fake mesh. `trace_pp` traces a stage rank under pipeline parallelism
+(``torch.distributed.pipelining``'s own stage and schedule, as a `PPPlan` says).
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) is the parallel section of a `preflight.Run`: it
 turns a trainer's strategy settings, read by the integrations, into the plan a per-rank estimate follows; `read_ddp`
 reads it off a ``DistributedDataParallel`` model. `_deepspeed` gives what DeepSpeed itself holds beside the traced
@@ -27,6 +28,7 @@ package uses `preflight.trace`; `preflight._estimate` uses this package.
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
+from preflight.parallel._pipeline import PPPlan, split_sequential, stage_rank_groups, trace_pp
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan, read_ddp)
@@ -34,7 +36,8 @@ from preflight.parallel._stand_in import stand_in
 from preflight.parallel._tensor import TPPlan, WrappedTP, model_styles, read_tp, tp_rank_groups, trace_tp
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["FSDP1Plan", "FSDP2Plan", "ParallelPlan", "TPPlan", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups",
+__all__ = ["FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "split_sequential", "stage_rank_groups",
+           "trace_pp", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups",
            "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
            "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in",

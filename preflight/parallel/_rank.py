@@ -62,6 +62,9 @@ class Engine:
             ``(replicate, world_size // replicate)`` (`preflight.parallel.fake_world`); None: a 1-D mesh.
         mesh: ``(shape, dim names)`` of another fake mesh ``wrap`` gets (tensor parallelism's); it replaces
             ``replicate``.
+        drive: ``drive(wrapped) -> run(batch)``, made inside the fake mode after ``wrap``: a step whose forward and
+            backward the engine's own schedule runs (pipeline parallelism; `preflight._steps.run_steps`'s
+            ``drive``); None: the user's step and ``loss.backward()``.
     """
 
     name: str
@@ -71,6 +74,7 @@ class Engine:
     watch: Callable[..., contextlib.AbstractContextManager[Any]]
     replicate: int | None = None
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+    drive: Callable[[nn.Module], Callable[[Any], None]] | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -363,6 +367,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             replica = fake_replica(model, twins)
             with fake_mode:
                 wrapped = engine.wrap(replica, mesh)
+                drive = engine.drive(wrapped) if engine.drive is not None else None
             fake_opt = engine.optimizer(optimizer, model, wrapped)
         except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
             return result(err, f"{engine.name} ({type(err).__name__})")
@@ -389,7 +394,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             try:
                 wrapped.train()
                 run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
-                          steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
+                          steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
+                          drive=drive)
             except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - reported as where the trace stopped

@@ -58,6 +58,8 @@ class ParallelPlan:
         tp: tensor parallelism (a `preflight.parallel.TPPlan`): with ``sharding=None`` its degree is the world size;
             with ``"fsdp2"``, FSDP2 shards over the data-parallel dim of the mesh ``(world_size // degree,
             degree)``, as torchtitan lays out TP x FSDP2 (``fsdp`` may give an `FSDP2Plan` for it).
+        pp: pipeline parallelism (a `preflight.parallel.PPPlan`), one stage per rank: its stages are the world size;
+            traced alone (``sharding=None``, no ``tp``).
     """
 
     world_size: int
@@ -69,11 +71,14 @@ class ParallelPlan:
     deepspeed: Mapping[str, Any] | None = None
     gradient_as_bucket_view: bool = False
     tp: Any = None
+    pp: Any = None
 
     def __post_init__(self) -> None:
         _check_world(self.world_size)
         if self.tp is not None:
             self._check_tp()
+        if self.pp is not None:
+            self._check_pp()
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
             raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got "
                              f"{self.sharding!r}.")
@@ -102,6 +107,20 @@ class ParallelPlan:
             raise ValueError("tensor parallelism is traced with FSDP2 or alone, without CPU offload, DeepSpeed or "
                              "DDP's options: leave them out of a plan with `tp`.")
 
+    def _check_pp(self) -> None:
+        from preflight.parallel._pipeline import PPPlan
+
+        if not isinstance(self.pp, PPPlan):
+            raise TypeError(f"`ParallelPlan.pp` should be a preflight.parallel.PPPlan or None, got {self.pp!r}.")
+        if self.pp.stages != self.world_size:
+            raise ValueError(f"`pp.stages` is {self.pp.stages} but the world size is {self.world_size}: pipeline "
+                             "parallelism is traced with one stage per rank and no other parallelism; pass "
+                             "world_size equal to the stages.")
+        if self.tp is not None or self.sharding is not None or any(
+                (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("pipeline parallelism is traced alone, not yet with data or tensor parallelism, "
+                             "sharding or offload: leave them out of a plan with `pp`.")
+
     @property
     def sharded(self) -> bool:
         """Whether the plan shards training state (anything but plain data parallelism)."""
@@ -119,6 +138,8 @@ class ParallelPlan:
             kwargs["gradient_as_bucket_view"] = True
         if self.tp is not None:
             kwargs["tp"] = self.tp
+        if self.pp is not None:
+            kwargs["pp"] = self.pp
         return kwargs
 
     def note(self) -> str:
@@ -130,6 +151,8 @@ class ParallelPlan:
                 else f"{self.world_size} rank(s) as {self.world_size // shard} replica(s) of {shard}-rank shard groups")
         if self.tp is not None:
             over += f", tensor parallel degree {self.tp.degree}"
+        if self.pp is not None:
+            over += f", pipeline parallel {self.pp.label}"
         return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {over}"
                 + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
 

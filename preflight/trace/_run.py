@@ -95,7 +95,8 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
         tracker.end_backward()
         tracker.placeholders_allowed = phase == "optimizer"
         tracker.phase = f"step{i}/{phase}"
-        tracker.phase_category = Category.ACTIVATIONS if phase == "forward" else Category.TEMPORARIES
+        # A pipeline schedule interleaves forwards and backwards: what it allocates is counted as activations.
+        tracker.phase_category = Category.ACTIVATIONS if phase in ("forward", "pipeline") else Category.TEMPORARIES
 
     return on_phase
 

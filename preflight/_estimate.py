@@ -660,9 +660,11 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
     per_rank = [0] * world_size
     rank_events: list[tuple[Event, ...]] = [()] * world_size
+    rank_breakdown: list[dict[str, Any]] = [{}] * world_size
     for figure in figures:
         for rank in figure[1]:
             per_rank[rank], rank_events[rank] = figure[0], tuple(figure[4])
+            rank_breakdown[rank] = {**figure[5], "phase": figure[6]}
     # The traced rank (first of its group) of the largest figure; of equal figures, the lowest rank's.
     highest = max(f[0] for f in figures)
     peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = min(
@@ -686,6 +688,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         world_size=world_size,
         sharding=sharding,
         per_rank_peak_bytes=tuple(per_rank),
+        per_rank_breakdown=tuple(rank_breakdown),
         peak_rank=peak_rank,
         events=tuple(events),
         categories=result.categories,

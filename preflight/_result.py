@@ -103,6 +103,9 @@ class Estimate:
         per_rank_peak_bytes: the peak of each rank, ``[rank 0, rank 1, ...]``, when each rank's step was traced
             (``sharding="fsdp2"``, ``"fsdp-full"``, ``"fsdp-grad-op"``); ranks holding equal shard shapes share one
             trace. None otherwise.
+        per_rank_breakdown: each rank's ``breakdown`` at its own peak, with ``"phase"`` (where that rank peaks), in
+            the order of ``per_rank_peak_bytes``; None when ranks were not traced. Stages of a pipeline differ by
+            category: the first holds the most activations, the last the head and the loss.
         peak_rank: the rank with the largest peak (the lowest such rank); ``peak_bytes``, ``breakdown``,
             ``peak_phase``, ``timeline`` and ``events`` are that rank's. None when ranks were not traced.
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
@@ -127,6 +130,7 @@ class Estimate:
     sharding: str | None = None
     unsharded_peak_bytes: int | None = None
     per_rank_peak_bytes: tuple[int, ...] | None = None
+    per_rank_breakdown: tuple[dict[str, Any], ...] | None = None
     peak_rank: int | None = None
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
     categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -180,6 +184,8 @@ class Estimate:
             "sharding": self.sharding,
             "unsharded_peak_bytes": self.unsharded_peak_bytes,
             "per_rank_peak_bytes": None if self.per_rank_peak_bytes is None else list(self.per_rank_peak_bytes),
+            "per_rank_breakdown": None if self.per_rank_breakdown is None else [dict(b) for b in
+                                                                                self.per_rank_breakdown],
             "peak_rank": self.peak_rank,
         }
 
@@ -229,8 +235,13 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"  device total (reserved + context + workspaces): {format_bytes(est.device_total_bytes)}")
     if est.per_rank_peak_bytes is not None:
         lines.append(f"  per rank ({est.sharding}, {est.world_size} ranks; rank {est.peak_rank} peaks):")
-        lines.extend(f"    rank {rank}: {format_bytes(nbytes):>12} ({nbytes:,} B)"
-                     for rank, nbytes in enumerate(est.per_rank_peak_bytes))
+        for rank, nbytes in enumerate(est.per_rank_peak_bytes):
+            line = f"    rank {rank}: {format_bytes(nbytes):>12} ({nbytes:,} B)"
+            if est.per_rank_breakdown is not None and est.sharding and est.sharding.startswith("pp"):
+                parts = est.per_rank_breakdown[rank]  # stages differ by what they hold: say it
+                line += (f", at {parts['phase']}: activations {format_bytes(parts['activations'])}, parameters "
+                         f"{format_bytes(parts['parameters'])}")
+            lines.append(line)
     cov = est.coverage
     if cov.traced:
         what = "of the generate call" if est.peak_phase.startswith("generate") else \

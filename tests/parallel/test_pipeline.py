@@ -81,6 +81,11 @@ def test_each_stage_is_traced_and_the_schedule_sets_the_micro_batches_in_flight(
         assert any("each stage rank's two steps traced through torch's own PipelineStage" in n
                    for n in est.coverage.notes)
         figures[schedule] = est.per_rank_peak_bytes
+        activations = [b["activations"] for b in est.per_rank_breakdown]
+        if schedule == "1F1B":  # fewer micro-batches in flight down the pipeline
+            assert activations[0] >= activations[1] > activations[2] > activations[3]
+        assert est.to_dict()["per_rank_breakdown"][0]["phase"].startswith("step")
+        assert "rank 3:" in str(est) and "activations" in str(est).split("rank 3:")[1]
     one_block = sum(p.numel() * 4 for p in model[0].parameters())
     # A stage's parameters, gradients and AdamW's two moments are a quarter of the model's.
     assert figures["1F1B"][3] > 4 * one_block

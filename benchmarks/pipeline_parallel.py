@@ -1,0 +1,231 @@
+"""Per-stage peak memory of real pipeline-parallel training on CPU processes (gloo), against preflight's prediction.
+
+For each configuration, `torch.multiprocessing` starts one process per stage. Each builds the same model (same
+seed), cuts its own stage as a job does, wraps it in ``torch.distributed.pipelining.PipelineStage`` and runs the
+schedule (``ScheduleGPipe`` or ``Schedule1F1B``) for two training steps with AdamW over the stage; every rank holds
+the batch, as a torchtitan-style loop does. Two models:
+
+    mlp      an ``nn.Sequential`` of 4 blocks (Linear 256 -> 1024, GELU, Linear 1024 -> 256), cut into contiguous
+             runs of blocks (`preflight.parallel.split_sequential`); batch 32 x 64 x 256, mean-squared error,
+             8 micro-batches
+    decoder  a decoder written for torchtitan's cut (embedding, 4 ``nn.TransformerEncoderLayer`` of width 256 and 4
+             heads in a ModuleDict, norm, head over a 2048-token vocabulary); each stage is a deep copy of the model
+             with the other stages' parts deleted; batch 16 x 128 tokens, cross-entropy, 4 micro-batches
+
+Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
+(the stage's parameters, the batch). The profiler loses the frees gloo's worker threads make; they are put back
+where the address is allocated again (an upper bound, "measured max") and also at the end of the phase that
+allocated the block ("call end", `preflight._measure.lost_free_peaks`), as in ``benchmarks/distributed.py``. Each
+configuration is measured REPEATS times, in fresh processes. The prediction is
+``preflight.estimate(model, AdamW, (inputs, target), Run(parallel=ParallelPlan(stages, None, pp=PPPlan(...))))``,
+made before any process group exists, one figure per stage.
+
+Beside it, the rule users reason with: a stage holds the activations of the micro-batches in flight, all of them
+under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
+stage's peak are printed beside that count.
+
+Run: python benchmarks/pipeline_parallel.py      (about 5 minutes on 2 shared CPU cores)
+Writes benchmarks/results/pipeline_parallel.md and prints the same table.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+REPEATS = 3
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_parallel.md")
+# (model, schedule, stages, micro-batches)
+CONFIGS = [("mlp", "GPipe", 2, 8), ("mlp", "GPipe", 4, 8), ("mlp", "1F1B", 2, 8), ("mlp", "1F1B", 4, 8),
+           ("decoder", "1F1B", 2, 4), ("decoder", "GPipe", 4, 4)]
+WIDTH, VOCAB = 256, 2048
+
+
+class Decoder(nn.Module):
+    """A decoder written for torchtitan's pipeline cut: a stage's copy has the parts it lacks set to None."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleDict({str(i): nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0,
+                                                                        batch_first=True) for i in range(layers)})
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
+def split_decoder(model: Decoder, stage: int, stages: int) -> Decoder:
+    """torchtitan's cut: a deep copy with the other stages' parts deleted."""
+    part = copy.deepcopy(model)
+    per = len(model.layers) // stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.embed = None
+    if stage != stages - 1:
+        part.norm = part.head = None
+    return part
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any, Any]:
+    """The model, the batch (inputs, target), the loss and the split."""
+    from preflight.parallel import split_sequential
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+                                for _ in range(4)])
+        return model, (torch.randn(32, 64, WIDTH, generator=g), torch.randn(32, 64, WIDTH, generator=g)), mse, \
+            split_sequential
+    model = Decoder()
+    ids = torch.randint(0, VOCAB, (16, 129), generator=g)
+    return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
+
+
+def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.profiler import ProfilerActivity, profile
+
+    from distributed import _CALL, _alive_storages, _Phases
+    from preflight._device import live_storage_bytes
+    from preflight._measure import lost_free_peaks
+    from preflight._quiet import StderrFilter
+    from preflight.parallel import PPPlan
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, (x, y), loss_fn, split = build(kind)
+        module = split(model, rank, world)
+        del model
+        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+        runner = PPPlan(world, loss_fn, schedule=schedule).schedule_class(stage, n_microbatches=microbatches,
+                                                                           loss_fn=loss_fn)
+        optimizer = torch.optim.AdamW(module.parameters())
+        before = live_storage_bytes([list(module.parameters()), list(module.buffers()), [x, y]],
+                                    torch.device("cpu"))
+        dist.barrier()
+        phases = _Phases()
+        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for i in range(2):
+                phases.mark(i, "pipeline")
+                if rank == 0:
+                    runner.step(x)
+                elif rank == world - 1:
+                    runner.step(target=y, losses=[])
+                else:
+                    runner.step()
+                phases.mark(i, "optimizer")
+                optimizer.step()
+                phases.mark(i, "zero_grad")
+                optimizer.zero_grad()
+            phases.close()
+        peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
+        queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(kind: str, schedule: str, world: int, microbatches: int) -> list[tuple[int, ...]]:
+    """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, port, queue), nprocs=world,
+                       start_method="spawn")
+    peaks = dict(queue.get() for _ in range(world))
+    return [peaks[r] for r in range(world)]
+
+
+def predict(kind: str, schedule: str, world: int, microbatches: int) -> Any:
+    """The estimate, and each stage's traced activations at its own peak."""
+    import preflight
+    from preflight.parallel import PPPlan
+
+    model, batch, loss_fn, split = build(kind)
+    plan = PPPlan(world, loss_fn, schedule=schedule, microbatches=microbatches, split=split)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             preflight.Run(parallel=preflight.ParallelPlan(world, None, pp=plan)))
+    assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per stage
+    return est, [est.per_rank_breakdown[rank]["activations"] for rank in range(world)]
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `distributed`'s helpers, in the workers too
+    mib = 1 << 20
+    rows, worst, worst_placed = [], 0.0, 0.0
+    start = time.perf_counter()
+    for kind, schedule, world, microbatches in CONFIGS:
+        runs = [measure(kind, schedule, world, microbatches) for _ in range(REPEATS)]
+        est, activations = predict(kind, schedule, world, microbatches)
+        for rank in range(world):
+            low, high = min(r[rank][0] for r in runs), max(r[rank][0] for r in runs)
+            placed = max(r[rank][-1] for r in runs)
+            predicted = est.per_rank_peak_bytes[rank]
+            error, placed_error = (predicted - high) / high, (predicted - placed) / placed
+            worst, worst_placed = max(worst, abs(error)), max(worst_placed, abs(placed_error))
+            in_flight = microbatches if schedule == "GPipe" else min(microbatches, world - rank)
+            rows.append((kind, schedule, world, microbatches, rank, low, high, placed, predicted, error,
+                         placed_error, activations[rank], in_flight))
+        print(f"  {kind} {schedule} x{world}: measured {runs}, predicted {est.per_rank_peak_bytes}", file=sys.stderr)
+    lines = [
+        "Real `torch.distributed.pipelining` on gloo CPU processes, one stage per process: an MLP of 4 blocks "
+        "(width 256, batch 32 x 64, MSE) cut into contiguous blocks, and a decoder of 4 transformer layers (width "
+        "256, vocab 2048, batch 16 x 128, cross-entropy) cut as torchtitan cuts (deep copy, other stages deleted); "
+        f"AdamW, 2 steps; {REPEATS} runs per configuration in fresh processes. In flight: the micro-batches whose "
+        "activations a stage holds at once by the schedule's rule (GPipe all, 1F1B stages - stage). Command: "
+        f"`python benchmarks/pipeline_parallel.py`. torch {torch.__version__}.",
+        "",
+        "| model | schedule | stages | micro-batches | stage | measured min (MiB) | measured max (MiB) | "
+        "max, lost frees at call end (MiB) | predicted (MiB) | error vs max | error vs call-end max | "
+        "traced activations (MiB) | in flight |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (kind, schedule, world, microbatches, rank, low, high, placed, predicted, error, placed_error, acts,
+         in_flight) in rows:
+        lines.append(f"| {kind} | {schedule} | {world} | {microbatches} | {rank} | {low / mib:.2f} | "
+                     f"{high / mib:.2f} | {placed / mib:.2f} | {predicted / mib:.2f} | {error:+.2%} | "
+                     f"{placed_error:+.2%} | {acts / mib:.2f} | {in_flight} |")
+    lines += ["", f"largest |error| vs the largest measurement: {worst:.2%}; vs the call-end figure: "
+              f"{worst_placed:.2%} ({time.perf_counter() - start:.0f} s)"]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write(text + "\n")
+    return 0 if worst_placed <= 0.03 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,7 @@ Beside it, the rule users reason with: a stage holds the activations of the micr
 under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
 stage's peak are printed beside that count.
 
-Run: python benchmarks/pipeline_parallel.py      (about 5 minutes on 2 shared CPU cores)
+Run: python benchmarks/pipeline_parallel.py      (about 6 minutes on 2 shared CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 """
 

@@ -257,3 +257,23 @@ def test_real_gloo_pipeline_per_stage_peak_within_3_percent(schedule, world, dec
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
+def test_the_example_plans_each_schedule_per_stage():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "pipeline_parallel.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    single = float(re.search(r"one device: ([\d.]+) MiB", lines[0]).group(1))
+    stages = [[float(x) for x in re.findall(r"([\d.]+) MiB", line.split("per stage", 1)[1].split("(")[0])]
+              for line in lines[1:]]
+    assert [len(s) for s in stages] == [4, 4, 2]
+    assert all(b < single for figures in stages for b in figures)
+    gpipe, one_f_one_b = stages[0], stages[1]
+    assert max(one_f_one_b) < min(gpipe)  # 1F1B holds fewer micro-batches than GPipe on every stage

@@ -1,9 +1,10 @@
 """Per-stage peak memory of real pipeline-parallel training on CPU processes (gloo), against preflight's prediction.
 
-For each configuration, `torch.multiprocessing` starts one process per stage. Each builds the same model (same
-seed), cuts its own stage as a job does, wraps it in ``torch.distributed.pipelining.PipelineStage`` and runs the
-schedule (``ScheduleGPipe`` or ``Schedule1F1B``) for two training steps with AdamW over the stage; every rank holds
-the batch, as a torchtitan-style loop does. Two models:
+For each configuration, `torch.multiprocessing` starts one process per pipeline rank. Each builds the same model
+(same seed), cuts its own stages as a job does (one per rank for GPipe and 1F1B, two for interleaved 1F1B, looped
+BFS and the zero-bubble schedules, on the ranks torch's schedule lays them), wraps each in
+``torch.distributed.pipelining.PipelineStage`` and runs the schedule for two training steps with AdamW over its
+stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
 
     mlp      an ``nn.Sequential`` of 4 blocks (Linear 256 -> 1024, GELU, Linear 1024 -> 256), cut into contiguous
              runs of blocks (`preflight.parallel.split_sequential`); batch 32 x 64 x 256, mean-squared error,
@@ -18,13 +19,15 @@ where the address is allocated again (an upper bound, "measured max") and also a
 allocated the block ("call end", `preflight._measure.lost_free_peaks`), as in ``benchmarks/distributed.py``. Each
 configuration is measured REPEATS times, in fresh processes. The prediction is
 ``preflight.estimate(model, AdamW, (inputs, target), Run(parallel=ParallelPlan(stages, None, pp=PPPlan(...))))``,
-made before any process group exists, one figure per stage.
+made before any process group exists, one figure per rank. (The zero-bubble schedules run on the decoder only: on the
+MLP, torch's own ``stage_backward_input`` raises "Can't detach views in-place" in the real job, and so does the
+trace, which then gives the labelled lower bound.)
 
 Beside it, the rule users reason with: a stage holds the activations of the micro-batches in flight, all of them
 under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
 stage's peak are printed beside that count.
 
-Run: python benchmarks/pipeline_parallel.py      (about 6 minutes on 2 shared CPU cores)
+Run: python benchmarks/pipeline_parallel.py      (about 10 minutes on 2 CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 """
 
@@ -46,7 +49,10 @@ REPEATS = 3
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_parallel.md")
 # (model, schedule, stages, micro-batches)
 CONFIGS = [("mlp", "GPipe", 2, 8), ("mlp", "GPipe", 4, 8), ("mlp", "1F1B", 2, 8), ("mlp", "1F1B", 4, 8),
-           ("decoder", "1F1B", 2, 4), ("decoder", "GPipe", 4, 4)]
+           ("mlp", "Interleaved1F1B", 2, 8), ("mlp", "LoopedBFS", 2, 4),
+           ("decoder", "1F1B", 2, 4), ("decoder", "GPipe", 4, 4), ("decoder", "Interleaved1F1B", 2, 4),
+           ("decoder", "InterleavedZeroBubble", 2, 4), ("decoder", "ZBVZeroBubble", 2, 4),
+           ("decoder", "DualPipeV", 2, 4)]
 WIDTH, VOCAB = 256, 2048
 
 
@@ -125,25 +131,29 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model, (x, y), loss_fn, split = build(kind)
-        module = split(model, rank, world)
+        plan = PPPlan(world, loss_fn, schedule=schedule, microbatches=microbatches)
+        indices = plan.stage_indices(rank)  # as torch's schedule lays stages on ranks
+        parts = [split(model, i, plan.num_stages) for i in indices]
         del model
-        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
-        runner = PPPlan(world, loss_fn, schedule=schedule).schedule_class(stage, n_microbatches=microbatches,
-                                                                           loss_fn=loss_fn)
-        optimizer = torch.optim.AdamW(module.parameters())
-        before = live_storage_bytes([list(module.parameters()), list(module.buffers()), [x, y]],
+        stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"))
+                  for part, i in zip(parts, indices)]
+        runner = plan.schedule_class(stages if plan.per_rank > 1 else stages[0], n_microbatches=microbatches,
+                                     loss_fn=loss_fn)
+        params = [p for part in parts for p in part.parameters()]
+        optimizer = torch.optim.AdamW(params)
+        first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+        before = live_storage_bytes([params, [b for part in parts for b in part.buffers()], [x, y]],
                                     torch.device("cpu"))
         dist.barrier()
         phases = _Phases()
         with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             for i in range(2):
                 phases.mark(i, "pipeline")
-                if rank == 0:
-                    runner.step(x)
-                elif rank == world - 1:
-                    runner.step(target=y, losses=[])
+                inputs = (x,) if first else ()
+                if last:
+                    runner.step(*inputs, target=y, losses=[])
                 else:
-                    runner.step()
+                    runner.step(*inputs)
                 phases.mark(i, "optimizer")
                 optimizer.step()
                 phases.mark(i, "zero_grad")
@@ -195,19 +205,20 @@ def main() -> int:
             predicted = est.per_rank_peak_bytes[rank]
             error, placed_error = (predicted - high) / high, (predicted - placed) / placed
             worst, worst_placed = max(worst, abs(error)), max(worst_placed, abs(placed_error))
-            in_flight = microbatches if schedule == "GPipe" else min(microbatches, world - rank)
+            in_flight = {"GPipe": str(microbatches), "1F1B": str(min(microbatches, world - rank))}.get(schedule, "-")
             rows.append((kind, schedule, world, microbatches, rank, low, high, placed, predicted, error,
                          placed_error, activations[rank], in_flight))
         print(f"  {kind} {schedule} x{world}: measured {runs}, predicted {est.per_rank_peak_bytes}", file=sys.stderr)
     lines = [
-        "Real `torch.distributed.pipelining` on gloo CPU processes, one stage per process: an MLP of 4 blocks "
+        "Real `torch.distributed.pipelining` on gloo CPU processes, one process per rank (GPipe and 1F1B one stage "
+        "per rank, the other schedules two, laid on ranks as torch lays them): an MLP of 4 blocks "
         "(width 256, batch 32 x 64, MSE) cut into contiguous blocks, and a decoder of 4 transformer layers (width "
         "256, vocab 2048, batch 16 x 128, cross-entropy) cut as torchtitan cuts (deep copy, other stages deleted); "
         f"AdamW, 2 steps; {REPEATS} runs per configuration in fresh processes. In flight: the micro-batches whose "
-        "activations a stage holds at once by the schedule's rule (GPipe all, 1F1B stages - stage). Command: "
+        "activations a stage holds at once by the schedule's rule (GPipe all, 1F1B ranks - rank). Command: "
         f"`python benchmarks/pipeline_parallel.py`. torch {torch.__version__}.",
         "",
-        "| model | schedule | stages | micro-batches | stage | measured min (MiB) | measured max (MiB) | "
+        "| model | schedule | ranks | micro-batches | rank | measured min (MiB) | measured max (MiB) | "
         "max, lost frees at call end (MiB) | predicted (MiB) | error vs max | error vs call-end max | "
         "traced activations (MiB) | in flight |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

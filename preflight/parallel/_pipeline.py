@@ -1,33 +1,35 @@
-"""One stage rank's training step under pipeline parallelism (``torch.distributed.pipelining``), traced on fake
+"""One pipeline rank's training step under pipeline parallelism (``torch.distributed.pipelining``), traced on fake
 tensors with a fake process group.
 
-A `PPPlan` says how the model is cut into stages (the user's own ``split(model, stage, stages)``, the function a
-torchtitan-style job builds each rank's stage module with; an ``nn.Sequential`` is cut into contiguous runs of its
-children by default), which of torch's schedules runs them (``GPipe``, ``1F1B``), how many micro-batches a batch
-is cut into, and the last stage's loss. Each stage rank is traced as the job runs it: the fake copy of the model
-is cut into this rank's stage, wrapped in torch's own ``PipelineStage`` and schedule, and the schedule's ``step``
-runs twice under the tracker with the optimizer's steps between, so the rank's peak comes out of the schedule's
-own program: the micro-batches it holds in flight (GPipe holds every one, 1F1B at most the stages after it), the
-buffers it receives activations and gradients into, and, in the first step, the forward and backward on empty
-tensors torch runs to learn the shapes its neighbours send (its "dynamic" metadata inference).
+A `PPPlan` says how the model is cut into stages (the user's own ``split(model, stage, num_stages)``, the function
+a torchtitan-style job builds each stage module with; an ``nn.Sequential`` is cut into contiguous runs of its
+children by default), which of torch's schedules runs them (GPipe and 1F1B with one stage per rank; interleaved
+1F1B, looped BFS and the zero-bubble schedules with several, laid on ranks as torch lays them), how many
+micro-batches a batch is cut into, and the last stage's loss. Each rank is traced as the job runs it: the fake copy
+of the model is cut into this rank's stages, wrapped in torch's own ``PipelineStage`` and schedule, and the
+schedule's ``step`` runs twice under the tracker with the optimizer's steps between, so the rank's peak comes out
+of the schedule's own program: the micro-batches it holds in flight, the buffers it receives activations and
+gradients into, and, in the first step, the forward and backward on empty tensors torch runs to learn the shapes
+its neighbours send (its "dynamic" metadata inference).
 
 A rank traced alone has no neighbours to talk to. Two exchanges carry values the schedule reads, and both are
 answered from torch's own code run beforehand: the shapes each stage sends its neighbours come from running
 torch's metadata inference over every stage at once in one fake process (`_stage_metas`, each stage's own
 ``_StageMeta``), and the warm-up vote on static or dynamic inference, which multiplies every stage's vote, is taken
 from every stage's own ``InferenceMode.needs_dynamic``. The activations and gradients themselves go through the
-fake process group, which moves no data; their buffers are allocated by the stage as in the job.
+fake process group, which moves no data; their buffers are allocated by the stage as in the job, and a pending
+send holds its tensor as gloo's work does (`_HeldWork`).
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
-gives a labelled lower bound naming what is missing); schedules with several stages per rank (interleaved 1F1B,
-zero-bubble, looped) and pipeline parallelism combined with data or tensor parallelism are refused by name; a model
-already cut into stages inside a job is not read (give the plan).
+gives a labelled lower bound naming what is missing); pipeline parallelism combined with data or tensor parallelism
+is refused; a model already cut into stages inside a job is not read (give the plan).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -45,11 +47,17 @@ from preflight.trace._twin import clone_optimizer
 
 __all__ = ["PPPlan", "SCHEDULES", "split_sequential", "stage_rank_groups", "trace_pp"]
 
-# The schedules traced, by the names users know them by (case-insensitive), and torch's classes for them: one
-# stage per rank.
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-# torch's schedules with several stages per rank, refused by name.
-_MULTI_STAGE = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev")
+# The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
+# torch's class, and how stages map to ranks (None: one stage per rank; "loop": rank r holds r, r + ranks, ...;
+# "v": rank r holds r and 2 * ranks - 1 - r, as torch's `generate_stage_to_rank_mapping` lays them out).
+SCHEDULES = {"gpipe": ("ScheduleGPipe", None), "1f1b": ("Schedule1F1B", None),
+             "interleaved1f1b": ("ScheduleInterleaved1F1B", "loop"), "loopedbfs": ("ScheduleLoopedBFS", "loop"),
+             "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", "loop"),
+             "zbvzerobubble": ("ScheduleZBVZeroBubble", "v"), "dualpipev": ("ScheduleDualPipeV", "v")}
+
+
+def _schedule_key(schedule: Any) -> str:
+    return str(schedule).lower().replace("schedule", "").replace("_", "").replace("-", "")
 
 
 def split_sequential(model: nn.Module, stage: int, stages: int) -> nn.Module:
@@ -70,19 +78,24 @@ def split_sequential(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 @dataclasses.dataclass(frozen=True)
 class PPPlan:
-    """Pipeline parallelism over ``stages`` ranks, one stage each, as ``torch.distributed.pipelining`` runs it.
+    """Pipeline parallelism over ``stages`` ranks, as ``torch.distributed.pipelining`` runs it.
 
     The batch of a pipeline-parallel estimate is ``(inputs, target)``, held by every rank as a torchtitan-style loop
-    holds it: the first stage's ``step(inputs)`` cuts ``inputs`` (a tensor or a tuple of tensors) into micro-batches
-    along dim 0, and the last stage's ``step(target=target)`` computes ``loss_fn(output, target_chunk)`` for each.
+    holds it: the rank holding the first stage calls ``step(inputs)``, which cuts ``inputs`` (a tensor or a tuple of
+    tensors) into micro-batches along dim 0, and the rank holding the last stage ``step(target=target)``, which
+    computes ``loss_fn(output, target_chunk)`` for each.
 
     Attributes:
-        stages: the number of stages, one per rank (at least 2).
+        stages: the pipeline's ranks (at least 2).
         loss_fn: the last stage's loss, ``loss_fn(stage_output, target) -> scalar``, as the schedule takes it.
-        schedule: ``"GPipe"`` or ``"1F1B"`` (`SCHEDULES`).
-        microbatches: micro-batches per step; None: as many as there are stages.
-        split: ``split(model, stage, stages) -> module``: the stage's module, built from the model's own modules
-            (parameter names kept, as torchtitan's cut keeps them); None: `split_sequential`.
+        schedule: one of torch's schedules (`SCHEDULES`): ``"GPipe"``, ``"1F1B"`` (one stage per rank),
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"`` (``virtual_stages`` per rank, looped),
+            ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two per rank, in a V).
+        microbatches: micro-batches per step; None: as many as there are ranks.
+        split: ``split(model, stage, num_stages) -> module``: stage ``stage`` of ``num_stages`` (``stages *
+            virtual_stages``), built from the model's own modules (parameter names kept, as torchtitan's cut keeps
+            them); None: `split_sequential`.
+        virtual_stages: stages per rank; None: 1 for the one-stage schedules, 2 for the others.
     """
 
     stages: int
@@ -90,23 +103,29 @@ class PPPlan:
     schedule: str = "1F1B"
     microbatches: int | None = None
     split: Callable[[nn.Module, int, int], nn.Module] | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
-            raise ValueError(f"`PPPlan.stages` should be an int of at least 2, got {self.stages!r}.")
+            raise ValueError(f"`PPPlan.stages` should be an int of at least 2 (the pipeline's ranks), got "
+                             f"{self.stages!r}.")
         if not callable(self.loss_fn):
             raise TypeError(f"`PPPlan.loss_fn` should be the last stage's loss function, got {self.loss_fn!r}.")
-        name = str(self.schedule).lower().replace("schedule", "").replace("_", "").replace("-", "")
-        if name in _MULTI_STAGE:
-            raise ValueError(f"the schedule {self.schedule!r} runs several stages per rank, which preflight does not "
-                             f"trace yet; traced: {', '.join(('GPipe', '1F1B'))}.")
-        if name not in SCHEDULES:
-            raise ValueError(f"`PPPlan.schedule` should be one of 'GPipe', '1F1B', got {self.schedule!r}.")
-        if self.microbatches is not None and (isinstance(self.microbatches, bool)
-                                              or not isinstance(self.microbatches, int) or self.microbatches < 1):
-            raise ValueError(f"`PPPlan.microbatches` should be a positive int or None, got {self.microbatches!r}.")
+        if _schedule_key(self.schedule) not in SCHEDULES:
+            names = ", ".join(repr(cls[len("Schedule"):]) for cls, _ in SCHEDULES.values())
+            raise ValueError(f"`PPPlan.schedule` should be one of {names}, got {self.schedule!r}.")
+        for name in ("microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`PPPlan.{name}` should be a positive int or None, got {value!r}.")
+        style = SCHEDULES[_schedule_key(self.schedule)][1]
+        if style is None and self.virtual_stages not in (None, 1):
+            raise ValueError(f"{self.schedule!r} runs one stage per rank: leave `virtual_stages` out (or use an "
+                             "interleaved schedule).")
+        if style == "v" and self.virtual_stages not in (None, 2):
+            raise ValueError(f"{self.schedule!r} runs two stages per rank in a V: `virtual_stages` is 2.")
         if self.split is not None and not callable(self.split):
-            raise TypeError(f"`PPPlan.split` should be split(model, stage, stages) -> module, got {self.split!r}.")
+            raise TypeError(f"`PPPlan.split` should be split(model, stage, num_stages) -> module, got {self.split!r}.")
 
     @property
     def n_microbatches(self) -> int:
@@ -116,15 +135,36 @@ class PPPlan:
     def schedule_class(self) -> type:
         from torch.distributed import pipelining
 
-        name = str(self.schedule).lower().replace("schedule", "").replace("_", "").replace("-", "")
-        return getattr(pipelining, SCHEDULES[name])
+        return getattr(pipelining, SCHEDULES[_schedule_key(self.schedule)][0])
+
+    @property
+    def per_rank(self) -> int:
+        """Stages per rank."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 1 if SCHEDULES[_schedule_key(self.schedule)][1] is None else 2
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages * self.per_rank
+
+    def stage_indices(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` holds, as torch's schedule maps them."""
+        style = SCHEDULES[_schedule_key(self.schedule)][1]
+        if style is None:
+            return [rank]
+        from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+        mapping = generate_stage_to_rank_mapping(self.stages, self.num_stages, style=style)
+        return sorted(i for i, r in mapping.items() if r == rank)
 
     @property
     def label(self) -> str:
-        return f"pp{self.stages} ({self.schedule_class.__name__}, {self.n_microbatches} micro-batches)"
+        per = f", {self.per_rank} stages per rank" if self.per_rank > 1 else ""
+        return f"pp{self.stages} ({self.schedule_class.__name__}, {self.n_microbatches} micro-batches{per})"
 
     def stage_module(self, model: nn.Module, stage: int) -> nn.Module:
-        return (self.split or split_sequential)(model, stage, self.stages)
+        return (self.split or split_sequential)(model, stage, self.num_stages)
 
 
 def _parts(batch: Any) -> tuple[tuple[Any, ...], Any]:
@@ -153,7 +193,7 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any) -> tuple[list[Any],
     votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process group of
     one rank every stage is on the same rank, so torch passes the metadata from stage to stage as arguments."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.distributed.pipelining._utils import InferenceMode
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
 
@@ -164,10 +204,11 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any) -> tuple[list[Any],
     twins = TwinMaker(fake_mode, torch.device("cpu"))
     with fake_world(1, 0), fake_mode:
         replica = fake_replica(model, twins)
-        stages = [PipelineStage(_cut(plan, replica, i), i, plan.stages, torch.device("cpu"))
-                  for i in range(plan.stages)]
+        stages = [PipelineStage(_cut(plan, replica, i), i, plan.num_stages, torch.device("cpu"))
+                  for i in range(plan.num_stages)]
         all_static = all(not InferenceMode.needs_dynamic(s._user_meta, True) for s in stages)
-        schedule = plan.schedule_class(stages[0], n_microbatches=plan.n_microbatches, loss_fn=plan.loss_fn)
+        # Any schedule runs the inference over a list of stages; GPipe over the first is the plainest vehicle.
+        schedule = ScheduleGPipe(stages[0], n_microbatches=plan.n_microbatches, loss_fn=plan.loss_fn)
         schedule._warmup_p2p = _vote(all_static)
         fake_args = tuple(twins.batch(list(args), cast=False))
         arg_mbs, kwarg_mbs = schedule._split_inputs(fake_args, {})
@@ -192,46 +233,47 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
 
 def _engine(model: nn.Module, plan: PPPlan, batch: Any) -> Engine:
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
 
     metas, all_static = _stage_metas(model, plan, batch)
 
-    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        return _cut(plan, replica, mesh.get_rank())
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:  # the rank's stages, as torchtitan's model parts
+        return nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(mesh.get_rank())])
 
-    def drive(stage_module: nn.Module) -> Callable[[Any], None]:
+    def drive(parts: nn.Module) -> Callable[[Any], None]:
         import torch.distributed as dist
 
-        rank = dist.get_rank()
-        stage = PipelineStage(stage_module, rank, plan.stages, torch.device("cpu"))
-
-        def received(src: int) -> Any:  # what the neighbour would send: its own metadata, from `_stage_metas`
-            if src == rank - 1:
-                return _StageForwardMeta(forward_metas=metas[src].outputs)
-            return _StageBackwardMeta(backward_metas=metas[src].input_grads)
-
-        stage._recv_meta = received
-        stage._send_meta = lambda meta, dst: None
-        schedule = plan.schedule_class(stage, n_microbatches=plan.n_microbatches, loss_fn=plan.loss_fn)
+        indices = plan.stage_indices(dist.get_rank())
+        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu")) for part, i in zip(parts, indices)]
+        for stage in stages:
+            stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
+            stage._send_meta = lambda meta, dst: None
+        one = plan.per_rank == 1 and SCHEDULES[_schedule_key(plan.schedule)][1] is None
+        schedule = plan.schedule_class(stages[0] if one else stages, n_microbatches=plan.n_microbatches,
+                                       loss_fn=plan.loss_fn)
         schedule._warmup_p2p = _vote(all_static)
+        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
-        def run(batch: Any) -> None:
+        def run(batch: Any) -> None:  # as torchtitan's loop calls it on each rank
             args, target = _parts(batch)
-            if stage.is_first:
-                schedule.step(*args)
-            elif stage.is_last:
-                losses: list[torch.Tensor] = []
-                schedule.step(target=target, losses=losses)
+            if last:
+                schedule.step(*(args if first else ()), target=target, losses=[])
             else:
-                schedule.step()
+                schedule.step(*(args if first else ()))
 
         return run
 
-    def optimizer(user: torch.optim.Optimizer, model_: nn.Module, stage_module: nn.Module) -> torch.optim.Optimizer:
-        return stage_optimizer(user, model_, stage_module)
+    return Engine(name=f"torch.distributed.pipelining {plan.schedule_class.__name__}", wrap=wrap,
+                  optimizer=stage_optimizer, parameters=lambda parts: list(parts.parameters()), watch=_held_p2p,
+                  drive=drive)
 
-    return Engine(name=f"torch.distributed.pipelining {plan.schedule_class.__name__}", wrap=wrap, optimizer=optimizer,
-                  parameters=lambda stage_module: list(stage_module.parameters()), watch=_held_p2p, drive=drive)
+
+def _received(metas: list[Any], stage: int, src: int) -> Any:
+    """What neighbour ``src`` would send stage ``stage``: its own metadata, from `_stage_metas`."""
+    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
+
+    if src == stage - 1:
+        return _StageForwardMeta(forward_metas=metas[src].outputs)
+    return _StageBackwardMeta(backward_metas=metas[src].input_grads)
 
 
 class _HeldWork:
@@ -268,19 +310,20 @@ def _held_p2p(tracker: Any, *, gloo: bool) -> Iterator[None]:
         schedules._batch_p2p = batch_p2p
 
 
-def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, stage_module: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer rebuilt over one stage's parameters (matched by name; each group keeps its
-    hyperparameters, groups with no parameter on the stage are left out), as each stage rank builds its own."""
+def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, parts: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer rebuilt over one rank's stages' parameters (``parts``, an ``nn.ModuleList`` of stage
+    modules; matched by name; each group keeps its hyperparameters, groups with no parameter here are left out), as
+    each pipeline rank builds its own."""
     names = {id(p): name for name, p in model.named_parameters()}
-    on_stage = dict(stage_module.named_parameters())
+    here = {name: p for part in parts for name, p in part.named_parameters()}
     groups, seen = [], 0
     for index, group in enumerate(user.param_groups):
-        params = [on_stage[names[id(p)]] for p in group["params"] if names.get(id(p)) in on_stage]
+        params = [here[names[id(p)]] for p in group["params"] if names.get(id(p)) in here]
         seen += len(params)
         if params:
             groups.append((index, params))
-    if seen != len(on_stage):
-        raise ValueError(f"{len(on_stage) - seen} of the stage's parameters are not found under the model's names "
+    if seen != len(here):
+        raise ValueError(f"{len(here) - seen} of the stage's parameters are not found under the model's names "
                          "(a split that renames them, or an optimizer over another model)")
     if user.state:
         raise ValueError("the optimizer already has state (a resumed run); its share on each stage is not traced")
@@ -290,7 +333,7 @@ def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, stage_module:
 def stage_rank_groups(model: nn.Module, plan: PPPlan) -> list[list[int]]:
     """Every stage rank on its own: stages hold different modules and different micro-batches in flight. (A split
     that fails on a meta copy raises here, before any trace.)"""
-    for stage in range(plan.stages):
+    for stage in range(plan.num_stages):
         plan.stage_module(fake_replica(model, MetaTwins()), stage)
     return [[rank] for rank in range(plan.stages)]
 

@@ -40,10 +40,12 @@ def _run(plan: PPPlan) -> preflight.Run:
 def test_plan_options_are_checked():
     with pytest.raises(ValueError, match="at least 2"):
         PPPlan(1, _mse)
-    with pytest.raises(ValueError, match="several stages per rank.*GPipe, 1F1B"):
-        PPPlan(2, _mse, schedule="Interleaved1F1B")
-    with pytest.raises(ValueError, match="one of 'GPipe', '1F1B'"):
+    with pytest.raises(ValueError, match="one of 'GPipe', '1F1B', 'Interleaved1F1B'"):
         PPPlan(2, _mse, schedule="2F2B")
+    with pytest.raises(ValueError, match="one stage per rank"):
+        PPPlan(2, _mse, schedule="1F1B", virtual_stages=2)
+    with pytest.raises(ValueError, match="two stages per rank in a V"):
+        PPPlan(2, _mse, schedule="ZBVZeroBubble", virtual_stages=3)
     with pytest.raises(ValueError, match="positive int"):
         PPPlan(2, _mse, microbatches=0)
     with pytest.raises(TypeError, match="loss function"):
@@ -54,6 +56,16 @@ def test_plan_options_are_checked():
         ParallelPlan(4, None, pp=PPPlan(2, _mse))
     with pytest.raises(ValueError, match="traced alone"):
         ParallelPlan(2, "fsdp2", pp=PPPlan(2, _mse))
+
+
+def test_stages_are_laid_on_ranks_as_torchs_schedules_lay_them():
+    looped = PPPlan(2, _mse, schedule="Interleaved1F1B")  # two stages per rank by default, looped
+    assert looped.num_stages == 4 and [looped.stage_indices(r) for r in range(2)] == [[0, 2], [1, 3]]
+    assert PPPlan(2, _mse, schedule="LoopedBFS", virtual_stages=3).stage_indices(1) == [1, 3, 5]
+    v_shape = PPPlan(2, _mse, schedule="zbv_zero_bubble")  # a V: rank 0 holds the first and the last stage
+    assert [v_shape.stage_indices(r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert PPPlan(4, _mse, schedule="1F1B").stage_indices(3) == [3]
+    assert "2 stages per rank" in looped.label
 
 
 def test_a_sequential_is_cut_into_contiguous_runs_that_keep_their_names():
@@ -93,6 +105,17 @@ def test_each_stage_is_traced_and_the_schedule_sets_the_micro_batches_in_flight(
     assert figures["GPipe"][0] > figures["1F1B"][0]
     assert list(figures["1F1B"]) == sorted(figures["1F1B"], reverse=True)
     assert optimizer.state == {} and all(p.grad is None for p in model.parameters())  # the user's are untouched
+
+
+def test_a_rank_holding_several_stages_holds_each_stages_parameters():
+    model, batch = _blocks(), _batch()
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             _run(PPPlan(2, _mse, schedule="Interleaved1F1B", microbatches=4)))
+    assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
+    one_block = sum(p.numel() * 4 for p in model[0].parameters())
+    assert [b["parameters"] for b in est.per_rank_breakdown] == [2 * one_block, 2 * one_block]  # stages 0+2, 1+3
+    # AdamW's two moments, and a 4-byte step count for each of the rank's 8 parameters.
+    assert [b["optimizer_state"] for b in est.per_rank_breakdown] == [4 * one_block + 8 * 4] * 2
 
 
 def test_a_users_split_that_raises_is_the_users_error():
@@ -203,9 +226,10 @@ def _spawned(worker, world: int, *args) -> dict:
 
 
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, decoder: bool) -> None:
-    """One stage rank as a torchtitan-style job runs it: the stage cut from the whole model, torch's PipelineStage
-    and schedule, AdamW over the stage, two steps; every rank holds the batch. Measured: the bytes alive before
-    (stage parameters, the batch) plus the profiled rise, gloo's lost frees placed (`conftest.call_end_peak`)."""
+    """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
+    PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. Measured: the bytes
+    alive before (the stages' parameters, the batch) plus the profiled rise, gloo's lost frees placed
+    (`conftest.call_end_peak`)."""
     from torch.distributed import pipelining
 
     from preflight._device import live_storage_bytes
@@ -213,27 +237,32 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
     with gloo_rank(rank, world, port):
         if decoder:
             model, (x, y) = _decoder_setup()
-            module, loss_fn = _split_decoder(model, rank, world), _cross_entropy
+            loss_fn, split = _cross_entropy, _split_decoder
         else:
             model, (x, y) = _blocks(), _batch()
-            module, loss_fn = split_sequential(model, rank, world), _mse
-        del model
-        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+            loss_fn, split = _mse, split_sequential
         plan = PPPlan(world, loss_fn, schedule=schedule, microbatches=microbatches)
-        runner = plan.schedule_class(stage, n_microbatches=microbatches, loss_fn=loss_fn)
-        optimizer = torch.optim.AdamW(module.parameters())
-        before = live_storage_bytes([list(module.parameters()), list(module.buffers()), [x, y]],
+        indices = plan.stage_indices(rank)
+        parts = [split(model, i, plan.num_stages) for i in indices]
+        del model
+        stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"))
+                  for part, i in zip(parts, indices)]
+        runner = plan.schedule_class(stages if plan.per_rank > 1 else stages[0], n_microbatches=microbatches,
+                                     loss_fn=loss_fn)
+        params = [p for part in parts for p in part.parameters()]
+        optimizer = torch.optim.AdamW(params)
+        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+        before = live_storage_bytes([params, [b for part in parts for b in part.buffers()], [x, y]],
                                     torch.device("cpu"))
 
         def steps(on_phase) -> None:
             for i in range(2):
                 on_phase(i, "pipeline")
-                if rank == 0:
-                    runner.step(x)
-                elif rank == world - 1:
-                    runner.step(target=y, losses=[])
+                inputs = (x,) if first else ()
+                if last:
+                    runner.step(*inputs, target=y, losses=[])
                 else:
-                    runner.step()
+                    runner.step(*inputs)
                 on_phase(i, "optimizer")
                 optimizer.step()
                 optimizer.zero_grad()
@@ -243,7 +272,8 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, world, decoder", [("GPipe", 2, False), ("1F1B", 4, False), ("1F1B", 2, True)])
+@pytest.mark.parametrize("schedule, world, decoder", [("GPipe", 2, False), ("1F1B", 4, False), ("1F1B", 2, True),
+                                                      ("Interleaved1F1B", 2, False), ("ZBVZeroBubble", 2, True)])
 def test_real_gloo_pipeline_per_stage_peak_within_3_percent(schedule, world, decoder):
     if decoder:
         model, batch = _decoder_setup()

@@ -192,7 +192,12 @@ def estimate(
             raise ValueError("`run.parallel.pp` plans pipeline parallelism for a whole model, but the model is "
                              "already parallelized or wrapped: call preflight on the model before it is cut and "
                              "wrapped.")
-        return _pp_estimate(model, optimizer, batch, pp, options, fast=fast, gpu_info=gpu_info, allocator=allocator)
+        fsdp_pp = fsdp_trace_plan(fsdp, sharding)
+        if isinstance(fsdp_pp, FSDP1Plan) or (fsdp_pp is not None and fsdp_pp.replicate != 1):
+            raise ValueError("pipeline parallelism is traced with FSDP2 (fully_shard) over one data-parallel dim: "
+                             "pass sharding='fsdp2' without hybrid sharding.")
+        return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
+                            allocator=allocator)
     if laid_out is not None:
         if world_size not in (1, laid_out.world_size) or tp is not None or sharding not in (None, "fsdp2") or fsdp:
             raise ValueError(f"The model was already parallelized with DTensor over {laid_out.world_size} rank(s), "
@@ -549,22 +554,27 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
-                 options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None) -> Estimate:
-    """Each stage rank of a pipeline-parallel run traced through torch's own stage and schedule
-    (`preflight.parallel.trace_pp`); the estimate of the stage that peaks highest. Where a stage cannot be traced,
-    the analytic lower bound with the model's state divided among the stages, labelled."""
+                 fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
+                 allocator: AllocatorConfig | None) -> Estimate:
+    """Each rank of a pipeline-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced through
+    torch's own stages and schedule (`preflight.parallel.trace_pp`); the estimate of the rank that peaks highest.
+    Where a rank cannot be traced, the analytic lower bound with the model's state divided among the ranks,
+    labelled."""
     if options["step"] is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
                          "the last stage's loss from the plan's `loss_fn`): leave `step` out")
     target, cuda = options["target_device"], options["cuda"]
     if cuda is None and target.type == "cuda":
         cuda = CudaTarget.of(None)
-    world_size = pp.stages
+    world_size = pp.stages if fsdp is None else world_size
+    sharding = f"pp{pp.stages}" + (f" x fsdp2 {world_size // pp.stages}" if fsdp is not None else "")
     failed = None
     traced = []
     try:
-        for group in stage_rank_groups(model, pp):
-            result = trace_pp(model, optimizer, batch, rank=group[0], plan=pp, step=options["step"],
+        groups = stage_rank_groups(model, pp, fsdp, world_size)
+        for group in groups:
+            result = trace_pp(model, optimizer, batch, rank=group[0], plan=pp, fsdp=fsdp, world_size=world_size,
+                              step=options["step"],
                               precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
                               record_op=options["record_op"], routing=options["routing"], cuda=cuda)
             if result.error is not None:
@@ -579,23 +589,25 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         failed = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
                              failed_op=f"torch.distributed.pipelining ({type(err).__name__}: {err})")
     if failed is not None:
-        notes = [f"pipeline parallelism ({pp.label}): a stage could not be traced; the lower bound divides the "
-                 f"model's state among the {world_size} stage(s) (a stage holds at least its share)"]
+        notes = [f"pipeline parallelism ({pp.label}): a rank could not be traced; the lower bound divides the "
+                 f"model's state among the {world_size} rank(s) (a rank holds at least its share)"]
         est = _fallback(model, optimizer, batch, target, options["precision"], options["steps"],
                         failed, notes, gpu=gpu_info, world_size=world_size, shard_ranks=world_size,
                         sharding="fsdp-full", offload={"offload_optimizer": False, "offload_params": False}, ds=None)
         kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
-        return dataclasses.replace(est, sharding=f"pp{world_size}",
-                                   coverage=dataclasses.replace(est.coverage, notes=kept))
-    note = (f"pipeline parallelism ({pp.label}): each stage rank's two steps traced through torch's own "
-            "PipelineStage and schedule under a fake process group, the micro-batches in flight as the schedule "
-            "keeps them; the shapes neighbouring stages exchange come from torch's metadata inference over all "
+        return dataclasses.replace(est, sharding=sharding, coverage=dataclasses.replace(est.coverage, notes=kept))
+    fsdp_note = (f", each stage wrapped by fully_shard over the {world_size // pp.stages} data-parallel rank(s) of a "
+                 f"fake (pp {pp.stages} x dp {world_size // pp.stages}) mesh; ranks with equal local shapes share a "
+                 f"trace: {'; '.join(_ranks_text(g) for g in groups)}") if fsdp is not None else ""
+    note = (f"pipeline parallelism ({pp.label}): each rank's two steps traced through torch's own PipelineStage "
+            "and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
+            f"{fsdp_note}; the shapes neighbouring stages exchange come from torch's metadata inference over all "
             "stages; the batch (inputs, target) is held by every rank")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
-                              sharding=f"pp{world_size}")
+                              sharding=sharding)
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -41,7 +41,9 @@ from torch import nn
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._rank import Engine, MetaTwins, fake_replica, trace_rank
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
+from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
+from preflight.parallel._tensor import meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -231,19 +233,24 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
         return plan.stage_module(replica, stage)
 
 
-def _engine(model: nn.Module, plan: PPPlan, batch: Any) -> Engine:
+def _engine(model: nn.Module, plan: PPPlan, batch: Any, fsdp: FSDP2Plan | None = None,
+            world_size: int | None = None) -> Engine:
+    """The pipeline engine; with ``fsdp``, each stage wrapped by ``fully_shard`` over the ``dp`` dim of a ``("pp",
+    "dp")`` mesh of ``world_size`` ranks (torchtitan's PP x FSDP2), the stages talking over the ``pp`` dim."""
     from torch.distributed.pipelining import PipelineStage
 
     metas, all_static = _stage_metas(model, plan, batch)
+    mesh_shape = _mesh_shape(plan, fsdp, world_size)
 
-    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:  # the rank's stages, as torchtitan's model parts
-        return nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(mesh.get_rank())])
+    def pp_rank(mesh: Any) -> int:
+        return mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
 
     def drive(parts: nn.Module) -> Callable[[Any], None]:
-        import torch.distributed as dist
-
-        indices = plan.stage_indices(dist.get_rank())
-        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu")) for part, i in zip(parts, indices)]
+        mesh = drive.mesh
+        group = mesh["pp"].get_group() if fsdp is not None else None
+        indices = plan.stage_indices(pp_rank(mesh))
+        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
+                  for part, i in zip(parts, indices)]
         for stage in stages:
             stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
             stage._send_meta = lambda meta, dst: None
@@ -262,9 +269,59 @@ def _engine(model: nn.Module, plan: PPPlan, batch: Any) -> Engine:
 
         return run
 
-    return Engine(name=f"torch.distributed.pipelining {plan.schedule_class.__name__}", wrap=wrap,
-                  optimizer=stage_optimizer, parameters=lambda parts: list(parts.parameters()), watch=_held_p2p,
-                  drive=drive)
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        drive.mesh = mesh  # the fake mesh `drive` builds the stages' group from
+        return _stage_parts(plan, fsdp, replica, mesh)
+
+    @contextlib.contextmanager
+    def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
+        with watched_fsdp2(tracker, gloo=gloo) if fsdp is not None else contextlib.nullcontext(), \
+                meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
+            yield
+
+    name = f"torch.distributed.pipelining {plan.schedule_class.__name__}" + (" + fully_shard" if fsdp else "")
+    return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
+                  drive=drive, mesh=mesh_shape)
+
+
+def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None,
+                world_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """The fake mesh of PP x FSDP2, ``("pp", "dp")``, pipeline ranks outermost as torchtitan orders them; None for
+    pipeline parallelism alone (a 1-D world of ``plan.stages`` ranks)."""
+    if fsdp is None:
+        return None
+    if world_size is None or world_size % plan.stages:
+        raise ValueError(f"PP x FSDP2 needs a world size that is a multiple of the {plan.stages} pipeline ranks, got "
+                         f"{world_size!r}")
+    return (plan.stages, world_size // plan.stages), ("pp", "dp")
+
+
+def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh: Any) -> nn.ModuleList:
+    """The rank's stages cut from ``replica`` (torchtitan's model parts); with ``fsdp``, each wrapped by
+    ``fully_shard`` over the mesh's ``dp`` dim: the plan's units (default: the model's largest ``nn.ModuleList``'s
+    entries) where the stage has them, then the stage itself."""
+    rank = mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
+    parts = nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(rank)])
+    if fsdp is not None:
+        whole = fsdp.units if fsdp.units is not None else default_units(replica)
+        with meshes_outside_modes():
+            for part in parts:
+                units = tuple(u for u in whole if _has(part, u))
+                apply_fully_shard(part, mesh["dp"], dataclasses.replace(fsdp, units=units, root=""))
+    return parts
+
+
+def _local_parameters(parts: nn.Module) -> list[torch.Tensor]:
+    """The rank's own parameter storages: an FSDP2 parameter's local shard."""
+    return [getattr(p, "_local_tensor", p) for p in parts.parameters()]
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _received(metas: list[Any], stage: int, src: int) -> Any:
@@ -330,12 +387,24 @@ def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, parts: nn.Mod
     return clone_optimizer(user, None, foreach=None, param_groups=groups, keep_state=False)
 
 
-def stage_rank_groups(model: nn.Module, plan: PPPlan) -> list[list[int]]:
-    """Every stage rank on its own: stages hold different modules and different micro-batches in flight. (A split
-    that fails on a meta copy raises here, before any trace.)"""
+def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = None,
+                      world_size: int | None = None) -> list[list[int]]:
+    """Ranks that run the same program: alone, every pipeline rank on its own (ranks hold different stages and
+    different micro-batches in flight); with FSDP2, the ranks of one pipeline rank whose shards have the same local
+    shapes, read off a meta copy wrapped as each rank. (A split that fails on a meta copy raises here, before any
+    trace.)"""
     for stage in range(plan.num_stages):
         plan.stage_module(fake_replica(model, MetaTwins()), stage)
-    return [[rank] for rank in range(plan.stages)]
+    if fsdp is None:
+        return [[rank] for rank in range(plan.stages)]
+    shape = _mesh_shape(plan, fsdp, world_size)
+    signatures: dict[tuple[Any, ...], list[int]] = {}
+    for rank in range(world_size):
+        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=shape) as mesh:
+            parts = _stage_parts(plan, fsdp, fake_replica(model, MetaTwins()), mesh)
+            key = (mesh["pp"].get_local_rank(), tuple(tuple(t.shape) for t in _local_parameters(parts)))
+        signatures.setdefault(key, []).append(rank)
+    return list(signatures.values())
 
 
 @swept
@@ -346,6 +415,8 @@ def trace_pp(
     *,
     rank: int,
     plan: PPPlan,
+    fsdp: FSDP2Plan | None = None,
+    world_size: int | None = None,
     step: StepFn | None,
     precision: str | None,
     steps: int,
@@ -360,6 +431,8 @@ def trace_pp(
     Args:
         model, optimizer, batch: the user's; only read. ``batch`` is ``(inputs, target)`` (`PPPlan`). The optimizer
             is rebuilt (same class and hyperparameters) over the stage's parameters.
+        fsdp, world_size: FSDP2 over the data-parallel dim of a ``("pp", "dp")`` mesh of ``world_size`` ranks
+            (None: pipeline parallelism alone over ``plan.stages`` ranks).
         step: must be None: the schedule runs the forward, the loss and the backward.
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
 
@@ -374,7 +447,7 @@ def trace_pp(
     if step is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step: the last stage's loss is the plan's "
                          "`loss_fn`; leave `step` out")
-    engine = _engine(model, plan, batch)
-    return trace_rank(engine, model, optimizer, batch, world_size=plan.stages, rank=rank, step=None,
+    engine = _engine(model, plan, batch, fsdp, world_size)
+    return trace_rank(engine, model, optimizer, batch, world_size=world_size or plan.stages, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep)

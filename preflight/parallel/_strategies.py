@@ -112,14 +112,20 @@ class ParallelPlan:
 
         if not isinstance(self.pp, PPPlan):
             raise TypeError(f"`ParallelPlan.pp` should be a preflight.parallel.PPPlan or None, got {self.pp!r}.")
-        if self.pp.stages != self.world_size:
-            raise ValueError(f"`pp.stages` is {self.pp.stages} but the world size is {self.world_size}: pipeline "
-                             "parallelism is traced with one stage per rank and no other parallelism; pass "
-                             "world_size equal to the stages.")
-        if self.tp is not None or self.sharding is not None or any(
+        if self.sharding is None and self.pp.stages != self.world_size:
+            raise ValueError(f"`pp.stages` is {self.pp.stages} but the world size is {self.world_size}: data "
+                             "parallelism beside pipeline parallelism is traced with FSDP2 over the other dim; pass "
+                             "sharding='fsdp2', or world_size equal to the pipeline's ranks.")
+        if self.sharding is not None and (self.sharding != "fsdp2" or self.world_size % self.pp.stages
+                                          or self.world_size == self.pp.stages):
+            raise ValueError(f"with pipeline parallelism over {self.pp.stages} rank(s) in a world of "
+                             f"{self.world_size}, `sharding` should be 'fsdp2' (FSDP2 over the world_size // "
+                             "pipeline ranks of each stage, a multiple of them) or None (pipeline parallelism "
+                             f"alone), got {self.sharding!r}.")
+        if self.tp is not None or any(
                 (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("pipeline parallelism is traced alone, not yet with data or tensor parallelism, "
-                             "sharding or offload: leave them out of a plan with `pp`.")
+            raise ValueError("pipeline parallelism is traced alone or with FSDP2, not yet with tensor parallelism, "
+                             "offload, DeepSpeed or DDP's options: leave them out of a plan with `pp`.")
 
     @property
     def sharded(self) -> bool:

@@ -13,8 +13,14 @@ stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
              heads in a ModuleDict, norm, head over a 2048-token vocabulary); each stage is a deep copy of the model
              with the other stages' parts deleted; batch 16 x 128 tokens, cross-entropy, 4 micro-batches
 
+Two configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
+each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks.
+
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
-(the stage's parameters, the batch). The profiler loses the frees gloo's worker threads make; they are put back
+(the rank's parameters or shards, the batch). A block the profiler saw allocated and never freed is either alive at
+the end or freed where the profiler cannot see it: what the schedule still holds in autograd's nodes (the
+zero-bubble schedules keep the last micro-batches' weight-gradient graphs), which no Python tensor shows, is found
+by dropping the schedule under a second profile and counted alive. The profiler loses the frees gloo's worker threads make; they are put back
 where the address is allocated again (an upper bound, "measured max") and also at the end of the phase that
 allocated the block ("call end", `preflight._measure.lost_free_peaks`), as in ``benchmarks/distributed.py``. Each
 configuration is measured REPEATS times, in fresh processes. The prediction is
@@ -27,7 +33,7 @@ Beside it, the rule users reason with: a stage holds the activations of the micr
 under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
 stage's peak are printed beside that count.
 
-Run: python benchmarks/pipeline_parallel.py      (about 10 minutes on 2 CPU cores)
+Run: python benchmarks/pipeline_parallel.py      (about 12 minutes on 2 CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 """
 
@@ -47,12 +53,12 @@ from torch import nn
 
 REPEATS = 3
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_parallel.md")
-# (model, schedule, stages, micro-batches)
-CONFIGS = [("mlp", "GPipe", 2, 8), ("mlp", "GPipe", 4, 8), ("mlp", "1F1B", 2, 8), ("mlp", "1F1B", 4, 8),
-           ("mlp", "Interleaved1F1B", 2, 8), ("mlp", "LoopedBFS", 2, 4),
-           ("decoder", "1F1B", 2, 4), ("decoder", "GPipe", 4, 4), ("decoder", "Interleaved1F1B", 2, 4),
-           ("decoder", "InterleavedZeroBubble", 2, 4), ("decoder", "ZBVZeroBubble", 2, 4),
-           ("decoder", "DualPipeV", 2, 4)]
+# (model, schedule, processes, micro-batches, data-parallel ranks per stage: FSDP2 over them when 2)
+CONFIGS = [("mlp", "GPipe", 2, 8, 1), ("mlp", "GPipe", 4, 8, 1), ("mlp", "1F1B", 2, 8, 1), ("mlp", "1F1B", 4, 8, 1),
+           ("mlp", "Interleaved1F1B", 2, 8, 1), ("mlp", "LoopedBFS", 2, 4, 1), ("mlp", "1F1B", 4, 8, 2),
+           ("decoder", "1F1B", 2, 4, 1), ("decoder", "GPipe", 4, 4, 1), ("decoder", "Interleaved1F1B", 2, 4, 1),
+           ("decoder", "InterleavedZeroBubble", 2, 4, 1), ("decoder", "ZBVZeroBubble", 2, 4, 1),
+           ("decoder", "DualPipeV", 2, 4, 1), ("decoder", "1F1B", 4, 4, 2)]
 WIDTH, VOCAB = 256, 2048
 
 
@@ -114,14 +120,19 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
     return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
 
 
-def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, port: int, queue: Any) -> None:
+def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, port: int,
+            queue: Any) -> None:
+    import gc
+
     import torch.distributed as dist
     from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.profiler import ProfilerActivity, profile
 
     from distributed import _CALL, _alive_storages, _Phases
     from preflight._device import live_storage_bytes
-    from preflight._measure import lost_free_peaks
+    from preflight._measure import freed_addresses, lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight.parallel import PPPlan
 
@@ -131,18 +142,27 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model, (x, y), loss_fn, split = build(kind)
-        plan = PPPlan(world, loss_fn, schedule=schedule, microbatches=microbatches)
-        indices = plan.stage_indices(rank)  # as torch's schedule lays stages on ranks
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
+        plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches)
+        # The stages this rank holds, as torch's schedule lays them on the pipeline's ranks.
+        indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
-        stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"))
+        for part in parts if mesh is not None else ():  # torchtitan's PP x FSDP2: each block, then the stage
+            for block in units(part):
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+        group = mesh["pp"].get_group() if mesh is not None else None
+        stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for part, i in zip(parts, indices)]
-        runner = plan.schedule_class(stages if plan.per_rank > 1 else stages[0], n_microbatches=microbatches,
-                                     loss_fn=loss_fn)
+        first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+        held = {"runner": plan.schedule_class(stages if plan.per_rank > 1 else stages[0],
+                                              n_microbatches=microbatches, loss_fn=loss_fn)}
+        del stages
         params = [p for part in parts for p in part.parameters()]
         optimizer = torch.optim.AdamW(params)
-        first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-        before = live_storage_bytes([params, [b for part in parts for b in part.buffers()], [x, y]],
+        local = [getattr(p, "_local_tensor", p) for p in params]
+        before = live_storage_bytes([local, [b for part in parts for b in part.buffers()], [x, y]],
                                     torch.device("cpu"))
         dist.barrier()
         phases = _Phases()
@@ -151,41 +171,56 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
                 phases.mark(i, "pipeline")
                 inputs = (x,) if first else ()
                 if last:
-                    runner.step(*inputs, target=y, losses=[])
+                    held["runner"].step(*inputs, target=y, losses=[])
                 else:
-                    runner.step(*inputs)
+                    held["runner"].step(*inputs)
                 phases.mark(i, "optimizer")
                 optimizer.step()
                 phases.mark(i, "zero_grad")
                 optimizer.zero_grad()
             phases.close()
-        peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
+        alive = _alive_storages()
+        # What the schedule still holds in autograd's nodes (the zero-bubble schedules' weight-gradient graphs of
+        # the last micro-batches) is alive at the end, though no Python tensor shows it: found by dropping it.
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as dropped:
+            held.clear()
+            gc.collect()
+        peaks = lost_free_peaks(prof, alive | freed_addresses(dropped), _CALL)
         queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
     finally:
         dist.destroy_process_group()
 
 
-def measure(kind: str, schedule: str, world: int, microbatches: int) -> list[tuple[int, ...]]:
+def units(part: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 wraps in a stage: the MLP's blocks, the decoder's layers."""
+    return list(part.layers.values()) if isinstance(part, Decoder) else list(part)
+
+
+def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int) -> list[tuple[int, ...]]:
     """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
     queue = mp.get_context("spawn").SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, port, queue), nprocs=world,
+    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, port, queue), nprocs=world,
                        start_method="spawn")
     peaks = dict(queue.get() for _ in range(world))
     return [peaks[r] for r in range(world)]
 
 
-def predict(kind: str, schedule: str, world: int, microbatches: int) -> Any:
-    """The estimate, and each stage's traced activations at its own peak."""
+def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int) -> Any:
+    """The estimate, and each rank's traced activations at its own peak."""
     import preflight
-    from preflight.parallel import PPPlan
+    from preflight.parallel import FSDP2Plan, PPPlan
 
     model, batch, loss_fn, split = build(kind)
-    plan = PPPlan(world, loss_fn, schedule=schedule, microbatches=microbatches, split=split)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
-                             preflight.Run(parallel=preflight.ParallelPlan(world, None, pp=plan)))
+    plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches, split=split)
+    if dp == 1:
+        parallel = preflight.ParallelPlan(world, None, pp=plan)
+    else:  # the blocks the job wraps, by their names in the whole model
+        names = [f"layers.{n}" for n in model.layers] if kind == "decoder" else [str(i) for i in range(len(model))]
+        parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per stage
     return est, [est.per_rank_breakdown[rank]["activations"] for rank in range(world)]
 
@@ -196,36 +231,41 @@ def main() -> int:
     mib = 1 << 20
     rows, worst, worst_placed = [], 0.0, 0.0
     start = time.perf_counter()
-    for kind, schedule, world, microbatches in CONFIGS:
-        runs = [measure(kind, schedule, world, microbatches) for _ in range(REPEATS)]
-        est, activations = predict(kind, schedule, world, microbatches)
+    for kind, schedule, world, microbatches, dp in CONFIGS:
+        runs = [measure(kind, schedule, world, microbatches, dp) for _ in range(REPEATS)]
+        est, activations = predict(kind, schedule, world, microbatches, dp)
         for rank in range(world):
             low, high = min(r[rank][0] for r in runs), max(r[rank][0] for r in runs)
             placed = max(r[rank][-1] for r in runs)
             predicted = est.per_rank_peak_bytes[rank]
             error, placed_error = (predicted - high) / high, (predicted - placed) / placed
             worst, worst_placed = max(worst, abs(error)), max(worst_placed, abs(placed_error))
-            in_flight = {"GPipe": str(microbatches), "1F1B": str(min(microbatches, world - rank))}.get(schedule, "-")
-            rows.append((kind, schedule, world, microbatches, rank, low, high, placed, predicted, error,
+            stage = rank // dp  # the pipeline rank
+            in_flight = {"GPipe": str(microbatches),
+                         "1F1B": str(min(microbatches, world // dp - stage))}.get(schedule, "-")
+            layout = f"pp {world // dp} x fsdp2 {dp}" if dp > 1 else f"pp {world}"
+            rows.append((kind, schedule, layout, microbatches, rank, low, high, placed, predicted, error,
                          placed_error, activations[rank], in_flight))
-        print(f"  {kind} {schedule} x{world}: measured {runs}, predicted {est.per_rank_peak_bytes}", file=sys.stderr)
+        print(f"  {kind} {schedule} x{world} dp {dp}: measured {runs}, predicted {est.per_rank_peak_bytes}",
+              file=sys.stderr)
     lines = [
         "Real `torch.distributed.pipelining` on gloo CPU processes, one process per rank (GPipe and 1F1B one stage "
-        "per rank, the other schedules two, laid on ranks as torch lays them): an MLP of 4 blocks "
+        "per rank, the other schedules two, laid on ranks as torch lays them; pp x fsdp2: a (pp, dp) mesh, each "
+        "stage's blocks and the stage wrapped by fully_shard over dp): an MLP of 4 blocks "
         "(width 256, batch 32 x 64, MSE) cut into contiguous blocks, and a decoder of 4 transformer layers (width "
         "256, vocab 2048, batch 16 x 128, cross-entropy) cut as torchtitan cuts (deep copy, other stages deleted); "
         f"AdamW, 2 steps; {REPEATS} runs per configuration in fresh processes. In flight: the micro-batches whose "
         "activations a stage holds at once by the schedule's rule (GPipe all, 1F1B ranks - rank). Command: "
         f"`python benchmarks/pipeline_parallel.py`. torch {torch.__version__}.",
         "",
-        "| model | schedule | ranks | micro-batches | rank | measured min (MiB) | measured max (MiB) | "
+        "| model | schedule | layout | micro-batches | rank | measured min (MiB) | measured max (MiB) | "
         "max, lost frees at call end (MiB) | predicted (MiB) | error vs max | error vs call-end max | "
         "traced activations (MiB) | in flight |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (kind, schedule, world, microbatches, rank, low, high, placed, predicted, error, placed_error, acts,
+    for (kind, schedule, layout, microbatches, rank, low, high, placed, predicted, error, placed_error, acts,
          in_flight) in rows:
-        lines.append(f"| {kind} | {schedule} | {world} | {microbatches} | {rank} | {low / mib:.2f} | "
+        lines.append(f"| {kind} | {schedule} | {layout} | {microbatches} | {rank} | {low / mib:.2f} | "
                      f"{high / mib:.2f} | {placed / mib:.2f} | {predicted / mib:.2f} | {error:+.2%} | "
                      f"{placed_error:+.2%} | {acts / mib:.2f} | {in_flight} |")
     lines += ["", f"largest |error| vs the largest measurement: {worst:.2%}; vs the call-end figure: "

@@ -16,8 +16,8 @@ from preflight._run import Run, check_run
 from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
-__all__ = ["measure", "cpu_profiled_peak", "lost_free_peaks", "placed_peaks", "profiled_memory_peak",
-           "repaired_memory_peak", "replayed_peak", "session_peak"]
+__all__ = ["measure", "cpu_profiled_peak", "freed_addresses", "lost_free_peaks", "placed_peaks",
+           "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak"]
 
 
 def measure(
@@ -144,6 +144,12 @@ def lost_free_peaks(prof: Any, alive: set[int], call_prefix: str) -> tuple[int, 
     the end (e.g. from ``gc.get_objects()``)."""
     allocations, calls = _profiled_allocations(prof, call_prefix)
     return placed_peaks(allocations, calls, alive)
+
+
+def freed_addresses(prof: Any) -> set[int]:
+    """The CPU addresses a finished profile saw freed (e.g. while dropping the objects that held them)."""
+    allocations, _ = _profiled_allocations(prof)
+    return {address for _, nbytes, address in allocations if nbytes < 0}
 
 
 def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int, int]],

@@ -173,12 +173,15 @@ def spy_all_reduce(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return calls
 
 
-def call_end_peak(run_steps_with_phases) -> int:
+def call_end_peak(run_steps_with_phases, teardown=None) -> int:
     """The peak of ``run_steps_with_phases(on_phase)`` (a real multi-process step on gloo) with the frees gloo's
     worker threads make, which the profiler loses, placed at the end of the phase that allocated the block, as
     ``benchmarks/distributed.py`` places them (`preflight._measure.lost_free_peaks`): the figure the per-rank 3% rule
     is stated against. The repaired figure alone (every lost free kept until its address is reused) is an upper
-    bound that swings by a collective's buffer from run to run on small models."""
+    bound that swings by a collective's buffer from run to run on small models.
+
+    ``teardown()``: drops what holds blocks no Python tensor shows at the end (a pipeline schedule keeps its
+    zero-bubble weight-gradient graphs in autograd's nodes); the blocks it frees were alive at the end, not lost."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -201,4 +204,11 @@ def call_end_peak(run_steps_with_phases) -> int:
         on_phase(0, "end")
     gc.collect()
     alive = set(live_storages([o for o in gc.get_objects() if isinstance(o, torch.Tensor)], torch.device("cpu")))
+    if teardown is not None:
+        from preflight._measure import freed_addresses
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as dropped:
+            teardown()
+            gc.collect()
+        alive |= freed_addresses(dropped)
     return lost_free_peaks(prof, alive, prefix)[1]

@@ -242,13 +242,9 @@ def _engine(model: nn.Module, plan: PPPlan, batch: Any, fsdp: FSDP2Plan | None =
     metas, all_static = _stage_metas(model, plan, batch)
     mesh_shape = _mesh_shape(plan, fsdp, world_size)
 
-    def pp_rank(mesh: Any) -> int:
-        return mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
-
-    def drive(parts: nn.Module) -> Callable[[Any], None]:
-        mesh = drive.mesh
+    def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         group = mesh["pp"].get_group() if fsdp is not None else None
-        indices = plan.stage_indices(pp_rank(mesh))
+        indices = plan.stage_indices(_pp_rank(mesh, fsdp))
         stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for part, i in zip(parts, indices)]
         for stage in stages:
@@ -270,7 +266,6 @@ def _engine(model: nn.Module, plan: PPPlan, batch: Any, fsdp: FSDP2Plan | None =
         return run
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        drive.mesh = mesh  # the fake mesh `drive` builds the stages' group from
         return _stage_parts(plan, fsdp, replica, mesh)
 
     @contextlib.contextmanager
@@ -300,8 +295,7 @@ def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh:
     """The rank's stages cut from ``replica`` (torchtitan's model parts); with ``fsdp``, each wrapped by
     ``fully_shard`` over the mesh's ``dp`` dim: the plan's units (default: the model's largest ``nn.ModuleList``'s
     entries) where the stage has them, then the stage itself."""
-    rank = mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
-    parts = nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(rank)])
+    parts = nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(_pp_rank(mesh, fsdp))])
     if fsdp is not None:
         whole = fsdp.units if fsdp.units is not None else default_units(replica)
         with meshes_outside_modes():
@@ -309,6 +303,12 @@ def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh:
                 units = tuple(u for u in whole if _has(part, u))
                 apply_fully_shard(part, mesh["dp"], dataclasses.replace(fsdp, units=units, root=""))
     return parts
+
+
+def _pp_rank(mesh: Any, fsdp: FSDP2Plan | None) -> int:
+    """This rank's place in the pipeline: its coordinate on the ``pp`` dim, or its rank when the pipeline is the
+    whole world."""
+    return mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
 
 
 def _local_parameters(parts: nn.Module) -> list[torch.Tensor]:

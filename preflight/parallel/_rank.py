@@ -62,8 +62,8 @@ class Engine:
             ``(replicate, world_size // replicate)`` (`preflight.parallel.fake_world`); None: a 1-D mesh.
         mesh: ``(shape, dim names)`` of another fake mesh ``wrap`` gets (tensor parallelism's); it replaces
             ``replicate``.
-        drive: ``drive(wrapped) -> run(batch)``, made inside the fake mode after ``wrap``: a step whose forward and
-            backward the engine's own schedule runs (pipeline parallelism; `preflight._steps.run_steps`'s
+        drive: ``drive(wrapped, mesh) -> run(batch)``, made inside the fake mode after ``wrap``: a step whose
+            forward and backward the engine's own schedule runs (pipeline parallelism; `preflight._steps.run_steps`'s
             ``drive``); None: the user's step and ``loss.backward()``.
     """
 
@@ -74,7 +74,7 @@ class Engine:
     watch: Callable[..., contextlib.AbstractContextManager[Any]]
     replicate: int | None = None
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
-    drive: Callable[[nn.Module], Callable[[Any], None]] | None = None
+    drive: Callable[[nn.Module, Any], Callable[[Any], None]] | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -367,7 +367,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             replica = fake_replica(model, twins)
             with fake_mode:
                 wrapped = engine.wrap(replica, mesh)
-                drive = engine.drive(wrapped) if engine.drive is not None else None
+                drive = engine.drive(wrapped, mesh) if engine.drive is not None else None
             fake_opt = engine.optimizer(optimizer, model, wrapped)
         except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
             return result(err, f"{engine.name} ({type(err).__name__})")

@@ -76,7 +76,7 @@ def test_to_dict_and_cli_flags_say_the_description_back():
     plain = run.to_dict()
     assert plain["parallel"] == {"world_size": 4, "sharding": "zero3", "offload_optimizer": True,
                                  "offload_params": False, "gradient_as_bucket_view": False, "source": "a test",
-                                 "tp_degree": None}
+                                 "tp_degree": None, "pp": None}
     assert plain["target"] == {"device": None, "gpu": "A100-80GB", "budget": "70GiB",
                                "allocator": "expandable_segments:True", "cuda_context": None}
     assert plain["loop"]["accumulate"] == 2 and plain["fast"] is False

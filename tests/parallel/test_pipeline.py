@@ -138,6 +138,21 @@ def test_pipeline_ranks_inside_fsdp2_hold_their_stages_shards():
     figures = est.per_rank_peak_bytes
     assert figures[0] == figures[1] and figures[2] == figures[3] and figures[0] != figures[2]
     assert any("ranks with equal local shapes share a trace: 0-1; 2-3" in n for n in est.coverage.notes)
+    assert not any("known gap" in n for n in est.coverage.notes)  # every parameter is in a unit
+
+
+def test_pp_fsdp2_says_its_known_gap_where_a_stage_root_holds_parameters():
+    """Measured (docs/pipeline-parallel.md): a stage whose fully_shard root holds parameters of its own (the
+    decoder's embedding, norm and head) held one more block of that size than the trace; the note says so."""
+    from preflight.parallel import FSDP2Plan
+
+    model, batch = _decoder_setup()
+    units = tuple(f"layers.{n}" for n in model.layers)
+    run = preflight.Run(parallel=ParallelPlan(4, "fsdp2", fsdp=FSDP2Plan(units=units),
+                                              pp=PPPlan(2, _cross_entropy, microbatches=4, split=_split_decoder)))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run)
+    head = model.head.weight.numel() * 4  # the largest parameter outside the layers
+    assert any("known gap" in n and f"{head:,} B" in n for n in est.coverage.notes), est.coverage.notes
 
 
 def test_a_users_split_that_raises_is_the_users_error():
@@ -273,7 +288,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
         for part in parts if mesh is not None else ():
-            for block in part:
+            for block in part.layers.values() if decoder else part:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(part, mesh=mesh["dp"])
         group = mesh["pp"].get_group() if mesh is not None else None

@@ -31,7 +31,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.parallel._pipeline import PPPlan, largest_root_parameter, stage_rank_groups, trace_pp
+from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
@@ -599,13 +599,6 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     fsdp_note = (f", each stage wrapped by fully_shard over the {world_size // pp.stages} data-parallel rank(s) of a "
                  f"fake (pp {pp.stages} x dp {world_size // pp.stages}) mesh; ranks with equal local shapes share a "
                  f"trace: {'; '.join(_ranks_text(g) for g in groups)}") if fsdp is not None else ""
-    if fsdp is not None:
-        root = largest_root_parameter(model, pp, fsdp)
-        if root:
-            fsdp_note += (f"; known gap: a stage whose fully_shard root holds parameters of its own (here up to "
-                          f"{format_bytes(root)}, {root:,} B) measured one block of that size above the trace on "
-                          "real gloo runs, cause not found (docs/pipeline-parallel.md): read the figure as up to "
-                          "that much low")
     note = (f"pipeline parallelism ({pp.label}): each rank's two steps traced through torch's own PipelineStage "
             "and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
             f"{fsdp_note}; the shapes neighbouring stages exchange come from torch's metadata inference over all "

@@ -58,9 +58,11 @@ class FSDP2Plan:
             transformer-layer policy do.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (param_dtype, reduce_dtype, ...); None: FSDP2's
             default (no casting).
-        reshard_after_forward: as ``fully_shard``'s argument (True: parameters are freed after forward and gathered
-            again in backward; False: kept gathered until backward; an int: resharded to that smaller world).
-            The root always keeps its parameters (FSDP2 does that itself).
+        reshard_after_forward: as ``fully_shard``'s argument, given to every unit and the root (True: parameters
+            are freed after forward and gathered again in backward; False: kept gathered until backward; an int:
+            resharded to that smaller world). None: not given, ``fully_shard``'s own default: on torch 2.13 the
+            units reshard and the root keeps its parameters gathered from forward to backward; an explicit True
+            reshards the root too (accelerate passes its setting explicitly).
         replicate: HSDP's replicate degree: ``fully_shard`` gets the 2-D mesh ``(replicate, world_size //
             replicate)`` (dims ``("replicate", "shard")``, ``init_device_mesh``'s layout), so each rank holds the
             shards of the ``world_size // replicate`` ranks of its shard group and all-reduces its gradient shards
@@ -72,7 +74,7 @@ class FSDP2Plan:
 
     units: tuple[str, ...] | None = None
     mp_policy: Any = None
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | None = None  # None: fully_shard's own default
     replicate: int = 1  # 1: plain FSDP over every rank
     root: str = ""  # the model itself
 
@@ -87,8 +89,9 @@ class FSDP2Plan:
             raise TypeError("`mp_policy` should be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
                             f"{self.mp_policy!r}.")
         flag = self.reshard_after_forward
-        if not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1):
-            raise ValueError(f"`reshard_after_forward` should be True, False or a positive int, got {flag!r}.")
+        if flag is not None and (not isinstance(flag, (bool, int)) or (not isinstance(flag, bool) and flag < 1)):
+            raise ValueError(f"`reshard_after_forward` should be True, False, a positive int or None (fully_shard's "
+                             f"default), got {flag!r}.")
         if not isinstance(self.root, str):
             raise TypeError(f"`root` should be a module name (str; '' for the model itself), got {self.root!r}.")
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
@@ -189,8 +192,12 @@ def read_fsdp2(model: nn.Module, *, tensor_parallel: bool = False) -> WrappedFSD
     replicate, shard = (1, mesh.size()) if mesh.ndim == 1 else tuple(mesh.shape)
     coordinate = mesh.get_coordinate()  # this process's place in the mesh, which init_device_mesh lays out row-major
     rank = coordinate[-1] if mesh.ndim == 1 else coordinate[0] * shard + coordinate[1]
+    flag = flags.pop() if flags else True
+    root_state = model.get_submodule(root)._get_fsdp_state()
+    if flag is True and getattr(root_state, "_auto_reshard_after_forward", False):
+        flag = None  # wrapped without the argument: fully_shard's default (the root keeps its parameters)
     plan = FSDP2Plan(units=tuple(name for name, _ in units[1:]), mp_policy=next(iter(groups.values())).mp_policy,
-                     reshard_after_forward=flags.pop() if flags else True, replicate=replicate, root=root)
+                     reshard_after_forward=flag, replicate=replicate, root=root)
     return WrappedFSDP2(plan=plan, world_size=mesh.size(), rank=rank)
 
 
@@ -267,7 +274,9 @@ def apply_fully_shard(replica: nn.Module, mesh: Any, plan: FSDP2Plan) -> nn.Modu
     from torch.distributed.fsdp import fully_shard
 
     units = plan.units if plan.units is not None else default_units(replica)
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
+    options: dict[str, Any] = {"mesh": mesh}
+    if plan.reshard_after_forward is not None:  # None: fully_shard's default, as a call without the argument has
+        options["reshard_after_forward"] = plan.reshard_after_forward
     if plan.mp_policy is not None:
         options["mp_policy"] = plan.mp_policy
     for name in units:

@@ -47,7 +47,7 @@ from preflight.parallel._tensor import meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["PPPlan", "SCHEDULES", "largest_root_parameter", "split_sequential", "stage_rank_groups", "trace_pp"]
+__all__ = ["PPPlan", "SCHEDULES", "split_sequential", "stage_rank_groups", "trace_pp"]
 
 # The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
 # torch's class, and how stages map to ranks (None: one stage per rank; "loop": rank r holds r, r + ranks, ...;
@@ -405,21 +405,6 @@ def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = N
             key = (mesh["pp"].get_local_rank(), tuple(tuple(t.shape) for t in _local_parameters(parts)))
         signatures.setdefault(key, []).append(rank)
     return list(signatures.values())
-
-
-def largest_root_parameter(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan) -> int:
-    """The bytes of the largest parameter a stage's ``fully_shard`` root holds itself (in no unit) under PP x FSDP2,
-    over every stage; 0 when the units hold them all. (Measured: such a stage held one more block of that size than
-    the trace, docs/pipeline-parallel.md.)"""
-    replica = fake_replica(model, MetaTwins())
-    whole = fsdp.units if fsdp.units is not None else default_units(replica)
-    largest = 0
-    for stage in range(plan.num_stages):
-        part = plan.stage_module(replica, stage)
-        inside = {id(p) for u in whole if _has(part, u) for p in part.get_submodule(u).parameters()}
-        own = [p.numel() * p.element_size() for p in part.parameters() if id(p) not in inside]
-        largest = max([largest, *own])
-    return largest
 
 
 @swept

@@ -165,7 +165,7 @@ class ParallelPlan:
 
 def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = None, cpu_offload: bool = False,
               source: str = "", use_orig_params: bool | None = None, unit_types: tuple[type, ...] | None = None,
-              reshard_after_forward: bool = True, replicate: int = 1) -> ParallelPlan:
+              reshard_after_forward: bool | None = None, replicate: int = 1) -> ParallelPlan:
     """The plan of an FSDP run.
 
     Args:
@@ -177,7 +177,8 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
         cpu_offload: ``CPUOffload(offload_params=True)`` (FSDP1) or ``CPUOffloadPolicy`` (FSDP2).
         use_orig_params, unit_types: FSDP1's ``use_orig_params`` and the module classes its wrap policy makes units
             of (``()``: no policy, the root alone), where the strategy says; None: `FSDP1Plan`'s defaults.
-        reshard_after_forward: FSDP2's; False keeps each unit's parameters gathered from forward to backward.
+        reshard_after_forward: FSDP2's, as the trainer passes it to ``fully_shard``; False keeps each unit's
+            parameters gathered from forward to backward; None: not passed (``fully_shard``'s default).
         replicate: FSDP2's HSDP replicate degree (the first dim of its 2-D mesh); 1: a 1-D mesh.
 
     Example:
@@ -207,10 +208,10 @@ def fsdp_plan(strategy: Any, *, world_size: int, ranks_per_node: int | None = No
         cpu_offload = False
         source += " with CPU offload, predicted without it (an upper bound)"
     fsdp = None
-    if sharding == "fsdp2" and (not reshard_after_forward or replicate != 1):
+    if sharding == "fsdp2" and (reshard_after_forward is not None or replicate != 1):
         from preflight.parallel._fsdp2 import FSDP2Plan
 
-        fsdp = FSDP2Plan(reshard_after_forward=bool(reshard_after_forward), replicate=replicate)
+        fsdp = FSDP2Plan(reshard_after_forward=reshard_after_forward, replicate=replicate)
         fsdp.shard_size(world_size)  # a ValueError where the replicas do not divide the world
     elif sharding in ("fsdp-full", "fsdp-grad-op") and (use_orig_params is not None or unit_types is not None
                                                          or hybrid):

@@ -234,6 +234,25 @@ def test_a_wrapped_models_plan_is_read_from_it_and_conflicting_arguments_are_ref
     assert plain is None
 
 
+@pytest.mark.parametrize("options, read_as", [({}, None), ({"reshard_after_forward": True}, True)])
+def test_fully_shards_default_is_told_from_an_explicit_true(options, read_as):
+    """torch 2.13's fully_shard without the argument reshards the units after forward but keeps the root's
+    parameters gathered until backward; an explicit True (accelerate passes it) reshards the root too. The plan read
+    off the model says which, and the plan's default (None) applies fully_shard's default to the copy."""
+    from preflight.parallel import read_fsdp2
+    from preflight.parallel._fsdp2 import apply_fully_shard
+
+    model, _, _ = _wrapped_in_a_job(rank=0, world=2, **options)
+    try:
+        plan = read_fsdp2(model).plan
+        assert plan.reshard_after_forward is read_as
+        copy, _, _ = _setup()
+        apply_fully_shard(copy, model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh, plan)
+        assert copy._get_fsdp_state()._auto_reshard_after_forward == (read_as is None)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_wrapping_the_per_rank_trace_does_not_follow_is_named():
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore

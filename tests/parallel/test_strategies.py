@@ -184,7 +184,9 @@ def test_accelerate_plugins_are_read_into_plans_when_applied():
     hsdp = state(DistributedType.FSDP, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     hsdp.parallelism_config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     plan = accelerate_plan(hsdp)
-    assert (plan.sharding, plan.world_size, plan.fsdp) == ("fsdp2", 4, FSDP2Plan(replicate=2))
+    # accelerate passes its reshard_after_forward (True by default) to fully_shard explicitly
+    assert (plan.sharding, plan.world_size, plan.fsdp) == ("fsdp2", 4, FSDP2Plan(reshard_after_forward=True,
+                                                                                 replicate=2))
     ds = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     plan = accelerate_plan(state(DistributedType.DEEPSPEED, deepspeed_plugin=ds))
     assert (plan.sharding, plan.offload_optimizer) == ("zero1", True)

@@ -28,9 +28,9 @@ def _blocks(n: int = 4) -> nn.Sequential:
                            for _ in range(n)])
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, SEQ, WIDTH, generator=g), torch.randn(BATCH, SEQ, WIDTH, generator=g)
+    return torch.randn(BATCH, seq, WIDTH, generator=g), torch.randn(BATCH, seq, WIDTH, generator=g)
 
 
 def _run(plan: PPPlan) -> preflight.Run:
@@ -220,10 +220,10 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _decoder_setup() -> tuple[_Decoder, tuple[torch.Tensor, torch.Tensor]]:
+def _decoder_setup(seq: int = SEQ) -> tuple[_Decoder, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     model = _Decoder()
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=torch.Generator().manual_seed(2))
     return model, (ids[:, :-1], ids[:, 1:])
 
 
@@ -247,6 +247,30 @@ def _spawned(worker, world: int, *args) -> dict:
     return dict(queue.get() for _ in range(world))
 
 
+def _real_seq(dp: int) -> int:
+    """The real runs' sequence length. Under FSDP2 the measurement swings from run to run by one unit's gathered
+    parameters (526,848 B here; the prediction equals the lowest): a block freed on gloo's thread, whose moment the
+    profiler does not record. At 8 times the sequence that block is under 2% of the figure; with 32 tokens, 8%."""
+    return SEQ * 8 if dp > 1 else SEQ
+
+
+def chunk_phases(schedule, on_phase) -> None:
+    """Mark a phase boundary around every micro-batch's forward and backward each stage of ``schedule`` runs, so a
+    free lost on gloo's threads (FSDP2's gathered parameters) is placed at the end of its micro-batch's chunk, not
+    at the end of the whole pipeline step (`conftest.call_end_peak`)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            def chunk(*args, _run=getattr(stage, name), **kwargs):
+                on_phase(0, "pipeline")
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    on_phase(0, "pipeline")
+
+            setattr(stage, name, chunk)
+
+
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, decoder: bool,
                  dp: int = 1) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
@@ -262,11 +286,12 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
     with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
+        seq = _real_seq(dp)
         if decoder:
-            model, (x, y) = _decoder_setup()
+            model, (x, y) = _decoder_setup(seq)
             loss_fn, split = _cross_entropy, _split_decoder
         else:
-            model, (x, y) = _blocks(), _batch()
+            model, (x, y) = _blocks(), _batch(seq)
             loss_fn, split = _mse, split_sequential
         plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches)
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
@@ -290,6 +315,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
                                     torch.device("cpu"))
 
         def steps(on_phase) -> None:
+            chunk_phases(held["runner"], on_phase)
             for i in range(2):
                 on_phase(i, "pipeline")
                 inputs = (x,) if first else ()
@@ -314,10 +340,10 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, decoder, dp):
     """Each rank of a real gloo pipeline (dp 2: PP 2 x FSDP2 2 on a 2-D mesh) against its prediction."""
     if decoder:
-        model, batch = _decoder_setup()
+        model, batch = _decoder_setup(_real_seq(dp))
         plan = PPPlan(world // dp, _cross_entropy, schedule=schedule, microbatches=4, split=_split_decoder)
     else:
-        model, batch = _blocks(), _batch()
+        model, batch = _blocks(), _batch(_real_seq(dp))
         plan = PPPlan(world // dp, _mse, schedule=schedule, microbatches=8)
     from preflight.parallel import FSDP2Plan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -502,35 +502,17 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     sharding = f"tp{degree}" + (" x fsdp2" if fsdp is not None else "")
     # A ValueError where neither the plan nor the model has styles.
     skipped = [] if read else unmatched_styles(model, tp)
-    failed = None
-    try:
-        groups = tp_rank_groups(model, tp, world_size, fsdp)
-        traced = []
-        for group in groups:
-            result = trace_tp(model, optimizer, batch, world_size=world_size, rank=group[0], plan=tp, fsdp=fsdp,
-                              step=options["step"], precision=options["precision"], steps=options["steps"],
-                              schedule=options["schedule"], record_op=options["record_op"],
-                              routing=options["routing"], cuda=cuda)
-            if result.error is not None:
-                failed = result
-                break
-            traced.append((group, result))
-    except (LossNotFoundError, StepWouldFailError):
-        raise
-    except Exception as err:  # noqa: BLE001 - the plan could not be applied to the copy: the labelled lower bound
-        if is_user_error(err):
-            raise
-        failed = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
-                             failed_op=f"{engine} ({type(err).__name__})")
+    def trace(rank: int) -> TraceResult:
+        return trace_tp(model, optimizer, batch, world_size=world_size, rank=rank, plan=tp, fsdp=fsdp,
+                        step=options["step"], precision=options["precision"], steps=options["steps"],
+                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
+                        cuda=cuda)
+
+    groups, traced, failed = _traced_groups(lambda: tp_rank_groups(model, tp, world_size, fsdp), trace, engine)
     if failed is not None:
-        notes = [f"tensor parallelism ({mesh}): the rank could not be traced; the lower bound divides the model's "
-                 f"state among the {world_size} rank(s) (a rank holds at least its share)"]
-        # Every category divided among the ranks, as a full sharding divides it: its note is replaced by ours.
-        est = _fallback(model, optimizer, batch, target, options["precision"], options["steps"], failed, notes,
-                        gpu=gpu_info, world_size=world_size, shard_ranks=world_size, sharding="fsdp-full",
-                        offload={"offload_optimizer": False, "offload_params": False}, ds=None)
-        kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
-        return dataclasses.replace(est, sharding=sharding, coverage=dataclasses.replace(est.coverage, notes=kept))
+        return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
+                                    world_size=world_size, sharding=sharding,
+                                    note=f"tensor parallelism ({mesh}): the rank could not be traced")
     shared = (f"ranks with equal local shapes share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
               if len(groups) > 1 else f"every rank holds parameters of the same local shapes: one trace stands for "
               f"all {world_size}")
@@ -568,34 +550,19 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         cuda = CudaTarget.of(None)
     world_size = pp.stages if fsdp is None else world_size
     sharding = f"pp{pp.stages}" + (f" x fsdp2 {world_size // pp.stages}" if fsdp is not None else "")
-    failed = None
-    traced = []
-    try:
-        groups = stage_rank_groups(model, pp, fsdp, world_size)
-        for group in groups:
-            result = trace_pp(model, optimizer, batch, rank=group[0], plan=pp, fsdp=fsdp, world_size=world_size,
-                              step=options["step"],
-                              precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
-                              record_op=options["record_op"], routing=options["routing"], cuda=cuda)
-            if result.error is not None:
-                failed = result
-                break
-            traced.append((group, result))
-    except (LossNotFoundError, StepWouldFailError):
-        raise
-    except Exception as err:  # noqa: BLE001 - the plan could not be applied to the copy: the labelled lower bound
-        if is_user_error(err):
-            raise
-        failed = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
-                             failed_op=f"torch.distributed.pipelining ({type(err).__name__}: {err})")
+
+    def trace(rank: int) -> TraceResult:
+        return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size,
+                        step=options["step"], precision=options["precision"], steps=options["steps"],
+                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
+                        cuda=cuda)
+
+    groups, traced, failed = _traced_groups(lambda: stage_rank_groups(model, pp, fsdp, world_size), trace,
+                                            "torch.distributed.pipelining")
     if failed is not None:
-        notes = [f"pipeline parallelism ({pp.label}): a rank could not be traced; the lower bound divides the "
-                 f"model's state among the {world_size} rank(s) (a rank holds at least its share)"]
-        est = _fallback(model, optimizer, batch, target, options["precision"], options["steps"],
-                        failed, notes, gpu=gpu_info, world_size=world_size, shard_ranks=world_size,
-                        sharding="fsdp-full", offload={"offload_optimizer": False, "offload_params": False}, ds=None)
-        kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
-        return dataclasses.replace(est, sharding=sharding, coverage=dataclasses.replace(est.coverage, notes=kept))
+        return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
+                                    world_size=world_size, sharding=sharding,
+                                    note=f"pipeline parallelism ({pp.label}): a rank could not be traced")
     fsdp_note = (f", each stage wrapped by fully_shard over the {world_size // pp.stages} data-parallel rank(s) of a "
                  f"fake (pp {pp.stages} x dp {world_size // pp.stages}) mesh; ranks with equal local shapes share a "
                  f"trace: {'; '.join(_ranks_text(g) for g in groups)}") if fsdp is not None else ""
@@ -608,6 +575,45 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
                               sharding=sharding)
+
+
+def _traced_groups(groups: Callable[[], list[list[int]]], trace: Callable[[int], TraceResult], engine: str
+                   ) -> tuple[list[list[int]], list[tuple[list[int], TraceResult]], TraceResult | None]:
+    """``groups()`` (ranks that run the same program), and the first rank of each traced by ``trace(rank)``:
+    ``(groups, [(group, result)], the result that failed or None)``. An engine that cannot be applied to the copy
+    (not the user's own error) fails as a result naming ``engine``; the user's own error and the step's refusals
+    are raised."""
+    found: list[list[int]] = []
+    traced: list[tuple[list[int], TraceResult]] = []
+    try:
+        found = groups()
+        for group in found:
+            result = trace(group[0])
+            if result.error is not None:
+                return found, traced, result
+            traced.append((group, result))
+    except (LossNotFoundError, StepWouldFailError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the plan could not be applied to the copy: the labelled lower bound
+        if is_user_error(err):
+            raise
+        return found, traced, TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
+                                          failed_op=f"{engine} ({type(err).__name__}: {err})")
+    return found, traced, None
+
+
+def _divided_lower_bound(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, options: dict[str, Any],
+                         failed: TraceResult, *, gpu_info: GPU, world_size: int, sharding: str, note: str) -> Estimate:
+    """The labelled lower bound of a per-rank engine whose rank could not be traced: every category of the model's
+    state divided among the ranks (a rank holds at least its share), as a full sharding divides it."""
+    notes = [f"{note}; the lower bound divides the model's state among the {world_size} rank(s) (a rank holds at "
+             "least its share)"]
+    est = _fallback(model, optimizer, batch, options["target_device"], options["precision"], options["steps"], failed,
+                    notes, gpu=gpu_info, world_size=world_size, shard_ranks=world_size, sharding="fsdp-full",
+                    offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+    # The full sharding's own note is replaced by the one above.
+    kept = tuple(n for n in est.coverage.notes if not n.startswith("per-rank figures for fsdp-full"))
+    return dataclasses.replace(est, sharding=sharding, coverage=dataclasses.replace(est.coverage, notes=kept))
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -158,6 +158,21 @@ def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def spawned(worker, world: int, *args) -> dict:
+    """Run ``worker(rank, world, port, queue, *args)`` in ``world`` fresh processes on a free localhost port; each
+    puts ``(rank, result)``: the results by rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(world, port, queue, *args), nprocs=world, start_method="spawn")
+    return dict(queue.get() for _ in range(world))
+
+
 def spy_all_reduce(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record ``(elements, group size)`` of every ``torch.distributed.all_reduce`` from now on (it still runs)."""
     import torch.distributed as dist

@@ -4,12 +4,11 @@ under a fake process group, checked against real gloo runs."""
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, gloo_rank
+from conftest import call_end_peak, gloo_rank, spawned
 from torch import nn
 
 import preflight
@@ -236,17 +235,6 @@ def test_a_users_own_split_is_traced():
 
 # ---- real runs with gloo: each stage rank measured against its prediction -------------------------------------------
 
-def _spawned(worker, world: int, *args) -> dict:
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(world, port, queue, *args), nprocs=world, start_method="spawn")
-    return dict(queue.get() for _ in range(world))
-
-
 def _real_seq(dp: int) -> int:
     """The real runs' sequence length. Under FSDP2 the measurement swings from run to run by one unit's gathered
     parameters (526,848 B here; the prediction equals the lowest): a block freed on gloo's thread, whose moment the
@@ -352,7 +340,7 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, deco
                 ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(units=units), pp=plan))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes
-    measured = _spawned(_gloo_worker, world, schedule, plan.n_microbatches, decoder, dp)
+    measured = spawned(_gloo_worker, world, schedule, plan.n_microbatches, decoder, dp)
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)

@@ -3,13 +3,12 @@ fake process group, checked against real gloo runs."""
 
 from __future__ import annotations
 
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, gloo_rank
+from conftest import call_end_peak, gloo_rank, spawned
 
 import preflight
 from preflight.parallel import TPPlan, model_styles, tp_rank_groups
@@ -185,19 +184,6 @@ def _big_setup():
     return model, {"input_ids": ids, "labels": ids}
 
 
-def _spawned(worker, world: int, *args) -> dict:
-    """Run ``worker(rank, world, port, queue, *args)`` in ``world`` fresh processes on a free localhost port; each
-    puts ``(rank, result)``: the results by rank."""
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(world, port, queue, *args), nprocs=world, start_method="spawn")
-    return dict(queue.get() for _ in range(world))
-
-
 def _measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
     """This rank's measured peak over two real steps: the bytes alive before (its local shards, buffers, the batch)
     plus the profiled rise, gloo's lost frees placed at the end of their phase (`conftest.call_end_peak`)."""
@@ -244,7 +230,7 @@ def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
                              _run(world, degree, _styles(), None if world == degree else "fsdp2"))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes
-    results = _spawned(_gloo_worker, world, degree)
+    results = spawned(_gloo_worker, world, degree)
     for rank in range(world):
         measured, inside = results[rank]
         assert inside == est.per_rank_peak_bytes  # read off the laid-out model: the figure planned before
@@ -299,7 +285,7 @@ def test_transformers_own_tensor_parallelism_is_read_inside_the_job(tmp_path):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128))
     model.save_pretrained(tmp_path / "llama")
-    results = _spawned(_hf_tp_worker, 2, str(tmp_path / "llama"))
+    results = spawned(_hf_tp_worker, 2, str(tmp_path / "llama"))
     assert results[0][1] == results[1][1]  # every process traces the same ranks
     for rank in range(2):
         measured, inside = results[rank]

@@ -166,12 +166,7 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
                                     torch.device("cpu"))
         dist.barrier()
         phases = _Phases()
-        for stage in [getattr(held["runner"], "_stage", None)] + list(getattr(held["runner"], "_stages", ())):
-            # A phase boundary around each micro-batch's chunk: a free lost on gloo's threads (FSDP2's gathered
-            # parameters) is placed at the end of its chunk, not of the whole pipeline step.
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                if stage is not None:
-                    setattr(stage, name, _marked(getattr(stage, name), phases))
+        _mark_chunks(held["runner"], phases)
         with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             for i in range(2):
                 phases.mark(i, "pipeline")
@@ -195,6 +190,16 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
         queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
     finally:
         dist.destroy_process_group()
+
+
+def _mark_chunks(runner: Any, phases: Any) -> None:
+    """A phase boundary around each micro-batch's chunk on every stage of ``runner``: a free lost on gloo's threads
+    (FSDP2's gathered parameters) is placed at the end of its chunk, not of the whole pipeline step. (A function of
+    its own: a loop variable left in the worker would keep a stage alive past the teardown.)"""
+    stages = [runner._stage] if hasattr(runner, "_stage") else list(runner._stages)
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, _marked(getattr(stage, name), phases))
 
 
 def _marked(run: Any, phases: Any) -> Any:

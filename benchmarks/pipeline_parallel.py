@@ -20,9 +20,10 @@ Each rank's measured peak is the profiler's allocator events over the two steps 
 (the rank's parameters or shards, the batch). A block the profiler saw allocated and never freed is either alive at
 the end or freed where the profiler cannot see it: what the schedule still holds in autograd's nodes (the
 zero-bubble schedules keep the last micro-batches' weight-gradient graphs), which no Python tensor shows, is found
-by dropping the schedule under a second profile and counted alive. The profiler loses the frees gloo's worker threads make; they are put back
-where the address is allocated again (an upper bound, "measured max") and also at the end of the phase that
-allocated the block ("call end", `preflight._measure.lost_free_peaks`), as in ``benchmarks/distributed.py``. Each
+by dropping the schedule under a second profile and counted alive. The profiler loses the frees gloo's worker
+threads make; they are put back where the address is allocated again (an upper bound, "measured max") and also at
+the end of the phase that allocated the block ("call end", `preflight._measure.lost_free_peaks`; each micro-batch's
+forward and backward chunk is a phase), as in ``benchmarks/distributed.py``. Each
 configuration is measured REPEATS times, in fresh processes. The prediction is
 ``preflight.estimate(model, AdamW, (inputs, target), Run(parallel=ParallelPlan(stages, None, pp=PPPlan(...))))``,
 made before any process group exists, one figure per rank. (The zero-bubble schedules run on the decoder only: on the

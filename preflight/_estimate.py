@@ -551,11 +551,13 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     world_size = pp.stages if fsdp is None else world_size
     sharding = f"pp{pp.stages}" + (f" x fsdp2 {world_size // pp.stages}" if fsdp is not None else "")
 
+    shared: dict[str, Any] = {}  # the stages' metadata, inferred once for all the ranks
+
     def trace(rank: int) -> TraceResult:
         return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size,
                         step=options["step"], precision=options["precision"], steps=options["steps"],
                         schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda)
+                        cuda=cuda, shared=shared)
 
     groups, traced, failed = _traced_groups(lambda: stage_rank_groups(model, pp, fsdp, world_size), trace,
                                             "torch.distributed.pipelining")

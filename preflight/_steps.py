@@ -312,14 +312,7 @@ def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Ca
             on_phase(i, "pipeline")
             with autocast_for(precision, device_type), _watching_backward(before_backward):
                 drive(batch)
-        on_phase(i, "optimizer")
-        if schedule.max_grad_norm is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm, foreach=_clip_foreach(params))
-        optimizer.step()
-        if schedule.zero_grad != "before_backward":
-            on_phase(i, "zero_grad")
-            optimizer.zero_grad(set_to_none=schedule.zero_grad == "after_step")
+        _optimizer_phase(i, optimizer, schedule, on_phase)
     on_phase(steps, "end")
 
 
@@ -374,19 +367,26 @@ def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *
             before_backward(loss)
             loss.backward()
             del loss
-        on_phase(i, "optimizer")
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if schedule.max_grad_norm is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm, foreach=_clip_foreach(params))
-        optimizer.step()
-        if scaler is not None:
-            scaler.update()
-        if schedule.zero_grad != "before_backward":
-            on_phase(i, "zero_grad")
-            optimizer.zero_grad(set_to_none=schedule.zero_grad == "after_step")
+        _optimizer_phase(i, optimizer, schedule, on_phase, scaler)
     on_phase(steps, "end")
+
+
+def _optimizer_phase(i: int, optimizer: torch.optim.Optimizer, schedule: Loop, on_phase: Callable[[int, str], None],
+                     scaler: _LossScaler | None = None) -> None:
+    """Step ``i``'s end as the loop has it: unscale, clip, ``optimizer.step()``, and zero_grad unless the loop
+    zeroes before backward."""
+    on_phase(i, "optimizer")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if schedule.max_grad_norm is not None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm, foreach=_clip_foreach(params))
+    optimizer.step()
+    if scaler is not None:
+        scaler.update()
+    if schedule.zero_grad != "before_backward":
+        on_phase(i, "zero_grad")
+        optimizer.zero_grad(set_to_none=schedule.zero_grad == "after_step")
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -233,13 +233,14 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
         return plan.stage_module(replica, stage)
 
 
-def _engine(model: nn.Module, plan: PPPlan, batch: Any, fsdp: FSDP2Plan | None = None,
+def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool], fsdp: FSDP2Plan | None = None,
             world_size: int | None = None) -> Engine:
-    """The pipeline engine; with ``fsdp``, each stage wrapped by ``fully_shard`` over the ``dp`` dim of a ``("pp",
-    "dp")`` mesh of ``world_size`` ranks (torchtitan's PP x FSDP2), the stages talking over the ``pp`` dim."""
+    """The pipeline engine over ``stage_metas`` (`_stage_metas`); with ``fsdp``, each stage wrapped by
+    ``fully_shard`` over the ``dp`` dim of a ``("pp", "dp")`` mesh of ``world_size`` ranks (torchtitan's PP x FSDP2),
+    the stages talking over the ``pp`` dim."""
     from torch.distributed.pipelining import PipelineStage
 
-    metas, all_static = _stage_metas(model, plan, batch)
+    metas, all_static = stage_metas
     mesh_shape = _mesh_shape(plan, fsdp, world_size)
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
@@ -424,6 +425,7 @@ def trace_pp(
     record_op: Callable[[Any, Any], bool] | None = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
+    shared: dict[str, Any] | None = None,
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps of stage rank ``rank`` of ``plan`` (module docstring).
@@ -435,6 +437,8 @@ def trace_pp(
             (None: pipeline parallelism alone over ``plan.stages`` ranks).
         step: must be None: the schedule runs the forward, the loss and the backward.
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
+        shared: one dict passed to every rank's call of one plan: torch's metadata inference over all the stages
+            runs in the first call (under its sweep) and is reused; None: run in this call.
 
     Returns:
         A `TraceResult` whose events are this rank's; ``error`` is set when the trace stopped or the stage could not
@@ -447,7 +451,10 @@ def trace_pp(
     if step is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step: the last stage's loss is the plan's "
                          "`loss_fn`; leave `step` out")
-    engine = _engine(model, plan, batch, fsdp, world_size)
+    shared = {} if shared is None else shared
+    if "stage_metas" not in shared:
+        shared["stage_metas"] = _stage_metas(model, plan, batch)
+    engine = _engine(plan, shared["stage_metas"], fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size or plan.stages, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep)

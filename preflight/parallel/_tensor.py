@@ -311,6 +311,18 @@ class WrappedTP:
                 "were read from the model and each rank traced on a fake copy laid out the same")
 
 
+def _refuse_expert_parallelism(model: nn.Module) -> None:
+    """Raise a ValueError naming expert parallelism where transformers laid the model's experts out over ranks
+    (``DistributedConfig(ep_size=...)``: its experts modules are marked ``_is_expert_parallel``)."""
+    experts = [name for name, module in model.named_modules() if getattr(module, "_is_expert_parallel", False)]
+    if experts:
+        raise ValueError(f"the model's experts are laid out over ranks by expert parallelism ({experts[0]} and "
+                         f"{len(experts) - 1} more: transformers' DistributedConfig(ep_size=...)), which preflight "
+                         "does not trace yet: the tokens each rank's experts receive come from the all-to-all of "
+                         "every rank's routing. Called on the model before it is laid out, preflight.estimate "
+                         "gives the whole model's figure on one device.")
+
+
 def read_tp(model: nn.Module) -> WrappedTP | None:
     """The layout of a model ``parallelize_module`` (or ``distribute_module``) already parallelized, alone or then
     wrapped by ``fully_shard`` over another dim of the same mesh (torchtitan's TP x FSDP2); None where no parameter or
@@ -330,6 +342,7 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 fsdp_meshes.append(group.mesh_info.mesh)
+    _refuse_expert_parallelism(model)
     if any(m != fsdp_meshes[0] or m.mesh_dim_names != fsdp_meshes[0].mesh_dim_names for m in fsdp_meshes):
         raise ValueError("the model's fully_shard units were wrapped over different meshes; the per-rank trace "
                          "follows one")

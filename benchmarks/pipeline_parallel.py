@@ -12,8 +12,12 @@ stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
     decoder  a decoder written for torchtitan's cut (embedding, 4 ``nn.TransformerEncoderLayer`` of width 256 and 4
              heads in a ModuleDict, norm, head over a 2048-token vocabulary); each stage is a deep copy of the model
              with the other stages' parts deleted; batch 16 x 128 tokens, cross-entropy, 4 micro-batches
+    llama    a transformers ``LlamaForCausalLM`` (hidden 256, 4 layers, 8 heads, 4 KV heads, 2048-token vocabulary),
+             cut as transformers' own pipeline parallelism cuts it (`preflight.parallel.split_transformers`, what
+             ``preflight estimate --pp`` plans); batch 16 x 128 tokens, transformers' causal-LM loss
+             (`preflight.parallel.causal_lm_loss`), 4 micro-batches
 
-Two configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
+Three configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
 each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks.
 
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
@@ -34,7 +38,7 @@ Beside it, the rule users reason with: a stage holds the activations of the micr
 under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
 stage's peak are printed beside that count.
 
-Run: python benchmarks/pipeline_parallel.py      (about 12 minutes on 2 CPU cores)
+Run: python benchmarks/pipeline_parallel.py      (about 8 minutes on 2 CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 """
 
@@ -59,7 +63,8 @@ CONFIGS = [("mlp", "GPipe", 2, 8, 1), ("mlp", "GPipe", 4, 8, 1), ("mlp", "1F1B",
            ("mlp", "Interleaved1F1B", 2, 8, 1), ("mlp", "LoopedBFS", 2, 4, 1), ("mlp", "1F1B", 4, 8, 2),
            ("decoder", "1F1B", 2, 4, 1), ("decoder", "GPipe", 4, 4, 1), ("decoder", "Interleaved1F1B", 2, 4, 1),
            ("decoder", "InterleavedZeroBubble", 2, 4, 1), ("decoder", "ZBVZeroBubble", 2, 4, 1),
-           ("decoder", "DualPipeV", 2, 4, 1), ("decoder", "1F1B", 4, 4, 2)]
+           ("decoder", "DualPipeV", 2, 4, 1), ("decoder", "1F1B", 4, 4, 2), ("llama", "1F1B", 2, 4, 1),
+           ("llama", "GPipe", 4, 4, 1), ("llama", "Interleaved1F1B", 2, 4, 1), ("llama", "1F1B", 4, 4, 2)]
 WIDTH, VOCAB = 256, 2048
 
 
@@ -116,6 +121,16 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
                                 for _ in range(4)])
         return model, (torch.randn(32, 64, WIDTH, generator=g), torch.randn(32, 64, WIDTH, generator=g)), mse, \
             split_sequential
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from preflight.parallel import causal_lm_loss, split_transformers
+
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=688,
+                                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                             max_position_embeddings=128))
+        ids = torch.randint(0, VOCAB, (16, 128), generator=g)
+        return model, (ids, ids), causal_lm_loss, split_transformers
     model = Decoder()
     ids = torch.randint(0, VOCAB, (16, 129), generator=g)
     return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
@@ -215,8 +230,13 @@ def _marked(run: Any, phases: Any) -> Any:
 
 
 def units(part: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP2 wraps in a stage: the MLP's blocks, the decoder's layers."""
-    return list(part.layers.values()) if isinstance(part, Decoder) else list(part)
+    """The blocks FSDP2 wraps in a stage: the MLP's blocks, the decoder's layers, the Llama's layers the stage
+    holds (the others' names are kept on parameterless stand-ins)."""
+    if isinstance(part, Decoder):
+        return list(part.layers.values())
+    if hasattr(part, "model"):
+        return [layer for layer in part.model.layers if next(layer.parameters(), None) is not None]
+    return list(part)
 
 
 def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int) -> list[tuple[int, ...]]:
@@ -241,7 +261,12 @@ def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int) ->
     if dp == 1:
         parallel = preflight.ParallelPlan(world, None, pp=plan)
     else:  # the blocks the job wraps, by their names in the whole model
-        names = [f"layers.{n}" for n in model.layers] if kind == "decoder" else [str(i) for i in range(len(model))]
+        if kind == "decoder":
+            names = [f"layers.{n}" for n in model.layers]
+        elif kind == "llama":
+            names = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+        else:
+            names = [str(i) for i in range(len(model))]
         parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per stage

@@ -53,7 +53,8 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "offload_optimizer": "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF": "allocator",
                  "optimizer_impl": "optimizer_impl", "micro_batch_size": "batch", "accumulate_grad_batches": "accumulate",
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
-                 "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant"}
+                 "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant",
+                 "microbatches": "microbatches"}
 # Said by other keys of the same change, or by the flags' defaults.
 _IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {f"bitsandbytes.optim.{cls}": flag for flag, cls in _BNB_OPTIMIZERS.items()}
@@ -137,6 +138,16 @@ def _parser() -> argparse.ArgumentParser:
                           "with DTensor's styles); the world size defaults to N, and a larger --world-size needs "
                           "--sharding fsdp2 (FSDP2 over the other dim of an (world/N, N) mesh). Each distinct rank "
                           "traced")
+    est.add_argument("--pp", type=int, default=None, metavar="N",
+                     help="pipeline parallelism over N stage ranks (causal-lm): the model cut as transformers' own "
+                          "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
+                          "--batch x --microbatches sequences; the world size defaults to N, and a larger "
+                          "--world-size needs --sharding fsdp2 (FSDP2 inside each stage). Each distinct rank traced")
+    est.add_argument("--schedule", default="1F1B", metavar="NAME",
+                     help="with --pp: torch's pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, "
+                          "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+    est.add_argument("--microbatches", type=int, default=None, metavar="M",
+                     help="with --pp: micro-batches per step (default: one per stage rank, N)")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -342,9 +353,11 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     if args.quantize:
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
-    tp = getattr(args, "tp", None)
-    ranks = tp if tp and args.world_size == 1 else args.world_size
+    tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
+    ranks = (tp or pp) if (tp or pp) and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
+        (f", pipeline parallel degree {pp} ({args.schedule}, {args.microbatches or pp} micro-batches of "
+         f"{args.batch})" if pp else "") + \
         (f", {sharding}" if sharding else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
     if args.generate:
@@ -376,8 +389,13 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         raise UsageError(f"--accumulate should be at least 1, got {args.accumulate}.")
     parallel = None
     try:
-        tp = getattr(args, "tp", None)
-        if tp is not None:
+        tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
+        if pp is None and (getattr(args, "microbatches", None) is not None or
+                           getattr(args, "schedule", "1F1B") != "1F1B"):
+            raise UsageError("--schedule and --microbatches describe a pipeline: pass --pp N (its stage ranks) too.")
+        if pp is not None:
+            parallel = _pp_plan(args, sharding, offload)
+        elif tp is not None:
             if tp < 1 or args.deepspeed_config or any(offload.values()):
                 raise UsageError(f"--tp {tp}: give a degree of at least 1, without --deepspeed-config or offloading "
                                  "(tensor parallelism is traced alone or with --sharding fsdp2).")
@@ -398,6 +416,25 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
                    parallel=parallel, fast=args.fast)
     except (ValueError, TypeError) as err:
         raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None
+
+
+def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> Any:
+    """The pipeline plan ``--pp`` says: transformers' own cut of the model, torch's schedule, the causal-LM loss."""
+    from preflight.parallel import ParallelPlan, PPPlan, causal_lm_loss, split_transformers
+
+    other = [flag for flag, given in (("--tp", args.tp is not None), ("--deepspeed-config", args.deepspeed_config),
+                                      ("--offload-optimizer", offload["offload_optimizer"]),
+                                      ("--offload-params", offload["offload_params"]),
+                                      ("--quantize", args.quantize), ("--generate", args.generate),
+                                      ("--accumulate", args.accumulate != 1)) if given]
+    if args.pp < 2 or args.task != "causal-lm" or other:
+        raise UsageError(f"--pp {args.pp}: pipeline parallelism is planned for a causal-lm over at least 2 stage "
+                         "ranks, alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else "")
+                         + " (the schedule's micro-batches are its accumulation: --microbatches).")
+    plan = PPPlan(args.pp, causal_lm_loss, schedule=args.schedule, microbatches=args.microbatches,
+                  split=split_transformers)
+    world = args.pp if args.world_size == 1 else args.world_size
+    return ParallelPlan(world, sharding, pp=plan, source="the command line")
 
 
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
@@ -472,7 +509,9 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
             "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
-            "gradient_as_bucket_view": args.gradient_as_bucket_view,
+            "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp,
+            "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": args.microbatches or args.pp}
+            if args.pp else None,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
             "headroom": args.headroom, "fast": args.fast}
 
@@ -756,7 +795,7 @@ def _optimizer(name: str, params: list) -> Any:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None) -> dict[str, Any]:
+def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None) -> Any:
     import torch
 
     from preflight._device import planned
@@ -771,6 +810,9 @@ def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None)
                 "labels": planned((b,), torch.long, 0)}
     if args.seq is None:
         raise UsageError(f"--seq is required for the {args.task} task")
+    if getattr(args, "pp", None):  # the pipeline's step batch, (inputs, target), cut into micro-batches by torch
+        ids = planned((b * (args.microbatches or args.pp), args.seq), torch.long, 0)
+        return (ids, ids)
     ids = planned((b, args.seq), torch.long, 0)
     batch = {"input_ids": ids, "attention_mask": planned((b, args.seq), torch.long, 1)}
     if args.task == "seq-cls":

@@ -82,7 +82,8 @@ def combine(setup: _Setup, moves: list[Move],
     traced = len(setup.traced) - before
     with setup.applied(chosen) as c:
         run = c.run
-    if micro is not None:  # traced as an accumulation micro-step; the run accumulates the whole global batch
+    if micro is not None and "accumulate_grad_batches" in micro.change:
+        # traced as an accumulation micro-step; the run accumulates the whole global batch
         final = next(m for m in chosen if m.key == "micro_batch")
         run = run.replace(loop=dataclasses.replace(run.loop, accumulate=final.change["accumulate_grad_batches"]))
     words = " + ".join(m.words for m in chosen)

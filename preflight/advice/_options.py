@@ -39,7 +39,7 @@ from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
     Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need,
-    offload_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
+    offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.trace import NotRestoredError
 
@@ -148,7 +148,8 @@ def advise(
     check_headroom(headroom)
     budget_bytes = run_budget(run, model)
     model, run, _ = read_plan_off_ddp(model, run)  # a DDP model's plan is the run's, its module the one changed
-    if run.parallel is not None and run.parallel.sharding is None and run.parallel.world_size > 1:
+    if run.parallel is not None and run.parallel.sharding is None and run.parallel.world_size > 1 and \
+            run.parallel.tp is None and run.parallel.pp is None:
         run = run.replace(parallel=dataclasses.replace(run.parallel, sharding="ddp"))  # what estimate plans
     target = resolve_device(run.target.planned_device, model)
     baseline = estimate(model, optimizer, batch, pinned(run, target), step=step)
@@ -218,6 +219,8 @@ def _optimizer_impl(setup: _Setup) -> list[tuple[str, Suggestion]]:
 def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if need(setup.baseline) <= setup.limit:
         return []  # the current batch fits: no need for a smaller one
+    if setup.run.parallel is not None and setup.run.parallel.pp is not None:
+        return _pipeline_micro_batch(setup)
     micro = batch_size_of(setup.batch)
     if micro is None:
         raise ValueError("no tensor with a batch dimension in the batch; pass make_batch=")
@@ -238,6 +241,45 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     text = f"{note}: {setup.versus(figure)}"
     return [("micro_batch", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
                                        setup.with_loop(accumulate=accumulate)))]
+
+
+def _pipeline_micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """Under a pipeline plan: more, smaller micro-batches of the same step batch (`pipeline_micro_move`), the
+    largest that fits, or the smallest's figure when none does."""
+    found = largest_pipeline_micro_batch(setup, [], batch_size_of(setup.batch) or 0)
+    if found is not None:
+        move, figure, note = found
+        return [("micro_batch", Suggestion(move.change, f"{note}: {setup.versus(figure)}", figure, True, move.cost,
+                                           _moved_run(setup, move)))]
+    one = pipeline_micro_move(setup, 1)
+    if one is None:
+        return []
+    figure = need(setup.trace_moves([one]))
+    text = f"{one.words} does not fit either: {setup.versus(figure)}; combine it with another option"
+    return [("micro_batch", Suggestion(one.change, text, figure, False, one.cost, _moved_run(setup, one)))]
+
+
+def _moved_run(setup: _Setup, move: Any) -> Run:
+    """The user's run with ``move`` made."""
+    with setup.applied([move]) as c:
+        return c.run
+
+
+def largest_pipeline_micro_batch(setup: _Setup, others: list[Any], below: int) -> tuple[Any, int, str] | None:
+    """The largest pipeline micro-batch below ``below`` (and below today's) that fits with the moves ``others``
+    made, each size traced (sizes that divide the step batch, largest first); None when none fits."""
+    tried = 0
+    for size in range(min(below, batch_size_of(setup.batch) or 0), 0, -1):
+        move = pipeline_micro_move(setup, size)
+        if move is None:
+            continue
+        tried += 1
+        figure = need(setup.trace_moves([*others, move]))
+        if figure <= setup.limit:
+            note = (f"{move.words} (the schedule's micro-batches, the same step batch; the largest that fits, "
+                    f"{tried} size(s) traced)")
+            return move, figure, note
+    return None
 
 
 def largest_micro_batch(setup: _Setup, others: list[Any], below: int) -> tuple[Any, int, str] | None:
@@ -441,5 +483,6 @@ def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
     fitting = [s for s in singles if s.fits]
     ceiling = min((ranking(s)[1] for s in fitting), default=None)
     moves = [m for m in available_moves(setup) if ceiling is None or m.rank < ceiling]
-    found = combine(setup, moves, others=largest_micro_batch)
+    pipeline = setup.run.parallel is not None and setup.run.parallel.pp is not None
+    found = combine(setup, moves, others=largest_pipeline_micro_batch if pipeline else largest_micro_batch)
     return [] if found is None else [found]

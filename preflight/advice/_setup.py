@@ -294,6 +294,8 @@ def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:
     micro = batch_size_of(setup.batch)
     if micro is None or micro < 2 or size >= micro:
         return None
+    if setup.run.parallel is not None and setup.run.parallel.pp is not None:
+        return pipeline_micro_move(setup, size)
     current = micro * setup.run.loop.accumulate
 
     def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
@@ -304,6 +306,27 @@ def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:
     return Move("micro_batch", "micro_batch", {"micro_batch_size": size, "accumulate_grad_batches": accumulate},
                 f"micro-batch {size} x {accumulate} accumulation steps",
                 _MICRO_COST.format(k=accumulate, rounding=""), apply, order=2)
+
+
+def pipeline_micro_move(setup: _Setup, size: int) -> Move | None:
+    """Under a pipeline plan, the schedule's micro-batches are the accumulation: the same step batch cut into more
+    micro-batches of ``size`` sequences (``PPPlan.microbatches``), so each stage holds smaller activations in flight;
+    None where ``size`` does not divide the step batch or is not smaller than today's micro-batch."""
+    rows = batch_size_of(setup.batch)
+    pp = setup.run.parallel.pp
+    if rows is None or size < 1 or rows % size or size >= rows // pp.n_microbatches:
+        return None
+    count = rows // size
+
+    def edit(run: Run) -> Run:
+        return run.replace(parallel=dataclasses.replace(run.parallel, pp=dataclasses.replace(run.parallel.pp,
+                                                                                             microbatches=count)))
+
+    cost = (f"{count} pipeline micro-batches per step instead of {pp.n_microbatches}: the same updates, smaller "
+            "matrix products per micro-batch")
+    return Move("micro_batch", "micro_batch", {"micro_batch_size": size, "microbatches": count},
+                f"{count} micro-batches of {size}", cost,
+                lambda c, stack: dataclasses.replace(c, run=edit(c.run)), order=3)
 
 
 def checkpointing_how(model: nn.Module) -> str | None:

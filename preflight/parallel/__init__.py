@@ -28,7 +28,8 @@ package uses `preflight.trace`; `preflight._estimate` uses this package.
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
-from preflight.parallel._pipeline import PPPlan, split_sequential, stage_rank_groups, trace_pp
+from preflight.parallel._pipeline import (PPPlan, causal_lm_loss, split_sequential, split_transformers,
+                                         stage_rank_groups, trace_pp)
 from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_plan, already_sharded, deepspeed_plan,
                                             fsdp_plan, read_ddp)
@@ -36,7 +37,8 @@ from preflight.parallel._stand_in import stand_in
 from preflight.parallel._tensor import TPPlan, WrappedTP, model_styles, read_tp, tp_rank_groups, trace_tp
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "split_sequential", "stage_rank_groups",
+__all__ = ["FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "causal_lm_loss", "split_sequential",
+           "split_transformers", "stage_rank_groups",
            "trace_pp", "WrappedTP", "model_styles", "read_tp", "tp_rank_groups",
            "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",

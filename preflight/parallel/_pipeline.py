@@ -2,8 +2,9 @@
 tensors with a fake process group.
 
 A `PPPlan` says how the model is cut into stages (the user's own ``split(model, stage, num_stages)``, the function
-a torchtitan-style job builds each stage module with; an ``nn.Sequential`` is cut into contiguous runs of its
-children by default), which of torch's schedules runs them (GPipe and 1F1B with one stage per rank; interleaved
+a torchtitan-style job builds each stage module with; `split_transformers`, a transformers decoder cut as
+transformers' own pipeline parallelism cuts it; an ``nn.Sequential`` is cut into contiguous runs of its children by
+default), which of torch's schedules runs them (GPipe and 1F1B with one stage per rank; interleaved
 1F1B, looped BFS and the zero-bubble schedules with several, laid on ranks as torch lays them), how many
 micro-batches a batch is cut into, and the last stage's loss. Each rank is traced as the job runs it: the fake copy
 of the model is cut into this rank's stages, wrapped in torch's own ``PipelineStage`` and schedule, and the
@@ -21,8 +22,9 @@ fake process group, which moves no data; their buffers are allocated by the stag
 send holds its tensor as gloo's work does (`_HeldWork`).
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
-gives a labelled lower bound naming what is missing); pipeline parallelism combined with data or tensor parallelism
-is refused; a model already cut into stages inside a job is not read (give the plan).
+gives a labelled lower bound naming what is missing); pipeline parallelism combined with tensor parallelism, DDP,
+FSDP1 or HSDP is refused (FSDP2 is traced); a model already cut into stages inside a job is not read (give the
+plan).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._steps import Loop, StepFn
+from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
@@ -47,7 +49,8 @@ from preflight.parallel._tensor import meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["PPPlan", "SCHEDULES", "split_sequential", "stage_rank_groups", "trace_pp"]
+__all__ = ["PPPlan", "SCHEDULES", "causal_lm_loss", "split_sequential", "split_transformers", "stage_rank_groups",
+           "trace_pp"]
 
 # The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
 # torch's class, and how stages map to ranks (None: one stage per rank; "loop": rank r holds r, r + ranks, ...;
@@ -76,6 +79,71 @@ def split_sequential(model: nn.Module, stage: int, stages: int) -> nn.Module:
     start = stage * size + min(stage, extra)
     end = start + size + (1 if stage < extra else 0)
     return nn.Sequential(OrderedDict(children[start:end]))
+
+
+class _Passed(nn.Module):
+    """Stands for a module another stage holds, as transformers' own pipeline cut does (``PipelineIdentityLayer``):
+    hands on the hidden states it is given."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+
+def split_transformers(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """Stage ``stage`` of ``stages`` of a transformers decoder (``*ForCausalLM``: a base model with ``embed_tokens``,
+    ``layers`` and ``norm``, and an ``lm_head``), cut as transformers' own pipeline parallelism cuts it
+    (``transformers.distributed.pipeline_parallel.apply_pipeline_parallelism``): a copy of the model whose layers
+    outside the stage's contiguous run (the first ``layers % stages`` runs one longer), the embedding outside the
+    first stage (kept on the last when tied to the head) and the final norm and head outside the last stage stand
+    aside. The stage takes the token ids (first stage) or the hidden states its neighbour sent, and gives the hidden
+    states, or the logits on the last stage. Every parameter keeps its name."""
+    import copy
+
+    # A peft model is cut inside: its LoRA layers sit in the decoder's modules, and its names are kept.
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    path = next(name for name, module in model.named_modules() if module is inner)
+    base = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm")) or \
+            not isinstance(getattr(inner, "lm_head", None), nn.Module):
+        raise ValueError(f"split_transformers cuts a transformers decoder (a base model with embed_tokens, layers and "
+                         f"norm, and an lm_head); {type(inner).__name__} is not one: give the plan your own `split`")
+    layers = len(base.layers)
+    if layers < stages:
+        raise ValueError(f"the model has {layers} layers, fewer than the {stages} pipeline stages")
+    size, extra = divmod(layers, stages)
+    start = stage * size + min(stage, extra)
+    end = start + size + (1 if stage < extra else 0)
+    first, last = stage == 0, stage == stages - 1
+    whole = copy.deepcopy(model)
+    cut = whole.get_submodule(path)
+    cut_base = getattr(cut, cut.base_model_prefix)
+    tied = bool(getattr(inner.config, "tie_word_embeddings", False))
+    if not (first or (tied and last)):
+        cut_base.embed_tokens = _Passed()
+    for index in range(layers):
+        if not start <= index < end:
+            cut_base.layers[index] = _Passed()
+    if not last:
+        cut_base.norm = _Passed()
+        cut.lm_head = _Passed()
+    lm_forward = type(cut).forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        given = {"input_ids": hidden} if first else {"inputs_embeds": hidden}
+        if last:
+            return lm_forward(cut, **given, use_cache=False).logits
+        return cut_base(**given, use_cache=False).last_hidden_state
+
+    whole.forward = forward
+    return whole
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss for `split_transformers`: transformers' own causal-LM loss (``ForCausalLMLoss``: the
+    logits in fp32, the labels shifted by one) of a micro-batch's logits and labels."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, logits.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,21 +258,23 @@ def _vote(all_static: bool) -> Callable[..., None]:
     return warmup_p2p
 
 
-def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any) -> tuple[list[Any], bool]:
-    """Every stage's ``_StageMeta`` (the shapes it receives, sends and gets gradients of) and whether every stage
-    votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process group of
-    one rank every stage is on the same rank, so torch passes the metadata from stage to stage as arguments."""
+def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | None) -> tuple[list[Any], bool]:
+    """Every stage's ``_StageMeta`` (the shapes and dtypes it receives, sends and gets gradients of) and whether
+    every stage votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process
+    group of one rank every stage is on the same rank, so torch passes the metadata from stage to stage as arguments.
+    Under ``precision`` as the ranks' steps run: parameters cast (``*-true``), the forward under autocast
+    (``*-mixed``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.distributed.pipelining._utils import InferenceMode
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
 
-    from preflight.trace._twin import TwinMaker
+    from preflight.trace._twin import TwinMaker, float_dtype_for
 
     args, target = _parts(batch)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    twins = TwinMaker(fake_mode, torch.device("cpu"))
-    with fake_world(1, 0), fake_mode:
+    twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
+    with fake_world(1, 0), fake_mode, autocast_for(precision, "cpu"):
         replica = fake_replica(model, twins)
         stages = [PipelineStage(_cut(plan, replica, i), i, plan.num_stages, torch.device("cpu"))
                   for i in range(plan.num_stages)]
@@ -318,11 +388,13 @@ def _local_parameters(parts: nn.Module) -> list[torch.Tensor]:
 
 
 def _has(module: nn.Module, name: str) -> bool:
+    """Whether the stage holds the unit ``name`` with its parameters (a stage cut as transformers cuts it keeps
+    the other stages' layers' names on parameterless stand-ins)."""
     try:
-        module.get_submodule(name)
+        unit = module.get_submodule(name)
     except AttributeError:
         return False
-    return True
+    return next(unit.parameters(), None) is not None
 
 
 def _received(metas: list[Any], stage: int, src: int) -> Any:
@@ -374,15 +446,17 @@ def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, parts: nn.Mod
     each pipeline rank builds its own."""
     names = {id(p): name for name, p in model.named_parameters()}
     here = {name: p for part in parts for name, p in part.named_parameters()}
-    groups, seen = [], 0
+    groups, seen = [], set()
     for index, group in enumerate(user.param_groups):
         params = [here[names[id(p)]] for p in group["params"] if names.get(id(p)) in here]
-        seen += len(params)
+        seen.update(names[id(p)] for p in group["params"] if names.get(id(p)) in here)
         if params:
             groups.append((index, params))
-    if seen != len(here):
-        raise ValueError(f"{len(here) - seen} of the stage's parameters are not found under the model's names "
-                         "(a split that renames them, or an optimizer over another model)")
+    missing = [name for name, p in here.items() if p.requires_grad and name not in seen]
+    if missing:
+        raise ValueError(f"{len(missing)} of the stage's trainable parameters (e.g. {missing[0]}) are not in the "
+                         "optimizer under the model's names (a split that renames them, or an optimizer over "
+                         "another model)")
     if user.state:
         raise ValueError("the optimizer already has state (a resumed run); its share on each stage is not traced")
     return clone_optimizer(user, None, foreach=None, param_groups=groups, keep_state=False)
@@ -453,7 +527,7 @@ def trace_pp(
                          "`loss_fn`; leave `step` out")
     shared = {} if shared is None else shared
     if "stage_metas" not in shared:
-        shared["stage_metas"] = _stage_metas(model, plan, batch)
+        shared["stage_metas"] = _stage_metas(model, plan, batch, precision)
     engine = _engine(plan, shared["stage_metas"], fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size or plan.stages, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,

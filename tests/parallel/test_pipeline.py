@@ -12,7 +12,7 @@ from conftest import call_end_peak, gloo_rank, spawned
 from torch import nn
 
 import preflight
-from preflight.parallel import ParallelPlan, PPPlan, split_sequential
+from preflight.parallel import ParallelPlan, PPPlan, causal_lm_loss, split_sequential, split_transformers
 
 WIDTH, BATCH, SEQ = 128, 16, 32
 
@@ -233,6 +233,70 @@ def test_a_users_own_split_is_traced():
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
 
+# ---- a transformers decoder, cut as transformers' own pipeline parallelism cuts it -----------------------------------
+
+def _llama(layers: int = 4, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=344,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, **extra))
+
+
+def _llama_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (BATCH // 2, seq * 4), generator=torch.Generator().manual_seed(2))
+    return _llama(), (ids, ids)
+
+
+def test_transformers_cut_keeps_names_and_hands_on_hidden_states():
+    model = _llama(layers=5)
+    names = dict(model.named_parameters())
+    stages = [split_transformers(model, i, 3) for i in range(3)]
+    held = [{n for n, p in s.named_parameters()} for s in stages]
+    assert all(n in names for h in held for n in h)  # every name is the model's
+    assert set().union(*held) == set(names) and sum(map(len, held)) == len(names)  # each parameter on one stage
+    assert "model.embed_tokens.weight" in held[0] and "lm_head.weight" in held[2]
+    assert {n.split(".")[2] for n in held[1] if ".layers." in n} == {"2", "3"}  # 5 layers: 2, 2, 1
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        hidden = stages[1](stages[0](ids))
+        assert hidden.shape == (2, 8, WIDTH)
+        assert torch.allclose(stages[2](hidden), model(ids).logits, atol=1e-5)  # the stages compose to the model
+    tied = _llama(layers=2, tie_word_embeddings=True)
+    last = split_transformers(tied, 1, 2)
+    assert last.lm_head.weight is last.model.embed_tokens.weight  # kept on the last stage for the tied head
+    with pytest.raises(ValueError, match="give the plan your own `split`"):
+        split_transformers(_blocks(), 0, 2)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-true", "bf16-mixed"])
+def test_a_transformers_decoder_is_traced_per_stage(precision):
+    """The stages exchange the hidden states in the dtype the step computes them in (parameters cast under
+    bf16-true, autocast under bf16-mixed)."""
+    model, batch = _llama_setup()
+    plan = PPPlan(2, causal_lm_loss, microbatches=4, split=split_transformers)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             preflight.Run(precision=precision, parallel=ParallelPlan(2, None, pp=plan)))
+    assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
+
+
+def test_lora_adapters_over_a_cut_decoder_are_traced():
+    """The optimizer holds only the adapters; the frozen base weights on each stage need no optimizer entry."""
+    from peft import LoraConfig, get_peft_model
+
+    model, batch = _llama_setup()
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    plan = PPPlan(2, causal_lm_loss, microbatches=4, split=split_transformers)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    est = preflight.estimate(model, torch.optim.AdamW(trainable), batch,
+                             preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
+    assert not est.coverage.lower_bound, est.coverage.notes
+    # AdamW's two fp32 moments and 4-byte step count of each stage's adapters, nothing for the frozen weights.
+    per_rank = [r["optimizer_state"] for r in est.per_rank_breakdown]
+    assert sum(per_rank) == 2 * 4 * sum(p.numel() for p in trainable) + 4 * len(trainable)
+
+
 # ---- real runs with gloo: each stage rank measured against its prediction -------------------------------------------
 
 def _real_seq(dp: int) -> int:
@@ -259,7 +323,17 @@ def chunk_phases(schedule, on_phase) -> None:
             setattr(stage, name, chunk)
 
 
-def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, decoder: bool,
+def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], object, object]:
+    """The model, batch, loss and split of each kind of pipeline the real runs train: blocks in an nn.Sequential,
+    the torchtitan-style decoder, a transformers Llama cut as transformers cuts it."""
+    if kind == "decoder":
+        return (*_decoder_setup(seq), _cross_entropy, _split_decoder)
+    if kind == "llama":
+        return (*_llama_setup(seq), causal_lm_loss, split_transformers)
+    return _blocks(), _batch(seq), _mse, split_sequential
+
+
+def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, kind: str,
                  dp: int = 1) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
     PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp`` > 1, a
@@ -275,18 +349,13 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
     with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
         seq = _real_seq(dp)
-        if decoder:
-            model, (x, y) = _decoder_setup(seq)
-            loss_fn, split = _cross_entropy, _split_decoder
-        else:
-            model, (x, y) = _blocks(), _batch(seq)
-            loss_fn, split = _mse, split_sequential
+        model, (x, y), loss_fn, split = _setup(kind, seq)
         plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches)
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
         for part in parts if mesh is not None else ():
-            for block in part.layers.values() if decoder else part:
+            for block in part.layers.values() if kind == "decoder" else part:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(part, mesh=mesh["dp"])
         group = mesh["pp"].get_group() if mesh is not None else None
@@ -321,26 +390,24 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, world, decoder, dp", [("GPipe", 2, False, 1), ("1F1B", 4, False, 1),
-                                                          ("1F1B", 2, True, 1), ("Interleaved1F1B", 2, False, 1),
-                                                          ("ZBVZeroBubble", 2, True, 1), ("1F1B", 4, False, 2),
-                                                          ("1F1B", 4, True, 2)])
-def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, decoder, dp):
+@pytest.mark.parametrize("schedule, world, kind, dp", [("GPipe", 2, "blocks", 1), ("1F1B", 4, "blocks", 1),
+                                                       ("1F1B", 2, "decoder", 1), ("Interleaved1F1B", 2, "blocks", 1),
+                                                       ("ZBVZeroBubble", 2, "decoder", 1), ("1F1B", 4, "blocks", 2),
+                                                       ("1F1B", 4, "decoder", 2), ("1F1B", 2, "llama", 1)])
+def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind, dp):
     """Each rank of a real gloo pipeline (dp 2: PP 2 x FSDP2 2 on a 2-D mesh) against its prediction."""
-    if decoder:
-        model, batch = _decoder_setup(_real_seq(dp))
-        plan = PPPlan(world // dp, _cross_entropy, schedule=schedule, microbatches=4, split=_split_decoder)
-    else:
-        model, batch = _blocks(), _batch(_real_seq(dp))
-        plan = PPPlan(world // dp, _mse, schedule=schedule, microbatches=8)
+    model, batch, loss_fn, split = _setup(kind, _real_seq(dp))
+    plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=8 if kind == "blocks" else 4, split=split)
     from preflight.parallel import FSDP2Plan
 
-    units = tuple(f"layers.{n}" for n in model.layers) if decoder else tuple(str(i) for i in range(len(model)))
+    units = {"decoder": lambda: tuple(f"layers.{n}" for n in model.layers),
+             "llama": lambda: tuple(f"model.layers.{i}" for i in range(len(model.model.layers))),
+             "blocks": lambda: tuple(str(i) for i in range(len(model)))}[kind]()
     parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
                 ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(units=units), pp=plan))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes
-    measured = spawned(_gloo_worker, world, schedule, plan.n_microbatches, decoder, dp)
+    measured = spawned(_gloo_worker, world, schedule, plan.n_microbatches, kind, dp)
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
@@ -364,3 +431,65 @@ def test_the_example_plans_each_schedule_per_stage():
     assert all(b < single for figures in stages for b in figures)
     gpipe, one_f_one_b = stages[0], stages[1]
     assert max(one_f_one_b) < min(gpipe)  # 1F1B holds fewer micro-batches than GPipe on every stage
+
+
+def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
+    """``--pp 2`` cuts the model as transformers' own pipeline parallelism does and gives each stage rank the figure
+    the Python API gives the same plan; combinations it does not trace are usage errors (exit 2)."""
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": WIDTH, "intermediate_size": 344,
+                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": VOCAB, "max_position_embeddings": 256}))
+    base = ["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--pp", "2"]
+    out = tmp_path / "pp.json"
+    assert main([*base, "--microbatches", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["run"]["parallel"]["pp"] == {"stages": 2, "schedule": "Schedule1F1B", "microbatches": 4}
+    assert "pipeline parallel degree 2 (1F1B, 4 micro-batches of 2)" in capsys.readouterr().out
+    ids = torch.zeros(8, 64, dtype=torch.long)  # 4 micro-batches of 2 sequences
+    plan = PPPlan(2, causal_lm_loss, microbatches=4, split=split_transformers)
+    model = _llama()
+    python = preflight.estimate(model, torch.optim.AdamW(model.parameters()), (ids, ids),
+                                preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
+    assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
+    assert main([*base, "--budget", "1MiB", "--no-suggest"]) == 3
+    capsys.readouterr()
+    assert main([*base[:-2], "--microbatches", "4"]) == 2  # without --pp
+    assert "pass --pp N" in capsys.readouterr().err
+    for extra, said in ((["--tp", "2"], "not with --tp"), (["--world-size", "4"], "--sharding fsdp2"),
+                        (["--accumulate", "2"], "--microbatches"), (["--schedule", "2F2B"], "'GPipe', '1F1B'")):
+        capsys.readouterr()
+        assert main([*base, *extra]) == 2, extra
+        assert said in capsys.readouterr().err, extra
+
+
+@pytest.mark.slow
+def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, capsys):
+    """Over budget under a pipeline plan, the micro-batch suggestion keeps the step batch and cuts it into more
+    micro-batches (the schedule's accumulation): its figure is the estimate of that plan, and the first fitting
+    suggestion's command exits 0."""
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": WIDTH, "intermediate_size": 344,
+                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 2048, "max_position_embeddings": 256}))
+    flags = ["estimate", "--hf-config", str(config), "--seq", "128", "--pp", "2"]
+    assert main([*flags, "--batch", "1", "--microbatches", "8", "--json", str(tmp_path / "finer.json")]) == 0
+    finer = json.loads((tmp_path / "finer.json").read_text())["required_bytes"]
+    over = tmp_path / "over.json"
+    budget = int(finer / 0.9) + 1024  # 1 x 8 fits with the default 10% headroom; 2 x 4 does not
+    assert main([*flags, "--batch", "2", "--microbatches", "4", "--budget", f"{budget}B", "--json", str(over)]) == 3
+    suggestions = json.loads(over.read_text())["suggestions"]
+    micro = next(s for s in suggestions if s["change"] == {"micro_batch_size": 1, "microbatches": 8})
+    assert micro["fits"] and micro["predicted_peak_bytes"] == finer
+    assert micro["command"][micro["command"].index("--microbatches") + 1] == "8"
+    first = next(s for s in suggestions if s["fits"])
+    capsys.readouterr()
+    assert main(first["command"][1:]) == 0, first

@@ -236,6 +236,8 @@ def _estimate(args: argparse.Namespace) -> int:
     for text in warnings_:
         print(f"preflight: warning: {text}", file=sys.stderr)
     run = _run(args, sharding, offload)
+    if run.parallel is not None and run.parallel.pp is not None:
+        _check_cut(model, run.parallel.pp)
     if generation is not None:
         run = run.replace(generation=generation)
         prompts = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
@@ -435,6 +437,17 @@ def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, 
                   split=split_transformers)
     world = args.pp if args.world_size == 1 else args.world_size
     return ParallelPlan(world, sharding, pp=plan, source="the command line")
+
+
+def _check_cut(model: Any, plan: Any) -> None:
+    """Cut the meta model's first stage before any trace: a model transformers' cut does not fit is a usage error
+    here, not a lower bound after the trace."""
+    try:
+        plan.stage_module(model, 0)
+    except ValueError as err:
+        raise UsageError(f"--pp {plan.stages}: {err}".replace("give the plan your own `split`",
+                                                               "plan it in Python with your own split "
+                                                               "(docs/pipeline-parallel.md)")) from None
 
 
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,

@@ -269,12 +269,13 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
     from torch.distributed.pipelining._utils import InferenceMode
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
 
+    from preflight.trace._fake_kernels import FakeKernelsMode
     from preflight.trace._twin import TwinMaker, float_dtype_for
 
     args, target = _parts(batch)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
-    with fake_world(1, 0), fake_mode, autocast_for(precision, "cpu"):
+    with fake_world(1, 0), fake_mode, FakeKernelsMode(), autocast_for(precision, "cpu"):
         replica = fake_replica(model, twins)
         stages = [PipelineStage(_cut(plan, replica, i), i, plan.num_stages, torch.device("cpu"))
                   for i in range(plan.num_stages)]

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch
 
-__all__ = ["COMPOSITES", "FAKE_KERNELS"]
+__all__ = ["COMPOSITES", "FAKE_KERNELS", "FakeKernelsMode"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -143,3 +144,12 @@ def multinomial(probs: torch.Tensor, num_samples: int, replacement: bool = False
 
 
 COMPOSITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.multinomial.default: multinomial}
+
+
+class FakeKernelsMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """`FAKE_KERNELS` in place of the fake mode's own implementations, for fake-tensor work outside the tracker
+    whose shapes must agree with the trace's (a pipeline's stage metadata inference: an MoE stage's fp32
+    ``_grouped_mm`` fails in torch's meta function). Enter it inside the fake mode."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return FAKE_KERNELS.get(func, func)(*args, **(kwargs or {}))

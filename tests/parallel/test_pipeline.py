@@ -281,6 +281,23 @@ def test_a_transformers_decoder_is_traced_per_stage(precision):
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
 
+def test_a_mixture_of_experts_decoder_is_cut_and_traced():
+    """transformers 5's grouped experts run ``_grouped_mm`` in fp32 on CPU, which torch's meta function refuses:
+    the stages' metadata inference runs the trace's own fake kernel for it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                               moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                               head_dim=16, max_position_embeddings=128))
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(2))
+    plan = PPPlan(2, causal_lm_loss, split=split_transformers)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), (ids, ids),
+                             preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
+    assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
+
+
 def test_lora_adapters_over_a_cut_decoder_are_traced():
     """The optimizer holds only the adapters; the frozen base weights on each stage need no optimizer entry."""
     from peft import LoraConfig, get_peft_model
@@ -457,7 +474,11 @@ def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
                                 preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
     assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
     assert main([*base, "--budget", "1MiB", "--no-suggest"]) == 3
+    gpt2 = tmp_path / "gpt2.json"  # not laid out as transformers' pipeline cut expects
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB}))
     capsys.readouterr()
+    assert main(["estimate", "--hf-config", str(gpt2), *base[3:]]) == 2
+    assert "GPT2LMHeadModel is not one: plan it in Python with your own split" in capsys.readouterr().err
     assert main([*base[:-2], "--microbatches", "4"]) == 2  # without --pp
     assert "pass --pp N" in capsys.readouterr().err
     for extra, said in ((["--tp", "2"], "not with --tp"), (["--world-size", "4"], "--sharding fsdp2"),

@@ -281,19 +281,24 @@ def test_a_transformers_decoder_is_traced_per_stage(precision):
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
 
-def test_a_mixture_of_experts_decoder_is_cut_and_traced():
-    """transformers 5's grouped experts run ``_grouped_mm`` in fp32 on CPU, which torch's meta function refuses:
-    the stages' metadata inference runs the trace's own fake kernel for it."""
+def _moe_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                               moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                               head_dim=16, max_position_embeddings=128))
-    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(2))
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=256,
+                                               moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                               num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                               head_dim=32, max_position_embeddings=256))
+    ids = torch.randint(0, VOCAB, (BATCH // 2, seq * 4), generator=torch.Generator().manual_seed(2))
+    return model, (ids, ids)
+
+
+def test_a_mixture_of_experts_decoder_is_cut_and_traced():
+    """transformers 5's grouped experts run ``_grouped_mm`` in fp32 on CPU, which torch's meta function refuses:
+    the stages' metadata inference runs the trace's own fake kernel for it."""
+    model, batch = _moe_setup(8)
     plan = PPPlan(2, causal_lm_loss, split=split_transformers)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), (ids, ids),
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
                              preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
@@ -347,6 +352,8 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
         return (*_decoder_setup(seq), _cross_entropy, _split_decoder)
     if kind == "llama":
         return (*_llama_setup(seq), causal_lm_loss, split_transformers)
+    if kind == "moe":
+        return (*_moe_setup(seq), causal_lm_loss, split_transformers)
     return _blocks(), _batch(seq), _mse, split_sequential
 
 
@@ -410,7 +417,8 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 @pytest.mark.parametrize("schedule, world, kind, dp", [("GPipe", 2, "blocks", 1), ("1F1B", 4, "blocks", 1),
                                                        ("1F1B", 2, "decoder", 1), ("Interleaved1F1B", 2, "blocks", 1),
                                                        ("ZBVZeroBubble", 2, "decoder", 1), ("1F1B", 4, "blocks", 2),
-                                                       ("1F1B", 4, "decoder", 2), ("1F1B", 2, "llama", 1)])
+                                                       ("1F1B", 4, "decoder", 2), ("1F1B", 2, "llama", 1),
+                                                       ("1F1B", 2, "moe", 1)])
 def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind, dp):
     """Each rank of a real gloo pipeline (dp 2: PP 2 x FSDP2 2 on a 2-D mesh) against its prediction."""
     model, batch, loss_fn, split = _setup(kind, _real_seq(dp))
@@ -419,6 +427,7 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
 
     units = {"decoder": lambda: tuple(f"layers.{n}" for n in model.layers),
              "llama": lambda: tuple(f"model.layers.{i}" for i in range(len(model.model.layers))),
+             "moe": lambda: tuple(f"model.layers.{i}" for i in range(len(model.model.layers))),
              "blocks": lambda: tuple(str(i) for i in range(len(model)))}[kind]()
     parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
                 ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(units=units), pp=plan))

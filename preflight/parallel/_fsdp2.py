@@ -217,15 +217,22 @@ def rank_groups(model: nn.Module, world_size: int, replicate: int = 1) -> list[l
     ranks of one group hold equal shapes everywhere and trace the same. Every dim 0 divisible by the shard group's
     size gives one group."""
     shard = world_size // replicate
+    params = list(model.parameters())
     signatures: dict[tuple[int, ...], list[int]] = {}
     for rank in range(world_size):
-        shapes = []
-        for p in model.parameters():
-            dim0 = p.shape[0] if p.dim() > 0 else 1
-            chunk = -(-dim0 // shard)
-            shapes.append(max(0, min(chunk, dim0 - (rank % shard) * chunk)))
-        signatures.setdefault(tuple(shapes), []).append(rank)
+        signatures.setdefault(shard_rows(params, shard, rank % shard), []).append(rank)
     return list(signatures.values())
+
+
+def shard_rows(tensors: list[torch.Tensor], shard: int, index: int) -> tuple[int, ...]:
+    """The dim-0 sizes of each tensor's shard at ``index`` of ``shard`` ranks, as FSDP2 cuts it (``torch.chunk``:
+    pieces of ``ceil(dim0 / shard)`` rows, the last ones shorter or empty; a 0-d tensor has one row)."""
+    rows = []
+    for t in tensors:
+        dim0 = t.shape[0] if t.dim() > 0 else 1
+        chunk = -(-dim0 // shard)
+        rows.append(max(0, min(chunk, dim0 - index * chunk)))
+    return tuple(rows)
 
 
 @swept

@@ -43,8 +43,8 @@ from torch import nn
 from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
-from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
+from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, trace_rank
 from preflight.parallel._tensor import meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
@@ -467,20 +467,23 @@ def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = N
                       world_size: int | None = None) -> list[list[int]]:
     """Ranks that run the same program: alone, every pipeline rank on its own (ranks hold different stages and
     different micro-batches in flight); with FSDP2, the ranks of one pipeline rank whose shards have the same local
-    shapes, read off a meta copy wrapped as each rank. (A split that fails on a meta copy raises here, before any
-    trace.)"""
-    for stage in range(plan.num_stages):
-        plan.stage_module(fake_replica(model, MetaTwins()), stage)
+    shapes: each stage is cut once from a meta copy, and FSDP2's cut of every parameter over the ``dp`` ranks
+    (`shard_rows`; ``fully_shard`` covers the whole stage) says which data-parallel ranks hold equal shards, so a
+    world of hundreds of ranks costs one cut per pipeline rank. (A split that fails on a meta copy raises here,
+    before any trace.)"""
+    # A fresh copy per stage: a split may take what it keeps out of the model it is given.
+    cuts = [plan.stage_module(fake_replica(model, MetaTwins()), stage) for stage in range(plan.num_stages)]
     if fsdp is None:
         return [[rank] for rank in range(plan.stages)]
-    shape = _mesh_shape(plan, fsdp, world_size)
-    signatures: dict[tuple[Any, ...], list[int]] = {}
-    for rank in range(world_size):
-        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=shape) as mesh:
-            parts = _stage_parts(plan, fsdp, fake_replica(model, MetaTwins()), mesh)
-            key = (mesh["pp"].get_local_rank(), tuple(tuple(t.shape) for t in _local_parameters(parts)))
-        signatures.setdefault(key, []).append(rank)
-    return list(signatures.values())
+    (stages, dp), _ = _mesh_shape(plan, fsdp, world_size)
+    groups: list[list[int]] = []
+    for pp_rank in range(stages):  # rank = pp_rank * dp + dp_rank on the ("pp", "dp") mesh
+        params = list(nn.ModuleList([cuts[i] for i in plan.stage_indices(pp_rank)]).parameters())
+        signatures: dict[tuple[int, ...], list[int]] = {}
+        for dp_rank in range(dp):
+            signatures.setdefault(shard_rows(params, dp, dp_rank), []).append(pp_rank * dp + dp_rank)
+        groups.extend(signatures.values())
+    return groups
 
 
 @swept

@@ -139,6 +139,29 @@ def test_pipeline_ranks_inside_fsdp2_hold_their_stages_shards():
     assert any("ranks with equal local shapes share a trace: 0-1; 2-3" in n for n in est.coverage.notes)
 
 
+@pytest.mark.parametrize("world, stages, schedule", [(6, 2, "1F1B"), (8, 2, "Interleaved1F1B"), (4, 2, "GPipe")])
+def test_ranks_sharing_a_trace_are_those_fully_shard_gives_equal_shards(world, stages, schedule):
+    """The groups come from FSDP2's cut of each stage's parameters over the data-parallel ranks (one stage cut per
+    pipeline rank); they are the groups that wrapping a meta copy as every rank of the fake world gives."""
+    from preflight.parallel import FSDP2Plan, fake_replica, fake_world, stage_rank_groups
+    from preflight.parallel._pipeline import _local_parameters, _mesh_shape, _stage_parts
+    from preflight.parallel._rank import MetaTwins, fresh_dtensor_caches
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH - 5), nn.GELU(), nn.Linear(4 * WIDTH - 5, 5))
+                            for _ in range(4)])  # dims 507 and 5: uneven over 2, 3 and 4 data-parallel ranks
+    plan, fsdp = PPPlan(stages, _mse, schedule=schedule), FSDP2Plan(units=("0", "1", "2", "3"))
+    by_wrapping: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        with fresh_dtensor_caches(), fake_world(world, rank, mesh=_mesh_shape(plan, fsdp, world)) as mesh:
+            parts = _stage_parts(plan, fsdp, fake_replica(model, MetaTwins()), mesh)
+            key = (mesh["pp"].get_local_rank(), tuple(tuple(t.shape) for t in _local_parameters(parts)))
+        by_wrapping.setdefault(key, []).append(rank)
+    groups = stage_rank_groups(model, plan, fsdp, world)
+    assert sorted(groups) == sorted(by_wrapping.values())
+    assert len(groups) > stages  # the uneven shards split some pipeline ranks' data-parallel ranks
+
+
 def test_a_users_split_that_raises_is_the_users_error():
     model, batch = _blocks(), _batch()
 

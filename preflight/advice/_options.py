@@ -37,7 +37,7 @@ from preflight._units import format_bytes
 from preflight._warnings import warn
 from preflight.advice._combine import combine
 from preflight.advice._setup import (
-    COST_ORDER, LORA_RANK, Suggestion, _Setup, available_moves, batch_size_of, checkpointing_how,
+    COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
     Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need,
     offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
@@ -350,17 +350,27 @@ def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 
 def _lora(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    _refuse_adapters(setup)
     move = lora_move(setup)
     return [] if move is None else _adapters(setup, move, f"LoRA (peft, r={LORA_RANK}, all linear layers but the "
                                              f"output head, base weights in {move.change['base_dtype']})")
 
 
 def _qlora(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    _refuse_adapters(setup)
     move = qlora_move(setup)
     return [] if move is None else _adapters(setup, move, f"QLoRA (peft LoRA r={LORA_RANK} on all linear layers but "
                                              "the output head, over base weights in NF4 with double quantization, "
                                              "bitsandbytes; the other weights in fp32 as "
                                              "prepare_model_for_kbit_training leaves them)")
+
+
+def _refuse_adapters(setup: _Setup) -> None:
+    """Raise the reason adapters are not planned under the run's parallel plan (advise warns it left the option
+    out)."""
+    reason = _adapters_refused(setup)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _adapters(setup: _Setup, move: Move, what: str) -> list[tuple[str, Suggestion]]:

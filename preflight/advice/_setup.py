@@ -514,7 +514,18 @@ def _adapters_move(setup: _Setup, lora: nn.Module | None, key: str, change: dict
     return Move(key, "lora", change, words, cost, apply, order=0)
 
 
+def _adapters_refused(setup: _Setup) -> str | None:
+    """Why adapters cannot be planned under the run's parallel plan, or None: DTensor's styles lay out
+    ``nn.Linear`` and ``nn.Embedding`` only, not peft's LoRA layers that replace them."""
+    if setup.run.parallel is not None and setup.run.parallel.tp is not None:
+        return ("tensor parallelism lays out nn.Linear and nn.Embedding modules, not the peft layers that replace "
+                "them, so a LoRA model is not planned under a tensor-parallel plan")
+    return None
+
+
 def lora_move(setup: _Setup) -> Move | None:
+    if _adapters_refused(setup) is not None:
+        return None
     dtype = lora_base_dtype(setup)
     name = str(dtype).removeprefix("torch.")
     return _adapters_move(setup, lora_model(setup.model, dtype), "lora", {"base_dtype": name},
@@ -524,6 +535,8 @@ def lora_move(setup: _Setup) -> Move | None:
 def qlora_move(setup: _Setup) -> Move | None:
     """QLoRA: LoRA over base weights in NF4 with double quantization (the QLoRA paper's recipe), computing in the
     run's mixed-precision dtype; None without bitsandbytes or where LoRA does not apply."""
+    if _adapters_refused(setup) is not None:
+        return None
     try:
         with quiet_import_logs("bitsandbytes"):
             import bitsandbytes  # noqa: F401

@@ -172,6 +172,33 @@ def test_the_cli_plans_tensor_parallelism_with_the_models_own_plan(tmp_path, cap
     assert "--sharding fsdp2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_the_cli_suggests_per_rank_under_tensor_parallelism_and_its_command_fits(tmp_path, capsys):
+    """Over budget with --tp, each suggestion is traced under the same tensor-parallel plan (no DDP laid over it);
+    LoRA is left out with the reason (DTensor's styles lay out nn.Linear, not peft's layers); the first fitting
+    suggestion's command exits 0."""
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN,
+                                  "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": VOCAB, "max_position_embeddings": 64}))
+    flags = ["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "32", "--tp", "2"]
+    assert main([*flags, "--json", str(tmp_path / "base.json")]) == 0
+    needed = json.loads((tmp_path / "base.json").read_text())["required_bytes"]
+    over = tmp_path / "over.json"
+    with pytest.warns(RuntimeWarning, match="left out the LoRA option: ValueError: tensor parallelism lays out"):
+        assert main([*flags, "--budget", f"{int(needed * 0.7)}B", "--json", str(over)]) == 3
+    suggestions = json.loads(over.read_text())["suggestions"]
+    assert suggestions and not any("peft" in s["change"] for s in suggestions)
+    first = next(s for s in suggestions if s["fits"])
+    assert "--tp" in first["command"]
+    capsys.readouterr()
+    assert main(first["command"][1:]) == 0, first
+
+
 # ---- real runs with gloo: each rank measured against its prediction -------------------------------------------------
 
 # Activations large beside the small model, as in the FSDP tests; VOCAB stays small so four processes fit.

@@ -358,7 +358,7 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
     ranks = (tp or pp) if (tp or pp) and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
-        (f", pipeline parallel degree {pp} ({args.schedule}, {args.microbatches or pp} micro-batches of "
+        (f", pipeline parallel degree {pp} ({args.schedule}, {_microbatches(args)} micro-batches of "
          f"{args.batch})" if pp else "") + \
         (f", {sharding}" if sharding else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
@@ -450,6 +450,12 @@ def _check_cut(model: Any, plan: Any) -> None:
                                                                "(docs/pipeline-parallel.md)")) from None
 
 
+def _microbatches(args: argparse.Namespace) -> int:
+    """The pipeline's micro-batches per step: ``--microbatches``, or `PPPlan`'s default, one per stage rank (the
+    step batch is built before the plan, so the default is said here too)."""
+    return args.microbatches or args.pp
+
+
 def _suggest(args: argparse.Namespace, model: Any, optimizer: Any, batch: Any, config: Any, budget: int | None,
              run: Any) -> list[dict[str, Any]]:
     """Ranked changes from `preflight.advise`, as the callbacks print them, each predicted under the flags' run (per
@@ -523,7 +529,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
             "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp,
-            "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": args.microbatches or args.pp}
+            "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": _microbatches(args)}
             if args.pp else None,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
             "headroom": args.headroom, "fast": args.fast}
@@ -824,7 +830,7 @@ def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None)
     if args.seq is None:
         raise UsageError(f"--seq is required for the {args.task} task")
     if getattr(args, "pp", None):  # the pipeline's step batch, (inputs, target), cut into micro-batches by torch
-        ids = planned((b * (args.microbatches or args.pp), args.seq), torch.long, 0)
+        ids = planned((b * _microbatches(args), args.seq), torch.long, 0)
         return (ids, ids)
     ids = planned((b, args.seq), torch.long, 0)
     batch = {"input_ids": ids, "attention_mask": planned((b, args.seq), torch.long, 1)}

@@ -329,7 +329,8 @@ def read_tp(model: nn.Module) -> WrappedTP | None:
     buffer of it is distributed by tensor parallelism (FSDP2 alone: `preflight.parallel.read_fsdp2` reads that).
 
     Raises:
-        ValueError: its DTensors live on meshes of different roots, or FSDP2's units over different meshes.
+        ValueError: its DTensors live on meshes of different roots, FSDP2's units over different meshes, or its
+            experts laid out by transformers' expert parallelism (not traced yet).
     """
     try:
         from torch.distributed.fsdp import FSDPModule

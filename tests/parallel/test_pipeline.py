@@ -448,10 +448,12 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
     plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=8 if kind == "blocks" else 4, split=split)
     from preflight.parallel import FSDP2Plan
 
-    units = {"decoder": lambda: tuple(f"layers.{n}" for n in model.layers),
-             "llama": lambda: tuple(f"model.layers.{i}" for i in range(len(model.model.layers))),
-             "moe": lambda: tuple(f"model.layers.{i}" for i in range(len(model.model.layers))),
-             "blocks": lambda: tuple(str(i) for i in range(len(model)))}[kind]()
+    if kind == "decoder":
+        units = tuple(f"layers.{n}" for n in model.layers)
+    elif kind == "blocks":
+        units = tuple(str(i) for i in range(len(model)))
+    else:  # a transformers decoder
+        units = tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
     parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
                 ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(units=units), pp=plan))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))

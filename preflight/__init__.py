@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
     from preflight._estimate import estimate
     from preflight._gpus import GPU, get_gpu, known_gpus
     from preflight._measure import measure
-    from preflight._result import Category, Coverage, Estimate, Event, Measurement, TimelinePoint
+    from preflight._result import Category, Coverage, Estimate, Event, Measurement, PhaseEstimate, TimelinePoint
+    from preflight._checkpoint import Checkpoint
     from preflight._run import Loop, Run, Target
     from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
     from preflight._steps import PRECISIONS
@@ -55,7 +56,9 @@ _WHERE = {
     "Estimate": "preflight._result",
     "Event": "preflight._result",
     "Measurement": "preflight._result",
+    "PhaseEstimate": "preflight._result",
     "TimelinePoint": "preflight._result",
+    "Checkpoint": "preflight._checkpoint",
     "Loop": "preflight._run",
     "Run": "preflight._run",
     "Target": "preflight._run",
@@ -84,6 +87,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     "PRECISIONS",
+    "Checkpoint",
     "Loop",
     "ParallelPlan",
     "Run",
@@ -108,6 +112,7 @@ __all__ = [
     "Event",
     "GPU",
     "Measurement",
+    "PhaseEstimate",
     "PreflightError",
     "StepWouldFailError",
     "TimelinePoint",

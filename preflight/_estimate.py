@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
+from preflight._checkpoint import Checkpoint
 from preflight._device import model_device, resolve_device, trace_device_for, unmodelled_device_note
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
 from preflight._guard import untouched
-from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
+from preflight._result import Category, Coverage, Estimate, Event, PhaseEstimate, TimelinePoint
 from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
@@ -35,6 +36,7 @@ from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
+from preflight.trace._run import SAVE_PHASE
 
 __all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
 
@@ -185,7 +187,7 @@ def estimate(
     trace_device = trace_device_for(target)
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
-                   cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None)
+                   cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None, checkpoint=run.checkpoint)
     tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
     if pp is not None:
         if laid_out is not None or wrapped is not None:
@@ -230,7 +232,8 @@ def estimate(
         rank_note = f"{wrapped.note()}; {rank_note}"
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
-                                  allocator=allocator, steps=steps, world_size=world_size, sharding=sharding)
+                                  allocator=allocator, steps=steps, world_size=world_size, sharding=sharding,
+                                  saves=run.checkpoint is not None)
     calibrator = Calibrator(target, can_run=(trace_device == target))
     if fast:  # the shallow traces are calibrated before they are composed
         result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **options)
@@ -280,6 +283,9 @@ def estimate(
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
+    events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
+                             allocator=allocator)
+    if target.type == "cuda":
         terms = cuda_terms(events, gpu_info, allocator)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
@@ -303,7 +309,26 @@ def estimate(
         unsharded_peak_bytes=unsharded,
         events=tuple(events),
         categories=categories,
+        phases=() if saving is None else (saving,),
     )
+
+
+def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: bool, target: torch.device,
+            gpu_info: GPU | None, allocator: AllocatorConfig | None) -> tuple[list[Event], PhaseEstimate | None]:
+    """``events`` split at a checkpoint save traced after the steps (the phase `SAVE_PHASE`; ``saves``: the run
+    saves): the training step's events alone, and the save's `PhaseEstimate` (its peak with everything alive at the
+    time, and on a CUDA target the reserved memory while it runs, which keeps what training reserved), or None
+    without a save."""
+    if not saves:
+        return list(events), None
+    # A save that allocates nothing (one device: the state dicts are views) leaves no event of its own.
+    start = next((i for i, e in enumerate(events) if e.phase == SAVE_PHASE), len(events))
+    peak, breakdown, where, _ = summarize_events(events, categories, start=start)
+    where = SAVE_PHASE
+    total = None
+    if target.type == "cuda":
+        total = cuda_terms(events, gpu_info, allocator).device_total_bytes
+    return list(events[:start]), PhaseEstimate("saving", peak, breakdown, where, device_total_bytes=total)
 
 
 def read_plan_off_ddp(model: nn.Module, run: Run) -> tuple[nn.Module, Run, str | None]:
@@ -427,8 +452,8 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     bounded = None
     try:
         block = 512 if options["target_device"].type == "cuda" else 1  # the CUDA allocator's rounding
-        groups = (fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1
-                  else rank_groups(model, world_size, plan.replicate))
+        groups = _rank_zero_alone(fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1
+                                  else rank_groups(model, world_size, plan.replicate), options["checkpoint"])
     except ProcessGroupInUseError as err:
         return None, f"{sharding}: {err}; {rescaled}"
     except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
@@ -442,12 +467,14 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             bounded = (f"rank {most} traced (it holds the most); {world_size - len(groups[0])} rank(s) cut their "
                        f"shards {len(groups) - 1} other ways and hold less: they get rank {most}'s figure as an "
                        "upper bound")
-            groups = [[most] + [rank for rank in range(world_size) if rank != most]]
+            groups = _rank_zero_alone([[most] + [rank for rank in range(world_size) if rank != most]],
+                                      options["checkpoint"])
         for group in groups:
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
                            schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                           cuda=cuda, **({"through_root": True} if through_root else {}))
+                           cuda=cuda, checkpoint=options["checkpoint"],
+                           **({"through_root": True} if through_root else {}))
             if result.error is not None:
                 reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
                 return None, f"{sharding}: the sharded trace of rank {group[0]} stopped at {result.failed_op} " \
@@ -506,9 +533,10 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         return trace_tp(model, optimizer, batch, world_size=world_size, rank=rank, plan=tp, fsdp=fsdp,
                         step=options["step"], precision=options["precision"], steps=options["steps"],
                         schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda)
+                        cuda=cuda, checkpoint=options["checkpoint"])
 
-    groups, traced, failed = _traced_groups(lambda: tp_rank_groups(model, tp, world_size, fsdp), trace, engine)
+    groups, traced, failed = _traced_groups(
+        lambda: _rank_zero_alone(tp_rank_groups(model, tp, world_size, fsdp), options["checkpoint"]), trace, engine)
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
@@ -532,7 +560,8 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
-                              allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding)
+                              allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding,
+                              saves=options["checkpoint"] is not None)
 
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
@@ -557,10 +586,11 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size,
                         step=options["step"], precision=options["precision"], steps=options["steps"],
                         schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda, shared=shared)
+                        cuda=cuda, shared=shared, checkpoint=options["checkpoint"])
 
-    groups, traced, failed = _traced_groups(lambda: stage_rank_groups(model, pp, fsdp, world_size), trace,
-                                            "torch.distributed.pipelining")
+    groups, traced, failed = _traced_groups(
+        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size), options["checkpoint"]), trace,
+        "torch.distributed.pipelining")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
@@ -576,7 +606,23 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
-                              sharding=sharding)
+                              sharding=sharding, saves=options["checkpoint"] is not None)
+
+
+def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
+    """``groups`` (ranks that run the same program) with rank 0 in a group of its own when the run saves a full state
+    dict, which rank 0 alone keeps by default (`preflight.Checkpoint.rank0_only`): its save differs from the other
+    ranks' of its group."""
+    if checkpoint is None or checkpoint.state_dict != "full":
+        return groups
+    out = []
+    for group in groups:
+        if 0 in group and len(group) > 1:
+            out.append([0])
+            out.append([r for r in group if r != 0])
+        else:
+            out.append(group)
+    return out
 
 
 def _traced_groups(groups: Callable[[], list[list[int]]], trace: Callable[[int], TraceResult], engine: str
@@ -660,9 +706,11 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
 
 def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
                        trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
-                       world_size: int, sharding: str) -> Estimate:
-    """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`)."""
+                       world_size: int, sharding: str, saves: bool = False) -> Estimate:
+    """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`);
+    ``saves``: the traces end with a checkpoint save (its phase per rank in ``phases``)."""
     figures = []
+    savings: list[tuple[list[int], PhaseEstimate | None]] = []
     for group, result in ranks:
         notes = list(result.notes)
         scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
@@ -673,11 +721,15 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
             events = round_events(events)
+        events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
+                                 allocator=allocator)
+        if target.type == "cuda":
             terms = cuda_terms(events, gpu_info, allocator)
             reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
             notes.extend(terms.notes)
         peak, breakdown, phase, timeline = summarize_events(events, result.categories)
         figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
+        savings.append((group, saving))
     per_rank = [0] * world_size
     rank_events: list[tuple[Event, ...]] = [()] * world_size
     rank_breakdown: list[dict[str, Any]] = [{}] * world_size
@@ -713,7 +765,22 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         events=tuple(events),
         categories=result.categories,
         rank_events=tuple(rank_events),
+        phases=_per_rank_phase(savings, world_size),
     )
+
+
+def _per_rank_phase(phases: list[tuple[list[int], PhaseEstimate | None]], world_size: int
+                    ) -> tuple[PhaseEstimate, ...]:
+    """One `PhaseEstimate` of the traced ranks' ``(ranks, phase)``: the figures of the rank that peaks highest in it
+    (the lowest such rank), with every rank's peak."""
+    if not phases or any(p is None for _, p in phases):
+        return ()
+    per_rank = [0] * world_size
+    for group, phase in phases:
+        for rank in group:
+            per_rank[rank] = phase.peak_bytes
+    group, top = min(phases, key=lambda gp: (-gp[1].peak_bytes, gp[0][0]))
+    return (dataclasses.replace(top, per_rank_peak_bytes=tuple(per_rank), peak_rank=group[0]),)
 
 
 def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfig | None:
@@ -729,15 +796,18 @@ def _allocator_config(allocator: AllocatorConfig | str | None) -> AllocatorConfi
 
 
 def summarize_events(
-    events: Sequence[Event], categories: dict[int, Category]
+    events: Sequence[Event], categories: dict[int, Category], *, start: int = 0
 ) -> tuple[int, dict[str, int], str, tuple[TimelinePoint, ...]]:
-    """Replay ``events``: the peak of live bytes, the breakdown by category at the peak, its phase, a timeline."""
+    """Replay ``events``: the peak of live bytes, the breakdown by category at the peak, its phase, a timeline.
+    ``start``: the peak of ``events[start:]`` alone, with what the events before it left alive counted."""
     live = peak = 0
     peak_index = -1
     for i, e in enumerate(events):
         live += e.nbytes
-        if live > peak:
+        if live > peak and i >= start:
             peak, peak_index = live, i
+    if start and peak_index < 0:  # nothing allocated in the window: what the events before it left alive
+        peak, peak_index = sum(e.nbytes for e in events[:start]), start - 1
     breakdown = {c.value: 0 for c in Category}
     sizes: dict[int, int] = {}
     for e in events[: peak_index + 1]:

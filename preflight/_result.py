@@ -8,7 +8,8 @@ from typing import Any
 
 from preflight._units import format_bytes
 
-__all__ = ["Category", "Coverage", "Estimate", "Measurement", "Event", "TimelinePoint", "format_estimate"]
+__all__ = ["Category", "Coverage", "Estimate", "Measurement", "Event", "PhaseEstimate", "TimelinePoint",
+           "format_estimate"]
 
 
 class Category(str, enum.Enum):
@@ -74,6 +75,47 @@ class Coverage:
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseEstimate:
+    """The predicted peak of one phase of the run other than the training step (``"saving"``: a checkpoint save
+    traced after the steps, with the training state they leave alive).
+
+    Attributes:
+        name: the phase (``"saving"``, ``"loading"``).
+        peak_bytes: live tensor bytes at the phase's peak, everything alive then included (the peak rank's, where
+            ranks were traced).
+        breakdown: bytes at that peak per `Category` value.
+        where: the phase label of the peak (``"save"``).
+        device_total_bytes: reserved plus CUDA context and workspaces while the phase runs, when a GPU target was
+            simulated (the allocator keeps what training reserved).
+        per_rank_peak_bytes: each rank's peak in this phase, where ranks were traced (rank 0 alone keeps a full
+            state dict by default, so ranks differ).
+        peak_rank: the rank with the largest figure, where ranks were traced.
+        how: how the figure was obtained, in words (``"traced"``, or what was modelled and from which source).
+    """
+
+    name: str
+    peak_bytes: int
+    breakdown: dict[str, int]
+    where: str
+    device_total_bytes: int | None = None
+    per_rank_peak_bytes: tuple[int, ...] | None = None
+    peak_rank: int | None = None
+    how: str = "traced"
+
+    @property
+    def required_bytes(self) -> int:
+        """What a verdict compares with the budget: the device total when simulated, else ``peak_bytes``."""
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if out["per_rank_peak_bytes"] is not None:
+            out["per_rank_peak_bytes"] = list(out["per_rank_peak_bytes"])
+        out["required_bytes"] = self.required_bytes
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
     """A predicted training peak.
 
@@ -111,6 +153,8 @@ class Estimate:
         events: every allocation and free in order (for the allocator simulator); not shown in repr.
         categories: the `Category` of each storage uid in ``events``; not shown in repr.
         rank_events: each rank's ``events`` when ranks were traced (`step_peaks`' ``rank``); not shown in repr.
+        phases: the run's other phases traced with the steps (`PhaseEstimate`): ``"saving"`` when ``run.checkpoint``
+            says the run saves. ``peak_bytes`` and the fields above are the training step's alone.
     """
 
     peak_bytes: int
@@ -135,6 +179,11 @@ class Estimate:
     events: tuple[Event, ...] = dataclasses.field(default=(), repr=False, compare=False)
     categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     rank_events: tuple[tuple[Event, ...], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
+    phases: tuple[PhaseEstimate, ...] = ()
+
+    def phase(self, name: str) -> PhaseEstimate | None:
+        """The `PhaseEstimate` called ``name`` (``"saving"``), or None when it was not predicted."""
+        return next((p for p in self.phases if p.name == name), None)
 
     @property
     def required_bytes(self) -> int:
@@ -187,6 +236,7 @@ class Estimate:
             "per_rank_breakdown": None if self.per_rank_breakdown is None else [dict(b) for b in
                                                                                 self.per_rank_breakdown],
             "peak_rank": self.peak_rank,
+            "phases": [p.to_dict() for p in self.phases],
         }
 
     def __str__(self) -> str:
@@ -242,6 +292,13 @@ def format_estimate(est: Estimate) -> str:
                 line += (f", at {parts['phase']}: activations {format_bytes(parts['activations'])}, parameters "
                          f"{format_bytes(parts['parameters'])}")
             lines.append(line)
+    for p in est.phases:
+        line = f"  {p.name}: {format_bytes(p.peak_bytes)} ({p.peak_bytes:,} B) at {p.where}"
+        if p.device_total_bytes is not None:
+            line += f", device total {format_bytes(p.device_total_bytes)}"
+        if p.per_rank_peak_bytes is not None and p.peak_rank is not None:
+            line += f" (rank {p.peak_rank})"
+        lines.append(line)
     cov = est.coverage
     if cov.traced:
         what = "of the generate call" if est.peak_phase.startswith("generate") else \

@@ -15,6 +15,8 @@ in sections (torchtitan's ``JobConfig`` style):
   (the default everywhere), or every block traced.
 - ``generation``: how the run generates, as ``model.generate``'s keyword arguments: in evaluation (a
   ``Seq2SeqTrainer`` with ``predict_with_generate``) and for a generation job (`preflight.estimate_generation`).
+- ``checkpoint`` (`Checkpoint`): how the run saves checkpoints (the optimizer's state too, a full or sharded state
+  dict, gathered on the host or the device); the save is traced after the steps as a phase of its own.
 
 `preflight.estimate`, ``estimate_eval``, ``check``, ``advise``, ``max_batch_size``, ``measure``, the callbacks and
 the CLI all take a `Run`; a `preflight.Suggestion` returns one changed. `Run.over` lays the fields someone set
@@ -31,13 +33,14 @@ from typing import Any
 import torch
 
 from preflight._budget import check_budget, resolve_budget
+from preflight._checkpoint import Checkpoint, check_checkpoint
 from preflight._device import resolve_device
 from preflight._steps import Loop, check_precision
 from preflight.allocator import AllocatorConfig
 from preflight.parallel import ParallelPlan
 from preflight.trace import ROUTINGS
 
-__all__ = ["Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
+__all__ = ["Checkpoint", "Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,10 @@ class Run:
             generates (the HF callback reads a ``Seq2SeqTrainer``'s ``generation_max_length`` /
             ``generation_num_beams`` into it). None: the model's ``generation_config`` as it is. Traced to its
             longest: no sequence stops before ``max_new_tokens`` (the worst case for memory, said in the notes).
+        checkpoint: how the run saves checkpoints (`Checkpoint`): the save is traced after the steps, with the
+            training state they leave, and predicted as the phase ``"saving"`` (``Estimate.phases``); under FSDP a
+            full state dict is gathered as the engine gathers it, per rank. None: no save predicted (the callbacks
+            fill it from the trainer's saving settings).
 
     Example:
         >>> run = preflight.Run(precision="bf16-mixed", loop=preflight.Loop(accumulate=4),
@@ -138,9 +145,11 @@ class Run:
     # The composed trace is exact where it applies and checks itself, so it is the default at every door.
     fast: bool = True
     generation: Mapping[str, Any] | None = None
+    checkpoint: Checkpoint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", check_precision(self.precision))
+        check_checkpoint(self.checkpoint)
         if self.generation is not None:
             object.__setattr__(self, "generation", check_generation(self.generation))
         for name, kind in (("loop", Loop), ("target", Target)):
@@ -214,7 +223,8 @@ class Run:
                 "routing": self.routing, "fast": self.fast,
                 "generation": None if self.generation is None else {
                     k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
-                    for k, v in self.generation.items()}}
+                    for k, v in self.generation.items()},
+                "checkpoint": None if self.checkpoint is None else self.checkpoint.to_dict()}
 
     def cli_flags(self) -> list[str]:
         """The ``preflight estimate`` / ``preflight check`` flags that say this description (those the CLI has)."""
@@ -244,6 +254,11 @@ class Run:
                 flags += ["--tp", str(self.parallel.tp.degree)]
         if not self.fast:
             flags.append("--full")
+        if self.checkpoint is not None:
+            flags += ["--checkpoint", self.checkpoint.state_dict]
+            flags += ["--checkpoint-weights-only"] * (not self.checkpoint.optimizer)
+            flags += ["--checkpoint-on-device"] * (not self.checkpoint.offload_to_cpu)
+            flags += ["--checkpoint-every-rank"] * (not self.checkpoint.rank0_only)
         return flags  # generation is not a training flag: `preflight estimate --generate` plans it as its own job
 
 

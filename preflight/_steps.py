@@ -278,6 +278,7 @@ def run_steps(
     on_phase: Callable[[int, str], None] = lambda i, phase: None,
     before_backward: Callable[[torch.Tensor], None] = lambda loss: None,
     drive: Callable[[Any], None] | None = None,
+    save: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
 ) -> None:
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
@@ -285,15 +286,22 @@ def run_steps(
 
     ``drive``: ``drive(batch)`` runs the forward and the backward itself (a pipeline schedule's ``step``, which
     interleaves its micro-batches' forwards and backwards), in one phase named ``pipeline``; ``before_backward`` is
-    then called with each root of every backward it runs (`_watching_backward`)."""
+    then called with each root of every backward it runs (`_watching_backward`).
+
+    ``save``: ``save(model, optimizer)`` runs once after the last step, in the phase ``save`` (a checkpoint save,
+    with the training state the steps leave: `preflight._checkpoint.collect_state`)."""
     # A training step records gradients, whatever the caller's mode.
     with torch.inference_mode(False), torch.enable_grad():
         if drive is not None:
             _run_driven_steps(optimizer, batch, drive=drive, precision=precision, device_type=device_type,
                               steps=steps, schedule=schedule, on_phase=on_phase, before_backward=before_backward)
-            return
-        _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
-                   schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+        else:
+            _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
+                       schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+    if save is not None:
+        on_phase(steps, "save")
+        with torch.no_grad():  # trainers save outside autograd
+            save(model, optimizer)
 
 
 def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Callable[[Any], None],

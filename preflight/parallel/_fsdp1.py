@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._checkpoint import Checkpoint
 from preflight._result import Category
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
@@ -365,6 +366,7 @@ def trace_fsdp1(
     cuda: CudaTarget | None = None,
     through_root: bool = False,
     sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
     arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`. With
@@ -373,7 +375,7 @@ def trace_fsdp1(
         step = through_root_step(step)
     return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
-                      cuda=cuda, sweep=sweep)
+                      cuda=cuda, sweep=sweep, checkpoint=checkpoint)
 
 
 def through_root_step(step: StepFn | None) -> StepFn:
@@ -441,7 +443,7 @@ def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
     """For the block, report FSDP1's in-place storage resizes to ``tracker`` and put what its gradient reduction
     allocates in `Category.COMMUNICATION` (module docstring); with ``gloo``, add gloo's working copy at each
     collective. Put back on exit."""
-    from torch.distributed.fsdp import _flat_param, _runtime_utils
+    from torch.distributed.fsdp import _flat_param, _optim_utils, _runtime_utils
 
     alloc_storage, free_storage = reporting_resizes(tracker, _flat_param._alloc_storage, _flat_param._free_storage)
 
@@ -478,6 +480,7 @@ def watched_fsdp1(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
                 communicating(tracker, _runtime_utils._reduce_grad_no_shard, sharded_grad))]
     if gloo:
         patches += [(_flat_param, "dist", ScratchedDist(_flat_param.dist)),
-                    (_runtime_utils, "dist", ScratchedDist(_runtime_utils.dist))]
+                    (_runtime_utils, "dist", ScratchedDist(_runtime_utils.dist)),
+                    (_optim_utils, "dist", ScratchedDist(_optim_utils.dist))]  # a checkpoint's optimizer state
     with patched(patches):
         yield

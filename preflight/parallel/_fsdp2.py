@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._checkpoint import Checkpoint
 from preflight._result import Category
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
@@ -252,6 +253,7 @@ def trace_fsdp2(
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
     sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP2 (module docstring).
 
@@ -272,7 +274,7 @@ def trace_fsdp2(
     """
     return trace_rank(_engine(plan), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
-                      cuda=cuda, sweep=sweep)
+                      cuda=cuda, sweep=sweep, checkpoint=checkpoint)
 
 
 def apply_fully_shard(replica: nn.Module, mesh: Any, plan: FSDP2Plan) -> nn.Module:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from preflight._checkpoint import Checkpoint
 from preflight._device import iter_tensors, named_tensors
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
@@ -38,7 +39,7 @@ from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_e
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import phase_bookkeeping, settled_frees, shadow_value
+from preflight.trace._run import checkpoint_saver, phase_bookkeeping, settled_frees, shadow_value
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker
 
@@ -317,9 +318,11 @@ def trace_rank(
     routing: str,
     cuda: CudaTarget | None,
     sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
 ) -> TraceResult:
-    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring); the
-    arguments are `preflight.parallel.trace_fsdp2`'s. ``error`` in the result is set when the trace stopped or the
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring), and a
+    checkpoint save after them where ``checkpoint`` says the run saves; the arguments are
+    `preflight.parallel.trace_fsdp2`'s. ``error`` in the result is set when the trace stopped or the
     engine could not wrap the copy; the caller then rescales a single-device trace."""
     start = time.perf_counter()
     device = torch.device("cpu")
@@ -348,7 +351,7 @@ def trace_rank(
     try:
         return _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                          precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker, twins=twins,
-                         notes=notes, result=result)
+                         notes=notes, result=result, checkpoint=checkpoint)
     except BaseException:
         tracker.detach()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
@@ -357,7 +360,7 @@ def trace_rank(
 def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, world_size: int,
               rank: int, step: StepFn | None, precision: str | None, steps: int, schedule: Loop,
               cuda: CudaTarget | None, tracker: StorageTracker, twins: TwinMaker, notes: list[str],
-              result: Callable[..., TraceResult]) -> TraceResult:
+              result: Callable[..., TraceResult], checkpoint: Checkpoint | None = None) -> TraceResult:
     """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
@@ -395,7 +398,9 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 wrapped.train()
                 run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
                           steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
-                          drive=drive)
+                          drive=drive, save=checkpoint_saver(
+                                  tracker, checkpoint, host_is_device=cuda is None, fake_world=True, notes=notes,
+                                  gathers=gloo_dtensor_gathers if cuda is None else None))
             except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
@@ -495,6 +500,40 @@ def gloo_scratch(collective: Callable[..., Any], size_of: str) -> Callable[..., 
         finally:
             del scratch
     return run
+
+
+@contextlib.contextmanager
+def gloo_dtensor_gathers() -> Iterator[None]:
+    """For the block, DTensor's gathers to a whole tensor (``full_tensor()``, what a full state dict of FSDP2 or
+    tensor parallelism calls: ``placement_types``' ``funcol.all_gather_single``) with gloo's working copy of the
+    gathered size allocated for the duration of the call (module docstring; a real 2-rank FSDP2 save held one of the
+    largest parameter's full size beside its output)."""
+    from torch.distributed.tensor import placement_types
+
+    class Scratched:
+        def __init__(self, funcol: Any) -> None:
+            self._funcol = funcol
+
+        def all_gather_single(self, tensor: torch.Tensor, gather_dim: int, group: Any, *args: Any,
+                              **kwargs: Any) -> Any:
+            import torch.distributed as dist
+
+            if isinstance(group, tuple):  # (mesh, mesh dim), as the placements pass it
+                ranks = group[0].size(group[1])
+            else:
+                ranks = dist.get_world_size(group)
+            scratch = torch.empty(tensor.numel() * tensor.element_size() * ranks, dtype=torch.uint8,
+                                  device=tensor.device)
+            try:
+                return self._funcol.all_gather_single(tensor, gather_dim, group, *args, **kwargs)
+            finally:
+                del scratch
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._funcol, name)
+
+    with patched([(placement_types, "funcol", Scratched(placement_types.funcol))]):
+        yield
 
 
 # The single-tensor collectives FSDP1 and FSDP2 call, and which buffer gloo's working copy has the size of.

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._checkpoint import Checkpoint
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
@@ -250,6 +251,7 @@ def trace_tp(
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
     sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under tensor parallelism (module docstring).
 
@@ -273,7 +275,7 @@ def trace_tp(
     engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size,
                       rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.trace._compat import real_run_paths
+from preflight._checkpoint import Checkpoint
 from preflight._device import iter_tensors, named_tensors, planned_fill
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
@@ -41,8 +42,11 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["FakeRun", "TensorSpec", "TraceResult", "can_shadow", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value",
-           "trace_steps"]
+__all__ = ["SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow", "checkpoint_saver",
+           "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value", "trace_steps"]
+
+# The phase of a checkpoint save traced after the steps (`preflight._steps.run_steps`'s ``save``).
+SAVE_PHASE = "save"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,11 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
     fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
 
     def on_phase(i: int, phase: str) -> None:
+        if phase == "save":  # after the last step, outside every step (`preflight.Estimate.step_peaks`)
+            tracker.end_backward()
+            tracker.placeholders_allowed = False
+            tracker.phase, tracker.phase_category = SAVE_PHASE, Category.TEMPORARIES
+            return
         if phase == "optimizer":  # gradients are complete: label them
             for p in fake_params:
                 if p.grad is not None:
@@ -101,6 +110,53 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
     return on_phase
 
 
+def checkpoint_saver(tracker: StorageTracker, checkpoint: Checkpoint | None, *, host_is_device: bool,
+                     fake_world: bool, notes: list[str],
+                     gathers: Callable[[], contextlib.AbstractContextManager] | None = None,
+                     ) -> Callable[[nn.Module, torch.optim.Optimizer], None] | None:
+    """The ``save`` a trace gives `run_steps` for ``checkpoint`` (None: no save), run under the tracker: it gathers
+    what the run's save gathers (`preflight._checkpoint.collect_state`), labels what the save made by what it holds
+    (the model's entries as parameters, the optimizer's as optimizer state), holds it to the end of the phase, and
+    drops it. ``host_is_device``: the target is the CPU. On another target, the entries a full state dict moves to
+    the host (``offload_to_cpu``) leave the device (`StorageTracker.hosted`), which the CPU-hosted trace cannot
+    see by itself. ``fake_world``: the trace runs in a fake process group, whose object collectives are answered
+    (`preflight._checkpoint.answered_object_collectives`) and where FSDP1's optimizer state is laid out by
+    `preflight._checkpoint.every_parameter_in_state` prepares FSDP1's optimizer state. ``gathers()``: a context the
+    save runs in (the engine's collectives as the job's backend runs them)."""
+    if checkpoint is None:
+        return None
+    from preflight._checkpoint import answered_object_collectives, collect_state, engine_of, every_parameter_in_state
+
+    def save(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        start = len(tracker.events)
+        engine = engine_of(model)
+        if engine == "fsdp1" and fake_world:
+            every_parameter_in_state(optimizer)
+        with answered_object_collectives() if fake_world else contextlib.nullcontext(), \
+                gathers() if gathers is not None else contextlib.nullcontext():
+            held = collect_state(model, optimizer, checkpoint, host_is_device=host_is_device)
+        born = {e.uid for e in tracker.events[start:] if e.nbytes > 0}
+        entries: list[int] = []
+        for part, category in (("model", Category.PARAMETERS), ("optimizer", Category.OPTIMIZER_STATE)):
+            for t in iter_tensors(held.get(part)):
+                uid = tracker.uid_of(t)
+                if uid in born and uid not in entries:
+                    tracker.label(t, category)
+                    entries.append(uid)
+        if fake_world:
+            notes.append("checkpoint save: the engine's exchanges of Python objects (all_gather_object, "
+                         "broadcast_object_list) answered as if every rank were this one")
+        moved = [uid for uid in entries if not host_is_device and checkpoint.offload_to_cpu and engine != "plain"]
+        if moved:
+            tracker.hosted(moved)
+            notes.append(f"checkpoint save: the {len(moved)} tensor(s) the full state dict gathered are moved to host "
+                         "memory (offload_to_cpu); each is counted on the device until the next is gathered, an upper "
+                         "bound of the moment before its copy to the host")
+        del held
+
+    return save
+
+
 @swept
 def trace_steps(
     model: nn.Module,
@@ -116,9 +172,11 @@ def trace_steps(
     record_op: Callable[[Any, Any], bool] | None = None,
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
+    checkpoint: Checkpoint | None = None,
     sweep: Sweep,
 ) -> TraceResult:
-    """Trace ``steps`` training steps on fake tensors. Nothing of the trace outlives it (`preflight.trace._leftovers`:
+    """Trace ``steps`` training steps on fake tensors (and a checkpoint save after them, in the phase `SAVE_PHASE`,
+    when ``checkpoint`` says the run saves). Nothing of the trace outlives it (`preflight.trace._leftovers`:
     ``sweep`` is supplied by the decorator).
 
     Args:
@@ -177,7 +235,9 @@ def trace_steps(
         with run.active(model):
             model.train()
             run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
-                      steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward)
+                      steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
+                      save=checkpoint_saver(tracker, checkpoint, host_is_device=target_device.type == "cpu",
+                                            fake_world=False, notes=run.notes))
     except BaseException:
         run.finish()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise

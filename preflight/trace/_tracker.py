@@ -212,6 +212,20 @@ class StorageTracker(TorchDispatchMode):
         self.events.append(Event(uid, nbytes, op, self.phase))
         return uid
 
+    def hosted(self, uids: list[int]) -> None:
+        """Take storages the traced code moved to host memory off the device (a checkpoint's entries, gathered one
+        after another and copied to the host): in the order they were allocated, each is freed just before the next
+        one's allocation (the last: now), and its later free is not recorded. A trace for a CUDA target runs on CPU
+        tensors, where such a copy is no copy at all."""
+        wanted = set(uids)
+        positions = sorted((i, e.uid) for i, e in enumerate(self.events) if e.nbytes > 0 and e.uid in wanted
+                           and e.uid in self._sizes)
+        ends = [i for i, _ in positions[1:]] + [len(self.events)]
+        for (_, uid), end in reversed(list(zip(positions, ends))):
+            op = self.events[end - 1].op
+            self.events.insert(end, Event(uid, -self._sizes[uid], op, self.phase))
+            self._external.add(uid)
+
     def _free(self, holder: list[int]) -> None:
         self._release(holder[0])
 

@@ -41,8 +41,8 @@ from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
-from preflight._run import Loop, Run, check_run, pinned, run_budget
-from preflight.parallel import ParallelPlan, accelerate_plan
+from preflight._run import Checkpoint, Loop, Run, check_run, pinned, run_budget
+from preflight.parallel import ParallelPlan, accelerate_checkpoint, accelerate_plan
 from preflight._units import format_bytes
 
 __all__ = ["PreflightCallback", "attach", "autotune"]
@@ -218,12 +218,13 @@ class PreflightCallback(TrainerCallback):
                        step=_loss_step(self.trainer), batch_info=info, eval_batch=eval_batch,
                        eval_step=_prediction_step(self.trainer, args, run), eval_batch_info=eval_info,
                        ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
-                       make_batch=samples.batch)
+                       make_batch=samples.batch, eval_keeps_batch=True)
 
     def _run(self, args: Any) -> Run:
         """The run as the Trainer's arguments describe it, the user's `Run` laid over it."""
         return self.run.over(Run(precision=_precision(args), loop=_schedule(self.trainer, args),
-                                 parallel=_parallel_plan(self.trainer), generation=_generation(self.trainer, args)))
+                                 parallel=_parallel_plan(self.trainer), generation=_generation(self.trainer, args),
+                                 checkpoint=_checkpoint(self.trainer, args)))
 
     def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                        report: Report) -> int | None:
@@ -578,18 +579,37 @@ def _ddp_bucket_bytes(trainer: Trainer | None, model: nn.Module, args: Any) -> i
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def _parallel_plan(trainer: Trainer | None) -> ParallelPlan | None:
-    """The sharded strategy the Trainer runs with (``deepspeed``, ``fsdp`` / ``fsdp_config``) as accelerate, which
-    the Trainer hands both to, applied it (`preflight.parallel.accelerate_plan`): from the attached Trainer's
-    accelerator, else from accelerate's shared state; None before the Trainer made its accelerator."""
+def _checkpoint(trainer: Trainer | None, args: Any) -> Checkpoint | None:
+    """How the Trainer saves (``_save_checkpoint``, at each ``save_strategy`` point, after the optimizer step):
+    None with ``save_strategy="no"``; the optimizer's state unless ``save_only_model``; under FSDP the state dict
+    accelerate's plugin saves (`preflight.parallel.accelerate_checkpoint`)."""
+    strategy = getattr(args, "save_strategy", "no")
+    if str(getattr(strategy, "value", strategy)).lower() == "no":
+        return None
+    weights_only = bool(getattr(args, "save_only_model", False))
+    state = _accelerator_state(trainer)
+    return accelerate_checkpoint(state, weights_only=weights_only) if state is not None else \
+        Checkpoint(optimizer=not weights_only)
+
+
+def _accelerator_state(trainer: Trainer | None) -> Any:
+    """The accelerator's state of the attached Trainer, else accelerate's shared state; None before either exists."""
     from accelerate.state import AcceleratorState
 
     accelerator = getattr(trainer, "accelerator", None) if trainer is not None else None
     if accelerator is not None:
-        return accelerate_plan(accelerator.state)
+        return accelerator.state
     if not AcceleratorState._shared_state:  # accelerate's documented singleton: empty until an Accelerator exists
         return None
-    return accelerate_plan(AcceleratorState())
+    return AcceleratorState()
+
+
+def _parallel_plan(trainer: Trainer | None) -> ParallelPlan | None:
+    """The sharded strategy the Trainer runs with (``deepspeed``, ``fsdp`` / ``fsdp_config``) as accelerate, which
+    the Trainer hands both to, applied it (`preflight.parallel.accelerate_plan`): from the attached Trainer's
+    accelerator, else from accelerate's shared state; None before the Trainer made its accelerator."""
+    state = _accelerator_state(trainer)
+    return None if state is None else accelerate_plan(state)
 
 
 def _world_size() -> int:

@@ -42,7 +42,7 @@ from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
-from preflight._run import Loop, Run, check_run, run_budget
+from preflight._run import Checkpoint, Loop, Run, check_run, run_budget
 from preflight._steps import PRECISIONS
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 
@@ -278,7 +278,7 @@ class PreflightCallback(*_callback_bases()):
     def _run(self, trainer: pl.Trainer) -> Run:
         """The run as the trainer describes it (precision, loop, strategy's plan), the user's `Run` laid over it."""
         return self.run.over(Run(precision=_precision(trainer)[0], loop=_schedule(trainer),
-                                 parallel=_parallel_plan(trainer)))
+                                 parallel=_parallel_plan(trainer), checkpoint=_checkpoint(trainer)))
 
     def _autotune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         parsing = importlib.import_module(_lightning(trainer).__name__ + ".utilities.parsing")
@@ -458,6 +458,24 @@ def _parallel_plan(trainer: pl.Trainer) -> ParallelPlan | None:
         return fsdp_plan("fsdp2", world_size=max(data_parallel, 1),
                          source=f"Lightning ModelParallelStrategy(data_parallel_size={data_parallel})")
     return None
+
+
+def _checkpoint(trainer: pl.Trainer) -> Checkpoint | None:
+    """How the trainer saves: None without a ``ModelCheckpoint`` (``enable_checkpointing=False``); the optimizer's
+    state unless every one saves weights only; ``FSDPStrategy``'s ``state_dict_type`` (``"full"`` by default,
+    gathered to rank 0's host memory), ``ModelParallelStrategy``'s distributed checkpoint (sharded) unless
+    ``save_distributed_checkpoint=False``."""
+    callbacks = list(getattr(trainer, "checkpoint_callbacks", None) or [])
+    if not callbacks:
+        return None
+    weights_only = all(bool(getattr(cb, "save_weights_only", False)) for cb in callbacks)
+    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    state_dict = "full"
+    if "FSDPStrategy" in names:
+        state_dict = getattr(trainer.strategy, "_state_dict_type", "full")
+    elif "ModelParallelStrategy" in names:
+        state_dict = "sharded" if getattr(trainer.strategy, "_save_distributed_checkpoint", True) else "full"
+    return Checkpoint(optimizer=not weights_only, state_dict=state_dict if state_dict in ("full", "sharded") else "full")
 
 
 def _ddp_buckets(trainer: pl.Trainer) -> int:

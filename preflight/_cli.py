@@ -148,6 +148,17 @@ def _parser() -> argparse.ArgumentParser:
                           "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
     est.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="with --pp: micro-batches per step (default: one per stage rank, N)")
+    save = est.add_argument_group("checkpoint saves", "predict the run's checkpoint save too (a phase of its own, "
+                                  "traced after the steps; the verdict takes the larger of training and saving)")
+    save.add_argument("--checkpoint", choices=["full", "sharded"], default=None,
+                      help="the run saves checkpoints: under FSDP or tensor parallelism, a full state dict (gathered "
+                           "on rank 0, to its host memory by default) or a sharded one (each rank its own shards)")
+    save.add_argument("--checkpoint-weights-only", action="store_true",
+                      help="the optimizer's state is not saved (HF save_only_model, Lightning save_weights_only)")
+    save.add_argument("--checkpoint-on-device", action="store_true",
+                      help="a full state dict stays on the device (offload_to_cpu=False)")
+    save.add_argument("--checkpoint-every-rank", action="store_true",
+                      help="every rank keeps the full state dict (rank0_only=False)")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -249,8 +260,15 @@ def _estimate(args: argparse.Namespace) -> int:
     params = _parameter_summary(model)
     print(_assumptions_text(args, params, param_dtype, dtype_reason, sharding, offload))
     print(est)
-    verdict = _verdict(est.required_bytes, budget, args.headroom, lower_bound=est.coverage.lower_bound)
+    verdict = _verdict(est.run_required_bytes, budget, args.headroom, lower_bound=est.coverage.lower_bound,
+                       phase=max([("training", est.required_bytes)] + [(p.name, p.required_bytes) for p in est.phases],
+                                 key=lambda item: item[1])[0] if est.phases else None)
     print(verdict["text"])
+    saving = est.phase("saving")
+    if verdict["fits"] is False and saving is not None and saving.required_bytes == est.run_required_bytes and \
+            saving.required_bytes > est.required_bytes:
+        print("the checkpoint save is the peak: save a sharded state dict (--checkpoint sharded), or gather a full one "
+              "to the host of rank 0 alone (leave out --checkpoint-on-device and --checkpoint-every-rank)")
     suggestions: list[dict[str, Any]] = []
     if verdict["fits"] is False and args.suggest and generation is None:
         suggestions = _suggest(args, model, optimizer, batch, config, budget, run)
@@ -415,9 +433,29 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
                                                        optimizer_impl=getattr(args, "optimizer_impl", None)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
                                  allocator=args.allocator, cuda_context=args.cuda_context),
-                   parallel=parallel, fast=args.fast)
+                   parallel=parallel, fast=args.fast, checkpoint=_checkpoint(args))
     except (ValueError, TypeError) as err:
         raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None
+
+
+def _checkpoint(args: argparse.Namespace) -> Any:
+    """The `preflight.Checkpoint` the ``--checkpoint`` flags say (None without ``--checkpoint``)."""
+    from preflight._checkpoint import Checkpoint
+
+    details = [flag for flag, given in (("--checkpoint-weights-only", getattr(args, "checkpoint_weights_only", False)),
+                                        ("--checkpoint-on-device", getattr(args, "checkpoint_on_device", False)),
+                                        ("--checkpoint-every-rank", getattr(args, "checkpoint_every_rank", False)))
+               if given]
+    kind = getattr(args, "checkpoint", None)
+    if kind is None:
+        if details:
+            raise UsageError(f"{', '.join(details)} describe(s) a checkpoint save: add --checkpoint full (or "
+                             "sharded).")
+        return None
+    if getattr(args, "generate", False):
+        raise UsageError("--checkpoint describes a training run's saves; --generate plans generation alone.")
+    return Checkpoint(optimizer=not args.checkpoint_weights_only, state_dict=kind,
+                      offload_to_cpu=not args.checkpoint_on_device, rank0_only=not args.checkpoint_every_rank)
 
 
 def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> Any:
@@ -612,14 +650,17 @@ def _check_writable(option: str, path: str | None) -> None:
         os.remove(path)  # written for real after the trace; nothing is left if the trace fails
 
 
-def _verdict(required: int, budget: int | None, headroom: float, *, lower_bound: bool) -> dict[str, Any]:
+def _verdict(required: int, budget: int | None, headroom: float, *, lower_bound: bool,
+             phase: str | None = None) -> dict[str, Any]:
+    """The verdict on ``required`` bytes (``phase``: the run's phase that needs them, when more than one was
+    predicted)."""
     if budget is None:
         return {"fits": None, "budget_bytes": None, "usable_bytes": None,
                 "text": "verdict: no budget (pass --gpu or --budget to get one)"}
     usable = usable_bytes(budget, headroom)
     fits: bool | None = required <= usable
-    need = f"needs {format_bytes(required)}{' at least' if lower_bound else ''} of {format_bytes(usable)} usable " \
-           f"({format_bytes(budget)} budget, {headroom:.0%} headroom)"
+    need = f"needs {format_bytes(required)}{' at least' if lower_bound else ''}{f' ({phase} peak)' if phase else ''} " \
+           f"of {format_bytes(usable)} usable ({format_bytes(budget)} budget, {headroom:.0%} headroom)"
     if fits and lower_bound:  # a lower bound under the budget says nothing about the real peak
         fits = None
         text = f"verdict: NO VERDICT: the model could not be traced, and its lower bound {need}"

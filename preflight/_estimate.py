@@ -611,9 +611,10 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
     """``groups`` (ranks that run the same program) with rank 0 in a group of its own when the run saves a full state
-    dict, which rank 0 alone keeps by default (`preflight.Checkpoint.rank0_only`): its save differs from the other
-    ranks' of its group."""
-    if checkpoint is None or checkpoint.state_dict != "full":
+    dict that rank 0 alone keeps (FSDP1's `preflight.Checkpoint.rank0_only`; DCP keeps it on rank 0 alone when it
+    offloads): its save differs from the other ranks' of its group."""
+    if checkpoint is None or checkpoint.state_dict != "full" or not (checkpoint.rank0_only or
+                                                                    checkpoint.offload_to_cpu):
         return groups
     out = []
     for group in groups:

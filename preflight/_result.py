@@ -190,6 +190,12 @@ class Estimate:
         """What a verdict compares with the budget: the device total when simulated, else ``peak_bytes``."""
         return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
+    @property
+    def run_required_bytes(self) -> int:
+        """What a verdict on the whole run compares with the budget: the largest ``required_bytes`` of the training
+        step and the other phases traced with it (a checkpoint save)."""
+        return max([self.required_bytes, *(p.required_bytes for p in self.phases)])
+
     def step_peaks(self, rank: int | None = None) -> dict[int, int]:
         """The peak of live bytes within each simulated step (``{1: ..., 2: ...}``), replaying ``events``: step 1
         creates the optimizer state, later steps are the steady state. Empty for an analytic lower bound.
@@ -228,6 +234,7 @@ class Estimate:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
             "required_bytes": self.required_bytes,
+            "run_required_bytes": self.run_required_bytes,
             "gpu": self.gpu,
             "world_size": self.world_size,
             "sharding": self.sharding,

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from preflight._checkpoint import Checkpoint
 from preflight._sharding import SHARDING_CHOICES
 
-__all__ = ["ParallelPlan", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan", "read_ddp"]
+__all__ = ["ParallelPlan", "accelerate_checkpoint", "accelerate_plan", "already_sharded", "deepspeed_plan", "fsdp_plan",
+           "read_ddp"]
 
 _FSDP = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", "NO_SHARD": "ddp",
          "HYBRID_SHARD": "fsdp-full", "_HYBRID_SHARD_ZERO2": "fsdp-grad-op", "HYBRID_SHARD_ZERO2": "fsdp-grad-op"}
@@ -244,6 +246,29 @@ def deepspeed_plan(config: Mapping[str, Any] | str | os.PathLike, *, world_size:
     return ParallelPlan(world_size=world_size, sharding=ds["sharding"], offload_optimizer=ds["offload_optimizer"],
                         offload_params=ds["offload_params"], source=source or f"DeepSpeed ZeRO stage {ds['stage']}",
                         deepspeed=config)
+
+
+def accelerate_checkpoint(state: Any, *, weights_only: bool) -> Checkpoint:
+    """How accelerate saves under the plugin it applied (the HF Trainer's ``_save_checkpoint`` calls it), as a
+    `preflight.Checkpoint`: under FSDP, the plugin's ``state_dict_type`` (accelerate's default: a full state dict for
+    FSDP1, a sharded one for FSDP2) and its ``state_dict_config`` (``offload_to_cpu``, ``rank0_only``: both True by
+    default); under DeepSpeed, each rank's own partitions (``save_checkpoint``); else the model's and optimizer's
+    state dicts. ``weights_only``: the optimizer's state is not saved (``save_only_model``)."""
+    kind = getattr(state, "distributed_type", None)
+    kind = str(getattr(kind, "value", kind) or "").upper()
+    if kind == "DEEPSPEED":
+        return Checkpoint(optimizer=not weights_only, state_dict="sharded")
+    fsdp = getattr(state, "fsdp_plugin", None) if kind == "FSDP" else None
+    if fsdp is None:
+        return Checkpoint(optimizer=not weights_only)
+    saved = getattr(fsdp, "state_dict_type", None)
+    saved = str(getattr(saved, "name", saved) or "").upper()
+    if not saved:  # the plugin's own default, before it resolved it
+        saved = "FULL_STATE_DICT" if getattr(fsdp, "fsdp_version", 1) == 1 else "SHARDED_STATE_DICT"
+    config = getattr(fsdp, "state_dict_config", None)
+    return Checkpoint(optimizer=not weights_only, state_dict="full" if saved.startswith("FULL") else "sharded",
+                      offload_to_cpu=bool(getattr(config, "offload_to_cpu", True)),
+                      rank0_only=bool(getattr(config, "rank0_only", True)))
 
 
 def accelerate_plan(state: Any) -> ParallelPlan | None:

@@ -184,6 +184,15 @@ def _rows(r: Report) -> list[tuple[str, str]]:
         if r.eval_predicted_device_total_bytes is not None:
             rows.append(("eval device total", f"{format_bytes(r.eval_predicted_device_total_bytes)} (reserved + "
                                               "CUDA context + workspace)"))
+    for phase in r.phases:
+        if phase["name"] in ("training", "evaluation"):
+            continue
+        ranks = phase.get("per_rank_peak_bytes")
+        spread = "" if not ranks or len(set(ranks)) == 1 else \
+            f" (ranks {format_bytes(min(ranks))} to {format_bytes(max(ranks))})"
+        rows.append((f"{phase['name']} peak", f"{format_bytes(phase['peak_bytes'])} at {phase['where']}{spread}"))
+    if len(r.phases) > 1:
+        rows.append(("run peak", f"{r.run_peak_phase}: {format_bytes(r.verdict_bytes)}"))
     batch = f"{r.worst_case_batch_shape}"
     if r.worst_case_batch:
         batch += f" ({r.worst_case_batch['method']}: {r.worst_case_batch['note']})"

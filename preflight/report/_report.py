@@ -24,7 +24,9 @@ class Report:
     ``fits`` compares the larger of it and ``eval_predicted_peak_bytes`` (``predicted_required_bytes`` in the
     JSON) with ``usable_bytes``; it is None when there is no budget, or when a lower bound is under the budget.
     For a CUDA target, ``predicted_reserved_bytes`` and ``predicted_device_total_bytes`` add the caching
-    allocator's reserve and the CUDA context: what the headroom is there to cover.
+    allocator's reserve and the CUDA context: what the headroom is there to cover. ``phases`` lists every phase of
+    the run that was predicted (training, evaluation, saving), each with its peak, what the verdict compares for it
+    (``required_bytes``) and how it was obtained; the verdict takes the largest (``run_peak_phase``).
     """
 
     version: str
@@ -71,6 +73,7 @@ class Report:
     eval_relative_error: float | None = None
     verify_method: str | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
+    phases: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     eval_estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     # step_predictor(batch) -> {step: peak bytes}: the same prediction for another batch (`VerifySession`).
@@ -80,14 +83,27 @@ class Report:
 
     @property
     def verdict_bytes(self) -> int:
-        """What the verdict compares with the usable budget: the larger of the training need (the device total
-        when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the peak of
-        tensor storages) and the evaluation need (likewise)."""
+        """What the verdict compares with the usable budget: the largest need of the run's phases: training (the
+        device total when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the
+        peak of tensor storages), evaluation and saving (likewise)."""
+        return max(self._needs().values())
+
+    @property
+    def run_peak_phase(self) -> str:
+        """The phase whose need the verdict compares: ``"training"``, ``"evaluation"``, ``"saving"``."""
+        needs = self._needs()
+        return max(needs, key=lambda name: needs[name])
+
+    def _needs(self) -> dict[str, int]:
         train = self.predicted_device_total_bytes
         if train is None:
             train = self.predicted_peak_bytes
-        evaluation = self.eval_predicted_device_total_bytes or self.eval_predicted_peak_bytes or 0
-        return max(train, evaluation)
+        needs = {"training": train,
+                 "evaluation": self.eval_predicted_device_total_bytes or self.eval_predicted_peak_bytes or 0}
+        for phase in self.phases:
+            if phase["name"] not in needs:
+                needs[phase["name"]] = phase["required_bytes"]
+        return needs
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report (without the timelines)."""
@@ -97,6 +113,7 @@ class Report:
         if self.worst_case_headroom is not None:
             out["worst_case_headroom"] = round(self.worst_case_headroom, 6)
         out["predicted_required_bytes"] = self.verdict_bytes  # what the verdict compared with usable_bytes
+        out["run_peak_phase"] = self.run_peak_phase
         return out
 
     def write(self, path: str | os.PathLike) -> None:

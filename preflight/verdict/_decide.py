@@ -184,10 +184,9 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
             lines.append(f"  this rank: {format_bytes(own)} (usable {format_bytes(report.usable_bytes)})")
         lines.append(f"  See rank {over[0][0]}'s error for what to change. Set on_overflow='warn' to train anyway.")
         return "\n".join(lines)
-    training_need = report.predicted_device_total_bytes or report.predicted_peak_bytes
     lines = [
         f"preflight: the run is predicted to need {format_bytes(report.verdict_bytes)} per device "
-        f"({'evaluation' if report.verdict_bytes > training_need else 'training'} peak), over the usable "
+        f"({report.run_peak_phase} peak), over the usable "
         f"{format_bytes(report.usable_bytes)} (budget {format_bytes(report.budget_bytes)} "
         f"minus {report.headroom:.0%} headroom) on {report.device}.",
         f"  training step: {format_bytes(report.predicted_peak_bytes)} at {report.peak_phase}; "
@@ -195,6 +194,13 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     ]
     if report.eval_predicted_peak_bytes is not None:
         lines.append(f"  evaluation step: {format_bytes(report.eval_predicted_peak_bytes)}")
+    saving = next((p for p in report.phases if p["name"] == "saving"), None)
+    if saving is not None:
+        lines.append(f"  checkpoint save: {format_bytes(saving['peak_bytes'])}")
+        if report.run_peak_phase == "saving":
+            lines.append("  The save is the peak: gather the full state dict to the host (Checkpoint(offload_to_cpu="
+                         "True), rank 0 only) or save a sharded one (Checkpoint(state_dict='sharded'), distributed "
+                         "checkpoint), as the trainer's FSDP settings allow.")
     if report.worst_case_batch_shape is not None:  # None: the prediction failed before a batch was traced
         lines.append(f"  worst-case batch: {report.worst_case_batch_shape}")
     if report.suggestions:

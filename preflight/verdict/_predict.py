@@ -56,6 +56,7 @@ def predict(
     ddp_gradient_buckets: bool = False,
     make_batch: Callable[[int], Any] | None = None,
     eval_frees_gradients: bool = False,
+    eval_keeps_batch: bool = False,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
 
@@ -75,6 +76,8 @@ def predict(
         eval_frees_gradients: the trainer releases the gradients before evaluating (Lightning's default
             ``on_validation_model_zero_grad``), so a ``"before_backward"`` loop's gradients are not alive during
             evaluation.
+        eval_keeps_batch: the trainer evaluates while the last optimizer step's micro-batches are still alive (the
+            HF Trainer evaluates and saves inside its loop over them): ``batch`` x accumulation is resident then.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -194,6 +197,8 @@ def predict(
         autograd_workspace = next((e.nbytes for e in est.events if e.uid == WORKSPACE_UIDS[1] and e.nbytes > 0), 0)
         if autograd_workspace:
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
+        if eval_keeps_batch:
+            resident["inputs"] = resident.get("inputs", 0) + schedule.accumulate * live_storage_bytes(batch, target)
         eval_run = pinned(run, target)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(base_model, eval_batch, eval_run, step=eval_step, resident=resident)
@@ -255,6 +260,7 @@ def predict(
         step_predictor=step_predictor,
         eval_predictor=eval_predictor,
     )
+    report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets)
     for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
         if info is not None and info.failed_samples:
             text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
@@ -276,6 +282,33 @@ def predict(
             report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),
                                               options, make_batch, report)
     return report
+
+
+def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | None, eval_peak: int | None,
+            eval_total: int | None, buckets: int) -> list[dict[str, Any]]:
+    """The report's phases: training, evaluation where predicted, and the checkpoint save where the run saves (DDP's
+    buckets, alive for the whole run, added to it as to training)."""
+    how = "labelled lower bound" if est.coverage.lower_bound else "traced"
+    phases = [{"name": "training", "peak_bytes": peak, "required_bytes": total if total is not None else peak,
+               "where": est.peak_phase, "how": how, "per_rank_peak_bytes": _listed(est.per_rank_peak_bytes)}]
+    if eval_est is not None and eval_peak is not None:
+        phases.append({"name": "evaluation", "peak_bytes": eval_peak,
+                       "required_bytes": eval_total if total is not None and eval_total is not None else eval_peak,
+                       "where": eval_est.peak_phase,
+                       "how": "labelled lower bound" if eval_est.coverage.lower_bound else "traced",
+                       "per_rank_peak_bytes": None})
+    saving = est.phase("saving")
+    if saving is not None:
+        device = None if saving.device_total_bytes is None else saving.device_total_bytes + buckets
+        phases.append({"name": "saving", "peak_bytes": saving.peak_bytes + buckets,
+                       "required_bytes": device if device is not None else saving.peak_bytes + buckets,
+                       "where": saving.where, "how": saving.how,
+                       "per_rank_peak_bytes": _listed(saving.per_rank_peak_bytes)})
+    return phases
+
+
+def _listed(values: tuple[int, ...] | None) -> list[int] | None:
+    return None if values is None else list(values)
 
 
 def options_plan(model: nn.Module, parallel: ParallelPlan | None) -> ParallelPlan | None:

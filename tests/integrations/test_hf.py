@@ -376,9 +376,10 @@ def test_preflight_metrics_reach_the_loggers_not_the_console(tmp_path, capsys):
     assert "'loss'" in printed and "preflight/" not in printed
 
 
-def _seq2seq_trainer(tmp_path, callbacks=()):
+def _seq2seq_trainer(tmp_path, callbacks=(), save_strategy="no"):
     """A Seq2SeqTrainer generating in evaluation (4 beams to 64 tokens, every sequence held to that length by
-    min_length so the real run is as long as the plan's worst case), on variable-length data."""
+    min_length so the real run is as long as the plan's worst case), on variable-length data; with
+    ``save_strategy="steps"`` it saves a checkpoint after every step."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -406,7 +407,8 @@ def _seq2seq_trainer(tmp_path, callbacks=()):
 
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
                                     per_device_eval_batch_size=16, report_to=[], use_cpu=True, eval_strategy="steps",
-                                    eval_steps=2, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                    eval_steps=2, save_strategy=save_strategy, save_steps=1, logging_strategy="no",
+                                    disable_tqdm=True,
                                     predict_with_generate=True, generation_num_beams=4, generation_max_length=64,
                                     seed=0)
     return Seq2SeqTrainer(model=model, args=args, train_dataset=rows(8), eval_dataset=rows(16),
@@ -416,24 +418,32 @@ def _seq2seq_trainer(tmp_path, callbacks=()):
 
 @pytest.mark.slow
 def test_a_seq2seq_trainer_generating_in_evaluation_is_predicted_at_its_generation_peak(tmp_path):
-    # Evaluation generates with beam search: its peak is the run's (the loss forward alone is ~40% lower), and the
-    # callback traces the Trainer's own prediction_step to it.
+    # The whole trainer.train() of a run that trains on variable-length data, evaluates with beam search and saves a
+    # checkpoint after every step: its peak is the evaluation's (the loss forward alone is ~40% lower), which the
+    # callback traces through the Trainer's own prediction_step, with the last step's batch the Trainer still holds;
+    # the save is predicted as a phase of its own. The verdict is never under the measured peak.
     from preflight._device import live_storages
     from preflight._measure import cpu_profiled_peak
 
-    plain = _seq2seq_trainer(tmp_path)
+    plain = _seq2seq_trainer(tmp_path, save_strategy="steps")
     model = plain.model
     before = live_storages([list(model.parameters()), list(model.buffers())], torch.device("cpu"))
     peak, _ = cpu_profiled_peak(plain.train, resident=before)
     measured = sum(before.values()) + peak
+    assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())  # it did save
 
-    trainer = _seq2seq_trainer(tmp_path)
+    trainer = _seq2seq_trainer(tmp_path, save_strategy="steps")
     callback = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
     trainer.train()
     report = callback.report
     assert report.eval_predicted_peak_bytes > report.predicted_peak_bytes
     assert abs(report.eval_predicted_peak_bytes - measured) <= 0.005 * measured, (report.eval_predicted_peak_bytes,
                                                                                   measured)
+    assert [p["name"] for p in report.phases] == ["training", "evaluation", "saving"]
+    assert report.run["checkpoint"] == {"optimizer": True, "state_dict": "full", "offload_to_cpu": True,
+                                        "rank0_only": True}
+    assert report.run_peak_phase == "evaluation"
+    assert measured <= report.verdict_bytes <= 1.05 * measured, (report.verdict_bytes, measured)
     assert any(n.startswith("evaluation: generation: traced to its longest") and "(63 decoding step(s))" in n
                for n in report.coverage["notes"])
     assert report.run["generation"] == {"max_length": 64, "num_beams": 4}

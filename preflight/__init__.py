@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
     from preflight.report import Report
     from preflight.verdict import check
     from preflight._errors import PreflightError, StepWouldFailError
+    from preflight._epoch import StepsEstimate, estimate_steps, sample_batches
     from preflight._eval import estimate_eval, estimate_generation
     from preflight._estimate import estimate
     from preflight._gpus import GPU, get_gpu, known_gpus
@@ -44,6 +45,9 @@ _WHERE = {
     "check": "preflight.verdict",
     "PreflightError": "preflight._errors",
     "StepWouldFailError": "preflight._errors",
+    "StepsEstimate": "preflight._epoch",
+    "estimate_steps": "preflight._epoch",
+    "sample_batches": "preflight._epoch",
     "estimate_eval": "preflight._eval",
     "estimate_generation": "preflight._eval",
     "estimate": "preflight._estimate",
@@ -102,6 +106,9 @@ __all__ = [
     "check",
     "estimate_eval",
     "estimate_generation",
+    "estimate_steps",
+    "sample_batches",
+    "StepsEstimate",
     "worst_case_batch",
     "max_batch_size",
     "resize_batch",

@@ -279,6 +279,7 @@ def run_steps(
     before_backward: Callable[[torch.Tensor], None] = lambda loss: None,
     drive: Callable[[Any], None] | None = None,
     save: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
+    batches: Callable[[int], Any] | None = None,
 ) -> None:
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
@@ -289,7 +290,10 @@ def run_steps(
     then called with each root of every backward it runs (`_watching_backward`).
 
     ``save``: ``save(model, optimizer)`` runs once after the last step, in the phase ``save`` (a checkpoint save,
-    with the training state the steps leave: `preflight._checkpoint.collect_state`)."""
+    with the training state the steps leave: `preflight._checkpoint.collect_state`).
+
+    ``batches``: ``batches(i)`` is step ``i``'s batch (from 1), fetched as the step starts, as a loader yields a new
+    one each step; ``batch`` is then not used."""
     # A training step records gradients, whatever the caller's mode.
     with torch.inference_mode(False), torch.enable_grad():
         if drive is not None:
@@ -297,7 +301,7 @@ def run_steps(
                               steps=steps, schedule=schedule, on_phase=on_phase, before_backward=before_backward)
         else:
             _run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type, steps=steps,
-                       schedule=schedule, on_phase=on_phase, before_backward=before_backward)
+                       schedule=schedule, on_phase=on_phase, before_backward=before_backward, batches=batches)
     if save is not None:
         on_phase(steps, "save")
         with torch.no_grad():  # trainers save outside autograd
@@ -355,8 +359,11 @@ def _watching_backward(before_backward: Callable[[torch.Tensor], None]) -> Itera
 
 def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, step: StepFn | None,
                precision: str | None, device_type: str, steps: int, schedule: Loop,
-               on_phase: Callable[[int, str], None], before_backward: Callable[[torch.Tensor], None]) -> None:
+               on_phase: Callable[[int, str], None], before_backward: Callable[[torch.Tensor], None],
+               batches: Callable[[int], Any] | None = None) -> None:
     scaler = _LossScaler() if schedule.grad_scaler else None
+    if batches is not None and needs_closure(optimizer):
+        raise ValueError("steps over a sequence of batches are run without a closure optimizer (LBFGS)")
     if needs_closure(optimizer):
         _run_closure_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type,
                            steps=steps, on_phase=on_phase, before_backward=before_backward)
@@ -364,6 +371,8 @@ def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *
     for i in range(1, steps + 1):
         for micro in range(schedule.micro_steps):
             on_phase(i, "forward")
+            if batches is not None and micro == 0:
+                batch = batches(i)  # the previous step's batch is released here, as a loader's is
             with autocast_for(precision, device_type):
                 loss = compute_loss(model, batch, step)
             if schedule.zero_grad == "before_backward" and micro == 0:

@@ -29,7 +29,9 @@ Not simulated:
       ``torch.cuda.set_per_process_memory_fraction`` and once reserved memory exceeds that fraction of the
       limit, freeing old cached blocks; so it can only matter near the limit. It is checked, then ignored.
     - Per-size-interval ``roundup_power2_divisions`` lists and ``large_segment_size_mb``: rejected.
-    - Explicit ``torch.cuda.empty_cache()`` calls (they are not in the event stream).
+    - Explicit ``torch.cuda.empty_cache()`` calls inside the events (they are not in the event stream); a caller
+      that knows where they are (between training steps) passes them as ``empty_cache_after``, and they release
+      what release_cached_blocks releases.
     - Addresses come from the driver; here segments are laid out one after another, which only decides
       ties between cached blocks of equal size.
     - Memory outside this allocator: the CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers.
@@ -182,6 +184,10 @@ class AllocatorResult:
         oom: a request did not fit in ``capacity_bytes`` even after freeing cached memory; the replay stopped.
         oom_event_index: the position of that request in ``events``; None without an OOM.
         oom_op: that event's ``op`` attribute when it has one (preflight's `Event`); None otherwise.
+        reserved_after: reserved bytes after each event index of ``simulate``'s ``report_after`` (before an
+            ``empty_cache`` there), in that order.
+        peak_reserved_between: the reserved peak within each span of events those indices close (the first from
+            the start), in the same order.
     """
 
     peak_allocated_bytes: int
@@ -193,10 +199,13 @@ class AllocatorResult:
     oom: bool = False
     oom_event_index: int | None = None
     oom_op: int | None = None
+    reserved_after: tuple[int, ...] = ()
+    peak_reserved_between: tuple[int, ...] = ()
 
 
 def simulate(
-    events: Iterable[Any], config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None
+    events: Iterable[Any], config: AllocatorConfig | None = None, *, capacity_bytes: int | None = None,
+    empty_cache_after: Iterable[int] = (), report_after: Iterable[int] = (),
 ) -> AllocatorResult:
     """Replay ``events`` through the caching-allocator model and return its peak statistics.
 
@@ -208,6 +217,10 @@ def simulate(
         capacity_bytes: bytes the allocator may reserve (device memory less the CUDA context and other
             processes). None = unlimited. When a new segment would exceed it, cached memory is freed and the
             request retried as PyTorch does; if it still does not fit, the replay stops and ``oom`` is set.
+        empty_cache_after: event indices after which ``torch.cuda.empty_cache()`` runs (every cached unsplit
+            segment released; with expandable segments, every free page unmapped).
+        report_after: event indices after which the reserved bytes are read (``reserved_after``; the peak of each
+            span they close in ``peak_reserved_between``): the end of each training step, say.
 
     Returns:
         An `AllocatorResult`.
@@ -229,6 +242,10 @@ def simulate(
         raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}.")
     sim = _Allocator(config, capacity_bytes)
     live = sim.live
+    emptied, reported = set(empty_cache_after), set(report_after)
+    reserved_after: list[int] = []
+    peaks: list[int] = []
+    span_peak = 0
     for index, event in enumerate(events):
         try:
             uid, nbytes = event if type(event) is tuple else (event.uid, event.nbytes)
@@ -247,7 +264,16 @@ def simulate(
                                  "earlier allocation in the same events; storages alive before the trace must "
                                  "be listed as allocations first.")
             sim.free(uid)
-    return sim.result()
+        if reported or emptied:
+            span_peak = max(span_peak, sim.reserved)
+            if index in reported:
+                reserved_after.append(sim.reserved)
+                peaks.append(span_peak)
+                span_peak = 0
+            if index in emptied:
+                sim._release_cached_blocks()
+    return dataclasses.replace(sim.result(), reserved_after=tuple(reserved_after),
+                               peak_reserved_between=tuple(peaks))
 
 
 class _Block:

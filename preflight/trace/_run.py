@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -173,10 +173,12 @@ def trace_steps(
     routing: str = "balanced",
     cuda: CudaTarget | None = None,
     checkpoint: Checkpoint | None = None,
+    batches: Sequence[Any] | None = None,
     sweep: Sweep,
 ) -> TraceResult:
     """Trace ``steps`` training steps on fake tensors (and a checkpoint save after them, in the phase `SAVE_PHASE`,
-    when ``checkpoint`` says the run saves). Nothing of the trace outlives it (`preflight.trace._leftovers`:
+    when ``checkpoint`` says the run saves). With ``batches``, step ``i`` trains on ``batches[i - 1]`` (``batch`` is
+    not used, ``steps`` is their number), each batch counted from its step's start until the next one replaces it. Nothing of the trace outlives it (`preflight.trace._leftovers`:
     ``sweep`` is supplied by the decorator).
 
     Args:
@@ -204,6 +206,8 @@ def trace_steps(
 
     if cuda is None and target_device.type == "cuda" and trace_device.type != "cuda":
         cuda = CudaTarget.of(None)
+    if batches is not None:
+        batch, steps = None, len(batches)
     try:
         run = FakeRun(model, batch, precision=precision, trace_device=trace_device, on_op=on_op, routing=routing,
                       sweep=sweep, layouts=target_device.type == trace_device.type == "cpu",
@@ -237,7 +241,8 @@ def trace_steps(
             run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
                       steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
                       save=checkpoint_saver(tracker, checkpoint, host_is_device=target_device.type == "cpu",
-                                            fake_world=False, notes=run.notes))
+                                            fake_world=False, notes=run.notes),
+                      batches=None if batches is None else lambda i: run.step_batch(batches[i - 1]))
     except BaseException:
         run.finish()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
@@ -344,12 +349,24 @@ class FakeRun:
         for name, _ in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
             self.tracker.names[self.state[name]] = f"buffer '{name}'"
-        for (path, real), fake in zip(named_tensors(batch), iter_tensors(self.batch)):
+        self._register_batch(batch, self.batch)
+        self._twin_args = (trace_device, float_dtype_for(precision))
+
+    def _register_batch(self, batch: Any, fake_batch: Any) -> None:
+        for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
             self.tracker.register(fake, Category.INPUTS)
             self.tracker.names[fake] = f"the batch{path}"
             value = shadow_value(real)
             if value is not None:
                 self.tracker.shadow(fake, value)
+
+    def step_batch(self, batch: Any) -> Any:
+        """A fresh twin of ``batch`` counted as inputs from now on (`trace_steps`'s ``batches``): not kept by the
+        run, so it is freed with the step's last reference to it, as a loader's batch is."""
+        device, cast = self._twin_args
+        fake = TwinMaker(self.fake_mode, device, cast_dtype=cast).batch(batch, cast=cast is not None)
+        self._register_batch(batch, fake)
+        return fake
 
     @contextlib.contextmanager
     def active(self, model: nn.Module) -> Iterator[None]:

@@ -1,0 +1,151 @@
+"""Steps over a sequence of batch shapes (`preflight.estimate_steps`): each step's traced peak against the real step
+on CPU, and the allocator's reserved memory over the sequence against the same allocator model replaying the real
+steps' own allocation events."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import preflight
+from preflight import Run, Target
+from preflight._epoch import _step_ends
+from preflight._steps import run_steps
+from preflight.allocator import simulate
+
+SIZES = [64, 512, 96, 1024, 32, 768, 1024, 256]  # rows per batch: an epoch of varying lengths
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+
+
+def _step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def _real_events(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]):
+    """The real steps' allocation events as ``(uid, nbytes)``, the storages alive before them first (in the order
+    the trace registers them: parameters), each batch made as its step starts (as a loader's batch arrives), and the
+    index of each step's last event."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from preflight._measure import _profiled_allocations
+
+    marks = []
+
+    def on_phase(i: int, phase: str) -> None:  # a step runs from its forward to the next step's
+        if phase in ("forward", "end"):
+            while marks:
+                marks.pop().__exit__(None, None, None)
+        if phase == "forward":
+            marks.append(record_function(f"## step{i}"))
+            marks[-1].__enter__()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_steps(model, optimizer, None, step=_step, precision=None, device_type="cpu", steps=len(batches),
+                  on_phase=on_phase, batches=lambda i: batches[i - 1].clone())
+    allocations, calls = _profiled_allocations(prof, "## step")
+    events, uids, next_uid = [], {}, 0
+    for p in model.parameters():
+        events.append((next_uid, p.untyped_storage().nbytes()))
+        next_uid += 1
+    ends = []
+    call_ends = sorted(end for _, end in calls)
+    for time, nbytes, ptr in allocations:
+        while call_ends and time > call_ends[0]:
+            ends.append(len(events) - 1)
+            call_ends.pop(0)
+        if nbytes > 0:
+            uids[ptr] = next_uid
+            events.append((next_uid, nbytes))
+            next_uid += 1
+        elif ptr in uids:
+            events.append((uids.pop(ptr), nbytes))
+    ends += [len(events) - 1] * (len(batches) - len(ends))
+    return events, ends
+
+
+def test_each_step_of_a_varying_sequence_is_predicted_to_the_byte_on_cpu():
+    model = _model()
+    batches = [torch.randn(b, 512) for b in SIZES]
+    series = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()), batches, step=_step)
+    assert series.reserved_after_step is None  # a CPU target has no caching allocator
+    assert series.estimate.steps == len(SIZES) and series.estimate.peak_bytes == max(series.step_peak_bytes)
+    from preflight._measure import cpu_profiled_peak
+
+    real = _model()
+    optimizer = torch.optim.AdamW(real.parameters())
+    before = sum(p.untyped_storage().nbytes() for p in real.parameters())
+    peaks = []
+    for i, batch in enumerate(batches, 1):  # one profiled real step at a time, the state carried over
+        alive = before + sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
+        peak, _ = cpu_profiled_peak(lambda: run_steps(real, optimizer, batch.clone(), step=_step, precision=None,
+                                                      device_type="cpu", steps=1))
+        peaks.append(alive + peak)
+    # the trace holds the next batch while the previous one is released (a loader's batch is fetched first)
+    assert [abs(p - m) <= 4 * max(SIZES) * 512 for p, m in zip(series.step_peak_bytes, peaks)] == [True] * len(SIZES)
+    assert series.step_peak_bytes.index(max(series.step_peak_bytes)) == peaks.index(max(peaks))
+
+
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_reserved_memory_over_the_sequence_matches_the_allocator_replay_of_the_real_steps(empty_cache):
+    # The allocator model replays the traced events and the real steps' own events alike: the same reserved bytes
+    # after every step, with and without empty_cache() between steps.
+    model = _model()
+    batches = [torch.randn(b, 512) for b in SIZES]
+    series = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()), batches, step=_step)
+    traced = series.estimate.events
+    ends = _step_ends(traced, len(SIZES))
+    predicted = simulate(traced, report_after=ends, empty_cache_after=ends if empty_cache else ())
+
+    real_model = _model()
+    real, real_ends = _real_events(real_model, torch.optim.AdamW(real_model.parameters()), batches)
+    replayed = simulate(real, report_after=real_ends, empty_cache_after=real_ends if empty_cache else ())
+    assert predicted.reserved_after == replayed.reserved_after
+    assert predicted.peak_reserved_bytes == replayed.peak_reserved_bytes
+    # varying shapes grow the reserve beyond the first step's; empty_cache() gives some of it back between steps
+    assert predicted.peak_reserved_bytes > predicted.reserved_after[0]
+    if empty_cache:
+        assert min(predicted.reserved_after[1:]) < predicted.peak_reserved_bytes
+
+
+def test_a_cuda_target_says_when_the_reserve_stopped_growing():
+    model = _model()
+    batches = [torch.randn(b, 512) for b in SIZES]
+    run = Run(target=Target(gpu="A100-80GB"))
+    series = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()), batches, run, step=_step)
+    assert len(series.reserved_after_step) == len(SIZES)
+    assert series.peak_reserved_bytes == max(series.reserved_after_step)
+    grew = series.stopped_growing_at
+    assert series.reserved_after_step[grew - 1] == series.peak_reserved_bytes
+    assert all(r < series.peak_reserved_bytes for r in series.reserved_after_step[:grew - 1])
+    one_shape = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()), batches[:1] * 2, run,
+                                         step=_step)
+    assert series.peak_reserved_bytes >= one_shape.peak_reserved_bytes
+    assert "last grew in step" in str(series) and series.to_dict()["stopped_growing_at"] == grew
+    assert series.estimate.device_total_bytes > series.peak_reserved_bytes  # the context on top
+
+
+def test_steps_need_batches_and_one_device():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="at least one step"):
+        preflight.estimate_steps(model, optimizer, [], step=_step)
+    with pytest.raises(ValueError, match="one device"):
+        preflight.estimate_steps(model, optimizer, [torch.randn(2, 512)],
+                                 Run(parallel=preflight.ParallelPlan(2, "ddp")), step=_step)
+
+
+def test_sample_batches_draws_without_touching_the_loader_or_the_rng():
+    data = [torch.full((n,), n) for n in range(1, 41)]
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
+                                         collate_fn=lambda xs: nn.utils.rnn.pad_sequence(xs, batch_first=True))
+    state = torch.get_rng_state()
+    batches = preflight.sample_batches(loader, 6)
+    assert torch.equal(state, torch.get_rng_state())
+    assert [b.shape[0] for b in batches] == [4] * 6 and len({b.shape[1] for b in batches}) > 1
+    assert [b.shape for b in preflight.sample_batches(loader, 6)] == [b.shape for b in batches]  # seeded

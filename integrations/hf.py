@@ -41,6 +41,7 @@ from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
+from preflight._epoch import sample_batches
 from preflight._run import Checkpoint, Loop, Run, check_run, pinned, run_budget
 from preflight.parallel import ParallelPlan, accelerate_checkpoint, accelerate_plan
 from preflight._units import format_bytes
@@ -218,7 +219,8 @@ class PreflightCallback(TrainerCallback):
                        step=_loss_step(self.trainer), batch_info=info, eval_batch=eval_batch,
                        eval_step=_prediction_step(self.trainer, args, run), eval_batch_info=eval_info,
                        ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
-                       make_batch=samples.batch, eval_keeps_batch=True)
+                       make_batch=samples.batch, eval_keeps_batch=True,
+                       sample_batches=lambda n: sample_batches(train_dataloader, n))
 
     def _run(self, args: Any) -> Run:
         """The run as the Trainer's arguments describe it, the user's `Run` laid over it."""

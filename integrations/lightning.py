@@ -42,6 +42,7 @@ from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
+from preflight._epoch import sample_batches
 from preflight._run import Checkpoint, Loop, Run, check_run, run_budget
 from preflight._steps import PRECISIONS
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
@@ -250,8 +251,8 @@ class PreflightCallback(*_callback_bases()):
     # ---- translation ------------------------------------------------------------------------------------------
 
     def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Report:
-        samples = scan(_single_loader(trainer.train_dataloader, "train"), time_limit=self.scan_seconds,
-                       on_error=self.options.scan_on_error)
+        loader = _single_loader(trainer.train_dataloader, "train")
+        samples = scan(loader, time_limit=self.scan_seconds, on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
         # The loops convert each batch with the precision plugin before `training_step` (64-true: floats to double).
         convert = trainer.precision_plugin.convert_input
@@ -270,6 +271,7 @@ class PreflightCallback(*_callback_bases()):
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=lambda b: convert(samples.batch(b)),
                 eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
+                sample_batches=lambda n: [convert(b) for b in sample_batches(loader, n)],
             )
         if note:
             report.warnings.append(note)

@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--cuda-context", metavar="SIZE", default=None,
                      help="the CUDA context you measured where the job runs (e.g. 1343MiB), added to the device "
                           "total in place of the GPU's approximate figure; needs --gpu")
+    est.add_argument("--nccl-buffers", metavar="SIZE", default=None,
+                     help="NCCL's buffers per communicator on a rank, as measured where the job runs (needs --gpu and "
+                          "several ranks); default: modelled from NCCL's defaults and NCCL_* variables")
     est.add_argument("--allocator", metavar="CONF", default=None,
                      help="CUDA allocator settings for the reserved-memory simulation, as PYTORCH_CUDA_ALLOC_CONF "
                           "writes them (e.g. expandable_segments:True); default: the environment's")
@@ -226,6 +229,9 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.cuda_context is not None and not args.gpu:
         raise UsageError("--cuda-context is added to the device total computed for a GPU: pass --gpu too (e.g. "
                          "--gpu H100-80GB --cuda-context 1343MiB).")
+    if args.nccl_buffers is not None and not args.gpu:
+        raise UsageError("--nccl-buffers is added to the device total computed for a GPU: pass --gpu too (e.g. "
+                         "--gpu H100-80GB --world-size 8 --nccl-buffers 600MiB).")
     if args.quantize and not args.lora_r:
         raise UsageError(f"--quantize {args.quantize}: quantized base weights are frozen, so nothing would train; "
                          "add --lora-r 16 (LoRA adapters over them: QLoRA with nf4/fp4).")
@@ -432,7 +438,8 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate,
                                                        optimizer_impl=getattr(args, "optimizer_impl", None)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
-                                 allocator=args.allocator, cuda_context=args.cuda_context),
+                                 allocator=args.allocator, cuda_context=args.cuda_context,
+                                 nccl_buffers=getattr(args, "nccl_buffers", None)),
                    parallel=parallel, fast=args.fast, checkpoint=_checkpoint(args))
     except (ValueError, TypeError) as err:
         raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None

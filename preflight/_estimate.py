@@ -28,6 +28,7 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
 from preflight._units import format_bytes
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
+from preflight.cuda._nccl import nccl_buffers
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
@@ -183,7 +184,7 @@ def estimate(
     target = resolve_device(device, model)  # CUDA for a catalog GPU: `Target` refuses a gpu with another device
     if gpu_info is None:
         gpu_info = resolve_gpu(None, target)
-    gpu_info = with_context(gpu_info, run.target.cuda_context)
+    gpu_info = with_context(gpu_info, run.target.cuda_context, run.target.nccl_buffers)
     trace_device = trace_device_for(target)
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
@@ -283,10 +284,11 @@ def estimate(
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
+    nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
-                             allocator=allocator)
+                             allocator=allocator, nccl=nccl)
     if target.type == "cuda":
-        terms = cuda_terms(events, gpu_info, allocator)
+        terms = cuda_terms(events, gpu_info, allocator, nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
@@ -314,7 +316,8 @@ def estimate(
 
 
 def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: bool, target: torch.device,
-            gpu_info: GPU | None, allocator: AllocatorConfig | None) -> tuple[list[Event], PhaseEstimate | None]:
+            gpu_info: GPU | None, allocator: AllocatorConfig | None,
+            nccl: tuple[int, str] | None = None) -> tuple[list[Event], PhaseEstimate | None]:
     """``events`` split at a checkpoint save traced after the steps (the phase `SAVE_PHASE`; ``saves``: the run
     saves): the training step's events alone, and the save's `PhaseEstimate` (its peak with everything alive at the
     time, and on a CUDA target the reserved memory while it runs, which keeps what training reserved), or None
@@ -327,7 +330,7 @@ def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: 
     where = SAVE_PHASE
     total = None
     if target.type == "cuda":
-        total = cuda_terms(events, gpu_info, allocator).device_total_bytes
+        total = cuda_terms(events, gpu_info, allocator, nccl).device_total_bytes
     return list(events[:start]), PhaseEstimate("saving", peak, breakdown, where, device_total_bytes=total)
 
 
@@ -609,6 +612,16 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                               sharding=sharding, saves=options["checkpoint"] is not None)
 
 
+def nccl_term(gpu: GPU | None, world_size: int, sharding: str | None) -> tuple[int, str] | None:
+    """NCCL's buffers on one rank of a CUDA job of ``world_size`` ranks under ``sharding`` (`preflight.cuda._nccl`):
+    the default group, and one more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, hybrid
+    sharding: each dim is a process group of its own); None on one rank."""
+    if world_size < 2:
+        return None
+    two_dims = sharding is not None and (" x " in sharding or sharding.startswith(("pp", "tp")) and "fsdp" in sharding)
+    return nccl_buffers(3 if two_dims else 1, None if gpu is None else gpu.nccl_buffers)
+
+
 def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
     """``groups`` (ranks that run the same program) with rank 0 in a group of its own when the run saves a full state
     dict that rank 0 alone keeps (FSDP1's `preflight.Checkpoint.rank0_only`; DCP keeps it on rank 0 alone when it
@@ -722,10 +735,11 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
             events = round_events(events)
+        nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
-                                 allocator=allocator)
+                                 allocator=allocator, nccl=nccl)
         if target.type == "cuda":
-            terms = cuda_terms(events, gpu_info, allocator)
+            terms = cuda_terms(events, gpu_info, allocator, nccl)
             reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
             notes.extend(terms.notes)
         peak, breakdown, phase, timeline = summarize_events(events, result.categories)

@@ -43,6 +43,8 @@ class GPU:
             hold two (not measured here).
         context_bytes: approximate CUDA context size with lazy module loading (outside the allocator, seen
             only by nvidia-smi), or the size the user gave (``context_given``, `with_context`).
+        nccl_buffers: NCCL's buffers per communicator as the user measured them (`preflight.Target.nccl_buffers`,
+            `with_context`); None: modelled (`preflight.cuda._nccl`).
 
     Example:
         >>> get_gpu("h100_80gb").compute_capability
@@ -57,6 +59,7 @@ class GPU:
     cublas_workspace_bytes: int
     context_bytes: int
     context_given: bool = False  # context_bytes is the user's (Target.cuda_context), not the catalog's figure
+    nccl_buffers: int | None = None
 
 
 # torch's default cuBLAS workspace size, parseChosenWorkspaceSize() in
@@ -196,13 +199,19 @@ def known_gpus() -> tuple[str, ...]:
     return tuple(_BY_NAME)
 
 
-def with_context(gpu: GPU | None, context: int | float | str | None) -> GPU | None:
-    """``gpu`` with the CUDA context the user measured (`preflight.Target.cuda_context`) in place of the catalog's."""
-    if gpu is None or context is None:
+def with_context(gpu: GPU | None, context: int | float | str | None,
+                 nccl_buffers: int | float | str | None = None) -> GPU | None:
+    """``gpu`` with the CUDA context the user measured (`preflight.Target.cuda_context`) in place of the catalog's,
+    and NCCL's buffers per communicator they measured (`preflight.Target.nccl_buffers`)."""
+    if gpu is None:
         return gpu
     from preflight._units import parse_bytes
 
-    return dataclasses.replace(gpu, context_bytes=parse_bytes(context, name="cuda_context"), context_given=True)
+    if context is not None:
+        gpu = dataclasses.replace(gpu, context_bytes=parse_bytes(context, name="cuda_context"), context_given=True)
+    if nccl_buffers is not None:
+        gpu = dataclasses.replace(gpu, nccl_buffers=parse_bytes(nccl_buffers, name="nccl_buffers"))
+    return gpu
 
 
 def get_gpu(name: str) -> GPU:

@@ -63,6 +63,10 @@ class Target:
             (nvidia-smi's figure for the process after a first small CUDA tensor, minus
             ``torch.cuda.memory_reserved()``), as it depends on the driver, the CUDA version and lazy module
             loading more than on the card. None: the catalog GPU's approximate figure (`preflight.known_gpus`).
+        nccl_buffers: on a CUDA target over several ranks, the bytes of NCCL's buffers each communicator (process
+            group) holds on a rank, as measured where the job runs (an int or a size such as ``"600MiB"``), added
+            to ``device_total_bytes`` once per communicator the plan uses. None: modelled from NCCL's defaults and
+            ``NCCL_*`` environment variables (`preflight.cuda._nccl`), an assumption the notes state.
     """
 
     device: str | torch.device | None = None
@@ -70,6 +74,7 @@ class Target:
     budget: int | float | str | None = None
     allocator: AllocatorConfig | str | None = None
     cuda_context: int | float | str | None = None
+    nccl_buffers: int | float | str | None = None
 
     def __post_init__(self) -> None:
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
@@ -88,6 +93,10 @@ class Target:
             from preflight._units import parse_bytes
 
             parse_bytes(self.cuda_context, name="cuda_context")  # raises with the accepted forms
+        if self.nccl_buffers is not None:
+            from preflight._units import parse_bytes
+
+            parse_bytes(self.nccl_buffers, name="nccl_buffers")
         if self.allocator is not None and not isinstance(self.allocator, (str, AllocatorConfig)):
             raise TypeError("`Target.allocator` should be a PYTORCH_CUDA_ALLOC_CONF string such as "
                             "'expandable_segments:True' or a preflight.allocator.AllocatorConfig, got "
@@ -239,6 +248,8 @@ class Run:
             flags += ["--allocator", str(self.target.allocator)]
         if self.target.cuda_context is not None:
             flags += ["--cuda-context", str(self.target.cuda_context)]
+        if self.target.nccl_buffers is not None:
+            flags += ["--nccl-buffers", str(self.target.nccl_buffers)]
         if self.loop.accumulate != 1:
             flags += ["--accumulate", str(self.loop.accumulate)]
         if self.loop.optimizer_impl is not None:

@@ -74,6 +74,11 @@ class Loop:
             ``"fused"`` (one kernel, no such temporaries), set on the optimizer as torch's ``foreach=`` /
             ``fused=`` arguments (`with_optimizer_impl`); None: as the optimizer is configured (torch's default
             is foreach on CUDA, the for-loop on CPU).
+        sampled_steps: on a CUDA target, also trace this many steps over batches drawn at random from the dataset
+            (the callbacks' scan: `preflight.sample_batches`), in order, and replay them through the caching
+            allocator (`preflight.estimate_steps`): the reserved memory an epoch of varying lengths reaches, which
+            a worst-case step alone can miss (fragmentation), goes into the device total. 0: the worst case only
+            (each sampled step is a traced step: this costs time).
     """
 
     accumulate: int = 1
@@ -83,9 +88,12 @@ class Loop:
     # Two: step 1 creates the optimizer state, step 2 is the steady state every later step repeats.
     steps: int = 2
     optimizer_impl: str | None = None
+    sampled_steps: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", check_steps(self.steps))
+        if isinstance(self.sampled_steps, bool) or not isinstance(self.sampled_steps, int) or self.sampled_steps < 0:
+            raise ValueError(f"`sampled_steps` should be a whole number of steps (0: off), got {self.sampled_steps!r}.")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"`optimizer_impl` should be one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}.")
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:

@@ -32,8 +32,9 @@ DDP's hook copies it into its bucket (``Reducer::mark_variable_ready_dense``: th
 bucket_view``), and the bucket is the gradient from then on. ZeRO's gradient reduction buffers
 (`preflight._sharding.zero_buffers`, sized from the DeepSpeed config or DeepSpeed's defaults) are added in the
 communication category: at stages 1 and 2 from each backward's first gradient to its end, at stage 3 from the
-start. Stages 1 and 2 also hold an fp32 copy of the rank's parameter partition (`zero12_master_bytes`). At stage 3
-without offload, DeepSpeed's own terms replace the two gathered blocks (`preflight._sharding.zero3_terms`): the
+start. Stages 1 and 2 also hold an fp32 copy of the rank's parameter partition (`zero12_master_bytes`). At stage 3,
+DeepSpeed's own terms (less those an offload puts on the host) replace the two gathered blocks
+(`preflight._sharding.zero3_terms`): the
 fp32 partition copy and the gradient partitions from the start, each full gradient only as a transient, the first
 step's gathered module, and from the second step the persistent parameters and those kept from forward to
 backward, in the communication category. Shares round up per tensor. Other communication buffers are not counted.
@@ -104,8 +105,10 @@ class CudaTerms:
     notes: tuple[str, ...]
 
 
-def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorConfig | None) -> CudaTerms:
-    """Reserved memory from the allocator simulation, and the device total when the GPU is known."""
+def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorConfig | None,
+               nccl: tuple[int, str] | None = None) -> CudaTerms:
+    """Reserved memory from the allocator simulation, and the device total when the GPU is known (with NCCL's
+    buffers, ``(bytes, note)`` from `preflight.cuda._nccl.nccl_buffers`, on a rank of several)."""
     # Negative uids are calibrated kernel scratch; storages alive before the trace are allocations too.
     sim = simulate(events, config=allocator)
     notes = [f"reserved memory simulated with the CUDA caching allocator's rules "
@@ -116,6 +119,9 @@ def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorCon
         notes.append(f"device total adds the CUDA context ({gpu.context_bytes:,} B, as given)" if gpu.context_given
                      else f"device total adds the CUDA context (~{gpu.context_bytes >> 20} MiB, approximate) of a "
                           f"{gpu.name}; Target(cuda_context=...) / --cuda-context gives the one you measured")
+        if nccl is not None:
+            total += nccl[0]
+            notes.append(nccl[1])
     return CudaTerms(sim.peak_reserved_bytes, total, sim.fragmentation, tuple(notes))
 
 

@@ -149,3 +149,26 @@ def test_sample_batches_draws_without_touching_the_loader_or_the_rng():
     assert torch.equal(state, torch.get_rng_state())
     assert [b.shape[0] for b in batches] == [4] * 6 and len({b.shape[1] for b in batches}) > 1
     assert [b.shape for b in preflight.sample_batches(loader, 6)] == [b.shape for b in batches]  # seeded
+
+
+def test_the_callbacks_prediction_takes_the_reserve_of_sampled_steps_when_asked():
+    # `Loop(sampled_steps=n)`: the verdict's device total includes what n steps over batches drawn from the dataset
+    # reserve beyond the worst-case step alone (here 6 MiB more: an epoch of varying sizes fragments the cache).
+    from preflight.verdict import Options, predict
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batches = [torch.randn(b, 512) for b in SIZES]
+    worst = torch.randn(max(SIZES), 512)
+    target = Target(gpu="A100-80GB")
+    plain = predict(model, optimizer, worst, Run(target=target), options=Options(suggest=False), step=_step,
+                    sample_batches=lambda n: batches[:n])
+    sampled = predict(model, optimizer, worst, Run(target=target, loop=preflight.Loop(sampled_steps=len(SIZES))),
+                      options=Options(suggest=False), step=_step, sample_batches=lambda n: batches[:n])
+    series = preflight.estimate_steps(model, optimizer, batches, Run(target=target), step=_step)
+    grown = series.peak_reserved_bytes - plain.predicted_reserved_bytes
+    assert grown > 0
+    assert sampled.predicted_device_total_bytes == plain.predicted_device_total_bytes + grown
+    assert any(f"over {len(SIZES)} steps of batches drawn from the dataset" in n for n in sampled.coverage["notes"])
+    with pytest.raises(ValueError, match="sampled_steps"):
+        preflight.Loop(sampled_steps=-1)

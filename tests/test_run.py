@@ -78,7 +78,8 @@ def test_to_dict_and_cli_flags_say_the_description_back():
                                  "offload_params": False, "gradient_as_bucket_view": False, "source": "a test",
                                  "tp_degree": None, "pp": None}
     assert plain["target"] == {"device": None, "gpu": "A100-80GB", "budget": "70GiB",
-                               "allocator": "expandable_segments:True", "cuda_context": None}
+                               "allocator": "expandable_segments:True", "cuda_context": None,
+                               "nccl_buffers": None}
     assert plain["loop"]["accumulate"] == 2 and plain["fast"] is False
     assert run.cli_flags() == ["--precision", "bf16-mixed", "--gpu", "A100-80GB", "--budget", "70GiB", "--allocator",
                                "expandable_segments:True", "--accumulate", "2", "--world-size", "4", "--sharding",

@@ -10,6 +10,7 @@ read by `preflight._sharding.read_deepspeed_config`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -114,10 +115,6 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     defaults without one), and a note where they are not counted; (None, None) for other shardings."""
     if sharding != "zero3":
         return None, None
-    if any(offload.values()):
-        return None, ("zero3 with offloading: DeepSpeed ZeRO-3's own buffers (fp32 partition copy, gradient "
-                      "partitions, gathered and persistent parameters) are not counted yet; the gathered largest "
-                      "unit and prefetched next one stand for the gathered parameters")
     given = ds is not None
     if ds is None:
         ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
@@ -126,4 +123,17 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     dtype = _half_dtype(ds, precision, given) or _traced_dtype(model, precision)  # DeepSpeed's 16-bit dtype first
     itemsize = dtype.itemsize if dtype is not None else 4
     terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
-    return terms, None if given else "zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"
+    notes = [] if given else ["zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"]
+    if offload["offload_optimizer"]:
+        # stage3.py: under offload_optimizer the optimizer's device is the CPU (``self.device``), where the fp32
+        # partitions, their gradient buffers and the flat gradient partitions are made; the parameters are still
+        # gathered on the GPU, kept and prefetched up to stage3_max_live_parameters as without offload.
+        terms = dataclasses.replace(terms, master_bytes=0, grad_partition_bytes=0, init_grad_bytes=0,
+                                    step_grad_bytes=0)
+    if any(offload.values()):
+        notes.append("zero3 with offloading: the fp32 partitions, the optimizer's state and the gradient partitions "
+                     "are host memory under offload_optimizer, the parameter partitions under offload_param; the "
+                     "gathered parameters (kept from forward to backward within stage3_max_reuse_distance, "
+                     "prefetched up to stage3_max_live_parameters) and the persistent ones stay on the device, as "
+                     "DeepSpeed's stage3.py and partitioned_param_coordinator.py keep them; not measured on a GPU")
+    return terms, "; ".join(notes) or None

@@ -57,6 +57,7 @@ def predict(
     make_batch: Callable[[int], Any] | None = None,
     eval_frees_gradients: bool = False,
     eval_keeps_batch: bool = False,
+    sample_batches: Callable[[int], list[Any]] | None = None,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
 
@@ -78,6 +79,8 @@ def predict(
             evaluation.
         eval_keeps_batch: the trainer evaluates while the last optimizer step's micro-batches are still alive (the
             HF Trainer evaluates and saves inside its loop over them): ``batch`` x accumulation is resident then.
+        sample_batches: ``sample_batches(n)`` draws ``n`` training batches from the dataset, for the run's
+            ``loop.sampled_steps`` (`preflight.sample_batches`).
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -170,6 +173,9 @@ def predict(
     ddp_gradient_buckets = ddp_gradient_buckets and estimate_run.parallel is None and sharded is None
     buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
     total = est.device_total_bytes
+    if schedule.sampled_steps and sample_batches is not None and total is not None:
+        total = _over_sampled_steps(model, optimizer, step, estimate_run, est, total, sample_batches(
+            schedule.sampled_steps), notes, talk)
     if buckets:
         peak += buckets
         total = None if total is None else total + buckets
@@ -282,6 +288,32 @@ def predict(
             report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),
                                               options, make_batch, report)
     return report
+
+
+def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepFn | None, run: Run,
+                        est: Estimate, total: int, batches: list[Any], notes: list[str], talk: bool) -> int:
+    """The training device total with the reserved memory of steps over ``batches`` (`preflight.estimate_steps`),
+    where it is larger than the worst case's: an epoch of varying lengths fragments the allocator's cache. One
+    device only; a failure here leaves the worst case's figure, with a note."""
+    from preflight._epoch import estimate_steps
+
+    if run.world_size > 1:
+        notes.append("loop.sampled_steps: reserved memory over sampled steps is simulated for one device only; the "
+                     "worst case's stands")
+        return total
+    try:
+        with progress(f"tracing {len(batches)} steps over batches drawn from the dataset", enabled=talk):
+            series = estimate_steps(model, optimizer, batches, run, step=step)
+    except Exception as err:  # noqa: BLE001 - the worst case's figure stands without it
+        notes.append(f"loop.sampled_steps: the sampled steps could not be traced ({type(err).__name__}: {err})"
+                     .splitlines()[0][:300])
+        return total
+    grown = max(0, series.peak_reserved_bytes - (est.peak_reserved_bytes or 0))
+    notes.append(f"reserved memory over {len(batches)} steps of batches drawn from the dataset: "
+                 f"{format_bytes(series.peak_reserved_bytes)} (last grew in step {series.stopped_growing_at}), "
+                 f"{format_bytes(grown)} over the worst case's two steps" + ("; added to the device total" if grown
+                                                                             else ""))
+    return total + grown
 
 
 def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | None, eval_peak: int | None,

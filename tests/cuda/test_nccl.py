@@ -1,0 +1,58 @@
+"""NCCL's buffers as a term of a rank's device total (`preflight.cuda._nccl`): NCCL's own defaults and environment,
+or the figure the user measured; one set per communicator."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import preflight
+from preflight import ParallelPlan, Run, Target
+from preflight.cuda._nccl import ASSUMED_CHANNELS, nccl_buffers
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from conftest import lm_batch, make_llama  # noqa: E402
+
+# NCCL's src/init.cc: DEFAULT_BUFFSIZE, DEFAULT_LL_BUFFSIZE, DEFAULT_LL128_BUFFSIZE
+SIMPLE, LL, LL128 = 4 * 2**20, 8 * 512 * 8 * 16, 120 * 640 * 8 * 8
+
+
+def test_the_model_follows_nccls_defaults_and_environment():
+    nbytes, note = nccl_buffers(1, env={})
+    assert nbytes == ASSUMED_CHANNELS * 2 * (SIMPLE + LL + LL128) and "assumed" in note
+    nbytes, note = nccl_buffers(3, env={"NCCL_MAX_NCHANNELS": "8", "NCCL_PROTO": "Simple",
+                                        "NCCL_BUFFSIZE": str(2**21)})
+    assert nbytes == 3 * 8 * 2 * 2**21 and "NCCL_MAX_NCHANNELS" in note and "3 communicator(s)" in note
+    assert nccl_buffers(0, env={}) is None
+    assert nccl_buffers(2, "100MiB")[0] == 2 * 100 * 2**20
+
+
+def test_a_ranks_device_total_adds_nccls_buffers_per_communicator():
+    model, batch = make_llama(), lm_batch(2, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    one = preflight.estimate(model, optimizer, batch, Run(target=Target(gpu="H100-80GB")))
+    assert not any("NCCL" in n for n in one.coverage.notes)  # one device: no communicator
+    plan = ParallelPlan(2, "fsdp2")
+    modelled = preflight.estimate(model, optimizer, batch, Run(target=Target(gpu="H100-80GB"), parallel=plan))
+    given = preflight.estimate(model, optimizer, batch, Run(target=Target(gpu="H100-80GB", nccl_buffers="100MiB"),
+                                                           parallel=plan))
+    assert modelled.device_total_bytes - given.device_total_bytes == nccl_buffers(1)[0] - 100 * 2**20
+    context = preflight.get_gpu("H100-80GB").context_bytes
+    assert given.device_total_bytes - given.peak_reserved_bytes == context + 100 * 2**20
+    assert any("as given" in n for n in given.coverage.notes)
+
+
+def test_nccl_buffers_are_checked_and_need_a_gpu(tmp_path):
+    with pytest.raises(ValueError):
+        Target(nccl_buffers="600")  # no unit
+    from preflight._cli import main
+
+    config = tmp_path / "c.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
+    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "16", "--nccl-buffers",
+                 "600MiB"]) == 2
+    assert Run(target=Target(nccl_buffers="600MiB")).cli_flags() == ["--nccl-buffers", "600MiB"]

@@ -5,7 +5,8 @@ varying batch shapes.
 **Saves.** For each configuration, `torch.multiprocessing` starts WORLD processes that each build the same Llama
 (transformers, LAYERS layers, hidden HIDDEN, vocab VOCAB; same seed), wrap it as users do (FSDP2: ``fully_shard`` on
 each decoder layer and the root; FSDP1: ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer})``,
-``use_orig_params=True``, ``device_id=cpu``), run two AdamW steps on a 4 x 128-token batch and then save as the run's
+``use_orig_params=True``, ``device_id=cpu``), run two AdamW steps on a 1 x 32-token batch (small, so that the save is
+the run's peak where it gathers) and then save as the run's
 `preflight.Checkpoint` says (`preflight._checkpoint.collect_state`: FSDP1's ``state_dict_type`` with
 ``optim_state_dict``, or torch's distributed ``get_model_state_dict`` / ``get_optimizer_state_dict`` for FSDP2).
 Each rank's measured peak over the whole (steps and save, one profiler session) is the profiler's allocator events
@@ -41,7 +42,8 @@ import torch.multiprocessing as mp
 
 REPEATS = 3
 WORLD = 2
-BATCH, SEQ = 4, 128
+BATCH, SEQ = 4, 128  # the steps over varying shapes: 4 sequences a batch
+SAVE_BATCH, SAVE_SEQ = 1, 32  # the saves: a small batch, so that a gathered state dict is the run's peak
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 STEPS = 12
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "phases.md")
@@ -54,7 +56,7 @@ def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512)
     model = LlamaForCausalLM(config)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (SAVE_BATCH, SAVE_SEQ), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
 
@@ -210,7 +212,8 @@ def main() -> None:
 
     mib = 2**20
     lines = ["## Checkpoint saves per rank (2 gloo processes, two AdamW steps then the save)", "",
-             f"Llama {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}; batch {BATCH} x {SEQ}; {REPEATS} runs each. "
+             f"Llama {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}; batch {SAVE_BATCH} x {SAVE_SEQ}; {REPEATS} runs "
+             "each. "
              "Predicted: the larger of the rank's training and saving figures; measured: the whole run's peak "
              "(call-end placement of gloo's lost frees), smallest and largest of the runs.", "",
              "| engine | save | rank | training MiB | saving MiB | predicted run peak MiB | measured min MiB | "

@@ -37,7 +37,7 @@ from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
-from preflight.trace._run import SAVE_PHASE
+from preflight.trace._run import SAVE_NOT_TRACED, SAVE_PHASE
 
 __all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
 
@@ -286,7 +286,7 @@ def estimate(
         events = round_events(events)
     nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
-                             allocator=allocator, nccl=nccl)
+                             allocator=allocator, nccl=nccl, notes=notes)
     if target.type == "cuda":
         terms = cuda_terms(events, gpu_info, allocator, nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
@@ -316,22 +316,24 @@ def estimate(
 
 
 def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: bool, target: torch.device,
-            gpu_info: GPU | None, allocator: AllocatorConfig | None,
-            nccl: tuple[int, str] | None = None) -> tuple[list[Event], PhaseEstimate | None]:
+            gpu_info: GPU | None, allocator: AllocatorConfig | None, nccl: tuple[int, str] | None = None,
+            notes: Sequence[str] = ()) -> tuple[list[Event], PhaseEstimate | None]:
     """``events`` split at a checkpoint save traced after the steps (the phase `SAVE_PHASE`; ``saves``: the run
     saves): the training step's events alone, and the save's `PhaseEstimate` (its peak with everything alive at the
     time, and on a CUDA target the reserved memory while it runs, which keeps what training reserved), or None
-    without a save."""
+    without a save. ``notes``: the trace's, which say when the save could not be traced (then its figure is a
+    labelled lower bound: the training state the steps leave)."""
     if not saves:
         return list(events), None
     # A save that allocates nothing (one device: the state dicts are views) leaves no event of its own.
     start = next((i for i, e in enumerate(events) if e.phase == SAVE_PHASE), len(events))
-    peak, breakdown, where, _ = summarize_events(events, categories, start=start)
-    where = SAVE_PHASE
+    peak, breakdown, _, _ = summarize_events(events, categories, start=start)
     total = None
     if target.type == "cuda":
         total = cuda_terms(events, gpu_info, allocator, nccl).device_total_bytes
-    return list(events[:start]), PhaseEstimate("saving", peak, breakdown, where, device_total_bytes=total)
+    how = "labelled lower bound" if any(n.startswith(SAVE_NOT_TRACED) for n in notes) else "traced"
+    return list(events[:start]), PhaseEstimate("saving", peak, breakdown, SAVE_PHASE, device_total_bytes=total,
+                                               how=how)
 
 
 def read_plan_off_ddp(model: nn.Module, run: Run) -> tuple[nn.Module, Run, str | None]:
@@ -614,11 +616,12 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def nccl_term(gpu: GPU | None, world_size: int, sharding: str | None) -> tuple[int, str] | None:
     """NCCL's buffers on one rank of a CUDA job of ``world_size`` ranks under ``sharding`` (`preflight.cuda._nccl`):
-    the default group, and one more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, hybrid
-    sharding: each dim is a process group of its own); None on one rank."""
+    the default group, and one more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, ``"tp2 x
+    fsdp2"``: each dim is a process group of its own); None on one rank. Hybrid sharding's two groups are not told
+    apart from its name, and count as one."""
     if world_size < 2:
         return None
-    two_dims = sharding is not None and (" x " in sharding or sharding.startswith(("pp", "tp")) and "fsdp" in sharding)
+    two_dims = sharding is not None and " x " in sharding
     return nccl_buffers(3 if two_dims else 1, None if gpu is None else gpu.nccl_buffers)
 
 
@@ -737,7 +740,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events = round_events(events)
         nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
-                                 allocator=allocator, nccl=nccl)
+                                 allocator=allocator, nccl=nccl, notes=notes)
         if target.type == "cuda":
             terms = cuda_terms(events, gpu_info, allocator, nccl)
             reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes

@@ -17,7 +17,7 @@ from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "cpu_profiled_peak", "freed_addresses", "lost_free_peaks", "placed_peaks",
-           "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak"]
+           "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak", "step_events"]
 
 
 def measure(
@@ -96,6 +96,50 @@ def measure(
         peak_bytes=sum(before.values()) + peak, device="cpu", method="cpu-profiler", steps=steps,
         step_seconds=seconds / steps,
     )
+
+
+def step_events(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], *,
+                step: StepFn | None = None) -> tuple[list[tuple[int, int]], list[int]]:
+    """Real CPU training steps over ``batches`` (one step each, in order; each batch copied as its step starts, as
+    a loader's batch arrives), as the allocation events the caching-allocator model replays
+    (`preflight.allocator.simulate`): ``(uid, nbytes)`` in time order, the parameters' storages first (as a trace
+    registers them), and the index of each step's last event (a step runs from its forward to the next one's).
+    **This trains the model.** The CPU profiler sees the allocations of this thread only."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    marks: list[Any] = []
+
+    def on_phase(i: int, phase: str) -> None:
+        if phase in ("forward", "end"):
+            while marks:
+                marks.pop().__exit__(None, None, None)
+        if phase == "forward":
+            marks.append(record_function(f"## step{i}"))
+            marks[-1].__enter__()
+
+    def copied(batch: Any) -> Any:
+        return map_tensors(lambda t: t.clone(), batch)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_steps(model, optimizer, None, step=step, precision=None, device_type="cpu", steps=len(batches),
+                  on_phase=on_phase, batches=lambda i: copied(batches[i - 1]))
+    allocations, calls = _profiled_allocations(prof, "## step")
+    events = [(uid, p.untyped_storage().nbytes()) for uid, p in enumerate(model.parameters())]
+    uids: dict[int, int] = {}
+    ends: list[int] = []
+    call_ends = sorted(end for _, end in calls)
+    for when, nbytes, ptr in allocations:
+        while call_ends and when > call_ends[0]:
+            ends.append(len(events) - 1)
+            call_ends.pop(0)
+        if nbytes > 0:
+            uids[ptr] = len(events)
+            events.append((len(events), nbytes))
+        elif ptr in uids:  # a block from before the steps (the parameters are listed already) is not freed here
+            events.append((uids.pop(ptr), nbytes))
+    ends += [len(events) - 1] * (len(batches) - len(ends))
+    return events, ends
 
 
 def cpu_profiled_peak(fn: Any, *, repair_lost_frees: bool = False,

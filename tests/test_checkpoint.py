@@ -317,3 +317,25 @@ def test_real_gloo_saves_each_rank_within_one_percent(engine, checkpoint):
         assert abs(predicted[rank] - measured[rank]) <= 0.01 * measured[rank], (rank, predicted, measured)
     if checkpoint.state_dict == "full":
         assert saving.per_rank_peak_bytes[0] > est.per_rank_peak_bytes[0]  # the save is rank 0's peak
+
+
+def test_a_save_the_trace_cannot_run_leaves_the_training_figures_and_labels_its_own():
+    class Fussy(nn.Module):  # its state_dict hook fails on fake tensors (it reads a value); training is fine
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _mlp()
+            self.register_state_dict_post_hook(lambda module, state, prefix, local: float(
+                next(iter(state.values())).sum()))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model, batch = Fussy(), torch.randn(32, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    plain = preflight.estimate(model, optimizer, batch, step=step)
+    saved = preflight.estimate(model, optimizer, batch, Run(checkpoint=Checkpoint()), step=step)
+    assert not saved.coverage.lower_bound and saved.peak_bytes == plain.peak_bytes
+    saving = saved.phase("saving")
+    assert saving.how == "labelled lower bound"
+    assert any(n.startswith("checkpoint save: not traced") for n in saved.coverage.notes)

@@ -11,6 +11,7 @@ from torch import nn
 import preflight
 from preflight import Run, Target
 from preflight._epoch import _step_ends
+from preflight._measure import step_events
 from preflight._steps import run_steps
 from preflight.allocator import simulate
 
@@ -24,49 +25,6 @@ def _model() -> nn.Module:
 
 def _step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).pow(2).mean()
-
-
-def _real_events(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]):
-    """The real steps' allocation events as ``(uid, nbytes)``, the storages alive before them first (in the order
-    the trace registers them: parameters), each batch made as its step starts (as a loader's batch arrives), and the
-    index of each step's last event."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    from preflight._measure import _profiled_allocations
-
-    marks = []
-
-    def on_phase(i: int, phase: str) -> None:  # a step runs from its forward to the next step's
-        if phase in ("forward", "end"):
-            while marks:
-                marks.pop().__exit__(None, None, None)
-        if phase == "forward":
-            marks.append(record_function(f"## step{i}"))
-            marks[-1].__enter__()
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_steps(model, optimizer, None, step=_step, precision=None, device_type="cpu", steps=len(batches),
-                  on_phase=on_phase, batches=lambda i: batches[i - 1].clone())
-    allocations, calls = _profiled_allocations(prof, "## step")
-    events, uids, next_uid = [], {}, 0
-    for p in model.parameters():
-        events.append((next_uid, p.untyped_storage().nbytes()))
-        next_uid += 1
-    ends = []
-    call_ends = sorted(end for _, end in calls)
-    for time, nbytes, ptr in allocations:
-        while call_ends and time > call_ends[0]:
-            ends.append(len(events) - 1)
-            call_ends.pop(0)
-        if nbytes > 0:
-            uids[ptr] = next_uid
-            events.append((next_uid, nbytes))
-            next_uid += 1
-        elif ptr in uids:
-            events.append((uids.pop(ptr), nbytes))
-    ends += [len(events) - 1] * (len(batches) - len(ends))
-    return events, ends
 
 
 def test_each_step_of_a_varying_sequence_is_predicted_to_the_byte_on_cpu():
@@ -103,7 +61,7 @@ def test_reserved_memory_over_the_sequence_matches_the_allocator_replay_of_the_r
     predicted = simulate(traced, report_after=ends, empty_cache_after=ends if empty_cache else ())
 
     real_model = _model()
-    real, real_ends = _real_events(real_model, torch.optim.AdamW(real_model.parameters()), batches)
+    real, real_ends = step_events(real_model, torch.optim.AdamW(real_model.parameters()), batches, step=_step)
     replayed = simulate(real, report_after=real_ends, empty_cache_after=real_ends if empty_cache else ())
     assert predicted.reserved_after == replayed.reserved_after
     assert predicted.peak_reserved_bytes == replayed.peak_reserved_bytes
@@ -172,3 +130,20 @@ def test_the_callbacks_prediction_takes_the_reserve_of_sampled_steps_when_asked(
     assert any(f"over {len(SIZES)} steps of batches drawn from the dataset" in n for n in sampled.coverage["notes"])
     with pytest.raises(ValueError, match="sampled_steps"):
         preflight.Loop(sampled_steps=-1)
+
+
+def test_a_language_model_over_token_batches_of_varying_lengths_is_traced():
+    # Each step's batch is twinned while the trace runs, with the value shadows its token ids need (the embedding's
+    # index check reads them): made outside the trace's modes.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import lm_batch, make_llama
+
+    model = make_llama()
+    series = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()),
+                                      [lm_batch(2, 16), lm_batch(2, 96), lm_batch(2, 32)])
+    assert series.estimate.coverage.traced and not series.estimate.coverage.lower_bound
+    assert len(series.step_peak_bytes) == 3 and series.estimate.steps == 3
+    assert series.step_peak_bytes[1] >= series.step_peak_bytes[2]  # 96 tokens hold at least what 32 do

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -42,11 +42,13 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow", "checkpoint_saver",
+__all__ = ["SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow", "checkpoint_saver",
            "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value", "trace_steps"]
 
 # The phase of a checkpoint save traced after the steps (`preflight._steps.run_steps`'s ``save``).
 SAVE_PHASE = "save"
+# The note of a save the trace could not run: the saving phase is then the training state the steps leave alone.
+SAVE_NOT_TRACED = "checkpoint save: not traced, its figure is the training state the steps leave, a lower bound"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
     fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
 
     def on_phase(i: int, phase: str) -> None:
-        if phase == "save":  # after the last step, outside every step (`preflight.Estimate.step_peaks`)
+        if phase == SAVE_PHASE:  # after the last step, outside every step (`preflight.Estimate.step_peaks`)
             tracker.end_backward()
             tracker.placeholders_allowed = False
             tracker.phase, tracker.phase_category = SAVE_PHASE, Category.TEMPORARIES
@@ -120,9 +122,9 @@ def checkpoint_saver(tracker: StorageTracker, checkpoint: Checkpoint | None, *, 
     drops it. ``host_is_device``: the target is the CPU. On another target, the entries a full state dict moves to
     the host (``offload_to_cpu``) leave the device (`StorageTracker.hosted`), which the CPU-hosted trace cannot
     see by itself. ``fake_world``: the trace runs in a fake process group, whose object collectives are answered
-    (`preflight._checkpoint.answered_object_collectives`) and where FSDP1's optimizer state is laid out by
-    `preflight._checkpoint.every_parameter_in_state` prepares FSDP1's optimizer state. ``gathers()``: a context the
-    save runs in (the engine's collectives as the job's backend runs them)."""
+    (`preflight._checkpoint.answered_object_collectives`), FSDP1's optimizer given a state for every trained
+    parameter first (`preflight._checkpoint.every_parameter_in_state`). ``gathers()``: a context the save runs in
+    (the engine's collectives as the job's backend runs them)."""
     if checkpoint is None:
         return None
     from preflight._checkpoint import answered_object_collectives, collect_state, engine_of, every_parameter_in_state
@@ -132,9 +134,13 @@ def checkpoint_saver(tracker: StorageTracker, checkpoint: Checkpoint | None, *, 
         engine = engine_of(model)
         if engine == "fsdp1" and fake_world:
             every_parameter_in_state(optimizer)
-        with answered_object_collectives() if fake_world else contextlib.nullcontext(), \
-                gathers() if gathers is not None else contextlib.nullcontext():
-            held = collect_state(model, optimizer, checkpoint, host_is_device=host_is_device)
+        try:
+            with answered_object_collectives() if fake_world else contextlib.nullcontext(), \
+                    gathers() if gathers is not None else contextlib.nullcontext():
+                held = collect_state(model, optimizer, checkpoint, host_is_device=host_is_device)
+        except Exception as err:  # noqa: BLE001 - the training step's figure stands; the save's is labelled
+            notes.append(f"{SAVE_NOT_TRACED} ({type(err).__name__}: {err})".splitlines()[0][:300])
+            return
         born = {e.uid for e in tracker.events[start:] if e.nbytes > 0}
         entries: list[int] = []
         for part, category in (("model", Category.PARAMETERS), ("optimizer", Category.OPTIMIZER_STATE)):
@@ -178,8 +184,8 @@ def trace_steps(
 ) -> TraceResult:
     """Trace ``steps`` training steps on fake tensors (and a checkpoint save after them, in the phase `SAVE_PHASE`,
     when ``checkpoint`` says the run saves). With ``batches``, step ``i`` trains on ``batches[i - 1]`` (``batch`` is
-    not used, ``steps`` is their number), each batch counted from its step's start until the next one replaces it. Nothing of the trace outlives it (`preflight.trace._leftovers`:
-    ``sweep`` is supplied by the decorator).
+    not used, ``steps`` is their number), each batch counted from its step's start until the next one replaces it.
+    Nothing of the trace outlives it (`preflight.trace._leftovers`: ``sweep`` is supplied by the decorator).
 
     Args:
         record_op: ``record_op(func, args) -> bool``; operators for which it is true are logged with their fake
@@ -352,20 +358,26 @@ class FakeRun:
         self._register_batch(batch, self.batch)
         self._twin_args = (trace_device, float_dtype_for(precision))
 
-    def _register_batch(self, batch: Any, fake_batch: Any) -> None:
-        for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
+    def _register_batch(self, batch: Any, fake_batch: Any, values: list[Any] | None = None) -> None:
+        """Count ``fake_batch`` as the inputs, with the value shadows of ``batch``'s small integer tensors
+        (``values``, made outside any mode, else here)."""
+        named = list(named_tensors(batch))
+        values = [shadow_value(real) for _, real in named] if values is None else values
+        for (path, _), fake, value in zip(named, iter_tensors(fake_batch), values):
             self.tracker.register(fake, Category.INPUTS)
             self.tracker.names[fake] = f"the batch{path}"
-            value = shadow_value(real)
             if value is not None:
                 self.tracker.shadow(fake, value)
 
     def step_batch(self, batch: Any) -> Any:
         """A fresh twin of ``batch`` counted as inputs from now on (`trace_steps`'s ``batches``): not kept by the
-        run, so it is freed with the step's last reference to it, as a loader's batch is."""
+        run, so it is freed with the step's last reference to it, as a loader's batch is. Made while the trace
+        runs, outside its modes (the user's tensors are read, never traced)."""
         device, cast = self._twin_args
-        fake = TwinMaker(self.fake_mode, device, cast_dtype=cast).batch(batch, cast=cast is not None)
-        self._register_batch(batch, fake)
+        with _disable_current_modes():
+            fake = TwinMaker(self.fake_mode, device, cast_dtype=cast).batch(batch, cast=cast is not None)
+            values = [shadow_value(real) for _, real in named_tensors(batch)]
+        self._register_batch(batch, fake, values)
         return fake
 
     @contextlib.contextmanager

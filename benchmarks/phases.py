@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 REPEATS = 3
 WORLD = 2
-BATCH, SEQ = 4, 128  # the steps over varying shapes: 4 sequences a batch
+BATCH = 4  # the steps over varying shapes: 4 sequences a batch
 SAVE_BATCH, SAVE_SEQ = 1, 32  # the saves: a small batch, so that a gathered state dict is the run's peak
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 STEPS = 12
@@ -157,48 +157,6 @@ def step_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def real_events(batches: list[dict[str, torch.Tensor]]) -> tuple[list[tuple[int, int]], list[int]]:
-    """The real CPU steps' allocation events as ``(uid, nbytes)`` (the parameters first, as the trace registers them;
-    each batch copied as its step starts) and each step's last event."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    from preflight._measure import _profiled_allocations
-    from preflight._steps import run_steps
-
-    model, _ = build()
-    optimizer = torch.optim.AdamW(model.parameters())
-    marks: list[Any] = []
-
-    def on_phase(i: int, phase: str) -> None:
-        if phase in ("forward", "end"):
-            while marks:
-                marks.pop().__exit__(None, None, None)
-        if phase == "forward":
-            marks.append(record_function(f"## step{i}"))
-            marks[-1].__enter__()
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_steps(model, optimizer, None, step=None, precision=None, device_type="cpu", steps=len(batches),
-                  on_phase=on_phase, batches=lambda i: {k: v.clone() for k, v in batches[i - 1].items()})
-    allocations, calls = _profiled_allocations(prof, "## step")
-    events = [(uid, p.untyped_storage().nbytes()) for uid, p in enumerate(model.parameters())]
-    uids: dict[int, int] = {}
-    ends: list[int] = []
-    call_ends = sorted(end for _, end in calls)
-    for when, nbytes, ptr in allocations:
-        while call_ends and when > call_ends[0]:
-            ends.append(len(events) - 1)
-            call_ends.pop(0)
-        if nbytes > 0:
-            uids[ptr] = len(events)
-            events.append((len(events), nbytes))
-        elif ptr in uids:
-            events.append((uids.pop(ptr), nbytes))
-    ends += [len(events) - 1] * (len(batches) - len(ends))
-    return events, ends
-
-
 def grew_in(peaks: tuple[int, ...]) -> int:
     return 1 + max(range(len(peaks)), key=lambda i: (peaks[i], -i))
 
@@ -245,7 +203,10 @@ def main() -> None:
     series = preflight.estimate_steps(model, torch.optim.AdamW(model.parameters()), batches)
     traced = series.estimate.events
     ends = _step_ends(traced, STEPS)
-    real, real_ends = real_events(batches)
+    from preflight._measure import step_events
+
+    real_model, _ = build()
+    real, real_ends = step_events(real_model, torch.optim.AdamW(real_model.parameters()), batches)
     for empty in (False, True):
         for source, events, marks in (("traced", traced, ends), ("real CPU events", real, real_ends)):
             sim = simulate(events, report_after=marks, empty_cache_after=marks if empty else ())

@@ -147,3 +147,16 @@ def test_a_language_model_over_token_batches_of_varying_lengths_is_traced():
     assert series.estimate.coverage.traced and not series.estimate.coverage.lower_bound
     assert len(series.step_peak_bytes) == 3 and series.estimate.steps == 3
     assert series.step_peak_bytes[1] >= series.step_peak_bytes[2]  # 96 tokens hold at least what 32 do
+
+
+@pytest.mark.slow
+def test_the_whole_run_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "whole_run.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the save peaks at" in done.stdout and "8 steps over batches of varying shapes" in done.stdout
+    assert "last grew in step" in done.stdout

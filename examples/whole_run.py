@@ -1,8 +1,8 @@
 """Plan the whole run, not one step: the checkpoint save as a phase of its own, per rank under FSDP2, and the
 reserved memory an epoch of varying lengths reaches on a GPU.
 
-Runs on CPU in about a minute and a half: python examples/whole_run.py (benchmarks/phases.py measures such saves and replays
-against real runs).
+Runs on CPU in about a minute and a half: python examples/whole_run.py (benchmarks/phases.py measures such saves
+and replays against real runs).
 """
 
 import torch

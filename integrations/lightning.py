@@ -477,7 +477,8 @@ def _checkpoint(trainer: pl.Trainer) -> Checkpoint | None:
         state_dict = getattr(trainer.strategy, "_state_dict_type", "full")
     elif "ModelParallelStrategy" in names:
         state_dict = "sharded" if getattr(trainer.strategy, "_save_distributed_checkpoint", True) else "full"
-    return Checkpoint(optimizer=not weights_only, state_dict=state_dict if state_dict in ("full", "sharded") else "full")
+    return Checkpoint(optimizer=not weights_only,
+                      state_dict=state_dict if state_dict in ("full", "sharded") else "full")
 
 
 def _ddp_buckets(trainer: pl.Trainer) -> int:

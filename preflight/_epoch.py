@@ -102,8 +102,8 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
         ValueError: no batches, or a parallel plan over several ranks.
 
     Example:
-        >>> series = preflight.estimate_steps(model, opt, sample_batches(loader, 16), Run(target=Target(  # doctest: +SKIP
-        ...     gpu="A100-80GB")))
+        >>> run = Run(target=Target(gpu="A100-80GB"))
+        >>> series = preflight.estimate_steps(model, opt, sample_batches(loader, 16), run)  # doctest: +SKIP
         >>> series.reserved_after_step, series.stopped_growing_at  # doctest: +SKIP
     """
     run = check_run(run)

@@ -571,8 +571,8 @@ def zero3_terms(ds: dict[str, Any], params: list[tuple[int, int, bool]], modules
     Known limitations: the forward order is the order the modules are registered in (``model.modules()``), not
     the traced call order, and the backward is taken as its reverse; the all-gather buffer's lifetime (until
     its handle is dropped) is taken as the module's; ``stage3_max_live_parameters`` only limits prefetching, as in
-    DeepSpeed; the reduce-scatter buffers of a full bucket are not counted; with offloading the caller drops the terms that
-    live on the host (`preflight.parallel._deepspeed.zero3_terms_for`).
+    DeepSpeed; the reduce-scatter buffers of a full bucket are not counted; with offloading the caller drops the
+    terms that live on the host (`preflight.parallel._deepspeed.zero3_terms_for`).
 
     Example:
         >>> ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})

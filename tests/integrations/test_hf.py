@@ -65,7 +65,8 @@ def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
     assert len(report["predicted_step_peaks"]) == 3 and all(report["predicted_step_peaks"])
     assert report["schedule"] == {"accumulate": 2, "zero_grad": "after_step", "max_grad_norm": 1.0,
                                   "grad_scaler": False,
-                                  "steps": 2, "optimizer_impl": None}  # the Trainer clips at 1.0 by default
+                                  "steps": 2, "optimizer_impl": None,
+                                  "sampled_steps": 0}  # the Trainer clips at 1.0 by default
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes", "preflight/relative_error"} <= logged

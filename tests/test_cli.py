@@ -600,6 +600,7 @@ def test_a_sharding_over_one_rank_is_said(config, capsys, tmp_path):
     assert "one rank holds every shard" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_planned_batch_takes_no_host_memory(config):
     """The planned batch is built on the meta device: 100 million sequences plan in the same host memory as 4
     (before, the OOM killer stopped it), and a batch too large for value shadows is a labelled lower bound."""
@@ -621,8 +622,10 @@ def test_a_planned_batch_takes_no_host_memory(config):
 
 @pytest.mark.parametrize("change, named", [
     ({"hidden_size": "big"}, "hidden_size"),  # a field of the wrong type
-    ({"num_attention_heads": 5}, "not a multiple of the number of attention heads"),  # an inconsistent config
-    ({"rope_scaling": {"type": "bogus", "factor": 2.0}}, "'bogus'"),  # a value the model cannot build
+    pytest.param({"num_attention_heads": 5}, "not a multiple of the number of attention heads",  # inconsistent
+                 marks=pytest.mark.slow),
+    pytest.param({"rope_scaling": {"type": "bogus", "factor": 2.0}}, "'bogus'",  # a value the model cannot build
+                 marks=pytest.mark.slow),
 ])
 def test_a_config_transformers_refuses_is_one_line_and_exit_2(tmp_path, change, named):
     path = tmp_path / "config.json"
@@ -757,6 +760,7 @@ def test_a_launchers_traceback_after_the_verdict_is_one_line_and_a_log(tmp_path)
     assert "exiting with status 3" in done.stderr  # preflight's own held-back line is shown
 
 
+@pytest.mark.slow
 def test_optimizer_impl_flag_plans_the_fused_step(config):
     peaks = {}
     for impl in (None, "fused"):
@@ -768,6 +772,7 @@ def test_optimizer_impl_flag_plans_the_fused_step(config):
     assert peaks["fused"] < peaks[None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
 def test_quantized_base_weights_are_planned_as_from_pretrained_loads_them(tmp_path, scheme):
     """`--quantize` builds on meta what a QLoRA / LLM.int8 recipe loads: from_pretrained with a BitsAndBytesConfig,
@@ -864,6 +869,7 @@ def test_generate_plans_model_generate_as_the_real_run_measures_it(config, tmp_p
     assert report["peak_bytes"] == sum(before.values()) + peak
 
 
+@pytest.mark.slow
 def test_bitsandbytes_optimizers_by_name(config, tmp_path):
     pytest.importorskip("bitsandbytes")
     state = {}

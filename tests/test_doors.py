@@ -62,6 +62,7 @@ def test_check(planned):
     assert report.run["parallel"]["sharding"] == "fsdp2" and report.run["precision"] == "bf16-mixed"
 
 
+@pytest.mark.slow
 def test_max_batch_size(planned):
     model = _model()
     result = preflight.max_batch_size(model, torch.optim.AdamW(model.parameters()), _batch, RUN, max_batch=BATCH)

@@ -62,6 +62,7 @@ def test_a_model_without_generate_is_refused_with_the_fix():
         preflight.estimate_generation(torch.nn.Linear(4, 4), torch.zeros(2, 4))
 
 
+@pytest.mark.slow
 def test_the_generation_example_runs():
     import subprocess
     import sys

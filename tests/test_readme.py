@@ -13,8 +13,9 @@ README = (ROOT / "README.md").read_text()
 # `pip install preflight-memory[...]` (quoted or not): the package is not on PyPI, so the command fails.
 FROM_PYPI = re.compile(r"pip install ['\"]?preflight-memory")
 # The two test tiers: the fast one before every commit, the slow one (multi-process, end-to-end trainers) in CI too.
-FAST_TESTS = 'python -m pytest -q -n 2 --dist loadfile -m "not slow"'
-SLOW_TESTS = "python -m pytest -q -n 2 --dist loadfile -m slow"
+# Each prints its 20 slowest tests, so that a CI log says where the time went.
+FAST_TESTS = 'python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=20'
+SLOW_TESTS = "python -m pytest -q -n 2 --dist loadfile -m slow --durations=20"
 HOW_LONG = re.compile(r"takes\s+(about\s+)?\d+(\s+to\s+\d+)?\s+minutes\s+on\s+2\s+CPU\s+cores")  # across line breaks
 
 

@@ -41,7 +41,8 @@ def test_clipping_and_scaler_run_torch_ops_in_order():
 
 
 @pytest.mark.parametrize("kw", [{"max_grad_norm": 1.0}, {"grad_scaler": True},
-                                {"max_grad_norm": 0.5, "grad_scaler": True, "accumulate": 2}])
+                                pytest.param({"max_grad_norm": 0.5, "grad_scaler": True, "accumulate": 2},
+                                             marks=pytest.mark.slow)])
 def test_prediction_matches_measurement_with_clipping_and_scaler(kw):
     model = make_gpt2(n_layer=2)
     batch = lm_batch(2, 32)

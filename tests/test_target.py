@@ -63,7 +63,9 @@ def test_expandable_segments_setting_changes_reserved_not_allocated():
         expandable.events, allocator.AllocatorConfig(expandable_segments=True)).peak_reserved_bytes
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op"])
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "zero3",
+                                      pytest.param("fsdp-full", marks=pytest.mark.slow),
+                                      pytest.param("fsdp-grad-op", marks=pytest.mark.slow)])
 def test_sharding_gives_each_rank_its_share(gpt2_cpu_and_cuda, sharding):
     # DDP and ZeRO rescale every allocation of the single-device trace; FSDP1's strategies trace each rank.
     model, _, single = gpt2_cpu_and_cuda
@@ -181,7 +183,8 @@ def test_offload_and_zero3_from_arguments():
         preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(4, "ddp", offload_params=True)))
 
 
-@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("sharding", [pytest.param("zero1", marks=pytest.mark.slow), "zero2",
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
 def test_a_zero_figure_counts_deepspeeds_gradient_reduction_buffers(sharding):
     # DeepSpeed 0.19.8 allocates `reduce_bucket_size` elements per gradient dtype for its gradient reduction
     # (twice with overlap_comm at stages 1 and 2); measured on 2 CPU processes: benchmarks/deepspeed_cpu.py.

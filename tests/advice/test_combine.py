@@ -45,6 +45,7 @@ def _measure_change(change: dict, precision: str | None = None) -> int:
     return preflight.measure(model, optimizer, batch, run=run).peak_bytes
 
 
+@pytest.mark.slow
 def test_a_combination_fits_where_no_single_change_does_and_matches_its_measured_peak():
     model, optimizer, batch = _setup()
     baseline = preflight.estimate(model, optimizer, batch, Run()).peak_bytes

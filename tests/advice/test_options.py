@@ -132,6 +132,7 @@ def test_micro_batch_suggestion_matches_measurement(gpt2_advice):
     assert s.predicted_peak_bytes == pytest.approx(real, rel=0.01)
 
 
+@pytest.mark.slow
 def test_hf_checkpointing_suggestion_matches_measurement(gpt2_advice):
     *_, suggestions = gpt2_advice
     s = by_change(suggestions, "gradient_checkpointing")
@@ -144,6 +145,7 @@ def test_hf_checkpointing_suggestion_matches_measurement(gpt2_advice):
     assert "recomputes" in s.cost
 
 
+@pytest.mark.slow
 def test_user_model_is_unchanged(gpt2_advice):
     model, opt, _, before, _ = gpt2_advice
     assert_unchanged(model, before)
@@ -152,6 +154,7 @@ def test_user_model_is_unchanged(gpt2_advice):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_ranking_and_other_options(gpt2_advice):
     model, opt, batch, _, suggestions = gpt2_advice
     fits = [s.fits for s in suggestions]
@@ -377,6 +380,7 @@ def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks
     assert checkpointed.predicted_peak_bytes == expected.peak_bytes
 
 
+@pytest.mark.slow
 def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
     # accelerate's hooks (and other tools) set `module.forward` on the instance: checkpointing runs that forward.
     import functools

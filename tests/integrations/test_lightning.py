@@ -97,6 +97,11 @@ def pl(request):
                                 "GPT": CLASSES[request.param][0], "Metrics": CLASSES[request.param][1]})
 
 
+# The heavier end-to-end runs take one package: the callback's code is the same in both, and what differs (imports,
+# hook names, the standalone package alone) is run on each by the tests that keep both.
+ONE_PACKAGE = pytest.mark.parametrize("pl", [L.__name__], indirect=True)
+
+
 def fit(module, callbacks=(), steps=3, logger=False, trainer_cls=None, **kwargs):
     trainer_cls = trainer_cls or _package_of(module).Trainer
     trainer = trainer_cls(max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
@@ -154,6 +159,7 @@ def test_training_sees_the_same_batches_and_weights_with_the_callback(pl):
 
 
 @pytest.mark.slow
+@ONE_PACKAGE
 def test_the_logged_metrics_are_unchanged(pl):
     """Logging every step: the loggers get the same metrics with preflight as without, preflight's own aside."""
     def run(callbacks):
@@ -324,6 +330,7 @@ def test_only_pytorch_lightning_installed(tmp_path):
 
 
 @pytest.mark.slow
+@ONE_PACKAGE
 def test_autotune_keeps_the_global_batch(tmp_path, pl):
     pytest.importorskip("preflight._autotune")
     torch.manual_seed(0)
@@ -381,6 +388,7 @@ print(f"RANK {{rank}} TRAINED", flush=True)
 
 
 @pytest.mark.slow
+@ONE_PACKAGE
 def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent), package=pl.name))
@@ -546,6 +554,7 @@ def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
 
 
 @pytest.mark.slow
+@ONE_PACKAGE
 def test_state_outside_the_model_trains_bitwise_identically_with_the_callback(pl):
     """A tensor counter in training_step, a criterion module with buffers kept outside the model and an SWA average
     updated by a global optimizer hook: the same weights, counter, criterion statistics and average with and

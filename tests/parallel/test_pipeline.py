@@ -83,6 +83,7 @@ def test_a_sequential_is_cut_into_contiguous_runs_that_keep_their_names():
         split_sequential(nn.Linear(2, 2), 0, 2)
 
 
+@pytest.mark.slow
 def test_each_stage_is_traced_and_the_schedule_sets_the_micro_batches_in_flight():
     """GPipe runs every micro-batch's forward before any backward; 1F1B holds at most (stages - stage) in flight.
     With 8 micro-batches over 4 stages, GPipe's first stage holds twice the activations 1F1B's does, and under
@@ -293,7 +294,8 @@ def test_transformers_cut_keeps_names_and_hands_on_hidden_states():
         split_transformers(_blocks(), 0, 2)
 
 
-@pytest.mark.parametrize("precision", [None, "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param(None, marks=pytest.mark.slow),
+                                       pytest.param("bf16-true", marks=pytest.mark.slow), "bf16-mixed"])
 def test_a_transformers_decoder_is_traced_per_stage(precision):
     """The stages exchange the hidden states in the dtype the step computes them in (parameters cast under
     bf16-true, autocast under bf16-mixed)."""
@@ -316,6 +318,7 @@ def _moe_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Ten
     return model, (ids, ids)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_decoder_is_cut_and_traced():
     """transformers 5's grouped experts run ``_grouped_mm`` in fp32 on CPU, which torch's meta function refuses:
     the stages' metadata inference runs the trace's own fake kernel for it."""
@@ -326,6 +329,7 @@ def test_a_mixture_of_experts_decoder_is_cut_and_traced():
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
 
+@pytest.mark.slow
 def test_lora_adapters_over_a_cut_decoder_are_traced():
     """The optimizer holds only the adapters; the frozen base weights on each stage need no optimizer entry."""
     from peft import LoraConfig, get_peft_model
@@ -484,6 +488,7 @@ def test_the_example_plans_each_schedule_per_stage():
     assert max(one_f_one_b) < min(gpipe)  # 1F1B holds fewer micro-batches than GPipe on every stage
 
 
+@pytest.mark.slow
 def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
     """``--pp 2`` cuts the model as transformers' own pipeline parallelism does and gives each stage rank the figure
     the Python API gives the same plan; combinations it does not trace are usage errors (exit 2)."""

@@ -145,6 +145,7 @@ def test_a_plan_that_cannot_be_applied_gives_a_labelled_lower_bound():
     assert est.breakdown["parameters"] == whole // 2 and est.breakdown["activations"] == 0
 
 
+@pytest.mark.slow
 def test_the_cli_plans_tensor_parallelism_with_the_models_own_plan(tmp_path, capsys):
     import json
 

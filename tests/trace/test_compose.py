@@ -215,6 +215,7 @@ def test_parameter_groups_whose_stretches_meet_in_zero_grad():
     _same(*_both(model, optimizer, _batch(), run=preflight.Run(loop=preflight.Loop(max_grad_norm=1.0))))
 
 
+@pytest.mark.slow
 def test_sharded_rank_and_hf_style_parameter_groups():
     model = _llama(6)
     decay = [p for n, p in model.named_parameters() if "norm" not in n]

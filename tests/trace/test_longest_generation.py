@@ -47,9 +47,11 @@ CASES = {
     "t5-beams": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, num_beams=3)),
     "t5-sampling": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, do_sample=True, num_return_sequences=2)),
 }
+SLOW_CASES = {"llama-beam-sampling", "llama-static-cache", "llama-sampling"}  # the fast tier: greedy, beams, T5
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
+                                  for case in CASES])
 def test_generation_is_predicted_to_the_measured_peak(case):
     make, generation = CASES[case]
     model = make().eval()
@@ -63,6 +65,7 @@ def test_generation_is_predicted_to_the_measured_peak(case):
     assert ("early-stop heuristic" in note) == (generation.get("num_beams", 1) > 1)
 
 
+@pytest.mark.slow
 def test_without_a_minimum_length_the_trace_runs_to_max_new_tokens():
     # The trace does not know the tokens, so it takes the longest generation: never below a real run, which may stop
     # at its end-of-sequence token, and equal to one that runs the whole length.

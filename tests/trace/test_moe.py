@@ -59,6 +59,11 @@ def moe_batch():
     return lm_batch(batch_size=2, seq=32)
 
 
+def _slow(*names: str) -> list:
+    """Families a test also runs in the slow tier: the fast tier traces one family per path."""
+    return [pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_grouped_experts_fp32(name):
@@ -68,14 +73,14 @@ def test_grouped_experts_fp32(name):
     assert abs(err) < MOE_TOL
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek-v3", "gpt-oss", "qwen3-next"])
+@pytest.mark.parametrize("name", ["deepseek-v3", *_slow("mixtral", "gpt-oss", "qwen3-next")])
 def test_grouped_experts_bf16_mixed(name):
     model = make_moe(name)  # fp32 master weights: the experts' grouped_mm runs fp32 under autocast
     err, _ = relative_error(model, torch.optim.AdamW(model.parameters()), moe_batch(), preflight.Run(precision="bf16-mixed"))
     assert abs(err) < MOE_TOL
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "olmoe", "jamba", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen2-moe", *_slow("olmoe", "jamba", "deepseek-v3")])
 def test_grouped_experts_lora(name):
     peft = pytest.importorskip("peft")
     target = LORA_TARGETS.get(name, ["q_proj", "v_proj"])
@@ -85,7 +90,7 @@ def test_grouped_experts_lora(name):
     assert abs(err) < MOE_TOL
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["mixtral", *_slow("qwen3-moe", "deepseek-v3")])
 def test_eager_experts_balanced_routing(name):
     # The real run routes by its random router; the trace assumes balanced routing: at these sizes the peak is not
     # inside the expert loop, so both agree.

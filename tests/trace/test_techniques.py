@@ -1,6 +1,7 @@
 """Memory techniques users switch on in their own step, traced from the code that runs: each predicted peak
 against the measured one on CPU (issue 25 §3)."""
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -70,6 +71,7 @@ def test_chunked_cross_entropy_is_traced_and_lowers_the_peak():
     assert chunked_est < full_est - 8 * 2**20
 
 
+@pytest.mark.slow
 def test_checkpointing_every_kth_block():
     peaks = {}
     for every in (0, 1, 2, 3):

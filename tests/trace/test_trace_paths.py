@@ -207,6 +207,7 @@ def test_a_module_casting_itself_in_forward_traces_and_is_restored():
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TOL
 
 
+@pytest.mark.slow
 def test_switch_transformers_router_cast_traces(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from transformers.models.switch_transformers import modeling_switch_transformers

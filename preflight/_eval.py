@@ -19,7 +19,7 @@ from torch import nn
 from preflight._warnings import warn
 from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
 from preflight.parallel import read_ddp, read_zero
-from preflight._estimate import _allocator_config, summarize_events
+from preflight._estimate import _allocator_config, nccl_term, summarize_events
 from preflight._generation import kv_cache_note
 from preflight._units import format_bytes
 from preflight._gpus import get_gpu, with_context
@@ -57,7 +57,8 @@ def estimate_eval(
         run: how the run trains (`preflight.Run`), as for `preflight.estimate`: its precision (``*-mixed`` runs the
             forward under autocast) and target (device or catalog GPU: its attention kernels, cuBLAS workspace, CUDA
             context in ``device_total_bytes``, and the allocator settings). The loop does not apply (one forward,
-            no gradients); a per-rank share under ``run.parallel`` is the caller's (`preflight.check` gives it).
+            no gradients); a per-rank share under ``run.parallel`` is the caller's (`preflight.check` gives it),
+            while its ranks' NCCL buffers are in ``device_total_bytes`` on a CUDA target, as `estimate` counts them.
         resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
             (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
 
@@ -123,16 +124,17 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
     precision, gpu = run.precision, run.target.gpu
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
+    plan = run.parallel
     ddp = read_ddp(model)  # the module a DDP wrapper runs; its buckets are the caller's resident state
     if ddp is not None:
-        model = ddp[0]
+        model, plan = ddp[0], plan or ddp[1]
     check_step(step)
     resident = {k: int(v) for k, v in (resident or {}).items() if v}
     unknown = set(resident) - {c.value for c in Category}
     if unknown:
         raise ValueError(f"`resident` keys should be category names {[c.value for c in Category]}, "
                          f"got {sorted(unknown)}.")
-    gpu_info = with_context(get_gpu(gpu) if gpu else None, run.target.cuda_context)
+    gpu_info = with_context(get_gpu(gpu) if gpu else None, run.target.cuda_context, run.target.nccl_buffers)
     target = resolve_device(run.target.planned_device, model)  # a catalog GPU is a CUDA target, as for estimate
     zero = read_zero(model, None)  # DeepSpeed ZeRO-3 partitioned it: its unpartitioned stand-in runs instead
     if zero is not None:
@@ -163,7 +165,9 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)
         events = round_events(events)
-        terms = cuda_terms(events, gpu_info, _allocator_config(run.target.allocator))  # as for training
+        # As for training: the job's communicators, made at its start, keep their buffers through evaluation.
+        nccl = None if plan is None else nccl_term(gpu_info, plan.world_size, plan.sharding)
+        terms = cuda_terms(events, gpu_info, _allocator_config(run.target.allocator), nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)

@@ -205,7 +205,9 @@ def predict(
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
         if eval_keeps_batch:
             resident["inputs"] = resident.get("inputs", 0) + schedule.accumulate * live_storage_bytes(batch, target)
-        eval_run = pinned(run, target)
+        # The plan the training estimate counted NCCL's communicators for (none for a strategy's DDP replicas,
+        # traced as one device): evaluation keeps the same buffers.
+        eval_run = pinned(run.replace(parallel=estimate_run.parallel or sharded), target)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(base_model, eval_batch, eval_run, step=eval_step, resident=resident)
 

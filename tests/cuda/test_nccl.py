@@ -56,3 +56,15 @@ def test_nccl_buffers_are_checked_and_need_a_gpu(tmp_path):
     assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "16", "--nccl-buffers",
                  "600MiB"]) == 2
     assert Run(target=Target(nccl_buffers="600MiB")).cli_flags() == ["--nccl-buffers", "600MiB"]
+
+
+def test_evaluation_under_a_plan_keeps_the_communicators_buffers():
+    # estimate_eval with the run's plan: the job's communicators outlive training, so its device total counts them
+    # as estimate does; the allocated figures do not move.
+    model, batch = make_llama(), lm_batch(2, 32)
+    target = Target(gpu="H100-80GB", nccl_buffers="100MiB")
+    one = preflight.estimate_eval(model, batch, Run(target=target))
+    ranks = preflight.estimate_eval(model, batch, Run(target=target, parallel=ParallelPlan(2, "ddp")))
+    assert ranks.peak_bytes == one.peak_bytes
+    assert ranks.device_total_bytes - one.device_total_bytes == 100 * 2**20
+    assert any("NCCL" in n for n in ranks.coverage.notes) and not any("NCCL" in n for n in one.coverage.notes)

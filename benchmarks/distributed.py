@@ -203,6 +203,17 @@ def _alive_storages() -> set[int]:
     return out
 
 
+def join_gloo(rank: int, world_size: int, port: int) -> None:
+    """This process as ``rank`` of a gloo group of ``world_size`` on localhost ``port``, as every benchmark's rank
+    runs: warnings off, one thread each (the machine's cores are shared by all ranks)."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str | None, nodes: int, port: int,
             queue: object, heap: bool = False) -> None:
     import torch.distributed as dist
@@ -215,10 +226,7 @@ def _worker(rank: int, world_size: int, sharding: str, family: str, mixed: str |
     from preflight._quiet import StderrFilter
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, port)
     try:
         model, batch = build(family)
         if sharding == "ddp":

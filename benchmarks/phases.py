@@ -93,17 +93,14 @@ def _worker(rank: int, world: int, engine: str, checkpoint: Any, port: int, queu
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases
+    from distributed import _CALL, _alive_storages, _Phases, join_gloo
     from preflight._checkpoint import collect_state
     from preflight._device import live_storage_bytes
     from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         model, batch = build()
         model = wrap(model, engine)

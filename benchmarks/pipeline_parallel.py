@@ -146,16 +146,13 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     from torch.distributed.fsdp import fully_shard
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases
+    from distributed import _CALL, _alive_storages, _Phases, join_gloo
     from preflight._device import live_storage_bytes
     from preflight._measure import freed_addresses, lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight.parallel import PPPlan
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         model, (x, y), loss_fn, split = build(kind)
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None

@@ -119,16 +119,13 @@ def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases
+    from distributed import _CALL, _alive_storages, _Phases, join_gloo
     from preflight._device import live_storage_bytes
     from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight._steps import run_steps
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # the machine's cores are shared by all ranks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     try:
         model, batch = build()
         model = lay_out(model, layout, world)

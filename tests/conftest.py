@@ -6,6 +6,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +157,17 @@ def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def example_output(name: str, timeout: int = 600) -> str:
+    """What ``examples/<name>`` prints, run as a user runs it (its own process); its exit code must be 0."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / name
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def spawned(worker, world: int, *args) -> dict:

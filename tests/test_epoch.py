@@ -151,12 +151,8 @@ def test_a_language_model_over_token_batches_of_varying_lengths_is_traced():
 
 @pytest.mark.slow
 def test_the_whole_run_example_runs():
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import example_output
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "whole_run.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "the save peaks at" in done.stdout and "8 steps over batches of varying shapes" in done.stdout
-    assert "last grew in step" in done.stdout
+    stdout = example_output("whole_run.py", timeout=900)
+    assert "the save peaks at" in stdout and "8 steps over batches of varying shapes" in stdout
+    assert "last grew in step" in stdout

@@ -64,11 +64,7 @@ def test_a_model_without_generate_is_refused_with_the_fix():
 
 @pytest.mark.slow
 def test_the_generation_example_runs():
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import example_output
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "generation.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "at generate" in done.stdout and "(48 decoding step(s))" in done.stdout
+    stdout = example_output("generation.py", timeout=600)
+    assert "at generate" in stdout and "(48 decoding step(s))" in stdout

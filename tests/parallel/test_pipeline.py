@@ -471,14 +471,11 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
 @pytest.mark.slow
 def test_the_example_plans_each_schedule_per_stage():
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "examples" / "pipeline_parallel.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    from conftest import example_output
+
+    stdout = example_output("pipeline_parallel.py", timeout=300)
+    lines = stdout.splitlines()
     single = float(re.search(r"one device: ([\d.]+) MiB", lines[0]).group(1))
     stages = [[float(x) for x in re.findall(r"([\d.]+) MiB", line.split("per stage", 1)[1].split("(")[0])]
               for line in lines[1:]]

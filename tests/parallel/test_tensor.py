@@ -269,14 +269,11 @@ def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree)
 @pytest.mark.slow
 def test_the_example_plans_each_layout_per_rank():
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    from conftest import example_output
+
+    stdout = example_output("tensor_parallel.py", timeout=300)
+    lines = stdout.splitlines()
     single = float(re.search(r"one device: ([\d.]+) MiB", lines[0]).group(1))
     per_rank = [re.findall(r"([\d.]+) MiB", line.split("per rank", 1)[1].split("(")[0]) for line in lines[1:]]
     assert [len(r) for r in per_rank] == [2, 2, 4]

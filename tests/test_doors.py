@@ -70,9 +70,9 @@ def test_max_batch_size(planned):
 
 
 @pytest.mark.slow
-def test_advise_predicts_each_option_under_the_same_plan():
+def test_advise_predicts_each_option_under_the_same_plan(planned):
     model = _model()
-    tight = RUN.replace(target=Target(budget=100_000))
+    tight = RUN.replace(target=Target(budget=planned - 1))  # single changes fit: no combination is searched
     suggestions = preflight.advise(model, torch.optim.AdamW(model.parameters()), _batch(), tight)
     bf16 = next(s for s in suggestions if s.change == {"precision": "bf16-true"})
     assert bf16.run == tight.replace(precision="bf16-true")  # the suggestion is the description, changed

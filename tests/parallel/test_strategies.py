@@ -93,8 +93,10 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
     assert (planned.predicted_peak_bytes, planned.eval_predicted_peak_bytes) == \
         (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
     # Over budget under a plan: the suggestions are predicted per rank under it too.
+    # Over by the headroom alone: single changes fit, so no combination is searched (tests/advice/test_combine.py).
     tight = predict(model, optimizer, lm_batch(2, 16),
-                    preflight.Run(target=preflight.Target(budget="100KiB"), parallel=plan, fast=False),
+                    preflight.Run(target=preflight.Target(budget=report.predicted_peak_bytes), parallel=plan,
+                                  fast=False),
                     options=Options(suggest=True))
     assert tight.fits is False and tight.suggestions
     bf16 = next(s for s in tight.suggestions if s["change"] == {"precision": "bf16-true"})

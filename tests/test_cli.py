@@ -734,6 +734,7 @@ def test_an_error_without_ctrl_c_is_not_called_an_interruption(monkeypatch, own_
         entry.run()
 
 
+@pytest.mark.slow
 def test_a_launchers_traceback_after_the_verdict_is_one_line_and_a_log(tmp_path):
     """A launcher turns the rank's exit 3 into a long traceback of its own; when the verdict is the point, preflight
     check shows one line and where the whole output went, and still the verdict's exit status."""

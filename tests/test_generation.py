@@ -25,6 +25,7 @@ def test_the_closed_form_is_the_one_users_compute():
     assert kv_cache_bytes(t5, sequences=2, tokens=10, source_tokens=30, itemsize=4) == 2 * 6 * 8 * 64 * 2 * 4 * 40
 
 
+@pytest.mark.slow
 def test_the_note_sets_the_formula_beside_the_traced_peak():
     model = make_llama().eval()  # 2 layers, 2 KV heads of 32 dims, fp32
     ids = torch.randint(1, 100, (3, 24), generator=torch.Generator().manual_seed(0))

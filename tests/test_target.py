@@ -183,8 +183,8 @@ def test_offload_and_zero3_from_arguments():
         preflight.estimate(model, opt, lm_batch(), run=preflight.Run(parallel=preflight.ParallelPlan(4, "ddp", offload_params=True)))
 
 
-@pytest.mark.parametrize("sharding", [pytest.param("zero1", marks=pytest.mark.slow), "zero2",
-                                      pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
 def test_a_zero_figure_counts_deepspeeds_gradient_reduction_buffers(sharding):
     # DeepSpeed 0.19.8 allocates `reduce_bucket_size` elements per gradient dtype for its gradient reduction
     # (twice with overlap_comm at stages 1 and 2); measured on 2 CPU processes: benchmarks/deepspeed_cpu.py.

@@ -65,6 +65,7 @@ def test_a_combination_fits_where_no_single_change_does_and_matches_its_measured
         assert best.change["micro_batch_size"] * best.change["accumulate_grad_batches"] >= 4
 
 
+@pytest.mark.slow
 def test_no_combination_is_searched_when_the_cheapest_change_fits_alone():
     model, optimizer, batch = _setup()
     baseline = preflight.estimate(model, optimizer, batch, Run()).peak_bytes

@@ -25,6 +25,7 @@ class Batches(torch.utils.data.Dataset):
         return {k: v[0] for k, v in lm_batch(1, 48).items()}
 
 
+@pytest.mark.slow
 def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = make_gpt2(n_layer=2, n_embd=64)

@@ -51,6 +51,7 @@ def make_trainer(tmp_path, *, train=None, eval_dataset=None, callbacks=(), steps
                    eval_dataset=eval_dataset, data_collator=pad_tokens, callbacks=list(callbacks))
 
 
+@pytest.mark.slow
 def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
     trainer = make_trainer(tmp_path, train=VariableTokens(fixed=48, key="input_ids"),
                            eval_dataset=VariableTokens(8, fixed=48, key="input_ids"),
@@ -359,6 +360,7 @@ def test_deepspeed_training_is_unchanged_by_the_callback(tmp_path):
         assert a["weights"] == b["weights"]
 
 
+@pytest.mark.slow
 def test_preflight_metrics_reach_the_loggers_not_the_console(tmp_path, capsys):
     """The loggers (a custom callback here, like TensorBoard's) get preflight's metrics; the console printer does
     not print a line of raw byte counts among the losses (issue 24, item 13)."""

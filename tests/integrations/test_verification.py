@@ -60,6 +60,7 @@ def fit(module, callback):
 
 @pytest.mark.parametrize("lengths", [[24, 40, 56, 72, 96], [96, 72, 56, 40, 24], [40, 96, 24, 72, 56]],
                          ids=["ascending", "descending", "mixed"])
+@pytest.mark.slow
 def test_each_step_is_compared_with_its_own_batch_and_nothing_leaks(lengths, capsys):
     callback = PreflightCallback(verify_steps=4)
     messages = fit(GPT(lengths), callback)
@@ -93,6 +94,7 @@ class WithValidation(GPT):
         return torch.utils.data.DataLoader(Ordered([80, 64]), batch_size=2, collate_fn=pad_tokens)
 
 
+@pytest.mark.slow
 def test_evaluation_inside_the_measured_window_is_measured_and_compared(capsys):
     callback = PreflightCallback(verify_steps=4)
     module = WithValidation([24, 40, 56, 72, 96])

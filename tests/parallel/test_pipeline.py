@@ -294,8 +294,8 @@ def test_transformers_cut_keeps_names_and_hands_on_hidden_states():
         split_transformers(_blocks(), 0, 2)
 
 
-@pytest.mark.parametrize("precision", [pytest.param(None, marks=pytest.mark.slow),
-                                       pytest.param("bf16-true", marks=pytest.mark.slow), "bf16-mixed"])
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [None, "bf16-true", "bf16-mixed"])
 def test_a_transformers_decoder_is_traced_per_stage(precision):
     """The stages exchange the hidden states in the dtype the step computes them in (parameters cast under
     bf16-true, autocast under bf16-mixed)."""

@@ -151,6 +151,7 @@ def test_lightning_callback_leaves_no_fakes_behind():
     assert not _fakes_in(lm._TABLES, lm._POSITIONS)
 
 
+@pytest.mark.slow
 def test_hf_callback_leaves_no_fakes_behind(tmp_path):
     pytest.importorskip("transformers")
     from transformers import Trainer, TrainingArguments

@@ -140,6 +140,7 @@ def test_falls_back_to_a_trace_search_when_traces_do_not_line_up():
     assert measured(ParityNet, parity_batch, 40, parity_step) <= budget < peaks[41]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_traced_as_a_micro_step(gpt2):
     model, opt = gpt2
     accumulated = max_batch_size(model, opt, lm_batch, run=preflight.Run(loop=preflight.Loop(accumulate=2), target=preflight.Target(budget="1GiB")), max_batch=3)

@@ -113,7 +113,8 @@ def test_precisions_and_attention(maker, kwargs):
 
 @pytest.mark.parametrize(
     "maker, precision, reentrant",
-    [(make_gpt2, None, False), (make_gpt2, None, True), (make_llama, "bf16-mixed", False)],
+    [(make_gpt2, None, False), (make_gpt2, None, True),
+     pytest.param(make_llama, "bf16-mixed", False, marks=pytest.mark.slow)],
     ids=["gpt2", "gpt2-reentrant", "llama-bf16-mixed"],
 )
 def test_gradient_checkpointing(maker, precision, reentrant):
@@ -125,6 +126,7 @@ def test_gradient_checkpointing(maker, precision, reentrant):
     assert abs(err) < TRANSFORMER_TOL
 
 
+@pytest.mark.slow
 def test_padded_batch_takes_the_real_mask_path():
     # With padding the real run builds a 4-D mask; without it, sdpa skips the mask. Value shadows of the
     # attention mask make the fake trace take the same branch in both cases.

@@ -437,6 +437,7 @@ def test_suggestions_compose_as_changes_of_the_run():
     assert "--precision bf16-true" in " ".join(bf16.to_dict()["cli_flags"])
 
 
+@pytest.mark.slow
 def test_the_optimizer_implementation_is_a_described_change_and_suggested_when_it_lowers_the_peak():
     """torch's default optimizer step on CUDA (foreach) holds a temporary the size of the parameters it updates; the
     fused step does not. `Loop(optimizer_impl=...)` plans it (same figure as an optimizer built with fused=True /

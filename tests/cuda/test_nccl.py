@@ -30,6 +30,7 @@ def test_the_model_follows_nccls_defaults_and_environment():
     assert nccl_buffers(2, "100MiB")[0] == 2 * 100 * 2**20
 
 
+@pytest.mark.slow
 def test_a_ranks_device_total_adds_nccls_buffers_per_communicator():
     model, batch = make_llama(), lm_batch(2, 32)
     optimizer = torch.optim.AdamW(model.parameters())

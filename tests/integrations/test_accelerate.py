@@ -49,6 +49,7 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
     assert data["steps_measured"] == 2 and abs(data["relative_error"]) < 0.01
 
 
+@pytest.mark.slow
 def test_an_evaluation_batch_between_measured_steps_is_measured_and_compared():
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_gpt2(n_layer=2, n_embd=64)

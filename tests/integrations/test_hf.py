@@ -127,6 +127,7 @@ def test_a_deep_model_is_composed_and_verified_and_fast_false_traces_it_in_full(
     assert reports[True]["steps_measured"] == 2 and abs(reports[True]["relative_error"]) < 0.01
 
 
+@pytest.mark.slow
 def test_training_sees_the_same_batches_and_weights_with_the_callback(tmp_path):
     def run(callbacks):
         seen = Seen()
@@ -263,6 +264,7 @@ def test_the_overflow_error_names_autotune(tmp_path):
         trainer.train()
 
 
+@pytest.mark.slow
 def test_evaluation_inside_the_measured_window_is_measured_and_compared(tmp_path, capsys):
     # Evaluation after step 2 of 4 measured steps: its batch (8 x 64 tokens) is measured from the model's forward to
     # the Trainer's on_prediction_step and compared with the eval prediction for that batch's shape.

@@ -525,6 +525,7 @@ def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_mode
     assert after.suggestions and said(after) == said(before)
 
 
+@pytest.mark.slow
 def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -550,6 +551,7 @@ def test_a_hybrid_wrapping_is_read_with_its_nodes_and_traced_as_before():
     assert est.per_rank_peak_bytes == alone.per_rank_peak_bytes
 
 
+@pytest.mark.slow
 def test_the_module_a_wrapper_holds_steps_through_the_root_wrapper_as_the_trainers_run_it():
     """The callbacks pass the module the root wrapper holds and step it (Lightning: ``training_step``, which its
     ``FSDPStrategy`` runs as the root's forward); the trace runs each step through the root's forward the same way,

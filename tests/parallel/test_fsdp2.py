@@ -74,6 +74,7 @@ def test_even_shards_trace_once_and_say_so():
     assert any("one trace stands for all 2" in n for n in est.coverage.notes)
 
 
+@pytest.mark.slow
 def test_sharding_is_cheaper_than_one_device_and_grows_with_fewer_ranks():
     model, optimizer, x = _setup()
     step = lambda m, b: m(b)  # noqa: E731
@@ -104,8 +105,9 @@ def test_the_users_objects_are_untouched_and_no_group_is_left():
     assert type(model) is Stack and type(model.layers[0]) is nn.Linear  # fully_shard would swap the classes
 
 
-@pytest.mark.parametrize("sharding, hybrid", [("fsdp2", False), ("fsdp-full", False), ("fsdp2", True),
-                                              ("fsdp-full", True)])
+@pytest.mark.parametrize("sharding, hybrid", [
+    ("fsdp2", False), pytest.param("fsdp-full", False, marks=pytest.mark.slow),
+    pytest.param("fsdp2", True, marks=pytest.mark.slow), ("fsdp-full", True)])
 def test_inside_a_job_ranks_are_traced_beside_its_group_which_is_left_as_it_was(sharding, hybrid):
     from torch.distributed import distributed_c10d as c10d
     from torch.testing._internal.distributed.fake_pg import FakeStore

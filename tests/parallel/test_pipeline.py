@@ -250,6 +250,7 @@ def _decoder_setup(seq: int = SEQ) -> tuple[_Decoder, tuple[torch.Tensor, torch.
     return model, (ids[:, :-1], ids[:, 1:])
 
 
+@pytest.mark.slow
 def test_a_users_own_split_is_traced():
     model, batch = _decoder_setup()
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,

@@ -86,6 +86,7 @@ def _local_param_bytes(model: torch.nn.Module, degree: int) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_hold_their_shards_and_every_rank_is_named():
     model, batch = _llama()
     optimizer = torch.optim.AdamW(model.parameters())

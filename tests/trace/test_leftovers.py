@@ -114,6 +114,7 @@ def _relative_error(model, batch) -> float:
     return (est.peak_bytes - measured.peak_bytes) / measured.peak_bytes
 
 
+@pytest.mark.slow
 def test_lightning_callback_leaves_no_fakes_behind():
     L = pytest.importorskip("lightning")
     from preflight.integrations.lightning import PreflightCallback

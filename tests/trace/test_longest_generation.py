@@ -47,7 +47,7 @@ CASES = {
     "t5-beams": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, num_beams=3)),
     "t5-sampling": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, do_sample=True, num_return_sequences=2)),
 }
-SLOW_CASES = {"llama-beam-sampling", "llama-static-cache", "llama-sampling", "t5-beams"}  # fast: greedy, beams
+SLOW_CASES = {"llama-beam-sampling", "llama-static-cache", "llama-sampling", "t5-beams", "llama-beams"}  # fast: greedy
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case

@@ -577,6 +577,7 @@ def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys)
     assert bf16["predicted_peak_bytes"] == json.loads(out.read_text())["peak_bytes"]
 
 
+@pytest.mark.slow
 def test_gradient_as_bucket_view_plans_ddp_with_bucket_views(config, tmp_path, capsys):
     out = tmp_path / "est.json"
     peaks = {}
@@ -593,6 +594,7 @@ def test_gradient_as_bucket_view_plans_ddp_with_bucket_views(config, tmp_path, c
     assert "--gradient-as-bucket-view is DDP's option" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_sharding_over_one_rank_is_said(config, capsys, tmp_path):
     # Issue 24, item 10: `--sharding zero3` without `--world-size` planned ZeRO-3 over one GPU without a word.
     out = tmp_path / "est.json"

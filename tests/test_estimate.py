@@ -294,6 +294,7 @@ def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zer
         preflight.estimate(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(zero_grad="sometimes")))
 
 
+@pytest.mark.slow
 def test_batch_encoding_batches_are_traced_like_dicts():
     from transformers import BatchEncoding  # what the HF Trainer's padding collators return
 

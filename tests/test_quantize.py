@@ -29,9 +29,9 @@ def _estimate(model):
     return preflight.estimate(model, optimizer, {"input_ids": ids, "labels": ids})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme, double_quant, checkpointing", [
-    ("nf4", True, False), pytest.param("fp4", False, True, marks=pytest.mark.slow),
-    pytest.param("int8", False, False, marks=pytest.mark.slow)])
+    ("nf4", True, False), ("fp4", False, True), ("int8", False, False)])
 def test_a_model_quantized_on_meta_traces_as_the_loaded_one(scheme, double_quant, checkpointing):
     from preflight._quantize import bnb_config, quantize_on_meta
 

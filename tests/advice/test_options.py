@@ -216,6 +216,7 @@ def test_generic_checkpointing_wraps_the_repeated_blocks():
     assert not any("peft" in x.change for x in suggestions)  # not a transformers model
 
 
+@pytest.mark.slow
 def test_a_failing_option_is_left_out_with_a_warning(monkeypatch):
     def broken(setup):
         raise RuntimeError("boom")

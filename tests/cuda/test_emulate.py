@@ -40,6 +40,7 @@ def test_eager_attention_probabilities_are_saved_in_fp32_for_a_cuda_target():
     assert _softmax_backward_dtypes(None, "cpu") == {torch.float16}
 
 
+@pytest.mark.slow
 def test_estimate_for_a_gpu_names_what_it_applied():
     model = make_gpt2(attn_implementation="sdpa")
     opt = torch.optim.AdamW(model.parameters())

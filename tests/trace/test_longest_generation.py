@@ -47,7 +47,8 @@ CASES = {
     "t5-beams": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, num_beams=3)),
     "t5-sampling": (make_t5, dict(max_new_tokens=12, min_new_tokens=12, do_sample=True, num_return_sequences=2)),
 }
-SLOW_CASES = {"llama-beam-sampling", "llama-static-cache", "llama-sampling", "t5-beams", "llama-beams"}  # fast: greedy
+SLOW_CASES = {"llama-beam-sampling", "llama-static-cache", "llama-sampling", "t5-beams", "llama-beams",
+              "t5-sampling"}  # the fast tier: greedy
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
@@ -81,6 +82,7 @@ def test_without_a_minimum_length_the_trace_runs_to_max_new_tokens():
     assert "(60 decoding step(s))" in " ".join(est.coverage.notes)
 
 
+@pytest.mark.slow
 def test_generation_inside_an_evaluation_step_is_traced():
     # A validation step that generates (as a LightningModule's may) traces through the same answers.
     model = make_t5().eval()

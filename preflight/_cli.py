@@ -184,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help=f"stop the script (its whole process group) if it has not finished after SECONDS; exit "
                           f"status {EXIT_TIMEOUT}")
+    chk.add_argument("--no-suggest", dest="suggest", action="store_false",
+                     help="when it does not fit, exit without ranking changes that would (each is a further trace)")
     chk.add_argument("script", nargs=argparse.REMAINDER, help="the command after --")
     chk.epilog = (f"Exit status: {EXIT_FITS} fits (or no budget), {EXIT_DOES_NOT_FIT} does not fit, "
                   f"{EXIT_NO_VERDICT} no verdict, {EXIT_USAGE} no report or bad input, {EXIT_TIMEOUT} --timeout "
@@ -911,7 +913,8 @@ def _check(args: argparse.Namespace) -> int:
         for key, value in (("PREFLIGHT_GPU", args.gpu), ("PREFLIGHT_BUDGET", budget),
                            ("PREFLIGHT_WORLD_SIZE", args.world_size if args.world_size > 1 else None),
                            ("PREFLIGHT_SHARDING", args.sharding), ("PREFLIGHT_HEADROOM", args.headroom),
-                           ("PREFLIGHT_FAST", None if args.fast else "0")):
+                           ("PREFLIGHT_FAST", None if args.fast else "0"),
+                           ("PREFLIGHT_SUGGEST", None if args.suggest else "0")):
             if value is not None:  # a number of bytes says its unit: a bare number is refused as a size
                 env[key] = f"{value}B" if key == "PREFLIGHT_BUDGET" and isinstance(value, int) else str(value)
         code = _run_child(command, env, args.timeout, report_path)

@@ -11,6 +11,7 @@ callbacks, ``preflight.check``) predicts, writes its report, and ends the proces
 ``PREFLIGHT_WORLD_SIZE``  plan per rank for this many data-parallel ranks
 ``PREFLIGHT_SHARDING``    ... with this sharding (ddp, zero1, zero2, zero3, fsdp-full, fsdp-grad-op, fsdp2)
 ``PREFLIGHT_HEADROOM``    keep this fraction of the budget free
+``PREFLIGHT_SUGGEST=0``   when it does not fit, skip the ranked suggestions (``check --no-suggest``)
 =======================  =========================================================================
 """
 
@@ -48,6 +49,7 @@ class DryRunSettings:
     sharding: str | None = None
     headroom: float | None = None
     fast: bool | None = None  # `preflight check --full`: False
+    suggest: bool = True  # `preflight check --no-suggest`: False
 
     def run(self) -> Any:
         """What ``preflight check``'s flags say of the run, as a `preflight.Run` whose unset fields are defaults (to
@@ -87,6 +89,7 @@ def settings_from_env(environ: dict[str, str] | None = None) -> DryRunSettings:
         sharding=env.get("PREFLIGHT_SHARDING") or None,
         headroom=headroom_value,
         fast={"0": False, "1": True}.get(env.get("PREFLIGHT_FAST", "")),
+        suggest=env.get("PREFLIGHT_SUGGEST", "1") != "0",
     )
 
 

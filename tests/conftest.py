@@ -185,6 +185,20 @@ def spawned(worker, world: int, *args) -> dict:
     return dict(queue.get() for _ in range(world))
 
 
+def only_options(monkeypatch: pytest.MonkeyPatch, *names: str, combination: bool = False) -> None:
+    """Let `preflight.advise` trace only the single options named (as in `preflight.advice._options.OPTIONS`), and
+    no combination unless asked: for tests whose assertions are about how a plan, a door or the CLI carries
+    suggestions, not about every option (`tests/advice/test_options.py` traces each, `tests/advice/test_combine.py`
+    the combination search)."""
+    from preflight.advice import _options
+
+    known = [name for name, _ in _options.OPTIONS]
+    assert set(names) <= set(known), (names, known)
+    monkeypatch.setattr(_options, "OPTIONS", tuple(o for o in _options.OPTIONS if o[0] in names))
+    if not combination:
+        monkeypatch.setattr(_options, "_combination", lambda setup, singles: [])
+
+
 def spy_all_reduce(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record ``(elements, group size)`` of every ``torch.distributed.all_reduce`` from now on (it still runs)."""
     import torch.distributed as dist

@@ -96,6 +96,18 @@ def test_check_reports_a_script_that_never_reaches_preflight(tmp_path, capsys):
     assert "without reaching a preflight check" in capsys.readouterr().err
 
 
+def test_check_no_suggest_reaches_the_scripts_checks_through_the_environment():
+    from preflight._dryrun import settings_from_env
+    from preflight.verdict import Options
+    from preflight.verdict._predict import _with_environment
+
+    assert settings_from_env({}).suggest and not settings_from_env({"PREFLIGHT_SUGGEST": "0"}).suggest
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PREFLIGHT_SUGGEST", "0")
+        assert _with_environment(Options(suggest=True))[0].suggest is False
+    assert _with_environment(Options(suggest=True))[0].suggest is True
+
+
 @pytest.mark.slow
 def test_check_propagates_the_dry_run_verdict(tmp_path):
     # A script that finishes its dry run the way the callbacks do: report, then exit 0 or 3.
@@ -119,12 +131,14 @@ def test_check_propagates_the_dry_run_verdict(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("budget, code", [("4GiB", 0), ("100MiB", 3)])
 def test_check_dry_runs_an_example_script(budget, code):
-    # The example's own check honours the dry run: it predicts, reports and exits before training.
+    # The example's own check honours the dry run: it predicts, reports and exits before training. Over budget,
+    # --no-suggest exits at the verdict without ranking changes (tests/advice search them).
     example = str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "accelerate_loop.py")
-    result = run_cli("check", "--budget", budget, "--", sys.executable, example)
+    result = run_cli("check", "--budget", budget, "--no-suggest", "--", sys.executable, example)
     assert result.returncode == code, result.stderr[-2000:]
     assert ("DOES NOT FIT" in result.stdout) == (code == 3)
     assert "measured" not in result.stdout  # it stopped before step one: nothing was trained or verified
+    assert "predicting what to change" not in result.stderr and "suggestion" not in result.stdout
 
 
 @pytest.mark.slow

@@ -161,20 +161,8 @@ def advise(
         )
     setup = _Setup(model, optimizer, batch, step, run, target, budget_bytes, usable_bytes(budget_bytes, headroom),
                    headroom, make_batch, baseline)
-    options: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
-        ("optimizer implementation", _optimizer_impl),
-        ("micro-batch", _micro_batch),
-        ("activation checkpointing", _checkpointing),
-        ("8-bit AdamW", _adamw8bit),
-        ("LoRA", _lora),
-        ("QLoRA", _qlora),
-        ("bf16 precision", _bf16),
-        ("sharding", _sharding),
-        ("optimizer offload", _offload),
-        ("allocator setting", _allocator),
-    )
     ranked: list[Suggestion] = []
-    for name, option in options:
+    for name, option in OPTIONS:
         try:
             ranked.extend(dataclasses.replace(s, changes=(key,)) for key, s in option(setup))
         except NotRestoredError:
@@ -496,3 +484,18 @@ def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
     pipeline = setup.run.parallel is not None and setup.run.parallel.pp is not None
     found = combine(setup, moves, others=largest_pipeline_micro_batch if pipeline else largest_micro_batch)
     return [] if found is None else [found]
+
+
+# The single options `advise` traces, in this order: (name in its warnings, the function listing its suggestions).
+OPTIONS: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
+    ("optimizer implementation", _optimizer_impl),
+    ("micro-batch", _micro_batch),
+    ("activation checkpointing", _checkpointing),
+    ("8-bit AdamW", _adamw8bit),
+    ("LoRA", _lora),
+    ("QLoRA", _qlora),
+    ("bf16 precision", _bf16),
+    ("sharding", _sharding),
+    ("optimizer offload", _offload),
+    ("allocator setting", _allocator),
+)

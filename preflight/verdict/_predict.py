@@ -436,11 +436,13 @@ def lower_bound_report(model: nn.Module, optimizer: torch.optim.Optimizer, optio
 
 
 def _with_environment(options: Options) -> tuple[Options, Any]:
-    """``options`` with the headroom ``preflight check`` asked for through the environment (`preflight._dryrun`),
-    and those settings (`DryRunSettings.run` gives what they say of the run)."""
+    """``options`` with the headroom and suggestions ``preflight check`` asked for through the environment
+    (`preflight._dryrun`), and those settings (`DryRunSettings.run` gives what they say of the run)."""
     settings = settings_from_env()
     if settings.headroom is not None:
         options = dataclasses.replace(options, headroom=settings.headroom)
+    if not settings.suggest:
+        options = dataclasses.replace(options, suggest=False)
     return options, settings
 
 

@@ -494,11 +494,15 @@ def test_the_callbacks_give_a_wrapped_fsdp1_model_a_per_rank_verdict():
 
 
 @pytest.mark.slow
-def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_model_before_wrapping():
+def test_a_wrapped_fsdp1_models_evaluation_and_suggestions_are_those_of_the_model_before_wrapping(monkeypatch):
     # Evaluation and the suggestions' options run on the wrapped model's unwrapped meta copy
     # (`preflight.parallel.stand_in`) under the plan read off the wrapping: the figures predicted before wrapping.
+    from conftest import only_options
     from preflight.verdict import Options, predict
     from preflight.parallel import ParallelPlan, fsdp_plan
+
+    # Three options whose figures depend on the plan (each traced per rank); test_options.py traces every one.
+    only_options(monkeypatch, "activation checkpointing", "bf16 precision", "sharding")
 
     model, optimizer, x = _setup()
     plan = ParallelPlan(WORLD, "fsdp-full", fsdp=FSDP1Plan(units=_UNITS))

@@ -185,10 +185,14 @@ def test_a_model_fully_shard_wrapped_is_traced_per_rank_as_before_it_was_wrapped
 
 
 @pytest.mark.slow
-def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_before_wrapping():
+def test_a_fully_shard_wrapped_models_evaluation_and_suggestions_are_those_before_wrapping(monkeypatch):
     # As for FSDP1 (test_fsdp1.py): evaluation and the options run on the unwrapped meta copy under the read plan.
+    from conftest import only_options
     from preflight.verdict import Options, predict
     from preflight.parallel import ParallelPlan
+
+    # Three options whose figures depend on the plan (each traced per rank); test_options.py traces every one.
+    only_options(monkeypatch, "activation checkpointing", "bf16 precision", "sharding")
 
     model, optimizer, x = _setup()
     plan = ParallelPlan(WORLD, "fsdp2")

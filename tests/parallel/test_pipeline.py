@@ -526,13 +526,17 @@ def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, capsys):
+def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, capsys, monkeypatch):
     """Over budget under a pipeline plan, the micro-batch suggestion keeps the step batch and cuts it into more
     micro-batches (the schedule's accumulation): its figure is the estimate of that plan, and the first fitting
-    suggestion's command exits 0."""
+    suggestion's command exits 0. Only the micro-batch option is traced (each option is a pipeline estimate;
+    tests/advice/test_options.py traces every option)."""
     import json
 
+    from conftest import only_options
     from preflight._cli import main
+
+    only_options(monkeypatch, "micro-batch")
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": WIDTH, "intermediate_size": 344,

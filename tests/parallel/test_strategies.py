@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import lm_batch, make_gpt2
+from conftest import lm_batch, make_gpt2, only_options
 from torch.distributed.fsdp import ShardingStrategy
 
 import preflight
@@ -94,10 +94,13 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
         (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
     # Over budget under a plan: the suggestions are predicted per rank under it too.
     # Over by the headroom alone: single changes fit, so no combination is searched (tests/advice/test_combine.py).
-    tight = predict(model, optimizer, lm_batch(2, 16),
-                    preflight.Run(target=preflight.Target(budget=report.predicted_peak_bytes), parallel=plan,
-                                  fast=False),
-                    options=Options(suggest=True))
+    # Only the option asserted on is traced (tests/advice/test_options.py traces each under a plan).
+    with pytest.MonkeyPatch.context() as patch:
+        only_options(patch, "bf16 precision")
+        tight = predict(model, optimizer, lm_batch(2, 16),
+                        preflight.Run(target=preflight.Target(budget=report.predicted_peak_bytes), parallel=plan,
+                                      fast=False),
+                        options=Options(suggest=True))
     assert tight.fits is False and tight.suggestions
     bf16 = next(s for s in tight.suggestions if s["change"] == {"precision": "bf16-true"})
     assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(precision="bf16-true", parallel=preflight.ParallelPlan(4, "fsdp-full"))).peak_bytes

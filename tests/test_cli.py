@@ -566,9 +566,13 @@ def test_check_full_reaches_the_script_as_an_environment_variable(tmp_path):
 
 
 @pytest.mark.slow
-def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys):
+def test_suggestions_under_a_sharded_plan_are_per_rank(config, tmp_path, capsys, monkeypatch):
     """--world-size/--sharding: each suggestion is predicted per rank under the same plan, the stronger sharding
-    of FSDP included (SHARD_GRAD_OP -> FULL_SHARD)."""
+    of FSDP included (SHARD_GRAD_OP -> FULL_SHARD). The two options asserted on are traced (test_options.py
+    traces each under a plan)."""
+    from conftest import only_options
+
+    only_options(monkeypatch, "sharding", "bf16 precision")
     out = tmp_path / "est.json"
     plan = ["estimate", "--hf-config", config, "--batch", "4", "--seq", "32", "--world-size", "2",
             "--sharding", "fsdp-grad-op"]

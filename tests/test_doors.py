@@ -70,7 +70,10 @@ def test_max_batch_size(planned):
 
 
 @pytest.mark.slow
-def test_advise_predicts_each_option_under_the_same_plan(planned):
+def test_advise_predicts_each_option_under_the_same_plan(planned, monkeypatch):
+    from conftest import only_options
+
+    only_options(monkeypatch, "bf16 precision")  # the option asserted on (test_options.py traces each)
     model = _model()
     tight = RUN.replace(target=Target(budget=planned - 1))  # single changes fit: no combination is searched
     suggestions = preflight.advise(model, torch.optim.AdamW(model.parameters()), _batch(), tight)

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import VOCAB, make_gpt2 as tiny_gpt2
+from conftest import VOCAB, make_gpt2 as tiny_gpt2, only_options
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -280,9 +280,10 @@ def test_optimizer_offload_suggestion_matches_planning_it():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim_bits", [32, 8])
-def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits):
+def test_a_32bit_bitsandbytes_optimizer_is_offered_its_8bit_state(optim_bits, monkeypatch):
     # issue 10: known by configuration (args.optim_bits), as HF builds it: bnb.optim.AdamW(..., optim_bits=...)
     bnb = pytest.importorskip("bitsandbytes")
+    only_options(monkeypatch, "8-bit AdamW", "optimizer implementation")  # the options that change the optimizer
     model = make_gpt2()
     opt = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=optim_bits, is_paged=True)
     batch = lm_batch(2)
@@ -327,10 +328,11 @@ def test_under_a_plan_every_option_is_predicted_per_rank():
     assert all(s.change["world_size"] == 4 for s in sharded.values())
     for name, s in sharded.items():
         assert s.predicted_peak_bytes == preflight.estimate(model, opt, batch, run=preflight.Run(parallel=preflight.ParallelPlan(4, name))).peak_bytes < base.peak_bytes
-    # A DeepSpeed plan keeps its config, at a higher stage.
+    # A DeepSpeed plan keeps its config, at a higher stage (only the sharding option traced: the others were above).
     config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 10_000}}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("ignore")
+        only_options(patch, "sharding")
         zero = advise(model, opt, lm_batch(1, 8), run=preflight.Run(target=preflight.Target(budget=1), parallel=deepspeed_plan(config, world_size=4)))
     stage3 = next(s for s in zero if s.change.get("zero_stage") == 3)
     assert stage3.change == {"sharding": "zero3", "world_size": 4, "zero_stage": 3}
@@ -360,7 +362,7 @@ class _CheckpointedBlocks(nn.Module):
 
 
 @pytest.mark.slow
-def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks():
+def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks(monkeypatch):
     # The per-rank trace copies the model: the checkpointed forward must run the copy's blocks, not the user's
     # (a closure over the user's block ran it outside FSDP's program: 179,752 B predicted here against 192,840 B).
     from conftest import Stack
@@ -372,6 +374,7 @@ def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks
     x = torch.randn(8, 64)
     opt = torch.optim.AdamW(stack.parameters())
     plan = ParallelPlan(2, "fsdp2")
+    only_options(monkeypatch, "activation checkpointing")
     base = preflight.estimate(stack, opt, x, step=lambda m, b: m(b), run=preflight.Run(parallel=plan))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -479,7 +482,7 @@ def test_the_optimizer_implementation_is_a_described_change_and_suggested_when_i
 
 
 @pytest.mark.slow
-def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads():
+def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads(monkeypatch):
     """QLoRA's figure is the trace of the model a QLoRA recipe loads: from_pretrained in NF4 with double
     quantization (computing in bf16 under bf16-mixed), prepare_model_for_kbit_training, LoRA on every linear layer
     but the head; that model's trace matches its measured peak (tests/trace/test_quantized.py)."""
@@ -499,6 +502,7 @@ def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads():
     run = preflight.Run(precision="bf16-mixed")
     need = preflight.estimate(model, optimizer, batch, run).required_bytes
     before = state_of(model)
+    only_options(monkeypatch, "LoRA", "QLoRA")
     suggestions = advise(model, optimizer, batch, run.replace(target=preflight.Target(budget=need - 1)))
     assert_unchanged(model, before)
     qlora = next(s for s in suggestions if s.changes == ("qlora",))

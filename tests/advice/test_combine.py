@@ -92,7 +92,12 @@ LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "n
 
 
 @pytest.mark.slow
-def test_cli_prints_a_command_for_the_first_fitting_set_up_and_it_exits_0(tmp_path, capsys):
+def test_cli_prints_a_command_for_the_first_fitting_set_up_and_it_exits_0(tmp_path, capsys, monkeypatch):
+    from conftest import only_options
+
+    # The combination is searched over every applicable move; of the singles, two are traced (the test above
+    # traces them all).
+    only_options(monkeypatch, "micro-batch", "bf16 precision", combination=True)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA))
     flags = ["--hf-config", str(config), "--batch", "4", "--seq", "128", "--precision", "bf16-mixed"]

@@ -221,8 +221,10 @@ def test_a_failing_option_is_left_out_with_a_warning(monkeypatch):
     def broken(setup):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(advise_module, "_checkpointing", broken)
-    monkeypatch.setattr(advise_module, "_adamw8bit", lambda setup: [])  # keep the test quick
+    options = {name: option for name, option in advise_module.OPTIONS}
+    options["activation checkpointing"] = broken
+    options["8-bit AdamW"] = lambda setup: []  # keep the test quick
+    monkeypatch.setattr(advise_module, "OPTIONS", tuple(options.items()))
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.warns(RuntimeWarning, match="left out the activation checkpointing option: RuntimeError: boom"):

@@ -66,7 +66,10 @@ def test_a_combination_fits_where_no_single_change_does_and_matches_its_measured
 
 
 @pytest.mark.slow
-def test_no_combination_is_searched_when_the_cheapest_change_fits_alone():
+def test_no_combination_is_searched_when_the_cheapest_change_fits_alone(monkeypatch):
+    from conftest import only_options
+
+    only_options(monkeypatch, "micro-batch", "bf16 precision", combination=True)  # the search is what is asserted
     model, optimizer, batch = _setup()
     baseline = preflight.estimate(model, optimizer, batch, Run()).peak_bytes
     found = advise(model, optimizer, batch, Run(target=Target(budget=baseline - 1)))

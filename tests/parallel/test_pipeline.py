@@ -540,7 +540,7 @@ def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, cap
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": WIDTH, "intermediate_size": 344,
-                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                   "vocab_size": 2048, "max_position_embeddings": 256}))
     flags = ["estimate", "--hf-config", str(config), "--seq", "128", "--pp", "2"]
     assert main([*flags, "--batch", "1", "--microbatches", "8", "--json", str(tmp_path / "finer.json")]) == 0

@@ -30,6 +30,7 @@ from preflight._steps import Loop, StepFn
 from preflight._units import format_bytes
 from preflight._version import __version__
 from preflight.cuda import WORKSPACE_UIDS
+from preflight.cuda._nccl import nccl_buffers
 from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
 from preflight.parallel import held_tensors, read_tp, stand_in
 from preflight.trace import float_dtype_for
@@ -181,6 +182,11 @@ def predict(
         total = None if total is None else total + buckets
         breakdown["gradients"] += buckets
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
+    # The replicas' communicator: its NCCL buffers in the device total, as `estimate` counts them for a DDP plan.
+    replicas_nccl = _replicas_nccl(run) if buckets and total is not None else None
+    if replicas_nccl is not None:
+        total += replicas_nccl[0]
+        notes.append(f"{replicas_nccl[1]} (the trainer's DDP replicas' process group)")
 
     # A model FSDP already wrapped: its evaluation step and the suggestions' options run on its unwrapped meta copy
     # (`preflight.parallel.stand_in`), rescaled to the rank or traced per rank under its own plan.
@@ -205,9 +211,10 @@ def predict(
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
         if eval_keeps_batch:
             resident["inputs"] = resident.get("inputs", 0) + schedule.accumulate * live_storage_bytes(batch, target)
-        # The plan the training estimate counted NCCL's communicators for (none for a strategy's DDP replicas,
-        # traced as one device): evaluation keeps the same buffers.
-        eval_run = pinned(run.replace(parallel=estimate_run.parallel or sharded), target)
+        # The plan the training estimate counted NCCL's communicators for (a strategy's DDP replicas, traced as one
+        # device, have theirs added above): evaluation keeps the same buffers.
+        eval_run = pinned(run.replace(parallel=estimate_run.parallel or sharded or (
+            run.parallel if replicas_nccl is not None else None)), target)
         with progress("tracing the evaluation step on fake tensors", enabled=talk):
             eval_est = estimate_eval(base_model, eval_batch, eval_run, step=eval_step, resident=resident)
 
@@ -268,7 +275,8 @@ def predict(
         step_predictor=step_predictor,
         eval_predictor=eval_predictor,
     )
-    report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets)
+    report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets,
+                            0 if replicas_nccl is None else replicas_nccl[0])
     for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
         if info is not None and info.failed_samples:
             text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
@@ -319,9 +327,10 @@ def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step
 
 
 def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | None, eval_peak: int | None,
-            eval_total: int | None, buckets: int) -> list[dict[str, Any]]:
+            eval_total: int | None, buckets: int, nccl: int = 0) -> list[dict[str, Any]]:
     """The report's phases: training, evaluation where predicted, and the checkpoint save where the run saves (DDP's
-    buckets, alive for the whole run, added to it as to training)."""
+    buckets, alive for the whole run, added to it as to training, and their communicator's ``nccl`` bytes to its
+    device total)."""
     how = "labelled lower bound" if est.coverage.lower_bound else "traced"
     phases = [{"name": "training", "peak_bytes": peak, "required_bytes": total if total is not None else peak,
                "where": est.peak_phase, "how": how, "per_rank_peak_bytes": _listed(est.per_rank_peak_bytes)}]
@@ -333,12 +342,20 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
                        "per_rank_peak_bytes": None})
     saving = est.phase("saving")
     if saving is not None:
-        device = None if saving.device_total_bytes is None else saving.device_total_bytes + buckets
+        device = None if saving.device_total_bytes is None else saving.device_total_bytes + buckets + nccl
         phases.append({"name": "saving", "peak_bytes": saving.peak_bytes + buckets,
                        "required_bytes": device if device is not None else saving.peak_bytes + buckets,
                        "where": saving.where, "how": saving.how,
                        "per_rank_peak_bytes": _listed(saving.per_rank_peak_bytes)})
     return phases
+
+
+def _replicas_nccl(run: Run) -> tuple[int, str] | None:
+    """NCCL's buffers on one of a trainer's DDP replicas (traced as one device): one communicator, the default
+    group, as `preflight._estimate.nccl_term` counts a DDP plan's; None on one rank."""
+    if run.parallel is None or run.parallel.world_size < 2:
+        return None
+    return nccl_buffers(1, run.target.nccl_buffers)
 
 
 def _listed(values: tuple[int, ...] | None) -> list[int] | None:

@@ -69,3 +69,25 @@ def test_evaluation_under_a_plan_keeps_the_communicators_buffers():
     assert ranks.peak_bytes == one.peak_bytes
     assert ranks.device_total_bytes - one.device_total_bytes == 100 * 2**20
     assert any("NCCL" in n for n in ranks.coverage.notes) and not any("NCCL" in n for n in one.coverage.notes)
+
+
+def test_a_trainers_ddp_replicas_count_their_communicators_buffers_in_every_phase():
+    # A strategy's DDP (Lightning, the HF Trainer, accelerate) is traced as one device with the buckets added: its
+    # process group's NCCL buffers are in the device total of training, evaluation and the save, as for a DDP plan;
+    # the allocated figures do not move.
+    from preflight import Checkpoint
+    from preflight.verdict import Options, predict
+
+    model, batch = make_llama(), lm_batch(2, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    target = Target(gpu="H100-80GB", nccl_buffers="100MiB")
+    reports = [predict(model, optimizer, batch, Run(target=target, checkpoint=Checkpoint(), parallel=plan),
+                       options=Options(suggest=False), eval_batch=batch, ddp_gradient_buckets=True)
+               for plan in (None, ParallelPlan(2, "ddp"))]
+    one, two = ({p["name"]: p for p in r.phases} for r in reports)
+    assert set(one) == set(two) == {"training", "evaluation", "saving"}
+    for name in one:
+        assert two[name]["peak_bytes"] == one[name]["peak_bytes"], name
+        assert two[name]["required_bytes"] - one[name]["required_bytes"] == 100 * 2**20, name
+    assert reports[1].predicted_device_total_bytes - reports[0].predicted_device_total_bytes == 100 * 2**20
+    assert any("NCCL" in n and "DDP replicas" in n for n in reports[1].coverage["notes"])

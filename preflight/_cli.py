@@ -5,7 +5,8 @@
 
 Exit status: 0 the run fits (or there is no budget to compare with), 3 it does not, 4 no verdict (the model
 could not be traced and its lower bound is under the budget), 5 the training step would fail at step one (check:
-the script's step raised `preflight.StepWouldFailError`, e.g. token ids beyond the vocabulary), 2 bad input (unknown
+the script's step raised `preflight.StepWouldFailError`, e.g. token ids beyond the vocabulary; estimate: the
+planned set-up's, e.g. a foreach optimizer step over DTensor and plain parameters), 2 bad input (unknown
 GPU, malformed size, missing file, unknown option), 1 an unexpected error; for ``check``, 124 when ``--timeout``
 stopped the script, and 128 + N when signal N (SIGINT, SIGTERM, SIGHUP) was passed on to the script's process group.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from preflight._budget import DEFAULT_HEADROOM, check_headroom, resolve_budget, usable_bytes
 from preflight.report._console import progress as _progress
 from preflight._dryrun import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NO_VERDICT, EXIT_STEP_FAILS, EXIT_USAGE
+from preflight._errors import StepWouldFailError
 from preflight._gpus import known_gpus
 from preflight._guard import untouched
 from preflight._quantize import SCHEMES
@@ -82,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"preflight: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except StepWouldFailError as err:  # the planned set-up's first step would raise: no peak, and the reason
+        print(f"preflight: THE STEP WOULD FAIL: {err}", file=sys.stderr)
+        return EXIT_STEP_FAILS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -715,7 +720,19 @@ def _build(args: argparse.Namespace, config: Any, param_dtype: str) -> tuple[Any
         enable_checkpointing(model)  # as advise switches it on: non-reentrant, under either name transformers has
     if args.lora_r:
         model = _lora(model, args)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params: list = [p for p in model.parameters() if p.requires_grad]
+    if getattr(args, "tp", None):
+        # As transformers' Trainer groups them under tensor parallelism (one group per device mesh): torch's foreach
+        # and fused steps refuse one list mixing the DTensors the plan lays out with the plain tensors it leaves.
+        from preflight.parallel import TPPlan, laid_out_parameters
+
+        try:
+            laid = laid_out_parameters(model, TPPlan(args.tp))
+        except ValueError:  # no plan of its own: the plan's refusal is said where the plan is traced
+            laid = set()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [[p for n, p in named if n in laid], [p for n, p in named if n not in laid]]
+        params = [{"params": g} for g in groups if g]
     optimizer = _optimizer(args.optimizer, params)
     return model, optimizer, _batch(args, config)
 

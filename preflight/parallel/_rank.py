@@ -41,7 +41,8 @@ from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
 from preflight.trace._run import checkpoint_saver, phase_bookkeeping, settled_frees, shadow_value
 from preflight.trace._tracker import StorageTracker, failed_op_of
-from preflight.trace._twin import TwinMaker
+from preflight.trace._step_checks import mixed_dtensor_failure
+from preflight.trace._twin import TwinMaker, cuda_default_impl
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
            "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound", "reporting_resizes",
@@ -372,6 +373,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 wrapped = engine.wrap(replica, mesh)
                 drive = engine.drive(wrapped, mesh) if engine.drive is not None else None
             fake_opt = engine.optimizer(optimizer, model, wrapped)
+            if cuda is not None:  # the implementation torch picks on the target's device, not on the trace's CPU
+                cuda_default_impl(fake_opt)
         except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
             return result(err, f"{engine.name} ({type(err).__name__})")
         for p in engine.parameters(wrapped):
@@ -404,6 +407,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
+                if (failure := mixed_dtensor_failure(err, failed_op_of(err))) is not None:
+                    raise StepWouldFailError(failure) from err
                 if is_user_error(err):
                     user_error = err
                 else:

@@ -45,8 +45,8 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "model_styles", "read_tp", "tp_rank_groups", "trace_tp",
-           "unmatched_styles"]
+__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "laid_out_parameters", "model_styles", "read_tp",
+           "tp_rank_groups", "trace_tp", "unmatched_styles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +151,19 @@ def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
     return [key for key in _styles(model, plan) if key and not any(
         len(parts) == len(key.split(".")) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, key.split(".")))
         for parts in names)]
+
+
+def laid_out_parameters(model: nn.Module, plan: TPPlan) -> set[str]:
+    """The names of ``model``'s parameters ``plan`` lays out as DTensors: those of the modules its names match
+    (``*`` matching one name part, as ``parallelize_module`` matches them). The others stay plain tensors under
+    tensor parallelism alone."""
+    keys = [key.split(".") for key in _styles(model, plan) if key]
+    out = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if name and any(len(parts) == len(k) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, k)) for k in keys):
+            out.update(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False))
+    return out
 
 
 def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:

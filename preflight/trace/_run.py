@@ -32,7 +32,7 @@ from preflight.trace import _interrupts as interrupts
 from preflight.trace._blame import is_user_error, mark_user_error
 from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partitioned_forwards
 from preflight.trace._generation import longest_generation
-from preflight.trace._step_checks import kernel_dtype_error
+from preflight.trace._step_checks import kernel_dtype_error, mixed_dtensor_failure
 from preflight.trace._leftovers import Sweep, swept
 from preflight.trace._library_kernels import layer_notes
 from preflight.trace._process import isolated_process, isolated_rng
@@ -404,6 +404,8 @@ class FakeRun:
                     raise StepWouldFailError(f"The training step would fail at its first step: {err} ("
                                              f"{failed_op_of(err)}). Fix: cast one to the other's dtype. No memory "
                                              "was predicted: a step that fails has no peak.") from err
+                if (failure := mixed_dtensor_failure(err, failed_op_of(err))) is not None:
+                    raise StepWouldFailError(failure) from err
                 if is_user_error(err):  # the real step raises it too: the user's, not a limit of the trace
                     user_error = err
                 else:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["STEP_CHECKS", "StepContext", "device_mismatch", "kernel_dtype_error"]
+__all__ = ["STEP_CHECKS", "StepContext", "device_mismatch", "kernel_dtype_error", "mixed_dtensor_failure"]
 
 _aten = torch.ops.aten
 
@@ -229,3 +229,23 @@ def device_mismatch(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, RuntimeError) and ("FakeTensor Device Propagation" in text
                                               or "Expected all tensors to be on the same device" in text)
+
+
+def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
+    """The message of `preflight.StepWouldFailError` when ``err`` is DTensor's refusal of an operator whose tensor
+    operands mix DTensors and plain tensors of more than one element, else None. DTensor's dispatcher decides it from
+    the operands' types and sizes alone (``OpDispatcher._try_replicate_spec_for_scalar_tensor`` in
+    ``torch/distributed/tensor/_dispatch.py``), which fake tensors keep: the real step raises it too. It happens
+    where a foreach or fused step (an optimizer's, or ``clip_grad_norm_``'s) takes one list holding the parameters
+    tensor parallelism laid out and those it left alone (norms); torch picks foreach by default on CUDA. ``where``:
+    the operator and line the trace stopped at."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or "got mixed torch.Tensor and DTensor" not in text:
+        return None
+    return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). A "
+            "foreach or fused step takes the parameters of a group in one call, and here some are DTensors (laid out "
+            "by tensor parallelism) and some plain tensors (modules the plan leaves alone, such as norms); torch "
+            "picks foreach by default on CUDA. Fix: make every parameter a DTensor (lay out the norms with "
+            "SequenceParallel, or wrap the model with fully_shard as torchtitan does), or step them one at a time: "
+            "foreach=False on the optimizer (`Loop(optimizer_impl=\"for-loop\")`, `--optimizer-impl for-loop`) and "
+            "on clip_grad_norm_. No memory was predicted: a step that fails has no peak.")

@@ -14,7 +14,7 @@ from torch import nn
 
 from preflight._device import map_held_tensors, map_tensors
 
-__all__ = ["TwinMaker", "clone_optimizer", "float_dtype_for"]
+__all__ = ["TwinMaker", "clone_optimizer", "cuda_default_impl", "float_dtype_for"]
 
 
 def float_dtype_for(precision: str | None) -> torch.dtype | None:
@@ -84,6 +84,28 @@ class TwinMaker:
         """Twin a nested batch; floating tensors are cast only when ``cast`` (the ``*-true`` precisions)."""
         return map_tensors(lambda t: self.tensor(t, cast=cast, requires_grad=t.requires_grad), batch)
 
+
+
+def cuda_default_impl(optimizer: torch.optim.Optimizer) -> None:
+    """Set ``foreach=True`` on the groups of ``optimizer`` (a clone traced on the CPU for a CUDA target) where torch
+    would pick foreach on a CUDA device: groups that leave ``foreach`` and ``fused`` to the default, are not
+    differentiable, and whose parameters are all of the types torch's foreach step takes
+    (``torch.optim.optimizer._foreach_supported_types``: plain tensors, parameters and, once
+    ``torch.distributed.tensor`` is imported, DTensors; not FSDP1's ``FlatParameter``), a FakeTensor twin counting
+    as the plain parameter it stands for. The rule is
+    ``_default_to_fused_or_foreach`` in ``torch/optim/optimizer.py`` with the device taken as CUDA."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim.optimizer import _foreach_supported_types
+
+    def supported(p: torch.Tensor) -> bool:  # a FakeTensor twin stands for the user's plain parameter
+        return type(p) in _foreach_supported_types or type(p) is FakeTensor
+
+    for group in optimizer.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused") or \
+                group.get("differentiable"):
+            continue
+        if all(supported(p) for p in group["params"]):
+            group["foreach"] = True
 
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bool | None,

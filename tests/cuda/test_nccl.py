@@ -71,6 +71,7 @@ def test_evaluation_under_a_plan_keeps_the_communicators_buffers():
     assert any("NCCL" in n for n in ranks.coverage.notes) and not any("NCCL" in n for n in one.coverage.notes)
 
 
+@pytest.mark.slow
 def test_a_trainers_ddp_replicas_count_their_communicators_buffers_in_every_phase():
     # A strategy's DDP (Lightning, the HF Trainer, accelerate) is traced as one device with the buckets added: its
     # process group's NCCL buffers are in the device total of training, evaluation and the save, as for a DDP plan;

@@ -31,6 +31,24 @@ def _local_rows(dim0: int, rank: int, world: int) -> int:
     return max(0, min(chunk, dim0 - rank * chunk))
 
 
+@pytest.mark.slow
+def test_each_rank_on_a_cuda_target_steps_the_optimizer_as_torch_picks_there():
+    # torch steps DTensor parameters on CUDA with foreach by default (torch/optim/optimizer.py), as one device's
+    # plain ones: each rank's trace on the CPU does too for a CUDA target, and keeps the for-loop for a CPU target.
+    model, optimizer, x = _setup()
+
+    def traced(target, impl):
+        run = preflight.Run(target=target, parallel=preflight.ParallelPlan(2, "fsdp2"),
+                            loop=preflight.Loop(optimizer_impl=impl))
+        est = preflight.estimate(model, optimizer, x, run, step=lambda m, b: m(b))
+        return est.num_ops, est.per_rank_peak_bytes
+
+    gpu = preflight.Target(gpu="H100-80GB")
+    assert traced(gpu, None) == traced(gpu, "foreach") and traced(gpu, None)[0] != traced(gpu, "for-loop")[0]
+    cpu = preflight.Target(device="cpu")
+    assert traced(cpu, None) == traced(cpu, "for-loop")
+
+
 def test_default_units_are_the_largest_module_list():
     assert default_units(Stack()) == ("layers.0", "layers.1", "layers.2")
     assert default_units(nn.Linear(2, 2)) == ()

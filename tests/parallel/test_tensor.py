@@ -41,6 +41,64 @@ def _run(world: int, degree: int, styles=None, sharding=None):
     return preflight.Run(parallel=preflight.ParallelPlan(world, sharding, tp=TPPlan(degree, styles)))
 
 
+@pytest.mark.slow
+def test_on_a_cuda_target_a_foreach_step_over_dtensor_and_plain_parameters_would_fail():
+    """torch picks foreach on CUDA; with the norms left plain by the plan, one group mixes DTensors and plain
+    tensors and DTensor refuses the foreach operator in the real job (on gloo, `_real_foreach_step`). Said before
+    step one with the fix; stepped one at a time, or in two groups as transformers' Trainer makes them, it traces."""
+    from preflight.parallel import laid_out_parameters
+
+    model, batch = _llama()
+    laid = laid_out_parameters(model, TPPlan(2, _styles()))
+    assert "model.layers.0.self_attn.q_proj.weight" in laid and "model.layers.1.mlp.down_proj.weight" in laid
+    assert not any("norm" in n or "embed" in n for n in laid)
+    gpu = preflight.Target(gpu="H100-80GB")
+    run = _run(2, 2, _styles()).replace(target=gpu)
+    with pytest.raises(preflight.StepWouldFailError, match="foreach=False on the optimizer"):
+        preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run)
+    for_loop = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                                  run.replace(loop=preflight.Loop(optimizer_impl="for-loop")))
+    named = dict(model.named_parameters())
+    split = torch.optim.AdamW([{"params": [p for n, p in named.items() if n in laid]},
+                               {"params": [p for n, p in named.items() if n not in laid]}])
+    grouped = preflight.estimate(model, split, batch, run)
+    assert not for_loop.coverage.lower_bound and not grouped.coverage.lower_bound
+    assert grouped.num_ops != for_loop.num_ops  # the foreach step, not the for-loop one, was traced
+    # The real step, laid out on a one-rank gloo mesh, stepped with foreach as CUDA's default would.
+    assert "got mixed torch.Tensor and DTensor" in spawned(_real_foreach_step, 1)[0]
+
+
+def _real_foreach_step(rank, world, port, queue):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with gloo_rank(rank, world, port):
+        model, batch = _llama()
+        parallelize_module(model, init_device_mesh("cpu", (world,)), _styles())
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+        model(**batch).loss.backward()
+        try:
+            optimizer.step()
+            queue.put((rank, "stepped"))
+        except RuntimeError as err:
+            queue.put((rank, str(err)))
+
+
+def test_the_cli_groups_the_optimizer_as_the_trainer_does_under_tensor_parallelism(tmp_path):
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN,
+                                  "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": VOCAB, "max_position_embeddings": 64}))
+    out = tmp_path / "tp.json"
+    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "32", "--tp", "2", "--gpu",
+                 "H100-80GB", "--json", str(out)]) == 0
+    assert not json.loads(out.read_text())["coverage"]["lower_bound"]
+
+
 def test_plan_options_are_checked():
     with pytest.raises(ValueError, match="positive int"):
         TPPlan(0)

@@ -70,25 +70,25 @@ def test_deepspeed_configs_as_dict_path_and_text_with_the_integrations_auto_valu
 def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluation():
     model = make_gpt2(n_layer=2, n_embd=64)
     optimizer = torch.optim.AdamW(model.parameters())
-    plan = fsdp_plan("FULL_SHARD", world_size=4, source="a test")
+    plan = fsdp_plan("FULL_SHARD", world_size=2, source="a test")
     options = Options(suggest=False)
     run = preflight.Run(target=preflight.Target(budget="1GiB"), fast=False)
     report = predict(model, optimizer, lm_batch(2, 16), run.replace(parallel=plan), options=options,
                      eval_batch=lm_batch(2, 16))
     alone = predict(model, optimizer, lm_batch(2, 16), run, options=options, eval_batch=lm_batch(2, 16))
-    direct = preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(parallel=preflight.ParallelPlan(4, "fsdp-full")))
+    direct = preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp-full")))
     assert report.predicted_peak_bytes == direct.peak_bytes < alone.predicted_peak_bytes
-    assert any("per-rank plan read from a test: fsdp-full over 4 rank(s)" in n for n in report.coverage["notes"])
+    assert any("per-rank plan read from a test: fsdp-full over 2 rank(s)" in n for n in report.coverage["notes"])
     # Evaluation: parameters and the resident optimizer state are this rank's share; the batch's activations are not.
     assert report.eval_predicted_peak_bytes < alone.eval_predicted_peak_bytes
     assert report.eval_estimate.breakdown["activations"] == alone.eval_estimate.breakdown["activations"]
-    # `preflight check --world-size 4 --sharding fsdp-full` (its environment) plans the same way, the
+    # `preflight check --world-size 2 --sharding fsdp-full` (its environment) plans the same way, the
     # evaluation included, and takes precedence over the trainer's plan.
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("PREFLIGHT_WORLD_SIZE", "4")
+        env.setenv("PREFLIGHT_WORLD_SIZE", "2")
         env.setenv("PREFLIGHT_SHARDING", "fsdp-full")
         planned = predict(model, optimizer, lm_batch(2, 16),
-                          run.replace(parallel=fsdp_plan("SHARD_GRAD_OP", world_size=2)), options=options,
+                          run.replace(parallel=fsdp_plan("SHARD_GRAD_OP", world_size=4)), options=options,
                           eval_batch=lm_batch(2, 16))
     assert (planned.predicted_peak_bytes, planned.eval_predicted_peak_bytes) == \
         (report.predicted_peak_bytes, report.eval_predicted_peak_bytes)
@@ -103,9 +103,9 @@ def test_a_prediction_under_a_plan_is_this_ranks_share_for_training_and_evaluati
                         options=Options(suggest=True))
     assert tight.fits is False and tight.suggestions
     bf16 = next(s for s in tight.suggestions if s["change"] == {"precision": "bf16-true"})
-    assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(precision="bf16-true", parallel=preflight.ParallelPlan(4, "fsdp-full"))).peak_bytes
+    assert bf16["predicted_peak_bytes"] == preflight.estimate(model, optimizer, lm_batch(2, 16), run=preflight.Run(precision="bf16-true", parallel=preflight.ParallelPlan(2, "fsdp-full"))).peak_bytes
     # Plain data parallelism is not a sharded plan: the prediction is the replica's.
-    ddp = predict(model, optimizer, lm_batch(2, 16), run.replace(parallel=ParallelPlan(4, "ddp")), options=options)
+    ddp = predict(model, optimizer, lm_batch(2, 16), run.replace(parallel=ParallelPlan(2, "ddp")), options=options)
     assert ddp.predicted_peak_bytes == alone.predicted_peak_bytes
 
 

@@ -303,11 +303,11 @@ def test_max_batch_size_with_fast_traces_matches_full_traces():
     def make_batch(b):
         return _batch(b, 16)
 
-    budget = preflight.estimate(model, optimizer, make_batch(5)).peak_bytes
-    fast = preflight.max_batch_size(model, optimizer, make_batch, run=preflight.Run(target=preflight.Target(budget=budget), fast=True), max_batch=8)
+    budget = preflight.estimate(model, optimizer, make_batch(3)).peak_bytes
+    fast = preflight.max_batch_size(model, optimizer, make_batch, run=preflight.Run(target=preflight.Target(budget=budget), fast=True), max_batch=4)
     full = preflight.max_batch_size(model, optimizer, make_batch,
-                                    run=preflight.Run(target=preflight.Target(budget=budget), fast=False), max_batch=8)
-    assert int(fast) == int(full) == 5
+                                    run=preflight.Run(target=preflight.Target(budget=budget), fast=False), max_batch=4)
+    assert int(fast) == int(full) == 3
     assert fast.predicted_peak_bytes == full.predicted_peak_bytes
 
 

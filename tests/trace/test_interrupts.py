@@ -141,7 +141,7 @@ def _harness(*args: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [("16",), ("4", "--lightning")], ids=["estimate", "lightning"])
+@pytest.mark.parametrize("args", [("10",), ("4", "--lightning")], ids=["estimate", "lightning"])
 def test_interrupts_at_many_moments(args):
     rows = _harness(*args)
     baseline, attempts, after = rows[0]["baseline"], rows[1:-1], rows[-1]["after"]

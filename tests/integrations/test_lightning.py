@@ -531,8 +531,9 @@ def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, precision", [(2, "32-true"), (3, "32-true"), (2, "bf16-mixed"), (3, "16-mixed")])
+@pytest.mark.parametrize("stage, precision", [(2, "32-true"), (2, "bf16-mixed"), (3, "16-mixed")])
 def test_deepspeed_strategy_is_predicted_per_rank(tmp_path, stage, precision):
+    # Stage 3 in fp32 through the Trainer is test_hf.py's; every combination is benchmarks/deepspeed_trainers.py's.
     # By on_train_start the strategy has run deepspeed.initialize: trainer.optimizers[0] is DeepSpeed's ZeRO
     # optimizer and, at stage 3, every parameter of the LightningModule is partitioned. Both are read back and each
     # rank predicted under the strategy's config, then verified against its measured steps. Under bf16 / fp16

@@ -406,7 +406,9 @@ def _gloo_worker(rank: int, world_size: int, port: int, queue, replicate: int = 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, replicate", [(2, 1), (4, 2)])  # FSDP over 2 ranks; HSDP, 2 replicas of 2 ranks
+# FSDP over 2 ranks. HSDP (2 replicas of 2 ranks) is measured, 3 runs, by benchmarks/distributed.py; its per-rank
+# prediction is test_hsdp_ranks_hold_their_shard_groups_shards_and_all_reduce_them_in_place's.
+@pytest.mark.parametrize("world, replicate", [(2, 1)])
 def test_real_gloo_fsdp2_per_rank_peak_within_3_percent_predicted_before_and_inside_the_job(world, replicate):
     import torch.multiprocessing as mp
 

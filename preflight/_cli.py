@@ -6,7 +6,7 @@
 Exit status: 0 the run fits (or there is no budget to compare with), 3 it does not, 4 no verdict (the model
 could not be traced and its lower bound is under the budget), 5 the training step would fail at step one (check:
 the script's step raised `preflight.StepWouldFailError`, e.g. token ids beyond the vocabulary; estimate: the
-planned set-up's, e.g. a foreach optimizer step over DTensor and plain parameters), 2 bad input (unknown
+planned set-up's), 2 bad input (unknown
 GPU, malformed size, missing file, unknown option), 1 an unexpected error; for ``check``, 124 when ``--timeout``
 stopped the script, and 128 + N when signal N (SIGINT, SIGTERM, SIGHUP) was passed on to the script's process group.
 """

@@ -84,6 +84,18 @@ def test_gpu_target_with_sharding_in_json(config, tmp_path, capsys):
     assert report["usable_bytes"] == int(report["budget_bytes"] * 0.9)
 
 
+def test_a_planned_step_that_would_fail_exits_5_with_the_reason(monkeypatch, capsys):
+    from preflight import StepWouldFailError
+    from preflight import _cli
+
+    def failing(args):
+        raise StepWouldFailError("a foreach step over DTensors and plain tensors. Fix: foreach=False")
+
+    monkeypatch.setattr(_cli, "_estimate", failing)
+    assert main(["estimate", "--hf-config", "c.json", "--batch", "1"]) == 5
+    assert "THE STEP WOULD FAIL: a foreach step over DTensors and plain tensors. Fix:" in capsys.readouterr().err
+
+
 def test_check_without_a_command_is_a_usage_error(capsys):
     assert main(["check", "--gpu", "H100-80GB"]) == 2
     assert "after --" in capsys.readouterr().err

@@ -148,9 +148,13 @@ def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
     submodule of ``model``: ``parallelize_module`` skips them with a warning, and so does the trace. A ValueError
     where the model has no plan of its own and the `TPPlan` gives none (`model_styles`)."""
     names = [name.split(".") for name, _ in model.named_modules() if name]
-    return [key for key in _styles(model, plan) if key and not any(
-        len(parts) == len(key.split(".")) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, key.split(".")))
-        for parts in names)]
+    return [key for key in _styles(model, plan) if key and not any(_matches(parts, key.split(".")) for parts in names)]
+
+
+def _matches(parts: list[str], key: list[str]) -> bool:
+    """Whether a module name's parts match a plan key's (``*`` matching one name part), as ``parallelize_module``
+    matches them."""
+    return len(parts) == len(key) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, key))
 
 
 def laid_out_parameters(model: nn.Module, plan: TPPlan) -> set[str]:
@@ -161,7 +165,7 @@ def laid_out_parameters(model: nn.Module, plan: TPPlan) -> set[str]:
     out = set()
     for name, module in model.named_modules():
         parts = name.split(".")
-        if name and any(len(parts) == len(k) and all(fnmatch.fnmatch(p, t) for p, t in zip(parts, k)) for k in keys):
+        if name and any(_matches(parts, k) for k in keys):
             out.update(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False))
     return out
 

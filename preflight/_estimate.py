@@ -28,7 +28,7 @@ from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_r
 from preflight._units import format_bytes
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
-from preflight.cuda._nccl import nccl_buffers
+from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
@@ -284,7 +284,7 @@ def estimate(
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
-    nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
+    nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
     if target.type == "cuda":
@@ -614,17 +614,6 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                               sharding=sharding, saves=options["checkpoint"] is not None)
 
 
-def nccl_term(gpu: GPU | None, world_size: int, sharding: str | None) -> tuple[int, str] | None:
-    """NCCL's buffers on one rank of a CUDA job of ``world_size`` ranks under ``sharding`` (`preflight.cuda._nccl`):
-    the default group, and one more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, ``"tp2 x
-    fsdp2"``: each dim is a process group of its own); None on one rank. Hybrid sharding's two groups are not told
-    apart from its name, and count as one."""
-    if world_size < 2:
-        return None
-    two_dims = sharding is not None and " x " in sharding
-    return nccl_buffers(3 if two_dims else 1, None if gpu is None else gpu.nccl_buffers)
-
-
 def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
     """``groups`` (ranks that run the same program) with rank 0 in a group of its own when the run saves a full state
     dict that rank 0 alone keeps (FSDP1's `preflight.Checkpoint.rank0_only`; DCP keeps it on rank 0 alone when it
@@ -738,7 +727,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
             events = round_events(events)
-        nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
+        nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) if target.type == "cuda" else None
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
                                  allocator=allocator, nccl=nccl, notes=notes)
         if target.type == "cuda":

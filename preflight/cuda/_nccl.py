@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from preflight._units import format_bytes, parse_bytes
 
-__all__ = ["ASSUMED_CHANNELS", "nccl_buffers"]
+__all__ = ["ASSUMED_CHANNELS", "nccl_buffers", "rank_nccl_buffers"]
 
 _SIMPLE, _SIMPLE_ARM = 1 << 22, 1 << 20  # DEFAULT_BUFFSIZE, DEFAULT_BUFFSIZE_ARM
 _LL = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD * NCCL_LL_MAX_NTHREADS * NCCL_STEPS * sizeof(ncclLLFifoLine)
@@ -57,6 +57,18 @@ def nccl_buffers(communicators: int, given: int | float | str | None = None,
         f"(protocols {', '.join(sorted(p for p in sizes if p in protocols))}) = {format_bytes(each * communicators)}; "
         "NCCL chooses its channels for the topology: Target(nccl_buffers=...) / --nccl-buffers gives the figure "
         "measured per communicator")
+
+
+def rank_nccl_buffers(world_size: int, sharding: str | None,
+                      given: int | float | str | None = None) -> tuple[int, str] | None:
+    """NCCL's buffers on one rank of a CUDA job of ``world_size`` ranks under ``sharding``: the default group, and one
+    more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, ``"tp2 x fsdp2"``: each dim is a process
+    group of its own); None on one rank. Hybrid sharding's two groups are not told apart from its name, and count as
+    one. ``given`` is the bytes per communicator the user measured (`nccl_buffers`)."""
+    if world_size < 2:
+        return None
+    two_dims = sharding is not None and " x " in sharding
+    return nccl_buffers(3 if two_dims else 1, given)
 
 
 def _size(env: Mapping[str, str], name: str, default: int) -> int:

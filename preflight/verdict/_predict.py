@@ -30,7 +30,7 @@ from preflight._steps import Loop, StepFn
 from preflight._units import format_bytes
 from preflight._version import __version__
 from preflight.cuda import WORKSPACE_UIDS
-from preflight.cuda._nccl import nccl_buffers
+from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
 from preflight.parallel import held_tensors, read_tp, stand_in
 from preflight.trace import float_dtype_for
@@ -352,10 +352,10 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
 
 def _replicas_nccl(run: Run) -> tuple[int, str] | None:
     """NCCL's buffers on one of a trainer's DDP replicas (traced as one device): one communicator, the default
-    group, as `preflight._estimate.nccl_term` counts a DDP plan's; None on one rank."""
-    if run.parallel is None or run.parallel.world_size < 2:
+    group, as a DDP plan's are counted; None on one rank."""
+    if run.parallel is None:
         return None
-    return nccl_buffers(1, run.target.nccl_buffers)
+    return rank_nccl_buffers(run.parallel.world_size, "ddp", run.target.nccl_buffers)
 
 
 def _listed(values: tuple[int, ...] | None) -> list[int] | None:

@@ -11,7 +11,9 @@ the run's peak where it gathers) and then save as the run's
 ``optim_state_dict``, or torch's distributed ``get_model_state_dict`` / ``get_optimizer_state_dict`` for FSDP2).
 Each rank's measured peak over the whole (steps and save, one profiler session) is the profiler's allocator events
 plus what was alive before them, with the frees gloo's worker threads make put back at the end of the phase that
-allocated the block (``call end``, as ``benchmarks/distributed.py`` places them). The prediction is
+allocated the block (``call end``, as ``benchmarks/distributed.py`` places them); each synchronous collective waits
+until gloo's worker has released its tensors, so that their frees happen where the profiler sees them
+(`preflight._measure.collective_calls`). The prediction is
 ``preflight.estimate(model, AdamW, batch, Run(parallel=plan, checkpoint=checkpoint))`` made before any process
 group exists: each rank's training figure and its save (``Estimate.phases``); the rank's run peak is the larger.
 Each configuration runs REPEATS times. On CPU, FSDP1's ``offload_to_cpu`` moves nothing (it is not asked for: on CPU
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int, engine: str, checkpoint: Any, port: int, queu
     from distributed import _CALL, _alive_storages, _Phases, join_gloo
     from preflight._checkpoint import collect_state
     from preflight._device import live_storage_bytes
-    from preflight._measure import lost_free_peaks
+    from preflight._measure import collective_calls, lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight._steps import run_steps
 
@@ -114,7 +116,8 @@ def _worker(rank: int, world: int, engine: str, checkpoint: Any, port: int, queu
 
         dist.barrier()
         phases = _Phases()
-        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
+                                                              profile_memory=True) as prof:
             run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2,
                       on_phase=phases.mark, save=save)
             phases.close()

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import time
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, held_tensors, live_storages, map_tensors,
-                               model_device)
+from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, held_tensors, iter_tensors, live_storages,
+                               map_tensors, model_device)
 from preflight._result import Measurement
 from preflight._run import Run, check_run
 from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
-__all__ = ["measure", "cpu_profiled_peak", "freed_addresses", "lost_free_peaks", "placed_peaks",
+__all__ = ["measure", "collective_calls", "cpu_profiled_peak", "freed_addresses", "lost_free_peaks", "placed_peaks",
            "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak", "step_events"]
 
 
@@ -188,6 +192,67 @@ def lost_free_peaks(prof: Any, alive: set[int], call_prefix: str) -> tuple[int, 
     the end (e.g. from ``gc.get_objects()``)."""
     allocations, calls = _profiled_allocations(prof, call_prefix)
     return placed_peaks(allocations, calls, alive)
+
+
+@contextlib.contextmanager
+def collective_calls(call_prefix: str, settle_s: float = 2.0) -> Iterator[None]:
+    """Make the frees of gloo's collectives visible to a CPU profile taken inside the block.
+
+    A synchronous collective returns when gloo's worker thread has run it, but the worker drops its references to the
+    tensors it was handed a moment later; when the caller has dropped its own by then (under load, often), the block
+    is freed on the worker's thread, where the profiler loses the free. Inside this block each synchronous
+    ``torch.distributed`` collective (i) runs in a profiler range named ``call_prefix + name``, so that
+    `lost_free_peaks` places a free still lost at the end of the collective that allocated the block, and (ii) waits
+    after it returns, up to ``settle_s`` seconds, until the worker has released the tensors it was handed (their use
+    counts back to their values before the call), so that the caller's own frees happen on its thread. Neither
+    changes what is allocated. Calls with ``async_op=True`` are left as they are: their work may finish later.
+
+    Example:
+        >>> with collective_calls("## "):
+        ...     pass  # dist.all_gather_single(...) here runs inside record_function("## all_gather_single")
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.profiler import record_function
+
+    def ranged(fn: Any, name: str) -> Any:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def called(*args: Any, **kwargs: Any) -> Any:
+            try:
+                asynchronous = signature.bind(*args, **kwargs).arguments.get("async_op", False)
+            except TypeError:  # let the collective itself report the bad call
+                asynchronous = True
+            if asynchronous:
+                return fn(*args, **kwargs)
+            handed = list(iter_tensors((args, kwargs)))
+            counts = [t._use_count() for t in handed]
+            with record_function(call_prefix + name):
+                result = fn(*args, **kwargs)
+            deadline = time.monotonic() + settle_s
+            while any(t._use_count() > c for t, c in zip(handed, counts)) and time.monotonic() < deadline:
+                time.sleep(1e-4)
+            return result
+        return called
+
+    replaced = []
+    for name, original in list(vars(c10d).items()):
+        # the collectives a caller may run synchronously: those taking ``async_op``, and the object exchanges
+        if name.startswith("_") or type(original) is not types.FunctionType:
+            continue
+        if "async_op" not in inspect.signature(original).parameters and not name.endswith(("_object", "_object_list")):
+            continue
+        wrapper = ranged(original, name)
+        for module in (c10d, dist):
+            if getattr(module, name, None) is original:
+                replaced.append((module, name, original))
+                setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(replaced):
+            setattr(module, name, original)
 
 
 def freed_addresses(prof: Any) -> set[int]:

@@ -3,6 +3,7 @@ multi-process measurements' handling of frees the profiler loses on gloo's worke
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from preflight._device import live_storages
@@ -60,3 +61,36 @@ def test_measuring_ignores_frees_of_blocks_outside_its_baseline():
     held.pop("new")
     peak, _ = cpu_profiled_peak(window, resident=resident)  # the baseline holds it: its free counts
     assert peak == 0 and sum(resident.values()) == (1 << 18) * 4
+
+
+def _handed_back(rank, world, port, queue):
+    """One rank: 40 synchronous all-gathers inside `collective_calls`, each followed at once by a look at how many
+    references the tensors handed to gloo still have (1: only ours, the worker has let go), in one profile."""
+    from conftest import gloo_rank
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch.distributed as dist
+    from preflight._measure import collective_calls
+
+    with gloo_rank(rank, world, port):
+        original = dist.all_gather_into_tensor
+        counts = []
+        with collective_calls("## "), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(40):
+                out, local = torch.empty(2 * 4096), torch.full((4096,), float(rank))
+                dist.all_gather_into_tensor(out, local)
+                counts.append((out._use_count(), local._use_count()))
+                assert out[4096:].eq(1).all() and out[:4096].eq(0).all()
+        ranges = sum(e.name == "## all_gather_into_tensor" for e in prof.events())
+        queue.put((rank, (set(counts), ranges, dist.all_gather_into_tensor is original)))
+
+
+@pytest.mark.slow
+def test_collective_calls_return_after_gloo_has_let_go_of_the_tensors_and_name_each_call():
+    # A free gloo's worker thread makes is lost to the profiler (the CPU measurements of multi-process runs); inside
+    # collective_calls a synchronous collective returns only once the worker released what it was handed, so the
+    # caller's own del frees the block on its thread.
+    from conftest import spawned
+
+    for rank, (counts, ranges, restored) in spawned(_handed_back, 2).items():
+        assert (counts, ranges, restored) == ({(1, 1)}, 40, True), rank

@@ -173,7 +173,7 @@ def main() -> None:
              f"Llama {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}; batch {SAVE_BATCH} x {SAVE_SEQ}; {REPEATS} runs "
              "each. "
              "Predicted: the larger of the rank's training and saving figures; measured: the whole run's peak "
-             "(call-end placement of gloo's lost frees), smallest and largest of the runs.", "",
+             "(synchronous collectives waiting for gloo's worker, lost frees of the others placed at their call's end), smallest and largest of the runs.", "",
              "| engine | save | rank | training MiB | saving MiB | predicted run peak MiB | measured min MiB | "
              "measured max MiB | error vs min |", "|---|---|---|---|---|---|---|---|---|"]
     start = time.perf_counter()

@@ -144,6 +144,7 @@ class StorageTracker(TorchDispatchMode):
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, its fake twin)
         self._external: set[int] = set()  # uids of adopted twins: memory that exists outside the trace, uncounted
         self._borrowed: set[int] = set()  # ids of shadows that are the user's own tensors: read, never written
+        self._host: set[int] = set()  # uids of host copies on a CUDA target (`to_host`)
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -225,6 +226,26 @@ class StorageTracker(TorchDispatchMode):
             op = self.events[end - 1].op
             self.events.insert(end, Event(uid, -self._sizes[uid], op, self.phase))
             self._external.add(uid)
+
+    def to_host(self, tensor: torch.Tensor) -> int:
+        """Take ``tensor``'s storage, just allocated by the traced code, off the device: a copy made in host memory,
+        which a trace for a CUDA target cannot tell from the device's (an activation a saved-tensor hook offloads,
+        `preflight.cuda._offload`). Its allocation is forgotten and its free will not be recorded; returns its
+        bytes."""
+        uid = self.uid_of(tensor)
+        if uid is None or uid in self._external:
+            return 0
+        at = next((i for i in range(len(self.events) - 1, -1, -1)
+                   if self.events[i].uid == uid and self.events[i].nbytes > 0), None)
+        if at is not None:
+            del self.events[at]
+        self._external.add(uid)
+        self._host.add(uid)
+        return self._sizes.get(uid, 0)
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage was taken off the device by `to_host`."""
+        return self.uid_of(tensor) in self._host
 
     def _free(self, holder: list[int]) -> None:
         self._release(holder[0])

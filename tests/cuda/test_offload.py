@@ -1,0 +1,72 @@
+"""Activation offloading by saved-tensor hooks (`preflight.cuda._offload`): traced as it runs on a CPU target, and on
+a CUDA target the offloaded tensors leave the device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import preflight
+from preflight import Run, Target
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 1))
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(1024, 256)
+
+
+def _offloaded(pin_memory: bool):
+    def step(model, batch):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+            return model(batch).square().mean()
+    return step
+
+
+def _plain(model, batch):
+    return model(batch).square().mean()
+
+
+def _estimate(step, target: str):
+    model = _model()
+    return preflight.estimate(model, torch.optim.AdamW(model.parameters()), _batch(),
+                              Run(target=Target(device=target)), step=step)
+
+
+def test_save_on_cpu_on_a_cpu_target_is_traced_as_it_runs():
+    # pin_memory=True allocates a host copy of every saved tensor: on the CPU that is the device, and the copies count.
+    for pin_memory in (False, True):
+        model = _model()
+        measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), _batch(),
+                                     step=_offloaded(pin_memory))
+        assert _estimate(_offloaded(pin_memory), "cpu").peak_bytes == measured.peak_bytes, pin_memory
+
+
+def test_on_a_cuda_target_the_saved_tensors_leave_the_device_and_come_back_one_node_at_a_time():
+    # What the hooks see, counted on a real CPU forward: every tensor autograd saves, its bytes.
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t,
+                                                  lambda t: t):
+        _plain(_model(), _batch())
+    plain, offloaded = _estimate(_plain, "cuda"), _estimate(_offloaded(True), "cuda")
+    note = next(n for n in offloaded.coverage.notes if n.startswith("saved-tensor hooks moved"))
+    steps = 2  # the traced steps
+    assert f"moved {steps * len(saved)} saved tensor(s) of the traced steps ({steps * sum(saved):,} B in all)" in note
+    assert f"({steps * len(saved)} copies)" in note
+    # Without offloading the peak holds the forward's activations (each ReLU's 1 MiB output, saved by it and by the
+    # next Linear); with it, none of them.
+    assert plain.breakdown["activations"] >= 6 * 2**20
+    assert offloaded.breakdown["activations"] < 2**20
+    assert offloaded.peak_bytes < plain.peak_bytes - 3 * 2**20  # traced: 31,227,904 B -> 27,561,984 B
+    # No pinned memory, no copy: `.cpu()` of a device tensor is a copy on a GPU; the same figure.
+    assert _estimate(_offloaded(False), "cuda").peak_bytes == offloaded.peak_bytes
+    assert not any(n.startswith("saved-tensor hooks") for n in plain.coverage.notes)
+
+
+def test_the_hooks_are_put_back_after_the_trace():
+    enter = torch.autograd.graph.saved_tensors_hooks.__enter__
+    _estimate(_offloaded(True), "cuda")
+    assert torch.autograd.graph.saved_tensors_hooks.__enter__ is enter

@@ -284,7 +284,8 @@ def estimate(
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
-    nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) if target.type == "cuda" else None
+    nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) \
+        if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
     if target.type == "cuda":
@@ -727,7 +728,8 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
             events = round_events(events)
-        nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) if target.type == "cuda" else None
+        nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) \
+            if target.type == "cuda" else None
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
                                  allocator=allocator, nccl=nccl, notes=notes)
         if target.type == "cuda":

@@ -11,6 +11,7 @@ import torch
 from preflight._gpus import GPU
 from preflight.cuda._autocast import cuda_autocast
 from preflight.cuda._kernels import cuda_kernels
+from preflight.cuda._offload import HostTracker, Offloaded, host_offloading
 
 __all__ = ["CudaTarget", "Emulation", "emulate_cuda"]
 
@@ -46,22 +47,28 @@ class CudaTarget:
 
 @dataclasses.dataclass
 class Emulation:
-    """What an emulated trace used: attention backends by call count (filled while it runs)."""
+    """What an emulated trace used: attention backends by call count, and what saved-tensor hooks moved to the host
+    (filled while it runs)."""
 
     target: CudaTarget
     attention: dict[str, int] = dataclasses.field(default_factory=dict)
+    offloaded: Offloaded = dataclasses.field(default_factory=Offloaded)
 
-    def note(self) -> str:
+    def notes(self) -> list[str]:
         used = ", ".join(f"{backend} x{n}" for backend, n in sorted(self.attention.items()))
-        return (f"CUDA semantics of torch {torch.__version__.split('+')[0]} applied on the CPU host for "
-                f"{self.target.describe()}: CUDA autocast lists and weight cast cache, fused dropout"
-                + (f", attention kernels {used}" if used else ""))
+        notes = [f"CUDA semantics of torch {torch.__version__.split('+')[0]} applied on the CPU host for "
+                 f"{self.target.describe()}: CUDA autocast lists and weight cast cache, fused dropout"
+                 + (f", attention kernels {used}" if used else "")]
+        return notes + ([self.offloaded.note()] if self.offloaded.tensors else [])
 
 
 @contextlib.contextmanager
-def emulate_cuda(target: CudaTarget) -> Iterator[Emulation]:
-    """Run the block on CPU tensors as a CUDA device of ``target`` would: `cuda_autocast` and `cuda_kernels`."""
+def emulate_cuda(target: CudaTarget, tracker: HostTracker) -> Iterator[Emulation]:
+    """Run the block on CPU tensors as a CUDA device of ``target`` would: `cuda_autocast`, `cuda_kernels`, and
+    activations offloaded by saved-tensor hooks taken off the device in ``tracker`` (`host_offloading`)."""
     emulation = Emulation(target)
-    with cuda_autocast(), cuda_kernels(target.compute_capability, cudnn_version=target.cudnn_version) as sdpa:
+    with cuda_autocast(), cuda_kernels(target.compute_capability, cudnn_version=target.cudnn_version) as sdpa, \
+            host_offloading(tracker) as offloaded:
         emulation.attention = sdpa.calls  # the same dict, filled as calls happen
+        emulation.offloaded = offloaded
         yield emulation

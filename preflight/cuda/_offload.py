@@ -28,13 +28,15 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Offloaded", "host_offloading"]
+__all__ = ["HostTracker", "Offloaded", "host_offloading"]
 
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_strided, torch.tensor}
 _LIKE = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like}
 
 
-class _Tracker(Protocol):
+class HostTracker(Protocol):
+    """What `host_offloading` needs of the trace's storage tracker (`preflight.trace._tracker.StorageTracker`)."""
+
     def to_host(self, tensor: torch.Tensor) -> int: ...
 
     def on_host(self, tensor: torch.Tensor) -> bool: ...
@@ -54,11 +56,16 @@ class Offloaded:
                 f"({self.restored} copies): modelled from torch's save_on_cpu, not measured on a GPU")
 
 
+def _names_device(arg: Any) -> bool:
+    """Whether a positional argument of ``Tensor.to`` is a device (a string, a device, a CUDA index)."""
+    return isinstance(arg, (str, torch.device)) or type(arg) is int
+
+
 def _device_of(args: tuple, kwargs: dict) -> Any:
     """The device a ``Tensor.to`` call names, or None (a dtype or another tensor only)."""
     if kwargs.get("device") is not None:
         return kwargs["device"]
-    return next((a for a in args[1:] if isinstance(a, (str, torch.device)) or type(a) is int), None)
+    return next((a for a in args[1:] if _names_device(a)), None)
 
 
 def _is_cpu(device: Any) -> bool:
@@ -81,14 +88,18 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or a.untyped_storage() is b.untyped_storage()
 
 
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone(memory_format=torch.preserve_format)
+
+
 class _Moves(TorchFunctionMode):
-    def __init__(self, tracker: _Tracker, record: Offloaded, unpacking: bool) -> None:
+    def __init__(self, tracker: HostTracker, record: Offloaded, unpacking: bool) -> None:
         super().__init__()
         self.tracker, self.record, self.unpacking = tracker, record, unpacking
 
     def device_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         self.record.restored += 1
-        return tensor.clone(memory_format=torch.preserve_format)
+        return _copy(tensor)
 
     def _off(self, tensor: torch.Tensor) -> torch.Tensor:
         self.record.tensors += 1
@@ -111,7 +122,7 @@ class _Moves(TorchFunctionMode):
         if self.unpacking:
             if self.tracker.on_host(source):  # back to the device: a device copy (a dtype asked for is kept)
                 kwargs.pop("device", None)
-                rest = [a for a in args[1:] if not (isinstance(a, (str, torch.device)) or type(a) is int)]
+                rest = [a for a in args[1:] if not _names_device(a)]
                 out = source.to(*rest, **kwargs) if func is torch.Tensor.to else source
                 return self.device_copy(out) if _same_storage(out, source) else out
             if func is torch.Tensor.cuda or (func is torch.Tensor.to and not _is_cpu(device)):
@@ -121,12 +132,11 @@ class _Moves(TorchFunctionMode):
         if not to_host or self.tracker.on_host(source):
             return source if func is torch.Tensor.pin_memory else func(*args, **kwargs)
         out = source if func is torch.Tensor.pin_memory else func(*args, **kwargs)
-        if _same_storage(out, source):
-            out = out.clone(memory_format=torch.preserve_format)
-        return self._off(out)
+        return self._off(_copy(out) if _same_storage(out, source) else out)
 
 
-def _wrapped(hook: Callable[[Any], Any], tracker: _Tracker, record: Offloaded, unpacking: bool) -> Callable[[Any], Any]:
+def _wrapped(hook: Callable[[Any], Any], tracker: HostTracker, record: Offloaded,
+             unpacking: bool) -> Callable[[Any], Any]:
     def run(value: Any) -> Any:
         mode = _Moves(tracker, record, unpacking)
         with mode:
@@ -138,7 +148,7 @@ def _wrapped(hook: Callable[[Any], Any], tracker: _Tracker, record: Offloaded, u
 
 
 @contextlib.contextmanager
-def host_offloading(tracker: _Tracker) -> Iterator[Offloaded]:
+def host_offloading(tracker: HostTracker) -> Iterator[Offloaded]:
     """While active, every ``torch.autograd.graph.saved_tensors_hooks`` entered (``save_on_cpu`` and other
     subclasses) pushes its hooks wrapped as the module docstring says; yields what they moved."""
     record = Offloaded()

@@ -34,7 +34,6 @@ from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
 from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
 from preflight.cuda import CudaTarget, emulate_cuda
-from preflight.cuda._offload import host_offloading
 from preflight.parallel._fake_group import fake_world
 from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
                              mark_user_error)
@@ -392,13 +391,12 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             if value is not None:
                 tracker.shadow(fake, value)
         on_phase = phase_bookkeeping(tracker, fake_opt)
-        emulation = emulate_cuda(cuda) if cuda is not None else contextlib.nullcontext()
-        offloading = host_offloading(tracker) if cuda is not None else contextlib.nullcontext()
+        emulation = emulate_cuda(cuda, tracker) if cuda is not None else contextlib.nullcontext()
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
         watched = engine.watch(tracker, gloo=cuda is None)
-        error = failed = offloaded = None
+        error = failed = None
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched, offloading as offloaded:
+                fake_mode, tracker, watched:
             try:
                 wrapped.train()
                 run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
@@ -417,9 +415,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                     error, failed = err, failed_op_of(err)
             finally:
                 if emulated is not None:
-                    notes.append(emulated.note())
-                if offloaded is not None and offloaded.tensors:
-                    notes.append(offloaded.note())
+                    notes.extend(emulated.notes())
     if user_error is not None:
         raise mark_user_error(user_error)
     if tracker.layouts is not None and tracker.layouts.note():

@@ -23,7 +23,6 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from preflight.cuda import CudaTarget, emulate_cuda
-from preflight.cuda._offload import host_offloading
 from preflight.trace._compat import real_run_paths
 from preflight._checkpoint import Checkpoint
 from preflight._device import iter_tensors, named_tensors, planned_fill
@@ -385,16 +384,15 @@ class FakeRun:
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker (and
         the CUDA target's semantics when ``cuda`` is set)."""
-        emulation = emulate_cuda(self.cuda) if self.cuda is not None else contextlib.nullcontext()
-        offloading = host_offloading(self.tracker) if self.cuda is not None else contextlib.nullcontext()
-        emulated = offloaded = user_error = None
+        emulation = emulate_cuda(self.cuda, self.tracker) if self.cuda is not None else contextlib.nullcontext()
+        emulated = user_error = None
         # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
         # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
                 preserved_state(model, self.notes), real_run_paths(self.notes, self.tracker.host_array), \
                 longest_generation(self.tracker, self.notes), handled_fake_tensor_errors(), \
                 emulation as emulated, self.fake_mode, self.tracker, \
-                counted_rng_snapshots(self.tracker, host=self.cuda is None), offloading as offloaded, \
+                counted_rng_snapshots(self.tracker, host=self.cuda is None), \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
             try:
@@ -415,9 +413,7 @@ class FakeRun:
             finally:
                 finishing()
                 if emulated is not None:
-                    self.notes.append(emulated.note())
-                if offloaded is not None and offloaded.tensors:
-                    self.notes.append(offloaded.note())
+                    self.notes.extend(emulated.notes())
         self.notes.extend(compiled_notes(compiled))
         if user_error is not None:  # raised once the model is restored (which would undo a note on its objects)
             raise mark_user_error(user_error, self.what)

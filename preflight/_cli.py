@@ -151,6 +151,14 @@ def _parser() -> argparse.ArgumentParser:
                           "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
                           "--batch x --microbatches sequences; the world size defaults to N, and a larger "
                           "--world-size needs --sharding fsdp2 (FSDP2 inside each stage). Each distinct rank traced")
+    est.add_argument("--cp", type=int, default=None, metavar="N",
+                     help="context parallelism (causal-lm): each sequence cut among N ranks, attention through torch's "
+                          "ring (context_parallel; --cp-rotate); the world size defaults to N, and a larger "
+                          "--world-size needs --sharding fsdp2 (FSDP2 over every rank, torchtitan's dp_shard_cp); torch "
+                          "balances the load where --seq divides into 2N chunks. Each place in the ring traced")
+    est.add_argument("--cp-rotate", default="allgather", choices=("allgather", "alltoall"),
+                     help="with --cp: how the ring passes keys and values (torch's set_rotate_method; default "
+                          "allgather)")
     est.add_argument("--schedule", default="1F1B", metavar="NAME",
                      help="with --pp: torch's pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, "
                           "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
@@ -386,9 +394,11 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     if args.quantize:
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
-    tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
-    ranks = (tp or pp) if (tp or pp) and args.world_size == 1 else args.world_size
+    tp, pp, cp = getattr(args, "tp", None), getattr(args, "pp", None), getattr(args, "cp", None)
+    ranks = (tp or pp or cp) if (tp or pp or cp) and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
+        (f", context parallel degree {cp} ({args.cp_rotate}, each rank {args.seq // cp} tokens of each sequence)"
+         if cp else "") + \
         (f", pipeline parallel degree {pp} ({args.schedule}, {_microbatches(args)} micro-batches of "
          f"{args.batch})" if pp else "") + \
         (f", {sharding}" if sharding else "") + \
@@ -426,7 +436,23 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         if pp is None and (getattr(args, "microbatches", None) is not None or
                            getattr(args, "schedule", "1F1B") != "1F1B"):
             raise UsageError("--schedule and --microbatches describe a pipeline: pass --pp N (its stage ranks) too.")
-        if pp is not None:
+        cp = getattr(args, "cp", None)
+        if cp is None and getattr(args, "cp_rotate", "allgather") != "allgather":
+            raise UsageError("--cp-rotate describes context parallelism: pass --cp N (the ranks of the ring) too.")
+        if cp is not None:
+            other = [flag for flag, given in (("--tp", tp is not None), ("--pp", pp is not None),
+                                              ("--deepspeed-config", args.deepspeed_config),
+                                              ("offloading", any(offload.values())),
+                                              ("--generate", getattr(args, "generate", False))) if given]
+            if cp < 1 or args.task != "causal-lm" or other:
+                raise UsageError(f"--cp {cp}: context parallelism is planned for a causal-lm over at least 1 rank, "
+                                 "alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else
+                                                                     "") + ".")
+            from preflight.parallel import CPPlan
+
+            world = cp if args.world_size == 1 else args.world_size
+            parallel = ParallelPlan(world, sharding, cp=CPPlan(cp, args.cp_rotate), source="the command line")
+        elif pp is not None:
             parallel = _pp_plan(args, sharding, offload)
         elif tp is not None:
             if tp < 1 or args.deepspeed_config or any(offload.values()):
@@ -900,6 +926,8 @@ def _batch(args: argparse.Namespace, config: Any, batch_size: int | None = None)
         ids = planned((b * _microbatches(args), args.seq), torch.long, 0)
         return (ids, ids)
     ids = planned((b, args.seq), torch.long, 0)
+    if getattr(args, "cp", None):  # torch's ring attends causally without a mask; the labels are a tensor of their own
+        return {"input_ids": ids, "labels": planned((b, args.seq), torch.long, 0)}
     batch = {"input_ids": ids, "attention_mask": planned((b, args.seq), torch.long, 1)}
     if args.task == "seq-cls":
         batch["labels"] = planned((b,), torch.long, 0)

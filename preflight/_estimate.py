@@ -32,6 +32,7 @@ from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, WrappedFSDP1, WrappedFSDP2,
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
+from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
@@ -200,6 +201,17 @@ def estimate(
             raise ValueError("pipeline parallelism is traced with FSDP2 (fully_shard) over one data-parallel dim: "
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
+                            allocator=allocator)
+    cp = plan_kwargs.get("cp")
+    if cp is not None:
+        if laid_out is not None or wrapped is not None:
+            raise ValueError("`run.parallel.cp` plans context parallelism for a whole model, but the model is "
+                             "already parallelized or wrapped: call preflight on the model before it is wrapped.")
+        fsdp_cp = fsdp_trace_plan(fsdp, sharding)
+        if isinstance(fsdp_cp, FSDP1Plan) or (fsdp_cp is not None and fsdp_cp.replicate != 1):
+            raise ValueError("context parallelism is traced with FSDP2 (fully_shard) over every rank: pass "
+                             "sharding='fsdp2' without hybrid sharding.")
+        return _cp_estimate(model, optimizer, batch, cp, fsdp_cp, world_size, options, fast=fast, gpu_info=gpu_info,
                             allocator=allocator)
     if laid_out is not None:
         if world_size not in (1, laid_out.world_size) or tp is not None or sharding not in (None, "fsdp2") or fsdp:
@@ -608,6 +620,63 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             "and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
             f"{fsdp_note}; the shapes neighbouring stages exchange come from torch's metadata inference over all "
             "stages; the batch (inputs, target) is held by every rank")
+    if fast:
+        note += "; fast=True does not apply to the per-rank trace (traced in full)"
+    return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
+                              allocator=allocator, steps=options["steps"], world_size=world_size,
+                              sharding=sharding, saves=options["checkpoint"] is not None)
+
+
+def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, cp: CPPlan,
+                 fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
+                 allocator: AllocatorConfig | None) -> Estimate:
+    """Each place in the ring of a context-parallel run (with FSDP2 over every rank where ``fsdp``) traced through
+    torch's ``context_parallel`` (`preflight.parallel.trace_cp`); the estimate of the rank that peaks highest. Where
+    a rank cannot be traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
+    target, cuda = options["target_device"], options["cuda"]
+    if cuda is None and target.type == "cuda":
+        cuda = CudaTarget.of(None)
+    shape, names = cp.mesh(world_size)
+    mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names))
+    # One process group where the ring is the world (FSDP2 over it too); a 2-D mesh's groups otherwise
+    # (`rank_nccl_buffers` reads " x ").
+    sharding = f"cp{cp.degree}" if fsdp is None else f"cp{cp.degree} x fsdp2" if len(shape) > 1 else \
+        f"cp{cp.degree} with fsdp2"
+
+    def trace(rank: int) -> TraceResult:
+        return trace_cp(model, optimizer, batch, world_size=world_size, rank=rank, plan=cp, fsdp=fsdp,
+                        step=options["step"], precision=options["precision"], steps=options["steps"],
+                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
+                        cuda=cuda, checkpoint=options["checkpoint"])
+
+    groups, traced, failed = _traced_groups(
+        lambda: _rank_zero_alone(cp_rank_groups(cp, world_size), options["checkpoint"]), trace, "context_parallel")
+    if failed is not None:
+        return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
+                                    world_size=world_size, sharding=sharding,
+                                    note=f"context parallelism ({cp.label}): a rank could not be traced")
+    engine = ("inside fully_shard over every rank, torchtitan's dp_shard_cp" if fsdp is not None else
+              "the model replicated on each rank; its gradient all-reduce is in place")
+    kernel = ("the attention kernel the target picks" if cuda is not None else
+              "the CPU's fused attention kernel (torch 2.13 has no ring rule for it; preflight's "
+              "cpu_ring_attention adds torch's own ring over it)")
+    first, dim = sequence_tensors(batch, cp)[0]
+    length = first.shape[dim]
+    cut = ("with head-tail load balancing" if length % (2 * cp.degree) == 0 else
+           f"in contiguous chunks (torch balances the load only where the sequence, {length}, divides into "
+           f"2 x {cp.degree} chunks)")
+    note = (f"context parallelism ({cp.label}): each place in the ring traced through torch's context_parallel "
+            f"({engine}) under a fake {mesh} mesh, the batch's sequence tensors sharded in place {cut}, attention "
+            f"through torch's ring over {kernel}; " + (
+                "each rank traced" if all(len(g) == 1 for g in groups) else
+                f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"))
+    formula = closed_form_activations(model, batch, 1, False)
+    if formula is not None:
+        note += (f"; the closed form users compute by hand (Korthikanti et al. 2022 without tensor parallelism, "
+                 f"divided by the {cp.degree} ranks of the ring as Megatron's report divides it; GPT layers in "
+                 f"16-bit with dropout, nothing outside the layers) gives {format_bytes(formula // cp.degree)} of "
+                 "activations, where the trace holds this model's layers in their dtypes, the keys and values the "
+                 "ring gathers, the logits and the loss as they run")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,

@@ -14,7 +14,9 @@ rescales; `stand_in` gives an FSDP-wrapped model's unwrapped meta copy and optim
 the suggestions. `trace_tp` traces a rank under tensor parallelism (DTensor's ``parallelize_module`` as a `TPPlan`
 says, alone or with FSDP2 over the other dim of a 2-D mesh); `read_tp` reads the layout of a model already laid
 out, whose copy is laid out the same over the fake mesh. `trace_pp` traces a stage rank under pipeline parallelism
-(``torch.distributed.pipelining``'s own stage and schedule, as a `PPPlan` says).
+(``torch.distributed.pipelining``'s own stage and schedule, as a `PPPlan` says); `trace_cp` a rank under context
+parallelism (torch's ``context_parallel`` ring attention as a `CPPlan` says, alone or inside FSDP2;
+`cpu_ring_attention` lets that ring run on CPU tensors).
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) is the parallel section of a `preflight.Run`: it
 turns a trainer's strategy settings, read by the integrations, into the plan a per-rank estimate follows; `read_ddp`
 reads it off a ``DistributedDataParallel`` model. `_deepspeed` gives what DeepSpeed itself holds beside the traced
@@ -25,6 +27,7 @@ optimizer), are one single-device trace rescaled per category, with a note sayin
 package uses `preflight.trace`; `preflight._estimate` uses this package.
 """
 
+from preflight.parallel._context import CPPlan, cp_rank_groups, cpu_ring_attention, trace_cp
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
@@ -37,7 +40,7 @@ from preflight.parallel._stand_in import stand_in
 from preflight.parallel._tensor import TPPlan, WrappedTP, laid_out_parameters, model_styles, read_tp, tp_rank_groups, trace_tp
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "accelerate_checkpoint", "causal_lm_loss",
+__all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "trace_cp", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "accelerate_checkpoint", "causal_lm_loss",
            "split_sequential",
            "split_transformers", "stage_rank_groups",
            "trace_pp", "WrappedTP", "laid_out_parameters", "model_styles", "read_tp", "tp_rank_groups",

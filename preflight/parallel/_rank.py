@@ -67,6 +67,9 @@ class Engine:
         drive: ``drive(wrapped, mesh) -> run(batch)``, made inside the fake mode after ``wrap``: a step whose
             forward and backward the engine's own schedule runs (pipeline parallelism; `preflight._steps.run_steps`'s
             ``drive``); None: the user's step and ``loss.backward()``.
+        around: ``around(mesh, batch, cpu=...) -> context``, entered inside the fake mode and the tracker around
+            all the steps with the rank's fake batch (context parallelism shards the batch's sequence tensors in
+            place and sends attention through its ring; ``cpu``: the trace's target is the CPU); None: nothing.
     """
 
     name: str
@@ -77,6 +80,7 @@ class Engine:
     replicate: int | None = None
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
     drive: Callable[[nn.Module, Any], Callable[[Any], None]] | None = None
+    around: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -399,9 +403,11 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 fake_mode, tracker, watched:
             try:
                 wrapped.train()
-                run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
-                          steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
-                          drive=drive, save=checkpoint_saver(
+                with engine.around(mesh, fake_batch, cpu=cuda is None) if engine.around is not None \
+                        else contextlib.nullcontext():
+                    run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
+                              steps=steps, schedule=schedule, on_phase=on_phase,
+                              before_backward=tracker.watch_backward, drive=drive, save=checkpoint_saver(
                                   tracker, checkpoint, host_is_device=cuda is None, fake_world=True, notes=notes,
                                   gathers=gloo_dtensor_gathers if cuda is None else None))
             except (LossNotFoundError, StepWouldFailError):

@@ -62,6 +62,9 @@ class ParallelPlan:
             degree)``, as torchtitan lays out TP x FSDP2 (``fsdp`` may give an `FSDP2Plan` for it).
         pp: pipeline parallelism (a `preflight.parallel.PPPlan`), one stage per rank: its stages are the world size;
             traced alone (``sharding=None``, no ``tp``).
+        cp: context parallelism (a `preflight.parallel.CPPlan`): with ``sharding=None`` its degree is the world size
+            (the model replicated on every rank of the ring); with ``"fsdp2"``, FSDP2 shards over every rank of the
+            job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks.
     """
 
     world_size: int
@@ -74,6 +77,7 @@ class ParallelPlan:
     gradient_as_bucket_view: bool = False
     tp: Any = None
     pp: Any = None
+    cp: Any = None
 
     def __post_init__(self) -> None:
         _check_world(self.world_size)
@@ -81,6 +85,8 @@ class ParallelPlan:
             self._check_tp()
         if self.pp is not None:
             self._check_pp()
+        if self.cp is not None:
+            self._check_cp()
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
             raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got "
                              f"{self.sharding!r}.")
@@ -129,6 +135,24 @@ class ParallelPlan:
             raise ValueError("pipeline parallelism is traced alone or with FSDP2, not yet with tensor parallelism, "
                              "offload, DeepSpeed or DDP's options: leave them out of a plan with `pp`.")
 
+    def _check_cp(self) -> None:
+        from preflight.parallel._context import CPPlan
+
+        if not isinstance(self.cp, CPPlan):
+            raise TypeError(f"`ParallelPlan.cp` should be a preflight.parallel.CPPlan or None, got {self.cp!r}.")
+        self.cp.mesh(self.world_size)  # a ValueError where the degree does not divide the world
+        if self.sharding is None and self.cp.degree != self.world_size:
+            raise ValueError(f"`cp.degree` is {self.cp.degree} but the world size is {self.world_size}: data "
+                             "parallelism beside context parallelism is traced with FSDP2 over every rank; pass "
+                             "sharding='fsdp2', or world_size equal to the degree.")
+        if self.sharding not in (None, "fsdp2"):
+            raise ValueError("with context parallelism, `sharding` should be 'fsdp2' (FSDP2 over every rank, "
+                             f"torchtitan's dp_shard_cp) or None (the model replicated), got {self.sharding!r}.")
+        if self.tp is not None or self.pp is not None or any(
+                (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("context parallelism is traced alone or with FSDP2, not yet with tensor or pipeline "
+                             "parallelism, offload, DeepSpeed or DDP's options: leave them out of a plan with `cp`.")
+
     @property
     def sharded(self) -> bool:
         """Whether the plan shards training state (anything but plain data parallelism)."""
@@ -148,6 +172,8 @@ class ParallelPlan:
             kwargs["tp"] = self.tp
         if self.pp is not None:
             kwargs["pp"] = self.pp
+        if self.cp is not None:
+            kwargs["cp"] = self.cp
         return kwargs
 
     def note(self) -> str:
@@ -161,6 +187,8 @@ class ParallelPlan:
             over += f", tensor parallel degree {self.tp.degree}"
         if self.pp is not None:
             over += f", pipeline parallel {self.pp.label}"
+        if self.cp is not None:
+            over += f", {self.cp.label}"
         return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {over}"
                 + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
 

@@ -53,7 +53,8 @@ _TOP_SUGGESTIONS = 5
 # How each key of a suggestion's change is said in `preflight estimate`'s flags (the argument names it sets).
 _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size": "world_size",
                  "offload_optimizer": "offload_optimizer", "PYTORCH_CUDA_ALLOC_CONF": "allocator",
-                 "optimizer_impl": "optimizer_impl", "micro_batch_size": "batch", "accumulate_grad_batches": "accumulate",
+                 "optimizer_impl": "optimizer_impl", "micro_batch_size": "batch",
+                 "accumulate_grad_batches": "accumulate",
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
                  "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant",
                  "microbatches": "microbatches"}
@@ -154,8 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--cp", type=int, default=None, metavar="N",
                      help="context parallelism (causal-lm): each sequence cut among N ranks, attention through torch's "
                           "ring (context_parallel; --cp-rotate); the world size defaults to N, and a larger "
-                          "--world-size needs --sharding fsdp2 (FSDP2 over every rank, torchtitan's dp_shard_cp); torch "
-                          "balances the load where --seq divides into 2N chunks. Each place in the ring traced")
+                          "--world-size needs --sharding fsdp2 (FSDP2 over every rank, torchtitan's dp_shard_cp); "
+                          "torch balances the load where --seq divides into 2N chunks. Each place in the ring "
+                          "traced")
     est.add_argument("--cp-rotate", default="allgather", choices=("allgather", "alltoall"),
                      help="with --cp: how the ring passes keys and values (torch's set_rotate_method; default "
                           "allgather)")

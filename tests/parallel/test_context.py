@@ -75,7 +75,8 @@ def test_the_cpu_ring_and_context_parallel_leave_torch_as_they_found_it():
 
     cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     propagator = DTensor._op_dispatcher.sharding_propagator
-    handlers, rotate, balance = dict(ring.custom_ops), ring._cp_options.rotate_method, ring._cp_options.enable_load_balance
+    options = ring._cp_options
+    handlers, rotate, balance = dict(ring.custom_ops), options.rotate_method, options.enable_load_balance
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with cpu_ring_attention():
         assert cpu_op in propagator.op_strategy_funcs and cpu_op in ring.custom_ops
@@ -85,7 +86,7 @@ def test_the_cpu_ring_and_context_parallel_leave_torch_as_they_found_it():
     assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound
     assert torch.nn.functional.scaled_dot_product_attention is sdpa  # context_parallel's patch was taken off
     assert ring.custom_ops == handlers and cpu_op not in propagator.op_strategy_funcs
-    assert (ring._cp_options.rotate_method, ring._cp_options.enable_load_balance) == (rotate, balance)
+    assert (options.rotate_method, options.enable_load_balance) == (rotate, balance)
     assert batch["input_ids"].shape == (4, 64)  # the user's batch is not sharded; the trace's copy was
 
 

@@ -189,3 +189,19 @@ def test_real_gloo_context_parallel_per_rank_peak_within_3_percent(world, degree
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
+def test_the_example_plans_each_ring_per_rank():
+    import re
+
+    from conftest import example_output
+
+    stdout = example_output("context_parallel.py", timeout=300)
+    lines = stdout.splitlines()
+    single = float(re.search(r"activations ([\d.]+) MiB", lines[0]).group(1))
+    per_rank = [re.findall(r"([\d.]+) MiB", line.split("per rank", 1)[1].split("(")[0]) for line in lines[1:]]
+    assert [len(r) for r in per_rank] == [2, 4, 4]
+    activations = [float(re.search(r"activations ([\d.]+) MiB", line).group(1)) for line in lines[1:]]
+    # Each rank holds the activations of its share of the sequence: about a half and a quarter of one device's.
+    assert single / 2 < activations[0] < single * 0.55 and single / 4 < activations[1] < single * 0.3

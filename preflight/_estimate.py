@@ -204,15 +204,21 @@ def estimate(
                             allocator=allocator)
     cp = plan_kwargs.get("cp")
     if cp is not None:
-        if laid_out is not None or wrapped is not None:
-            raise ValueError("`run.parallel.cp` plans context parallelism for a whole model, but the model is "
-                             "already parallelized or wrapped: call preflight on the model before it is wrapped.")
+        if laid_out is not None or isinstance(wrapped, WrappedFSDP1):
+            raise ValueError("`run.parallel.cp` plans context parallelism with FSDP2 or alone, but the model is "
+                             "laid out by tensor parallelism or wrapped by FSDP1: call preflight on the model "
+                             "before it is wrapped.")
+        # A model fully_shard wrapped (accelerate's prepare): its plan was read above, over every rank.
         fsdp_cp = fsdp_trace_plan(fsdp, sharding)
         if isinstance(fsdp_cp, FSDP1Plan) or (fsdp_cp is not None and fsdp_cp.replicate != 1):
             raise ValueError("context parallelism is traced with FSDP2 (fully_shard) over every rank: pass "
                              "sharding='fsdp2' without hybrid sharding.")
-        return _cp_estimate(model, optimizer, batch, cp, fsdp_cp, world_size, options, fast=fast, gpu_info=gpu_info,
-                            allocator=allocator)
+        est = _cp_estimate(model, optimizer, batch, cp, fsdp_cp, world_size, options, fast=fast, gpu_info=gpu_info,
+                           allocator=allocator)
+        if wrapped is not None:
+            est = dataclasses.replace(est, coverage=dataclasses.replace(
+                est.coverage, notes=(*est.coverage.notes, wrapped.note())))
+        return est
     if laid_out is not None:
         if world_size not in (1, laid_out.world_size) or tp is not None or sharding not in (None, "fsdp2") or fsdp:
             raise ValueError(f"The model was already parallelized with DTensor over {laid_out.world_size} rank(s), "

@@ -152,6 +152,9 @@ class ParallelPlan:
                 (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
             raise ValueError("context parallelism is traced alone or with FSDP2, not yet with tensor or pipeline "
                              "parallelism, offload, DeepSpeed or DDP's options: leave them out of a plan with `cp`.")
+        if getattr(self.fsdp, "replicate", 1) != 1:
+            raise ValueError("context parallelism is traced with FSDP2 over every rank, not yet with HSDP: leave "
+                             "the FSDP2Plan's replicate at 1.")
 
     @property
     def sharded(self) -> bool:
@@ -339,9 +342,31 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     offload = (offload if isinstance(offload, bool) else type(offload).__name__ == "CPUOffloadPolicy"
                or bool(getattr(offload, "offload_params", False)))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
+    plan = fsdp_plan(strategy, world_size=world, ranks_per_node=per_node, cpu_offload=offload,
                      source=f"accelerate's FullyShardedDataParallelPlugin ({getattr(strategy, 'name', strategy)})",
                      **options)
+    return _with_context_parallel(plan, getattr(state, "parallelism_config", None))
+
+
+def _with_context_parallel(plan: ParallelPlan, config: Any) -> ParallelPlan:
+    """``plan`` with the ring accelerate's ``ParallelismConfig`` asks for (``cp_size`` > 1, torch's backend, its
+    ``cp_handler.cp_comm_strategy``), as `preflight.parallel.CPPlan` over FSDP2 (accelerate shards over
+    ``dp_shard_cp``, the ring innermost). Where the trace does not follow it (with tensor parallelism, HSDP or
+    offloading) the plan is left without the ring and its source says so: each rank then holds the whole sequence's
+    activations in the trace, more than a rank of the ring holds."""
+    cp_size = getattr(config, "cp_size", None)
+    if not isinstance(cp_size, int) or cp_size < 2 or getattr(config, "cp_backend", "torch") not in (None, "torch"):
+        return plan
+    from preflight.parallel._context import CPPlan
+
+    rotate = getattr(getattr(config, "cp_handler", None), "cp_comm_strategy", None) or "allgather"
+    try:
+        return dataclasses.replace(plan, cp=CPPlan(cp_size, rotate),
+                                   source=f"{plan.source}, accelerate's ParallelismConfig(cp_size={cp_size})")
+    except ValueError as err:
+        return dataclasses.replace(plan, source=f"{plan.source}; accelerate's context parallelism (cp_size={cp_size}) "
+                                                f"is not traced here ({err}): each rank planned with whole sequences, "
+                                                "more activations than a rank of the ring holds")
 
 
 def read_ddp(model: Any) -> tuple[Any, ParallelPlan] | None:

@@ -149,7 +149,7 @@ def advise(
     budget_bytes = run_budget(run, model)
     model, run, _ = read_plan_off_ddp(model, run)  # a DDP model's plan is the run's, its module the one changed
     if run.parallel is not None and run.parallel.sharding is None and run.parallel.world_size > 1 and \
-            run.parallel.tp is None and run.parallel.pp is None:
+            run.parallel.tp is None and run.parallel.pp is None and run.parallel.cp is None:
         run = run.replace(parallel=dataclasses.replace(run.parallel, sharding="ddp"))  # what estimate plans
     target = resolve_device(run.target.planned_device, model)
     baseline = estimate(model, optimizer, batch, pinned(run, target), step=step)
@@ -428,13 +428,17 @@ def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
     plan = setup.plan
     assert plan is not None
     out = []
-    for sharding, cost_class in _STRONGER.get(plan.sharding or "", ()):
+    # A ring over a replicated model (context parallelism alone): FSDP2 over every rank, torchtitan's dp_shard_cp.
+    stronger = (("fsdp2", "zero3"),) if plan.cp is not None and plan.sharding is None else \
+        _STRONGER.get(plan.sharding or "", ())
+    for sharding, cost_class in stronger:
         deepspeed, change = None, {"sharding": sharding, "world_size": plan.world_size}
         if plan.deepspeed is not None:  # the same config, at the new stage
             deepspeed = copy.deepcopy(dict(plan.deepspeed))
             deepspeed.setdefault("zero_optimization", {})["stage"] = int(sharding[-1])
             change["zero_stage"] = int(sharding[-1])
-        fsdp = plan.fsdp if plan.sharding.startswith("fsdp") else None  # FSDP1's units carry over to FULL_SHARD
+        # FSDP1's units carry over to FULL_SHARD
+        fsdp = plan.fsdp if (plan.sharding or "").startswith("fsdp") else None
         other = dataclasses.replace(plan, sharding=sharding, fsdp=fsdp, deepspeed=deepspeed,
                                     offload_params=plan.offload_params and sharding in ("zero3", "fsdp-full"))
         changed = setup.run.replace(parallel=other)

@@ -255,9 +255,12 @@ class _Sdpa:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False, *,
                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-        backend = choose_sdpa_backend(self.cc, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                                      cudnn_version=self.cudnn_version).backend
+        choice = choose_sdpa_backend(self.cc, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                                     cudnn_version=self.cudnn_version)
+        backend = choice.backend
         self.calls[backend] = self.calls.get(backend, 0) + 1
+        if backend == "math" and _sequence_sharded(query):
+            raise _ring_refuses_math(self.cc, query, choice)
         aten = torch.ops.aten
         if scale is None:
             scale = 1.0 / math.sqrt(query.size(-1))
@@ -279,6 +282,31 @@ class _Sdpa:
                                                                 is_causal, scale=scale)[0]
         return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
                                                        scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _sequence_sharded(query: torch.Tensor) -> bool:
+    """Whether ``query`` is a DTensor, as context parallelism's ring hands attention its sequence-sharded inputs."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build of torch without distributed support
+        return False
+    return isinstance(query, DTensor)
+
+
+def _ring_refuses_math(cc: tuple[int, int], query: torch.Tensor, choice: SdpaChoices) -> Exception:
+    """The error of attention under context parallelism when the target GPU's choice is the math kernel: torch's ring
+    handles the flash, memory-efficient and cuDNN kernels only, and the math kernel's causal mask (a plain tensor)
+    meets the DTensor scores, which DTensor refuses in the real job as in the trace."""
+    from preflight._errors import StepWouldFailError
+
+    why = "; ".join(f"{backend}: {reason}" for backend, reason in choice.passed_over)
+    return StepWouldFailError(
+        f"The training step would fail at its first step: under context parallelism, scaled_dot_product_attention "
+        f"on sm_{cc[0]}{cc[1]} with {str(query.dtype).replace('torch.', '')} inputs of shape {tuple(query.shape)} "
+        f"falls back to the math kernel ({why}), which torch's ring does not handle (it handles the flash, "
+        "memory-efficient and cuDNN kernels). Fix: inputs the GPU's fused kernels take (bf16 or fp16 on a GPU with "
+        "flash attention, fp16 or fp32 for memory-efficient attention on older GPUs), or no context parallelism. No "
+        "memory was predicted: a step that fails has no peak.")
 
 
 def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:

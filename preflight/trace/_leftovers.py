@@ -44,6 +44,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from preflight._warnings import warn
@@ -184,8 +185,9 @@ class _Before:
                 self._containers.append(holder)
 
     def previous(self, holder: Any, key: Any, value: Any) -> Any:
-        """What ``holder[key]`` (now ``value``, a leftover fake) held before the trace, or `_MISSING`."""
-        real = self.real_of.get(value)
+        """What ``holder[key]`` (now ``value``, a leftover fake or a container holding one) held before the trace, or
+        `_MISSING`."""
+        real = self.real_of.get(value) if isinstance(value, torch.Tensor) else None
         if real is not None:
             return real
         return self.slots.get((id(holder), key), _MISSING)

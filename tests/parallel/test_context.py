@@ -236,3 +236,28 @@ def test_the_example_plans_each_ring_per_rank():
     activations = [float(re.search(r"activations ([\d.]+) MiB", line).group(1)) for line in lines[1:]]
     # Each rank holds the activations of its share of the sequence: about a half and a quarter of one device's.
     assert single / 2 < activations[0] < single * 0.55 and single / 4 < activations[1] < single * 0.3
+
+
+def test_a_ring_over_the_math_kernel_would_fail_and_says_why():
+    """A T4 (sm_75) has no flash kernel, and its memory-efficient kernel takes no grouped-query heads: attention falls
+    back to the math kernel, which torch's ring does not handle; the real step fails, and so does the plan."""
+    model, batch = _llama()
+    with pytest.raises(preflight.StepWouldFailError, match="falls back to the math kernel") as err:
+        preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                           _run(2, 2, precision="bf16-mixed", target=preflight.Target(gpu="T4")))
+    assert "flash: sm_75 is outside" in str(err.value) and "efficient: head counts differ" in str(err.value)
+
+
+def test_advice_under_a_ring_keeps_the_ring_and_offers_fsdp2_over_every_rank(monkeypatch):
+    from conftest import only_options
+
+    only_options(monkeypatch, "sharding", "micro-batch")
+    model, batch = _llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    run = _run(2, 2, target=preflight.Target(budget="3.9MiB"))  # rank 0 needs 4,175,260 B
+    found = {s.changes: s for s in preflight.advise(model, optimizer, batch, run, headroom=0.0)}
+    sharded = found[("zero3",)]  # FSDP2's cost class
+    assert sharded.run.parallel.sharding == "fsdp2" and sharded.run.parallel.cp == CPPlan(2)
+    # The figure is the ring inside FSDP2's, as estimate plans it.
+    assert sharded.predicted_peak_bytes == preflight.estimate(model, optimizer, batch, sharded.run).peak_bytes
+    assert found[("micro_batch",)].run.parallel.cp == CPPlan(2)

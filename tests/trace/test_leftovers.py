@@ -251,3 +251,16 @@ class _HoldingModel(nn.Module):
         _SINGLETON.added = x.var()
         _SINGLETON.cached.add_(0)
         return (x + _unbounded(s)[:, None]).pow(2).mean()
+
+
+def test_a_slot_holding_a_container_of_a_fake_is_looked_up_without_a_weak_reference():
+    """A leftover can be a tuple holding a fake tensor (a cache's entry): what the slot held before is looked up by
+    the slot, not by the tuple (which cannot be weakly referenced)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from preflight.trace._leftovers import _MISSING, _Before
+
+    with FakeTensorMode():
+        fake = torch.empty(2)
+    holder = {"entry": (fake, 1)}
+    assert _Before().previous(holder, "entry", holder["entry"]) is _MISSING

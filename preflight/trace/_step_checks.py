@@ -242,6 +242,12 @@ def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
     text = str(err)
     if not isinstance(err, RuntimeError) or "got mixed torch.Tensor and DTensor" not in text:
         return None
+    if "/optimizer)" not in where:  # in the forward or backward: an operand the layout left a plain tensor
+        return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). DTensor refuses "
+                "an operator whose operands mix DTensors and plain tensors of more than one element, in the job as "
+                "in the trace: a tensor the parallel layout does not distribute meets one it does. Fix: make that "
+                "operand a DTensor (distribute it, or lay out the module that makes it), or keep it out of the laid-"
+                "out modules. No memory was predicted: a step that fails has no peak.")
     return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). A "
             "foreach or fused step takes the parameters of a group in one call, and here some are DTensors (laid out "
             "by tensor parallelism) and some plain tensors (modules the plan leaves alone, such as norms); torch "

@@ -216,3 +216,16 @@ def test_preflight_check_exits_5_with_the_reason(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 5, result.stderr
     assert "THE STEP WOULD FAIL" in result.stderr and "mat1 and mat2 must have the same dtype" in result.stderr
+
+
+def test_dtensor_mixing_is_explained_by_where_it_happens():
+    from preflight.trace._step_checks import mixed_dtensor_failure
+
+    err = RuntimeError("aten.add.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to "
+                       "DTensor before calling distributed operators!")
+    in_step = mixed_dtensor_failure(err, "aten._foreach_add_.List at adamw.py:1 in _multi_tensor_adamw "
+                                         "(step1/optimizer)")
+    in_forward = mixed_dtensor_failure(err, "aten.add.Tensor at model.py:9 in forward (step1/forward)")
+    assert "foreach=False on the optimizer" in in_step and "foreach" not in in_forward
+    assert "a tensor the parallel layout does not distribute meets one it does" in in_forward
+    assert mixed_dtensor_failure(RuntimeError("shapes differ"), "x (step1/forward)") is None

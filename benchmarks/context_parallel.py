@@ -46,14 +46,18 @@ import torch.multiprocessing as mp
 REPEATS = 3
 BATCH, SEQ = 2, 512
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
-# (layout, world size, ring ranks, rotate method, precision)
+# (layout, world size, ring ranks, rotate method, precision); "+ ac": activation checkpointing on every decoder layer
+# (transformers' gradient_checkpointing_enable, non-reentrant), whose backward runs each layer's ring again
 CONFIGS = (("cp", 2, 2, "allgather", None), ("cp", 2, 2, "alltoall", None), ("cp", 4, 4, "allgather", None),
            ("cp", 4, 4, "alltoall", None), ("cp x fsdp2", 4, 2, "allgather", None),
-           ("cp", 2, 2, "allgather", "bf16-mixed"))
+           ("cp", 2, 2, "allgather", "bf16-mixed"), ("cp + ac", 2, 2, "allgather", None),
+           ("cp x fsdp2 + ac", 4, 2, "allgather", None))
+if os.environ.get("CP_CONFIGS"):  # a subset, by index (e.g. "6,7"), for a quick look; the docs quote the full run
+    CONFIGS = tuple(CONFIGS[int(i)] for i in os.environ["CP_CONFIGS"].split(","))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "context_parallel.md")
 
 
-def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def build(layout: str = "cp") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -61,6 +65,8 @@ def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
                          attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
+    if layout.endswith("+ ac"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids.clone()}
 
@@ -81,8 +87,8 @@ def _worker(rank: int, world: int, layout: str, degree: int, rotate: str, precis
 
     join_gloo(rank, world, port)
     try:
-        model, batch = build()
-        if layout == "cp":
+        model, batch = build(layout)
+        if "fsdp2" not in layout:
             ring = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         else:
             from torch.distributed.fsdp import fully_shard
@@ -126,7 +132,7 @@ def predict(layout: str, world: int, degree: int, rotate: str, precision: str | 
     import preflight
     from preflight.parallel import CPPlan
 
-    model, batch = build()
+    model, batch = build(layout)
     sharding = "fsdp2" if "fsdp2" in layout else None
     run = preflight.Run(precision=precision, parallel=preflight.ParallelPlan(world, sharding,
                                                                              cp=CPPlan(degree, rotate)))

@@ -39,7 +39,8 @@ from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_e
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import checkpoint_saver, phase_bookkeeping, settled_frees, shadow_value
+from preflight.trace._run import (checkpoint_saver, counted_rng_snapshots, phase_bookkeeping, settled_frees,
+                                  shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._step_checks import mixed_dtensor_failure
 from preflight.trace._twin import TwinMaker, cuda_default_impl
@@ -400,7 +401,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
         watched = engine.watch(tracker, gloo=cuda is None)
         error = failed = None
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched:
+                fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None):
             try:
                 wrapped.train()
                 with engine.around(mesh, fake_batch, cpu=cuda is None) if engine.around is not None \

@@ -261,3 +261,23 @@ def test_advice_under_a_ring_keeps_the_ring_and_offers_fsdp2_over_every_rank(mon
     # The figure is the ring inside FSDP2's, as estimate plans it.
     assert sharded.predicted_peak_bytes == preflight.estimate(model, optimizer, batch, sharded.run).peak_bytes
     assert found[("micro_batch",)].run.parallel.cp == CPPlan(2)
+
+
+def test_each_ranks_trace_counts_checkpointings_rng_snapshots_on_a_cpu_target():
+    """Non-reentrant checkpointing keeps the CPU generator's state (a 5,056-byte host tensor no operator makes) per
+    checkpointed layer until its recomputation: host memory on a CPU target, counted in every rank's trace as in a
+    single-device one (a real 2-process run measured them: benchmarks/context_parallel.py's "+ ac" rows)."""
+    from preflight.parallel import trace_cp
+
+    model, batch = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    snapshot = torch.get_rng_state().untyped_storage().nbytes()
+    counts = {}
+    for cuda in (None, preflight.cuda.CudaTarget.of(None)):
+        result = trace_cp(model, torch.optim.AdamW(model.parameters()), batch, world_size=2, rank=0, plan=CPPlan(2),
+                          step=None, precision="bf16-mixed", steps=2, cuda=cuda)
+        assert result.error is None
+        counts[cuda is None] = sum(1 for e in result.events if e.nbytes == snapshot)
+    # Per layer and step: the one kept from the forward to the recomputation, and the one fork_rng holds during it.
+    # Host memory on a CUDA target.
+    assert counts == {True: LAYERS * 2 * 2, False: 0}

@@ -27,7 +27,7 @@ Beside it, the closed form users compute by hand: Korthikanti et al. (2022), act
 the ring's ranks as Megatron's theoretical memory report divides it; the traced activations category at the peak
 (fp32 here, a Llama layer, the logits and the loss, and the ring's gathered keys and values) is printed beside it.
 
-Run: python benchmarks/context_parallel.py      (about 4 minutes on 2 shared CPU cores)
+Run: python benchmarks/context_parallel.py      (about 5 minutes on 2 shared CPU cores)
 Writes benchmarks/results/context_parallel.md and prints the same table.
 """
 

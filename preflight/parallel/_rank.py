@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from preflight._checkpoint import Checkpoint
-from preflight._device import iter_tensors, named_tensors
+from preflight._device import iter_tensors, map_held_tensors, named_tensors
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
@@ -139,8 +139,14 @@ def fake_replica(model: nn.Module, twins: TwinMaker | MetaTwins, *, keep_buffers
         if id(p) not in params:
             # DeepSpeed ZeRO-3 empties a parameter's tensor and keeps its shape as `ds_shape`.
             whole = torch.empty(p.ds_shape, dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
-            params[id(p)] = nn.Parameter(twins.tensor(whole, requires_grad=p.requires_grad),
-                                         requires_grad=p.requires_grad)
+            twin = twins.tensor(whole, requires_grad=p.requires_grad)
+            param = nn.Parameter(twin, requires_grad=p.requires_grad)
+            # What a parameter subclass holds (a 4-bit weight's quant_state), which the twin carries
+            # (`TwinMaker.tensor`): the new Parameter is another object, so it gets the twin's attributes.
+            for name in map_held_tensors(p, lambda path, x: x):
+                if hasattr(twin, name):
+                    setattr(param, name, getattr(twin, name))
+            params[id(p)] = param
         return params[id(p)]
 
     def replicate(module: nn.Module) -> nn.Module:

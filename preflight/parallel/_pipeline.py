@@ -302,7 +302,15 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
     with FakeCopyMode(mode) if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
         # Copying a fake tensor reads its data pointer, which torch warns about; nothing is read.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        return plan.stage_module(replica, stage)
+        part = plan.stage_module(replica, stage)
+    # A deep copy under FakeCopyMode makes plain fake parameters: what a parameter subclass held (a 4-bit weight's
+    # quant_state, which the replica's parameter carries) goes back on the stage's parameter of the same name.
+    held = {name: vars(p) for name, p in replica.named_parameters() if vars(p)}
+    for name, p in part.named_parameters():
+        for attribute, value in held.get(name, {}).items():
+            if not hasattr(p, attribute):
+                setattr(p, attribute, value)
+    return part
 
 
 def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool], fsdp: FSDP2Plan | None = None,

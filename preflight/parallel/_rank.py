@@ -390,8 +390,12 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             return result(err, f"{engine.name} ({type(err).__name__})")
         for p in engine.parameters(wrapped):
             tracker.register(p, Category.PARAMETERS)
-        for _, held in twins.carried:  # a quantised weight's state, held whole by each rank
-            tracker.register(held, Category.PARAMETERS)
+        # A quantised weight's state, held whole by each rank that holds the weight: those the rank's parameters
+        # carry (a pipeline stage's), or all of them where no parameter carries one (an engine that made new ones).
+        carried = _carried_ids(engine.parameters(wrapped))
+        for _, held in twins.carried:
+            if not carried or id(held) in carried:
+                tracker.register(held, Category.PARAMETERS)
         for b in wrapped.buffers():
             tracker.register(b, Category.BUFFERS)
         fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
@@ -437,6 +441,27 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     if tracker.routing.note():
         notes.append(tracker.routing.note())
     return result(error, failed)
+
+
+def _carried_ids(parameters: list[torch.Tensor]) -> set[int]:
+    """The ids of the tensors ``parameters`` hold in their attributes (a 4-bit weight's ``quant_state``: its
+    ``absmax``, ``code`` and nested ``state2``), a few levels deep."""
+    found: set[int] = set()
+
+    def walk(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.add(id(value))
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, depth + 1)
+        elif depth < 3 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+            for item in vars(value).values():
+                walk(item, depth + 1)
+
+    for p in parameters:
+        for value in getattr(p, "__dict__", {}).values():
+            walk(value, 0)
+    return found
 
 
 @contextlib.contextmanager

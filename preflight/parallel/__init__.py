@@ -37,15 +37,14 @@ from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_checkpoint, accelerate_plan, already_sharded,
                                             deepspeed_plan, fsdp_plan, read_ddp)
 from preflight.parallel._stand_in import stand_in
-from preflight.parallel._tensor import TPPlan, WrappedTP, laid_out_parameters, model_styles, read_tp, tp_rank_groups, trace_tp
+from preflight.parallel._tensor import (TPPlan, WrappedTP, laid_out_parameters, model_styles, read_tp, tp_rank_groups,
+                                        trace_tp)
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "trace_cp", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "TPPlan", "accelerate_checkpoint", "causal_lm_loss",
-           "split_sequential",
-           "split_transformers", "stage_rank_groups",
-           "trace_pp", "WrappedTP", "laid_out_parameters", "model_styles", "read_tp", "tp_rank_groups",
-           "trace_tp", "ProcessGroupInUseError", "accelerate_plan", "already_sharded",
+__all__ = ["CPPlan", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "ProcessGroupInUseError", "TPPlan",
+           "WrappedFSDP1", "WrappedFSDP2", "WrappedTP", "WrappedZero", "accelerate_checkpoint", "accelerate_plan",
+           "already_sharded", "causal_lm_loss", "cp_rank_groups", "cpu_ring_attention", "deepspeed_optimizer",
            "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
-           "held_tensors", "rank_groups", "read_ddp", "read_fsdp1", "read_fsdp2", "read_zero", "stand_in",
-           "trace_fsdp1",
-           "trace_fsdp2", "WrappedFSDP1", "WrappedFSDP2", "WrappedZero", "deepspeed_optimizer", "zero_plan"]
+           "held_tensors", "laid_out_parameters", "model_styles", "rank_groups", "read_ddp", "read_fsdp1",
+           "read_fsdp2", "read_tp", "read_zero", "split_sequential", "split_transformers", "stage_rank_groups",
+           "stand_in", "tp_rank_groups", "trace_cp", "trace_fsdp1", "trace_fsdp2", "trace_pp", "trace_tp", "zero_plan"]

@@ -158,6 +158,12 @@ def _parser() -> argparse.ArgumentParser:
                           "--world-size needs --sharding fsdp2 (FSDP2 over every rank, torchtitan's dp_shard_cp); "
                           "torch balances the load where --seq divides into 2N chunks. Each place in the ring "
                           "traced")
+    est.add_argument("--ep", type=int, default=None, metavar="N",
+                     help="expert parallelism (causal-lm, a mixture-of-experts config): each layer's experts spread "
+                          "over N ranks as transformers' DistributedConfig(fsdp_size=W, ep_size=N) lays them out, "
+                          "with its FSDP2 over all W ranks (--world-size, default N); tokens routed evenly over the "
+                          "experts (Run(routing=\"skewed\") in Python for the worst case). Each place on the ep "
+                          "dim traced")
     est.add_argument("--cp-rotate", default="allgather", choices=("allgather", "alltoall"),
                      help="with --cp: how the ring passes keys and values (torch's set_rotate_method; default "
                           "allgather)")
@@ -396,9 +402,11 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     if args.quantize:
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
-    tp, pp, cp = getattr(args, "tp", None), getattr(args, "pp", None), getattr(args, "cp", None)
-    ranks = (tp or pp or cp) if (tp or pp or cp) and args.world_size == 1 else args.world_size
+    tp, pp, cp, ep = (getattr(args, name, None) for name in ("tp", "pp", "cp", "ep"))
+    ranks = (tp or pp or cp or ep) if (tp or pp or cp or ep) and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
+        (f", expert parallel degree {ep} (transformers' layout, FSDP2 over every rank, tokens routed evenly)"
+         if ep else "") + \
         (f", context parallel degree {cp} ({args.cp_rotate}, each rank {args.seq // cp} tokens of each sequence)"
          if cp else "") + \
         (f", pipeline parallel degree {pp} ({args.schedule}, {_microbatches(args)} micro-batches of "
@@ -438,10 +446,26 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         if pp is None and (getattr(args, "microbatches", None) is not None or
                            getattr(args, "schedule", "1F1B") != "1F1B"):
             raise UsageError("--schedule and --microbatches describe a pipeline: pass --pp N (its stage ranks) too.")
-        cp = getattr(args, "cp", None)
+        cp, ep = getattr(args, "cp", None), getattr(args, "ep", None)
+        if ep is not None:
+            other = [flag for flag, given in (("--tp", tp is not None), ("--pp", pp is not None),
+                                              ("--cp", cp is not None),
+                                              ("--deepspeed-config", args.deepspeed_config),
+                                              ("offloading", any(offload.values())),
+                                              ("--generate", getattr(args, "generate", False))) if given]
+            if ep < 2 or args.task != "causal-lm" or other or sharding not in (None, "fsdp2"):
+                raise UsageError(f"--ep {ep}: expert parallelism is planned for a causal-lm over at least 2 ranks, "
+                                 "with transformers' FSDP2 (--sharding fsdp2 or none)" +
+                                 (f"; not with {', '.join(other)}" if other else "") + ".")
+            from preflight.parallel import EPPlan
+
+            world = ep if args.world_size == 1 else args.world_size
+            parallel = ParallelPlan(world, "fsdp2", ep=EPPlan(ep), source="the command line")
         if cp is None and getattr(args, "cp_rotate", "allgather") != "allgather":
             raise UsageError("--cp-rotate describes context parallelism: pass --cp N (the ranks of the ring) too.")
-        if cp is not None:
+        if parallel is not None:
+            pass  # expert parallelism, above
+        elif cp is not None:
             other = [flag for flag, given in (("--tp", tp is not None), ("--pp", pp is not None),
                                               ("--deepspeed-config", args.deepspeed_config),
                                               ("offloading", any(offload.values())),

@@ -33,6 +33,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
+from preflight.parallel._expert import EPPlan, ep_rank_groups, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
@@ -201,6 +202,13 @@ def estimate(
             raise ValueError("pipeline parallelism is traced with FSDP2 (fully_shard) over one data-parallel dim: "
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
+                            allocator=allocator)
+    ep = plan_kwargs.get("ep")
+    if ep is not None:
+        if laid_out is not None or wrapped is not None:
+            raise ValueError("`run.parallel.ep` plans transformers' expert parallelism for a whole model, but the "
+                             "model is already laid out or wrapped: call preflight on the model before it is.")
+        return _ep_estimate(model, optimizer, batch, ep, world_size, options, fast=fast, gpu_info=gpu_info,
                             allocator=allocator)
     cp = plan_kwargs.get("cp")
     if cp is not None:
@@ -626,6 +634,46 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             "and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
             f"{fsdp_note}; the shapes neighbouring stages exchange come from torch's metadata inference over all "
             "stages; the batch (inputs, target) is held by every rank")
+    if fast:
+        note += "; fast=True does not apply to the per-rank trace (traced in full)"
+    return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
+                              allocator=allocator, steps=options["steps"], world_size=world_size,
+                              sharding=sharding, saves=options["checkpoint"] is not None)
+
+
+def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,
+                 options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None) -> Estimate:
+    """Each place on the ``ep`` dim of transformers' expert parallelism traced through its own layout and token
+    exchange (`preflight.parallel.trace_ep`); the estimate of the rank that peaks highest. Where a rank cannot be
+    traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
+    target, cuda = options["target_device"], options["cuda"]
+    if cuda is None and target.type == "cuda":
+        cuda = CudaTarget.of(None)
+    sharding = f"ep{ep.degree} x fsdp2"
+
+    def trace(rank: int) -> TraceResult:
+        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, step=options["step"],
+                        precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
+                        record_op=options["record_op"], routing=options["routing"], cuda=cuda,
+                        checkpoint=options["checkpoint"])
+
+    groups, traced, failed = _traced_groups(
+        lambda: _rank_zero_alone(ep_rank_groups(ep, world_size), options["checkpoint"]), trace,
+        "transformers' expert parallelism")
+    if failed is not None:
+        if isinstance(failed.error, ValueError) and "transformers' own engine" in str(failed.error):
+            raise failed.error
+        return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
+                                    world_size=world_size, sharding=sharding,
+                                    note=f"expert parallelism ({ep.label}): a rank could not be traced")
+    config = ep.config(world_size)
+    note = (f"expert parallelism ({ep.label}): each place on the ep dim traced through transformers' own "
+            f"maybe_distribute_model over fake meshes (dense fsdp {config.fsdp_size}, experts efsdp "
+            f"{config.efsdp_size} x ep {ep.degree}) and its token exchange, each rank's tokens routed as "
+            f"routing={options['routing']!r} assumes and every rank assumed to route as this one (the counts a rank "
+            "receives from each rank are those it sends to itself); " + (
+                "each rank traced" if all(len(g) == 1 for g in groups) else
+                f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"))
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,

@@ -520,6 +520,9 @@ def _adapters_refused(setup: _Setup) -> str | None:
     if setup.run.parallel is not None and setup.run.parallel.tp is not None:
         return ("tensor parallelism lays out nn.Linear and nn.Embedding modules, not the peft layers that replace "
                 "them, so a LoRA model is not planned under a tensor-parallel plan")
+    if setup.run.parallel is not None and setup.run.parallel.ep is not None:
+        return ("transformers' expert parallelism lays out the transformers model itself, not a peft model around "
+                "it, so a LoRA model is not planned under an expert-parallel plan")
     return None
 
 

@@ -16,7 +16,8 @@ says, alone or with FSDP2 over the other dim of a 2-D mesh); `read_tp` reads the
 out, whose copy is laid out the same over the fake mesh. `trace_pp` traces a stage rank under pipeline parallelism
 (``torch.distributed.pipelining``'s own stage and schedule, as a `PPPlan` says); `trace_cp` a rank under context
 parallelism (torch's ``context_parallel`` ring attention as a `CPPlan` says, alone or inside FSDP2;
-`cpu_ring_attention` lets that ring run on CPU tensors).
+`cpu_ring_attention` lets that ring run on CPU tensors); `trace_ep` a rank under expert parallelism
+(transformers' own layout and token exchange as an `EPPlan` says).
 `ParallelPlan` (`fsdp_plan`, `deepspeed_plan`, `accelerate_plan`) is the parallel section of a `preflight.Run`: it
 turns a trainer's strategy settings, read by the integrations, into the plan a per-rank estimate follows; `read_ddp`
 reads it off a ``DistributedDataParallel`` model. `_deepspeed` gives what DeepSpeed itself holds beside the traced
@@ -28,6 +29,7 @@ package uses `preflight.trace`; `preflight._estimate` uses this package.
 """
 
 from preflight.parallel._context import CPPlan, cp_rank_groups, cpu_ring_attention, trace_cp
+from preflight.parallel._expert import EPPlan, ep_rank_groups, trace_ep
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
 from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
@@ -41,10 +43,10 @@ from preflight.parallel._tensor import (TPPlan, WrappedTP, laid_out_parameters, 
                                         trace_tp)
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
-__all__ = ["CPPlan", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "ProcessGroupInUseError", "TPPlan",
+__all__ = ["CPPlan", "EPPlan", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "ProcessGroupInUseError", "TPPlan",
            "WrappedFSDP1", "WrappedFSDP2", "WrappedTP", "WrappedZero", "accelerate_checkpoint", "accelerate_plan",
            "already_sharded", "causal_lm_loss", "cp_rank_groups", "cpu_ring_attention", "deepspeed_optimizer",
-           "deepspeed_plan", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
+           "deepspeed_plan", "ep_rank_groups", "default_units", "fake_replica", "fake_world", "fsdp1_rank_groups", "fsdp_plan",
            "held_tensors", "laid_out_parameters", "model_styles", "rank_groups", "read_ddp", "read_fsdp1",
            "read_fsdp2", "read_tp", "read_zero", "split_sequential", "split_transformers", "stage_rank_groups",
-           "stand_in", "tp_rank_groups", "trace_cp", "trace_fsdp1", "trace_fsdp2", "trace_pp", "trace_tp", "zero_plan"]
+           "stand_in", "tp_rank_groups", "trace_cp", "trace_ep", "trace_fsdp1", "trace_fsdp2", "trace_pp", "trace_tp", "zero_plan"]

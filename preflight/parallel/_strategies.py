@@ -65,6 +65,9 @@ class ParallelPlan:
         cp: context parallelism (a `preflight.parallel.CPPlan`): with ``sharding=None`` its degree is the world size
             (the model replicated on every rank of the ring); with ``"fsdp2"``, FSDP2 shards over every rank of the
             job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks.
+        ep: expert parallelism (a `preflight.parallel.EPPlan`), as transformers lays a mixture-of-experts model out
+            with ``DistributedConfig(fsdp_size=world_size, ep_size=degree)``: ``sharding`` is ``"fsdp2"``
+            (transformers' FSDP2 over every rank).
     """
 
     world_size: int
@@ -78,6 +81,7 @@ class ParallelPlan:
     tp: Any = None
     pp: Any = None
     cp: Any = None
+    ep: Any = None
 
     def __post_init__(self) -> None:
         _check_world(self.world_size)
@@ -87,6 +91,8 @@ class ParallelPlan:
             self._check_pp()
         if self.cp is not None:
             self._check_cp()
+        if self.ep is not None:
+            self._check_ep()
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
             raise ValueError(f"`ParallelPlan.sharding` should be one of {SHARDING_CHOICES} or None, got "
                              f"{self.sharding!r}.")
@@ -156,6 +162,22 @@ class ParallelPlan:
             raise ValueError("context parallelism is traced with FSDP2 over every rank, not yet with HSDP: leave "
                              "the FSDP2Plan's replicate at 1.")
 
+    def _check_ep(self) -> None:
+        from preflight.parallel._expert import EPPlan
+
+        if not isinstance(self.ep, EPPlan):
+            raise TypeError(f"`ParallelPlan.ep` should be a preflight.parallel.EPPlan or None, got {self.ep!r}.")
+        if self.world_size % self.ep.degree:
+            raise ValueError(f"`ep.degree` ({self.ep.degree}) should divide the world size {self.world_size}.")
+        if self.sharding != "fsdp2":
+            raise ValueError("transformers' expert parallelism comes with its FSDP2 over every rank: pass "
+                             f"sharding='fsdp2', got {self.sharding!r}.")
+        if self.tp is not None or self.pp is not None or self.cp is not None or self.fsdp is not None or any(
+                (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("expert parallelism is traced with transformers' own FSDP2, not yet with tensor, "
+                             "pipeline or context parallelism, an FSDP2Plan of its own, offload or DeepSpeed: leave "
+                             "them out of a plan with `ep`.")
+
     @property
     def sharded(self) -> bool:
         """Whether the plan shards training state (anything but plain data parallelism)."""
@@ -177,6 +199,8 @@ class ParallelPlan:
             kwargs["pp"] = self.pp
         if self.cp is not None:
             kwargs["cp"] = self.cp
+        if self.ep is not None:
+            kwargs["ep"] = self.ep
         return kwargs
 
     def note(self) -> str:
@@ -192,6 +216,8 @@ class ParallelPlan:
             over += f", pipeline parallel {self.pp.label}"
         if self.cp is not None:
             over += f", {self.cp.label}"
+        if self.ep is not None:
+            over += f", {self.ep.label}"
         return (f"per-rank plan read from {self.source or 'the trainer'}: {self.sharding} over {over}"
                 + (f", {' and '.join(offloaded)} on the CPU" if offloaded else ""))
 

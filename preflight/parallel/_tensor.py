@@ -335,11 +335,12 @@ def _refuse_expert_parallelism(model: nn.Module) -> None:
     (``DistributedConfig(ep_size=...)``: its experts modules are marked ``_is_expert_parallel``)."""
     experts = [name for name, module in model.named_modules() if getattr(module, "_is_expert_parallel", False)]
     if experts:
-        raise ValueError(f"the model's experts are laid out over ranks by expert parallelism ({experts[0]} and "
-                         f"{len(experts) - 1} more: transformers' DistributedConfig(ep_size=...)), which preflight "
-                         "does not trace yet: the tokens each rank's experts receive come from the all-to-all of "
-                         "every rank's routing. Called on the model before it is laid out, preflight.estimate "
-                         "gives the whole model's figure on one device.")
+        raise ValueError(f"the model's experts are already laid out over ranks by expert parallelism ({experts[0]} "
+                         f"and {len(experts) - 1} more: transformers' DistributedConfig(ep_size=...)), which "
+                         "preflight does not read off a laid-out model yet. Plan it on the model before "
+                         "from_pretrained lays it out: Run(parallel=ParallelPlan(world_size, 'fsdp2', "
+                         "ep=EPPlan(ep_size))) traces each rank through transformers' own layout and token exchange "
+                         "(`preflight estimate --ep N` from a config).")
 
 
 def read_tp(model: nn.Module) -> WrappedTP | None:

@@ -558,6 +558,9 @@ class StorageTracker(TorchDispatchMode):
         has_tensor_arg = any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
         if not has_tensor_arg and not _is_factory(func):
             return
+        if func in _COLLECTIVE_SHADOWS:  # a collective's result comes from the other ranks: the rule answers it
+            _COLLECTIVE_SHADOWS[func](self, args, kwargs)
+            return
         ok, real_out = self._run_real(func, args, kwargs)
         if not ok:
             self._forget_mutated(func, args, kwargs)
@@ -568,6 +571,9 @@ class StorageTracker(TorchDispatchMode):
             return
         with _disable_current_modes():
             reals = _owned(reals, args, kwargs)
+            if func.overloadpacket.__name__ in _UNINITIALIZED:  # its values are whatever the allocator left there
+                for real in reals:
+                    real.zero_()
         for fake, real in zip(outs, reals):
             if tuple(fake.shape) == tuple(real.shape):
                 self.shadow(fake, real)
@@ -837,6 +843,39 @@ def failed_op_of(err: BaseException) -> str:
             return getattr(e, _FAILED_OP)
         e = e.__cause__ or e.__context__
     return failure_site(err)
+
+
+# Operators whose outputs hold no values yet: their shadows are zeros, not the allocator's leftovers (which a later
+# read would take for values), until an operator writes them.
+_UNINITIALIZED = {"empty_like", "new_empty", "new_empty_strided"}
+
+
+def _all_to_all_shadow(tracker: StorageTracker, args: Any, kwargs: dict) -> None:
+    """``c10d.alltoall_base_(output, input, group, output_splits, input_splits, ...)`` in a fake process group
+    (the trace of one rank), with equal splits and a shadowed input (token counts per destination, as a
+    mixture-of-experts dispatch exchanges them): the output's shadow is what this rank would receive if every rank
+    of the group sent what this rank sends, each rank's block for this rank being this rank's own (the trace's
+    routing assumption is the same for every rank's tokens). Anything else leaves the output without a shadow."""
+    output, source, group = args[0], args[1], args[2]
+    splits = [list(a) for a in args[3:5]]
+    tracker._shadows.pop(output, None)
+    real = tracker.shadow_of(source)
+    if real is None or any(splits) or real.dim() == 0:
+        return
+    if not hasattr(group, "rank"):  # the dispatcher hands the group boxed (a ScriptObject)
+        group = torch._C._distributed_c10d.ProcessGroup.unbox(group)
+    size, rank = group.size(), group.rank()
+    if real.shape[0] % size:
+        return
+    with _disable_current_modes():
+        block = real.reshape(size, -1)[rank]
+        received = block.repeat(size).reshape(output.shape).to(output.dtype)
+    tracker.shadow(output, received)
+
+
+_COLLECTIVE_SHADOWS: dict[Any, Callable[[StorageTracker, Any, dict], None]] = {}
+if hasattr(torch.ops, "c10d") and hasattr(torch.ops.c10d, "alltoall_base_"):  # builds with distributed support
+    _COLLECTIVE_SHADOWS[torch.ops.c10d.alltoall_base_.default] = _all_to_all_shadow
 
 
 def _is_factory(func: Any) -> bool:

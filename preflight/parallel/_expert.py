@@ -1,0 +1,203 @@
+"""One rank's training step under expert parallelism (transformers' ``DistributedConfig(ep_size=...)``), traced on
+fake tensors with a fake process group.
+
+An `EPPlan` says over how many ranks a mixture-of-experts model's experts are spread (the ``ep`` dim) and which of
+transformers' token exchanges runs them (``ep_implementation``: ``"auto"`` is an all-to-all of the tokens in
+training). Expert parallelism in transformers comes with its FSDP2 over the job's ranks (``fsdp_size``), and the
+plan is traced as transformers lays the model out: the fake copy of the model gets transformers' own
+``maybe_distribute_model`` over fake device meshes of the job's shape (the dense ``("pp", "dp_replicate", "fsdp",
+"tp")`` mesh and the experts' ``("pp", "dp_replicate", "efsdp", "ep")``, as ``initialize_distributed_mesh`` makes
+them, on the CPU), as this rank, and the real step runs as `preflight.parallel._rank.trace_rank` describes. So the
+rank's peak comes out of transformers' program: its experts (``num_experts / ep`` of each layer, sharded again over
+``efsdp``), FSDP2's shards of the dense layers, the tokens it sends and the tokens its experts receive, and both
+all-to-alls' buffers. ``from_pretrained`` loads each dense weight whole on every rank and keeps the rank's FSDP2
+shard as a view into it (measured, `_loaded_blocks`): the whole weights are held too.
+
+Which tokens reach which rank depends on every rank's router, which a fake trace does not have. The trace routes
+each rank's tokens by the run's routing assumption (`preflight.trace._routing`: ``"balanced"`` or ``"skewed"``), and
+answers the exchange of token counts as if every rank routed its tokens as this rank does (the counts a rank
+receives from each other rank are the ones it sends to itself): balanced, every rank receives ``top_k x tokens /
+ep`` token slots from each rank; skewed (every token to the first ``top_k`` experts), the ranks holding those
+experts receive every rank's tokens and the others none, the worst case for them.
+
+Known limitations: the plan is traced for a transformers model (the engine is transformers'); tensor and pipeline
+parallelism beside it are not; a model transformers already laid out inside a job is refused by name (plan it
+before ``from_pretrained(distributed_config=...)`` lays it out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from preflight._checkpoint import Checkpoint
+from preflight._steps import Loop, StepFn
+from preflight.cuda import CudaTarget
+from preflight.parallel._fsdp2 import watched_fsdp2
+from preflight.parallel._rank import Engine, ParamTwins, trace_rank
+from preflight.parallel._tensor import meshes_outside_modes
+from preflight.trace import Sweep, TraceResult, swept
+from preflight.trace._tracker import StorageTracker
+from preflight.trace._twin import clone_optimizer
+
+__all__ = ["EPPlan", "ep_rank_groups", "trace_ep"]
+
+IMPLEMENTATIONS = ("auto", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPPlan:
+    """How expert parallelism is applied, as ``DistributedConfig(fsdp_size=..., ep_size=degree,
+    ep_implementation=...)`` applies it to a transformers mixture-of-experts model.
+
+    Attributes:
+        degree: the ranks one layer's experts are spread over (``ep_size``); it divides the world size, and the
+            experts' count.
+        implementation: transformers' ``ep_implementation``: ``"auto"`` (an all-to-all of the tokens in training)
+            or ``"all_to_all"``.
+    """
+
+    degree: int
+    implementation: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 2:
+            raise ValueError(f"`EPPlan.degree` should be an int of at least 2 (the ranks a layer's experts are spread "
+                             f"over), got {self.degree!r}.")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"`EPPlan.implementation` should be one of {IMPLEMENTATIONS} (transformers' "
+                             f"ep_implementation in training), got {self.implementation!r}.")
+
+    def config(self, world_size: int) -> Any:
+        """transformers' ``DistributedConfig`` of the plan over ``world_size`` ranks (FSDP2 over all of them)."""
+        from transformers.distributed import DistributedConfig
+
+        return DistributedConfig(fsdp_size=world_size, ep_size=self.degree, ep_implementation=self.implementation)
+
+    @property
+    def label(self) -> str:
+        return f"expert parallel degree {self.degree}, transformers' {self.implementation} exchange"
+
+
+def _check_model(model: nn.Module, plan: EPPlan) -> None:
+    """A ValueError where the model is not a transformers mixture-of-experts model transformers can lay out."""
+    if not callable(getattr(type(model), "maybe_distribute_model", None)) or \
+            not callable(getattr(model, "_resolve_parallel_plans", None)):
+        raise ValueError(f"expert parallelism is traced through transformers' own engine (DistributedConfig(ep_size="
+                         f"...)), which {type(model).__name__} does not have: give a transformers mixture-of-experts "
+                         "model")
+    if not getattr(model, "ep_plan", None):
+        raise ValueError(f"{type(model).__name__} has no expert-parallel plan of its own (transformers' ep_plan): it "
+                         "is not a mixture-of-experts model transformers spreads over ranks")
+
+
+def _engine(plan: EPPlan, world_size: int) -> Engine:
+    config = plan.config(world_size)
+
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed import init_device_mesh
+        from torch.utils._python_dispatch import _disable_current_modes
+        from transformers.distributed.utils import TransformersDeviceMesh
+
+        # As initialize_distributed_mesh makes them, on the CPU: no device is bound in the user's process.
+        with _disable_current_modes():
+            dense = init_device_mesh("cpu", (config.pp_size, config.dp_replicate_size, config.fsdp_size,
+                                             config.tp_size), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+            experts = init_device_mesh("cpu", (config.pp_size, config.dp_replicate_size, config.efsdp_size,
+                                               config.ep_size), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        # transformers records the config on the model's config object, which the copy shares with the user's
+        # model (`fake_replica`): the copy gets its own.
+        replica.config = copy.copy(replica.config)
+        with meshes_outside_modes():
+            laid_out = type(replica).maybe_distribute_model(replica, config, TransformersDeviceMesh(dense, experts))
+        laid_out._preflight_loaded = _loaded_blocks(laid_out)
+        return laid_out
+
+    return Engine(name="transformers' expert parallelism", wrap=wrap, optimizer=_optimizer,
+                  parameters=_local_parameters, watch=_watch)
+
+
+def _loaded_blocks(model: nn.Module) -> list[torch.Tensor]:
+    """What ``from_pretrained(distributed_config=...)`` keeps beside each dense parameter's FSDP2 shard: it loads
+    every dense weight whole on each rank and keeps the rank's shard as a view into it (measured on 2 and 4 gloo
+    processes with transformers 5.24: the local shard of ``q_proj.weight`` lives in a storage of the whole weight's
+    bytes; the experts' shards, laid out by the expert-parallel plan, do not). A block of the difference per dense
+    parameter, made in the trace's fake mode, held as long as the model."""
+    from torch.distributed.tensor import DTensor
+
+    blocks = []
+    for p in model.parameters():
+        if not isinstance(p, DTensor) or "fsdp" not in (p.device_mesh.mesh_dim_names or ()):
+            continue
+        local = p.to_local()
+        extra = p.numel() * p.element_size() - local.untyped_storage().nbytes()
+        if extra > 0:
+            blocks.append(torch.empty(extra, dtype=torch.uint8, device=local.device))
+    return blocks
+
+
+def _optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer rebuilt over the laid-out copy's parameters (matched by name)."""
+    return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "expert parallelism"),
+                           foreach=None)
+
+
+def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
+    """The rank's parameter storages: each DTensor's local shard, and what the loading keeps beside the dense
+    shards (`_loaded_blocks`)."""
+    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()] + list(
+        getattr(wrapped, "_preflight_loaded", ()))
+
+
+@contextlib.contextmanager
+def _watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
+    with watched_fsdp2(tracker, gloo=gloo), meshes_outside_modes():
+        yield
+
+
+def ep_rank_groups(plan: EPPlan, world_size: int) -> list[list[int]]:
+    """Ranks grouped by their place on the ``ep`` dim (the experts they hold): each place is traced (the tokens a
+    place receives depend on which experts it holds under a skewed routing)."""
+    if world_size % plan.degree:
+        raise ValueError(f"`EPPlan.degree` ({plan.degree}) should divide the world size {world_size}.")
+    return [[r for r in range(world_size) if r % plan.degree == place] for place in range(plan.degree)]
+
+
+@swept
+def trace_ep(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    world_size: int,
+    rank: int,
+    plan: EPPlan,
+    step: StepFn | None,
+    precision: str | None,
+    steps: int,
+    schedule: Loop = Loop(),
+    record_op: Callable[[Any, Any], bool] | None = None,
+    routing: str = "balanced",
+    cuda: CudaTarget | None = None,
+    sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
+) -> TraceResult:
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under expert parallelism (module
+    docstring); the arguments are `preflight.parallel.trace_cp`'s.
+
+    Raises:
+        ValueError: the model is not a transformers mixture-of-experts model.
+        ProcessGroupInUseError: a fake process group cannot be made in this process.
+        LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
+        Exception: the user's own exception from their step (`preflight.trace._blame`).
+    """
+    _check_model(model, plan)
+    return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank,
+                      step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)

@@ -120,3 +120,51 @@ def test_real_gloo_expert_parallel_per_rank_peak_within_3_percent(tmp_path, worl
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+def test_token_counts_exchanged_in_a_fake_group_are_answered_as_if_every_rank_routed_alike():
+    """The shadow rules behind the exchange: ``empty_like`` has no values (zeros stand for them, never the
+    allocator's leftovers), and an all-to-all of shadowed counts in a fake group gives this rank, from every rank,
+    the block it sends itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from preflight.parallel import fake_world
+    from preflight.trace._tracker import StorageTracker
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = StorageTracker(fake_mode)
+    counts = torch.tensor([[1, 2, 3], [4, 5, 6]])  # what this rank sends each rank
+    with fake_world(2, 1):
+        with fake_mode, tracker:
+            sent = torch.empty(2, 3, dtype=torch.long)
+            tracker.shadow(sent, counts)
+            received = torch.empty_like(sent)
+            before = tracker.shadow_of(received)
+            dist.all_to_all_single(received, sent)
+            after = tracker.shadow_of(received)
+            sums = received.sum(dim=1).tolist()  # a data-dependent read, answered from the shadow
+    tracker.detach()
+    assert before.tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert after.tolist() == [[4, 5, 6], [4, 5, 6]]  # from each of the 2 ranks, what rank 1 sends to rank 1
+    assert sums == [15, 15]
+
+
+def test_the_cli_plans_expert_parallelism(tmp_path, capsys):
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64,
+                                  "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": EXPERTS,
+                                  "num_experts_per_tok": TOP_K, "head_dim": 16, "max_position_embeddings": 64}))
+    out = tmp_path / "ep.json"
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--world-size",
+                 "4", "--no-suggest", "--json", str(out)]) == 0
+    assert "expert parallel degree 2" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert len(report["per_rank_peak_bytes"]) == 4 and not report["coverage"]["lower_bound"]
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--cp",
+                 "2"]) == 2
+    assert "not with --cp" in capsys.readouterr().err

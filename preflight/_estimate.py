@@ -33,7 +33,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
-from preflight.parallel._expert import EPPlan, ep_rank_groups, trace_ep
+from preflight.parallel._expert import EPPlan, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
@@ -166,10 +166,18 @@ def estimate(
     # A ValueError names a wrapping the per-rank trace does not follow.
     # A model parallelize_module laid out (then perhaps wrapped by fully_shard over another mesh dim) is traced as
     # its layout says: its FSDP2 plan, where it has one, is read over FSDP2's own dims.
-    laid_out = read_tp(model)
+    # A model transformers laid out with expert parallelism (inside its job) is traced as its layout says.
+    ep_read = read_ep(model)
+    laid_out = read_tp(model) if ep_read is None else None
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = None
     read_tp_fsdp = None
-    if laid_out is not None:
+    if ep_read is not None:
+        given = plan_kwargs.get("ep")
+        if given not in (None, ep_read[0]) or world_size not in (1, ep_read[1]) or sharding not in (None, "fsdp2"):
+            raise ValueError(f"The model is already laid out by transformers' expert parallelism ({ep_read[0].label}"
+                             f" over {ep_read[1]} rank(s)), which is its plan: leave `run.parallel` out.")
+        world_size, sharding = ep_read[1], "fsdp2"
+    elif laid_out is not None:
         read_tp_fsdp = read_fsdp2(model, tensor_parallel=True) if laid_out.fsdp_dims is not None else None
     else:
         wrapped = read_fsdp2(model) or read_fsdp1(model)
@@ -203,13 +211,13 @@ def estimate(
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
                             allocator=allocator)
-    ep = plan_kwargs.get("ep")
+    ep = plan_kwargs.get("ep") if ep_read is None else ep_read[0]
     if ep is not None:
         if laid_out is not None or wrapped is not None:
             raise ValueError("`run.parallel.ep` plans transformers' expert parallelism for a whole model, but the "
                              "model is already laid out or wrapped: call preflight on the model before it is.")
         return _ep_estimate(model, optimizer, batch, ep, world_size, options, fast=fast, gpu_info=gpu_info,
-                            allocator=allocator)
+                            allocator=allocator, laid_out=ep_read is not None)
     cp = plan_kwargs.get("cp")
     if cp is not None:
         if laid_out is not None or isinstance(wrapped, WrappedFSDP1):
@@ -642,7 +650,8 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 
 def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,
-                 options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None) -> Estimate:
+                 options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None,
+                 laid_out: bool = False) -> Estimate:
     """Each place on the ``ep`` dim of transformers' expert parallelism traced through its own layout and token
     exchange (`preflight.parallel.trace_ep`); the estimate of the rank that peaks highest. Where a rank cannot be
     traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
@@ -652,7 +661,8 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     sharding = f"ep{ep.degree} x fsdp2"
 
     def trace(rank: int) -> TraceResult:
-        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, step=options["step"],
+        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, laid_out=laid_out,
+                        step=options["step"],
                         precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
                         record_op=options["record_op"], routing=options["routing"], cuda=cuda,
                         checkpoint=options["checkpoint"])
@@ -667,7 +677,9 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                                     world_size=world_size, sharding=sharding,
                                     note=f"expert parallelism ({ep.label}): a rank could not be traced")
     config = ep.config(world_size)
-    note = (f"expert parallelism ({ep.label}): each place on the ep dim traced through transformers' own "
+    note = ("the model was already laid out by transformers' expert parallelism in this job: its plan was read "
+            "from its config and each rank traced on a fake copy laid out again; " if laid_out else "")
+    note += (f"expert parallelism ({ep.label}): each place on the ep dim traced through transformers' own "
             f"maybe_distribute_model over fake meshes (dense fsdp {config.fsdp_size}, experts efsdp "
             f"{config.efsdp_size} x ep {ep.degree}) and its token exchange, each rank's tokens routed as "
             f"routing={options['routing']!r} assumes and every rank assumed to route as this one (the counts a rank "

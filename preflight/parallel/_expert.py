@@ -46,7 +46,7 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["EPPlan", "ep_rank_groups", "trace_ep"]
+__all__ = ["EPPlan", "ep_rank_groups", "read_ep", "trace_ep"]
 
 IMPLEMENTATIONS = ("auto", "all_to_all")
 
@@ -97,10 +97,47 @@ def _check_model(model: nn.Module, plan: EPPlan) -> None:
                          "is not a mixture-of-experts model transformers spreads over ranks")
 
 
-def _engine(plan: EPPlan, world_size: int) -> Engine:
+def read_ep(model: nn.Module) -> tuple[EPPlan, int] | None:
+    """The plan and world size of a model transformers already laid out with expert parallelism
+    (``from_pretrained(distributed_config=DistributedConfig(ep_size=...))``: its experts modules are marked
+    ``_is_expert_parallel`` and its config holds the distributed config), or None for any other model.
+
+    Raises:
+        ValueError: a layout the trace does not follow (tensor or pipeline parallelism, or replicas, beside it).
+    """
+    if not any(getattr(m, "_is_expert_parallel", False) for m in model.modules()):
+        return None
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if config is None or getattr(config, "ep_size", 1) < 2:
+        return None
+    if config.tp_size != 1 or config.pp_size != 1 or config.dp_replicate_size != 1:
+        raise ValueError("the model's experts are laid out by transformers' expert parallelism beside tensor or "
+                         "pipeline parallelism or replicas (DistributedConfig(tp_size=..., pp_size=..., "
+                         "dp_replicate_size=...)), which preflight does not trace yet")
+    plan = EPPlan(config.ep_size, getattr(config, "ep_implementation", "auto") or "auto")
+    return plan, config.fsdp_size
+
+
+def _as_before_layout(replica: nn.Module) -> None:
+    """Undo on the fake copy of a laid-out model what transformers' layout changed besides its parameters (which
+    `preflight.parallel.fake_replica` copies whole): each experts module's count of local experts back to the whole
+    count (its parameters' dim 0), and every ``forward`` transformers installed on an instance removed, so that its
+    own layout applies to the copy as to a model not yet laid out."""
+    for module in replica.modules():
+        if vars(module).pop("_is_expert_parallel", False):
+            first = next(iter(module.parameters(recurse=False)), None)
+            if first is not None and hasattr(module, "num_experts"):
+                module.num_experts = first.shape[0]
+        if vars(module).pop("_is_hooked", False):
+            vars(module).pop("forward", None)
+
+
+def _engine(plan: EPPlan, world_size: int, laid_out: bool = False) -> Engine:
     config = plan.config(world_size)
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        if laid_out:
+            _as_before_layout(replica)
         from torch.distributed import init_device_mesh
         from torch.utils._python_dispatch import _disable_current_modes
         from transformers.distributed.utils import TransformersDeviceMesh
@@ -115,9 +152,9 @@ def _engine(plan: EPPlan, world_size: int) -> Engine:
         # model (`fake_replica`): the copy gets its own.
         replica.config = copy.copy(replica.config)
         with meshes_outside_modes():
-            laid_out = type(replica).maybe_distribute_model(replica, config, TransformersDeviceMesh(dense, experts))
-        laid_out._preflight_loaded = _loaded_blocks(laid_out)
-        return laid_out
+            spread = type(replica).maybe_distribute_model(replica, config, TransformersDeviceMesh(dense, experts))
+        spread._preflight_loaded = _loaded_blocks(spread)
+        return spread
 
     return Engine(name="transformers' expert parallelism", wrap=wrap, optimizer=_optimizer,
                   parameters=_local_parameters, watch=_watch)
@@ -178,6 +215,7 @@ def trace_ep(
     world_size: int,
     rank: int,
     plan: EPPlan,
+    laid_out: bool = False,
     step: StepFn | None,
     precision: str | None,
     steps: int,
@@ -189,7 +227,8 @@ def trace_ep(
     checkpoint: Checkpoint | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under expert parallelism (module
-    docstring); the arguments are `preflight.parallel.trace_cp`'s.
+    docstring); the arguments are `preflight.parallel.trace_cp`'s. ``laid_out``: the model is one transformers
+    already laid out (`read_ep`); its copy is put back as before the layout and laid out again over the fake meshes.
 
     Raises:
         ValueError: the model is not a transformers mixture-of-experts model.
@@ -198,6 +237,6 @@ def trace_ep(
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
     _check_model(model, plan)
-    return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank,
+    return trace_rank(_engine(plan, world_size, laid_out), model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
                       routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)

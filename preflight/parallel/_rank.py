@@ -195,7 +195,7 @@ def fake_replica(model: nn.Module, twins: TwinMaker | MetaTwins, *, keep_buffers
             hooks = tables.get(name) or {}
             for handle, fn in list(hooks.items()):
                 owner = getattr(fn, "__self__", None)
-                if type(owner).__module__.startswith("torch.distributed.fsdp") or _deepspeeds(fn):
+                if type(owner).__module__.startswith("torch.distributed.fsdp") or _fsdps(fn) or _deepspeeds(fn):
                     del hooks[handle]
                     gone.add(handle)
                 elif isinstance(owner, nn.Module) and id(owner) in copies:
@@ -251,6 +251,13 @@ def with_cells(fn: Any, swap: Callable[[Any], Any]) -> Any:
     made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(closure))
     made.__kwdefaults__, made.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
     return made
+
+
+def _fsdps(fn: Any) -> bool:
+    """Whether the hook ``fn`` is a function of FSDP2's own (``fully_shard`` over several modules at once registers
+    closures over its state, `_register_group_forward_hooks`, not bound methods of it)."""
+    fn = getattr(fn, "func", fn)
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed.fsdp")
 
 
 def _deepspeeds(fn: Any) -> bool:

@@ -336,8 +336,9 @@ def _refuse_expert_parallelism(model: nn.Module) -> None:
     experts = [name for name, module in model.named_modules() if getattr(module, "_is_expert_parallel", False)]
     if experts:
         raise ValueError(f"the model's experts are already laid out over ranks by expert parallelism ({experts[0]} "
-                         f"and {len(experts) - 1} more: transformers' DistributedConfig(ep_size=...)), which "
-                         "preflight does not read off a laid-out model yet. Plan it on the model before "
+                         f"and {len(experts) - 1} more: transformers' DistributedConfig(ep_size=...)), but its "
+                         "config does not record the layout, which preflight reads it from. Plan it on the model "
+                         "before "
                          "from_pretrained lays it out: Run(parallel=ParallelPlan(world_size, 'fsdp2', "
                          "ep=EPPlan(ep_size))) traces each rank through transformers' own layout and token exchange "
                          "(`preflight estimate --ep N` from a config).")

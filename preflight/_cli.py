@@ -448,11 +448,8 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             raise UsageError("--schedule and --microbatches describe a pipeline: pass --pp N (its stage ranks) too.")
         cp, ep = getattr(args, "cp", None), getattr(args, "ep", None)
         if ep is not None:
-            other = [flag for flag, given in (("--tp", tp is not None), ("--pp", pp is not None),
-                                              ("--cp", cp is not None),
-                                              ("--deepspeed-config", args.deepspeed_config),
-                                              ("offloading", any(offload.values())),
-                                              ("--generate", getattr(args, "generate", False))) if given]
+            other = _given(args, offload, "--tp", "--pp", "--cp", "--deepspeed-config", "--offload-optimizer",
+                           "--offload-params", "--generate")
             if ep < 2 or args.task != "causal-lm" or other or sharding not in (None, "fsdp2"):
                 raise UsageError(f"--ep {ep}: expert parallelism is planned for a causal-lm over at least 2 ranks, "
                                  "with transformers' FSDP2 (--sharding fsdp2 or none)" +
@@ -466,10 +463,8 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         if parallel is not None:
             pass  # expert parallelism, above
         elif cp is not None:
-            other = [flag for flag, given in (("--tp", tp is not None), ("--pp", pp is not None),
-                                              ("--deepspeed-config", args.deepspeed_config),
-                                              ("offloading", any(offload.values())),
-                                              ("--generate", getattr(args, "generate", False))) if given]
+            other = _given(args, offload, "--tp", "--pp", "--deepspeed-config", "--offload-optimizer",
+                           "--offload-params", "--generate")
             if cp < 1 or args.task != "causal-lm" or other:
                 raise UsageError(f"--cp {cp}: context parallelism is planned for a causal-lm over at least 1 rank, "
                                  "alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else
@@ -504,6 +499,16 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None
 
 
+def _given(args: argparse.Namespace, offload: dict[str, bool], *flags: str) -> list[str]:
+    """Which of ``flags`` the command line gives (a parallel engine's refusals name them)."""
+    given = {"--tp": getattr(args, "tp", None) is not None, "--pp": getattr(args, "pp", None) is not None,
+             "--cp": getattr(args, "cp", None) is not None, "--deepspeed-config": bool(args.deepspeed_config),
+             "--offload-optimizer": offload["offload_optimizer"], "--offload-params": offload["offload_params"],
+             "--quantize": bool(getattr(args, "quantize", None)), "--generate": bool(getattr(args, "generate", False)),
+             "--accumulate": args.accumulate != 1}
+    return [flag for flag in flags if given[flag]]
+
+
 def _checkpoint(args: argparse.Namespace) -> Any:
     """The `preflight.Checkpoint` the ``--checkpoint`` flags say (None without ``--checkpoint``)."""
     from preflight._checkpoint import Checkpoint
@@ -528,11 +533,8 @@ def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, 
     """The pipeline plan ``--pp`` says: transformers' own cut of the model, torch's schedule, the causal-LM loss."""
     from preflight.parallel import ParallelPlan, PPPlan, causal_lm_loss, split_transformers
 
-    other = [flag for flag, given in (("--tp", args.tp is not None), ("--deepspeed-config", args.deepspeed_config),
-                                      ("--offload-optimizer", offload["offload_optimizer"]),
-                                      ("--offload-params", offload["offload_params"]),
-                                      ("--quantize", args.quantize), ("--generate", args.generate),
-                                      ("--accumulate", args.accumulate != 1)) if given]
+    other = _given(args, offload, "--tp", "--deepspeed-config", "--offload-optimizer", "--offload-params",
+                   "--quantize", "--generate", "--accumulate")
     if args.pp < 2 or args.task != "causal-lm" or other:
         raise UsageError(f"--pp {args.pp}: pipeline parallelism is planned for a causal-lm over at least 2 stage "
                          "ranks, alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else "")

@@ -40,12 +40,10 @@ from torch import nn
 from preflight._checkpoint import Checkpoint
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
-from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
-from preflight.parallel._rank import Engine, ParamTwins, trace_rank
-from preflight.parallel._tensor import meshes_outside_modes
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
+from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
+from preflight.parallel._tensor import dtensor_watch, meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
-from preflight.trace._tracker import StorageTracker
-from preflight.trace._twin import clone_optimizer
 
 __all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "sequence_tensors", "trace_cp"]
 
@@ -237,27 +235,9 @@ def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:
         return ring_of(mesh["cp"] if len(shape) > 1 else mesh, batch, plan, cpu=cpu)
 
     return Engine(name="context_parallel" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
-                  optimizer=_optimizer, parameters=_local_parameters, watch=_watch(fsdp is not None),
+                  optimizer=named_optimizer("context parallelism"), parameters=local_parameters,
+                  watch=dtensor_watch(fsdp is not None),
                   mesh=(shape, names), around=around)
-
-
-def _optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer rebuilt over the copy's parameters (matched by name)."""
-    return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "context parallelism"),
-                           foreach=None)
-
-
-def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
-    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
-
-
-def _watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:
-    @contextlib.contextmanager
-    def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
-        with watched_fsdp2(tracker, gloo=gloo) if fsdp else contextlib.nullcontext(), meshes_outside_modes():
-            yield
-
-    return watch
 
 
 def cp_rank_groups(plan: CPPlan, world_size: int) -> list[list[int]]:

@@ -27,10 +27,9 @@ before ``from_pretrained(distributed_config=...)`` lays it out).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,12 +38,9 @@ from torch import nn
 from preflight._checkpoint import Checkpoint
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
-from preflight.parallel._fsdp2 import watched_fsdp2
-from preflight.parallel._rank import Engine, ParamTwins, trace_rank
-from preflight.parallel._tensor import meshes_outside_modes
+from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
+from preflight.parallel._tensor import dtensor_watch, meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
-from preflight.trace._tracker import StorageTracker
-from preflight.trace._twin import clone_optimizer
 
 __all__ = ["EPPlan", "ep_rank_groups", "read_ep", "trace_ep"]
 
@@ -156,8 +152,8 @@ def _engine(plan: EPPlan, world_size: int, laid_out: bool = False) -> Engine:
         spread._preflight_loaded = _loaded_blocks(spread)
         return spread
 
-    return Engine(name="transformers' expert parallelism", wrap=wrap, optimizer=_optimizer,
-                  parameters=_local_parameters, watch=_watch)
+    return Engine(name="transformers' expert parallelism", wrap=wrap, optimizer=named_optimizer("expert parallelism"),
+                  parameters=_local_parameters, watch=dtensor_watch(True))
 
 
 def _loaded_blocks(model: nn.Module) -> list[torch.Tensor]:
@@ -179,23 +175,10 @@ def _loaded_blocks(model: nn.Module) -> list[torch.Tensor]:
     return blocks
 
 
-def _optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer rebuilt over the laid-out copy's parameters (matched by name)."""
-    return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "expert parallelism"),
-                           foreach=None)
-
-
 def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
-    """The rank's parameter storages: each DTensor's local shard, and what the loading keeps beside the dense
-    shards (`_loaded_blocks`)."""
-    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()] + list(
-        getattr(wrapped, "_preflight_loaded", ()))
-
-
-@contextlib.contextmanager
-def _watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
-    with watched_fsdp2(tracker, gloo=gloo), meshes_outside_modes():
-        yield
+    """The rank's parameter storages (`local_parameters`), and what the loading keeps beside the dense shards
+    (`_loaded_blocks`)."""
+    return local_parameters(wrapped) + list(getattr(wrapped, "_preflight_loaded", ()))
 
 
 def ep_rank_groups(plan: EPPlan, world_size: int) -> list[list[int]]:

@@ -46,8 +46,8 @@ from preflight.trace._step_checks import mixed_dtensor_failure
 from preflight.trace._twin import TwinMaker, cuda_default_impl
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
-           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "patched", "rebound", "reporting_resizes",
-           "trace_rank", "with_cells"]
+           "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "local_parameters", "named_optimizer", "patched",
+           "rebound", "reporting_resizes", "trace_rank", "with_cells"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,6 +501,22 @@ def fresh_dtensor_caches() -> Iterator[None]:
         yield
     finally:
         clear()
+
+
+def named_optimizer(engine: str) -> Callable[[torch.optim.Optimizer, nn.Module, nn.Module], torch.optim.Optimizer]:
+    """An `Engine.optimizer` that rebuilds the user's optimizer (same class and hyperparameters) over the wrapped
+    copy's parameters of the same names; ``engine`` names the engine in the error for a tensor the model lacks."""
+    from preflight.trace._twin import clone_optimizer
+
+    def rebuild(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+        return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), engine), foreach=None)
+
+    return rebuild
+
+
+def local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
+    """The rank's own parameter storages: a DTensor parameter's local tensor, a plain parameter itself."""
+    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
 
 
 class ParamTwins:

@@ -39,11 +39,10 @@ from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
-from preflight.parallel._rank import (Engine, MetaTwins, ParamTwins, fake_replica, fresh_dtensor_caches,
-                                     trace_rank, with_cells)
+from preflight.parallel._rank import (Engine, MetaTwins, fake_replica, fresh_dtensor_caches, local_parameters,
+                                     named_optimizer, trace_rank, with_cells)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
-from preflight.trace._twin import clone_optimizer
 
 __all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "laid_out_parameters", "model_styles", "read_tp",
            "tp_rank_groups", "trace_tp", "unmatched_styles"]
@@ -188,17 +187,14 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
         return replica
 
     return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
-                  optimizer=_optimizer, parameters=_local_parameters, watch=_watch(fsdp is not None),
+                  optimizer=_optimizer, parameters=local_parameters, watch=dtensor_watch(fsdp is not None),
                   mesh=(shape, names))
 
 
-def _optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer rebuilt over the laid-out copy's parameters (matched by name)."""
-    return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "tensor parallelism"),
-                           foreach=None)
+_optimizer = named_optimizer("tensor parallelism")  # the user's, rebuilt over the laid-out copy's parameters
 
 
-def _watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:
+def dtensor_watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:
     """The engine's watch: meshes built outside the fake mode, and FSDP2's own watch where it shards a dim."""
     @contextlib.contextmanager
     def watch(tracker: StorageTracker, *, gloo: bool) -> Iterator[None]:
@@ -229,11 +225,6 @@ def meshes_outside_modes() -> Iterator[None]:
         DeviceMesh.__init__ = init
 
 
-def _local_parameters(wrapped: nn.Module) -> list[torch.Tensor]:
-    """The rank's own parameter storages: a DTensor parameter's local tensor."""
-    return [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
-
-
 def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
                    fsdp: FSDP2Plan | None = None) -> list[list[int]]:
     """Ranks grouped by the local shapes of their parameters once the plan (and FSDP2, over the ``dp`` dim) is
@@ -245,7 +236,7 @@ def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
     for rank in range(world_size):
         with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
             wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
-            shapes = tuple(tuple(t.shape) for t in _local_parameters(wrapped))
+            shapes = tuple(tuple(t.shape) for t in local_parameters(wrapped))
         signatures.setdefault(shapes, []).append(rank)
     return list(signatures.values())
 
@@ -452,8 +443,8 @@ def _read_engine(layout: WrappedTP, fsdp: FSDP2Plan | None = None) -> Engine:
                 module.forward = _over_mesh(module.forward, fake)
         return replica
 
-    return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=_optimizer, parameters=_local_parameters,
-                  watch=_watch(layout.fsdp_dims is not None), mesh=layout.mesh)
+    return Engine(name="the model's DTensor layout", wrap=wrap, optimizer=_optimizer, parameters=local_parameters,
+                  watch=dtensor_watch(layout.fsdp_dims is not None), mesh=layout.mesh)
 
 
 def _in_block(local: Any, held: tuple[int, int, int, tuple[int, ...], tuple[int, ...]],

@@ -32,7 +32,7 @@ from preflight._version import __version__
 from preflight.cuda import WORKSPACE_UIDS
 from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
-from preflight.parallel import held_tensors, read_tp, stand_in
+from preflight.parallel import held_tensors, read_ep, read_tp, stand_in
 from preflight.trace import float_dtype_for
 
 from preflight.report._report import Report
@@ -121,9 +121,13 @@ def predict(
     # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
     # A model DTensor's tensor parallelism laid out (alone, or then wrapped by fully_shard): `estimate` reads its layout
     # and traces each rank; its evaluation and the suggestions are not traced per rank yet.
-    laid_out = read_tp(model) if wrapped is not None else None
-    fsdp2 = read_fsdp2(model) if wrapped is not None and laid_out is None else None
-    fsdp1 = read_fsdp1(model) if wrapped is not None and fsdp2 is None and laid_out is None else None
+    # A model transformers laid out with expert parallelism: `estimate` reads its plan from its config (its
+    # evaluation and the suggestions are not traced per rank yet either).
+    spread = read_ep(model) if wrapped is not None else None
+    laid_out = read_tp(model) if wrapped is not None and spread is None else None
+    fsdp2 = read_fsdp2(model) if wrapped is not None and laid_out is None and spread is None else None
+    fsdp1 = read_fsdp1(model) if wrapped is not None and fsdp2 is None and laid_out is None and spread is None \
+        else None
     engine = "fully_shard" if fsdp2 is not None else "FullyShardedDataParallel"
     own = fsdp2 or fsdp1
     if fsdp2 is not None:
@@ -133,7 +137,7 @@ def predict(
         sharded = ParallelPlan(fsdp1.world_size, fsdp1.sharding, source="the model's FullyShardedDataParallel",
                                fsdp=fsdp1.plan)
         estimate_run = run.replace(parallel=None)
-    elif laid_out is not None:
+    elif laid_out is not None or spread is not None:
         sharded, estimate_run = None, run.replace(parallel=None)
     elif sharded is not None:
         estimate_run = run
@@ -194,6 +198,10 @@ def predict(
     if laid_out is not None:
         unwrapped = False
         notes.append(f"{laid_out.note()}; no evaluation peak or suggestions for a tensor-parallel model yet")
+    if spread is not None:
+        unwrapped = False
+        notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
+                     f"{spread[1]} rank(s)); no evaluation peak or suggestions for an expert-parallel model yet")
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
         try:
             base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)

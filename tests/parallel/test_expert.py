@@ -103,6 +103,10 @@ def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int
         _, batch = _moe()
         optimizer = torch.optim.AdamW(model.parameters())
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes  # read off the laid-out model
+        from preflight.verdict import Options, predict
+
+        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=batch)
+        assert report.predicted_peak_bytes == max(inside), (report.predicted_peak_bytes, report.coverage)
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()

@@ -186,15 +186,21 @@ def map_held_tensors(t: torch.Tensor, fn: Callable[[str, torch.Tensor], torch.Te
     return attributes
 
 
-def held_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The tensors `map_held_tensors` finds on ``t``, with their attribute paths (``.quant_state.absmax``)."""
+def held_tensors(t: torch.Tensor, *, any_type: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The tensors `map_held_tensors` finds on ``t``, with their attribute paths (``.quant_state.absmax``).
+    ``any_type``: look in ``t``'s public attributes whatever its type (a plain fake parameter that carries what the
+    original's subclass held)."""
     found: list[tuple[str, torch.Tensor]] = []
 
     def keep(path: str, x: torch.Tensor) -> torch.Tensor:
         found.append((path, x))
         return x
 
-    map_held_tensors(t, keep)
+    if any_type:
+        for name, value in _public_attributes(t):
+            _map_held(value, f".{name}", keep, {}, 0)
+    else:
+        map_held_tensors(t, keep)
     return found
 
 

@@ -33,7 +33,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
-from preflight.parallel._expert import EPPlan, ep_rank_groups, read_ep, trace_ep
+from preflight.parallel._expert import EPPlan, check_ep_model, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
@@ -318,8 +318,7 @@ def estimate(
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
-    nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) \
-        if target.type == "cuda" else None
+    nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
     if target.type == "cuda":
@@ -550,9 +549,7 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     through ``parallelize_module`` (`preflight.parallel.trace_tp`); the estimate of the rank that peaks highest. Where
     a rank cannot be traced, the analytic lower bound with everything divided among the ranks, labelled. ``tp``: a
     plan, or the layout of a model already parallelized (`preflight.parallel.read_tp`)."""
-    target, cuda = options["target_device"], options["cuda"]
-    if cuda is None and target.type == "cuda":
-        cuda = CudaTarget.of(None)
+    target, traced_as = options["target_device"], _rank_options(options)
     if fsdp is not None and fsdp.replicate != 1:
         raise ValueError("tensor parallelism is traced with FSDP2 over one data-parallel dim (a 2-D mesh); "
                          f"FSDP2Plan(replicate={fsdp.replicate}) asks for a third (HSDP): leave replicate at 1.")
@@ -571,9 +568,7 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     skipped = [] if read else unmatched_styles(model, tp)
     def trace(rank: int) -> TraceResult:
         return trace_tp(model, optimizer, batch, world_size=world_size, rank=rank, plan=tp, fsdp=fsdp,
-                        step=options["step"], precision=options["precision"], steps=options["steps"],
-                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda, checkpoint=options["checkpoint"])
+                        **traced_as)
 
     groups, traced, failed = _traced_groups(
         lambda: _rank_zero_alone(tp_rank_groups(model, tp, world_size, fsdp), options["checkpoint"]), trace, engine)
@@ -614,9 +609,7 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     if options["step"] is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
                          "the last stage's loss from the plan's `loss_fn`): leave `step` out")
-    target, cuda = options["target_device"], options["cuda"]
-    if cuda is None and target.type == "cuda":
-        cuda = CudaTarget.of(None)
+    target, traced_as = options["target_device"], _rank_options(options)
     world_size = pp.stages if fsdp is None else world_size
     sharding = f"pp{pp.stages}" + (f" x fsdp2 {world_size // pp.stages}" if fsdp is not None else "")
 
@@ -624,9 +617,7 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
     def trace(rank: int) -> TraceResult:
         return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size,
-                        step=options["step"], precision=options["precision"], steps=options["steps"],
-                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda, shared=shared, checkpoint=options["checkpoint"])
+                        shared=shared, **traced_as)
 
     groups, traced, failed = _traced_groups(
         lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size), options["checkpoint"]), trace,
@@ -655,24 +646,18 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     """Each place on the ``ep`` dim of transformers' expert parallelism traced through its own layout and token
     exchange (`preflight.parallel.trace_ep`); the estimate of the rank that peaks highest. Where a rank cannot be
     traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
-    target, cuda = options["target_device"], options["cuda"]
-    if cuda is None and target.type == "cuda":
-        cuda = CudaTarget.of(None)
+    target, traced_as = options["target_device"], _rank_options(options)
     sharding = f"ep{ep.degree} x fsdp2"
 
     def trace(rank: int) -> TraceResult:
         return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, laid_out=laid_out,
-                        step=options["step"],
-                        precision=options["precision"], steps=options["steps"], schedule=options["schedule"],
-                        record_op=options["record_op"], routing=options["routing"], cuda=cuda,
-                        checkpoint=options["checkpoint"])
+                        **traced_as)
 
+    check_ep_model(model, ep)  # a ValueError naming a model transformers cannot lay out: the plan is wrong
     groups, traced, failed = _traced_groups(
         lambda: _rank_zero_alone(ep_rank_groups(ep, world_size), options["checkpoint"]), trace,
         "transformers' expert parallelism")
     if failed is not None:
-        if isinstance(failed.error, ValueError) and "transformers' own engine" in str(failed.error):
-            raise failed.error
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"expert parallelism ({ep.label}): a rank could not be traced")
@@ -683,9 +668,7 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             f"maybe_distribute_model over fake meshes (dense fsdp {config.fsdp_size}, experts efsdp "
             f"{config.efsdp_size} x ep {ep.degree}) and its token exchange, each rank's tokens routed as "
             f"routing={options['routing']!r} assumes and every rank assumed to route as this one (the counts a rank "
-            "receives from each rank are those it sends to itself); " + (
-                "each rank traced" if all(len(g) == 1 for g in groups) else
-                f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"))
+            "receives from each rank are those it sends to itself); {_sharing(groups)}")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
@@ -699,9 +682,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     """Each place in the ring of a context-parallel run (with FSDP2 over every rank where ``fsdp``) traced through
     torch's ``context_parallel`` (`preflight.parallel.trace_cp`); the estimate of the rank that peaks highest. Where
     a rank cannot be traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
-    target, cuda = options["target_device"], options["cuda"]
-    if cuda is None and target.type == "cuda":
-        cuda = CudaTarget.of(None)
+    target, traced_as = options["target_device"], _rank_options(options)
     shape, names = cp.mesh(world_size)
     mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names))
     # One process group where the ring is the world (FSDP2 over it too); a 2-D mesh's groups otherwise
@@ -711,9 +692,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
     def trace(rank: int) -> TraceResult:
         return trace_cp(model, optimizer, batch, world_size=world_size, rank=rank, plan=cp, fsdp=fsdp,
-                        step=options["step"], precision=options["precision"], steps=options["steps"],
-                        schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                        cuda=cuda, checkpoint=options["checkpoint"])
+                        **traced_as)
 
     groups, traced, failed = _traced_groups(
         lambda: _rank_zero_alone(cp_rank_groups(cp, world_size), options["checkpoint"]), trace, "context_parallel")
@@ -723,7 +702,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                                     note=f"context parallelism ({cp.label}): a rank could not be traced")
     engine = ("inside fully_shard over every rank, torchtitan's dp_shard_cp" if fsdp is not None else
               "the model replicated on each rank; its gradient all-reduce is in place")
-    kernel = ("the attention kernel the target picks" if cuda is not None else
+    kernel = ("the attention kernel the target picks" if traced_as["cuda"] is not None else
               "the CPU's fused attention kernel (torch 2.13 has no ring rule for it; preflight's "
               "cpu_ring_attention adds torch's own ring over it)")
     first, dim = sequence_tensors(batch, cp)[0]
@@ -733,9 +712,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
            f"2 x {cp.degree} chunks)")
     note = (f"context parallelism ({cp.label}): each place in the ring traced through torch's context_parallel "
             f"({engine}) under a fake {mesh} mesh, the batch's sequence tensors sharded in place {cut}, attention "
-            f"through torch's ring over {kernel}; " + (
-                "each rank traced" if all(len(g) == 1 for g in groups) else
-                f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"))
+            f"through torch's ring over {kernel}; {_sharing(groups)}")
     formula = closed_form_activations(model, batch, 1, False)
     if formula is not None:
         note += (f"; the closed form users compute by hand (Korthikanti et al. 2022 without tensor parallelism, "
@@ -748,6 +725,30 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
                               sharding=sharding, saves=options["checkpoint"] is not None)
+
+
+def nccl_term(gpu: GPU | None, world_size: int, sharding: str | None) -> tuple[int, str] | None:
+    """NCCL's buffers on one rank of a CUDA job (`preflight.cuda._nccl.rank_nccl_buffers`), with the bytes per
+    communicator the GPU's target gives, where it gives them."""
+    return rank_nccl_buffers(world_size, sharding, None if gpu is None else gpu.nccl_buffers)
+
+
+def _rank_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments every per-rank trace takes from the estimate's options; a CUDA target without a known
+    GPU is traced with CUDA's semantics all the same."""
+    cuda = options["cuda"]
+    if cuda is None and options["target_device"].type == "cuda":
+        cuda = CudaTarget.of(None)
+    return {"step": options["step"], "precision": options["precision"], "steps": options["steps"],
+            "schedule": options["schedule"], "record_op": options["record_op"], "routing": options["routing"],
+            "cuda": cuda, "checkpoint": options["checkpoint"]}
+
+
+def _sharing(groups: list[list[int]]) -> str:
+    """Which ranks one trace stands for, for a note: ``each rank traced``, or the groups that share one."""
+    if all(len(g) == 1 for g in groups):
+        return "each rank traced"
+    return f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
 
 
 def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
@@ -863,8 +864,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
             events = round_events(events)
-        nccl = rank_nccl_buffers(world_size, sharding, None if gpu_info is None else gpu_info.nccl_buffers) \
-            if target.type == "cuda" else None
+        nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
                                  allocator=allocator, nccl=nccl, notes=notes)
         if target.type == "cuda":

@@ -19,7 +19,7 @@ from torch import nn
 from preflight._warnings import warn
 from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
 from preflight.parallel import read_ddp, read_zero
-from preflight._estimate import _allocator_config, summarize_events
+from preflight._estimate import _allocator_config, nccl_term, summarize_events
 from preflight._generation import kv_cache_note
 from preflight._units import format_bytes
 from preflight._gpus import get_gpu, with_context
@@ -29,7 +29,6 @@ from preflight._run import Run, check_run
 from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
-from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
@@ -167,8 +166,7 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
         notes.append(note)
         events = round_events(events)
         # As for training: the job's communicators, made at its start, keep their buffers through evaluation.
-        nccl = None if plan is None else rank_nccl_buffers(plan.world_size, plan.sharding,
-                                                              None if gpu_info is None else gpu_info.nccl_buffers)
+        nccl = None if plan is None else nccl_term(gpu_info, plan.world_size, plan.sharding)
         terms = cuda_terms(events, gpu_info, _allocator_config(run.target.allocator), nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
         notes.extend(terms.notes)

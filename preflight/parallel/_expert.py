@@ -42,7 +42,7 @@ from preflight.parallel._rank import Engine, local_parameters, named_optimizer, 
 from preflight.parallel._tensor import dtensor_watch, meshes_outside_modes
 from preflight.trace import Sweep, TraceResult, swept
 
-__all__ = ["EPPlan", "ep_rank_groups", "read_ep", "trace_ep"]
+__all__ = ["EPPlan", "check_ep_model", "ep_rank_groups", "read_ep", "trace_ep"]
 
 IMPLEMENTATIONS = ("auto", "all_to_all")
 
@@ -81,7 +81,7 @@ class EPPlan:
         return f"expert parallel degree {self.degree}, transformers' {self.implementation} exchange"
 
 
-def _check_model(model: nn.Module, plan: EPPlan) -> None:
+def check_ep_model(model: nn.Module, plan: EPPlan) -> None:
     """A ValueError where the model is not a transformers mixture-of-experts model transformers can lay out."""
     if not callable(getattr(type(model), "maybe_distribute_model", None)) or \
             not callable(getattr(model, "_resolve_parallel_plans", None)):
@@ -219,7 +219,7 @@ def trace_ep(
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
-    _check_model(model, plan)
+    check_ep_model(model, plan)
     return trace_rank(_engine(plan, world_size, laid_out), model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
                       routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)

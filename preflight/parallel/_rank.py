@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from preflight._checkpoint import Checkpoint
-from preflight._device import iter_tensors, map_held_tensors, named_tensors
+from preflight._device import held_tensors, iter_tensors, map_held_tensors, named_tensors
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
@@ -451,24 +451,9 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _carried_ids(parameters: list[torch.Tensor]) -> set[int]:
-    """The ids of the tensors ``parameters`` hold in their attributes (a 4-bit weight's ``quant_state``: its
-    ``absmax``, ``code`` and nested ``state2``), a few levels deep."""
-    found: set[int] = set()
-
-    def walk(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.add(id(value))
-        elif depth < 3 and isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item, depth + 1)
-        elif depth < 3 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
-            for item in vars(value).values():
-                walk(item, depth + 1)
-
-    for p in parameters:
-        for value in getattr(p, "__dict__", {}).values():
-            walk(value, 0)
-    return found
+    """The ids of the tensors ``parameters`` carry in their attributes (a 4-bit weight's ``quant_state``: its
+    ``absmax``, ``code`` and nested ``state2``; `preflight._device.held_tensors`)."""
+    return {id(t) for p in parameters for _, t in held_tensors(p, any_type=True)}
 
 
 @contextlib.contextmanager

@@ -34,14 +34,12 @@ Writes benchmarks/results/context_parallel.md and prints the same table.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 REPEATS = 3
 BATCH, SEQ = 2, 512
@@ -52,8 +50,9 @@ CONFIGS = (("cp", 2, 2, "allgather", None), ("cp", 2, 2, "alltoall", None), ("cp
            ("cp", 4, 4, "alltoall", None), ("cp x fsdp2", 4, 2, "allgather", None),
            ("cp", 2, 2, "allgather", "bf16-mixed"), ("cp + ac", 2, 2, "allgather", None),
            ("cp x fsdp2 + ac", 4, 2, "allgather", None))
-if os.environ.get("CP_CONFIGS"):  # a subset, by index (e.g. "6,7"), for a quick look; the docs quote the full run
-    CONFIGS = tuple(CONFIGS[int(i)] for i in os.environ["CP_CONFIGS"].split(","))
+SUBSET = os.environ.get("CP_CONFIGS")  # a subset, by index (e.g. "6,7"), for a quick look: printed, not written
+if SUBSET:
+    CONFIGS = tuple(CONFIGS[int(i)] for i in SUBSET.split(","))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "context_parallel.md")
 
 
@@ -118,14 +117,9 @@ def _worker(rank: int, world: int, layout: str, degree: int, rotate: str, precis
 
 def measure(layout: str, world: int, degree: int, rotate: str, precision: str | None) -> list[tuple[int, ...]]:
     """Each rank's (repaired, call-end) peaks in one run of ``world`` fresh processes."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, layout, degree, rotate, precision, port, queue), nprocs=world,
-                       start_method="spawn")
-    peaks = dict(queue.get() for _ in range(world))
-    return [peaks[r] for r in range(world)]
+    from distributed import spawn_ranks
+
+    return spawn_ranks(_worker, world, world, layout, degree, rotate, precision)
 
 
 def predict(layout: str, world: int, degree: int, rotate: str, precision: str | None) -> Any:
@@ -187,11 +181,12 @@ def main() -> int:
                      f"{formula / mib:.2f} |")
     lines += ["", f"largest |error| vs each rank's largest measurement: {worst:.3%} "
               f"({time.perf_counter() - start:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text + "\n")
+    from distributed import write_results
+
+    if SUBSET:  # the docs quote the full run's table
+        print("\n".join(lines))
+    else:
+        write_results("\n".join(lines), RESULTS)
     return 0 if worst <= 0.03 else 1
 
 

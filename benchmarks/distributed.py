@@ -203,6 +203,26 @@ def _alive_storages() -> set[int]:
     return out
 
 
+def spawn_ranks(worker: Any, world_size: int, *args: Any) -> list[Any]:
+    """Run ``worker(rank, *args, port, queue)`` in ``world_size`` fresh processes on a free localhost port; each puts
+    ``(rank, result)`` on the queue: the results in rank order."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(*args, port, queue), nprocs=world_size, start_method="spawn")
+    results = dict(queue.get() for _ in range(world_size))
+    return [results[r] for r in range(world_size)]
+
+
+def write_results(text: str, path: str) -> None:
+    """Print a benchmark's table and write it to ``path`` (under benchmarks/results/, which the docs quote)."""
+    print(text)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
 def join_gloo(rank: int, world_size: int, port: int) -> None:
     """This process as ``rank`` of a gloo group of ``world_size`` on localhost ``port``, as every benchmark's rank
     runs: warnings off, one thread each (the machine's cores are shared by all ranks)."""

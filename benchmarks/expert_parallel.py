@@ -23,7 +23,6 @@ Writes benchmarks/results/expert_parallel.md and prints the same table.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -31,7 +30,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 REPEATS = 3
 BATCH, SEQ = 4, 128
@@ -103,13 +101,9 @@ def _worker(rank: int, world: int, ep: int, routing: str, path: str, port: int, 
 
 def measure(world: int, ep: int, routing: str, path: str) -> list[tuple[int, ...]]:
     """Each rank's (repaired, call-end, dropped) peaks in one run of ``world`` fresh processes."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, ep, routing, path, port, queue), nprocs=world, start_method="spawn")
-    peaks = dict(queue.get() for _ in range(world))
-    return [peaks[r] for r in range(world)]
+    from distributed import spawn_ranks
+
+    return spawn_ranks(_worker, world, world, ep, routing, path)
 
 
 def predict(world: int, ep: int, routing: str, path: str) -> Any:
@@ -155,8 +149,8 @@ def main() -> int:
         "configuration in fresh processes; lost frees placed at the end of their phase or collective. Command: "
         f"`python benchmarks/expert_parallel.py`. torch {torch.__version__}.",
         "",
-        "| world size | ep | routing | rank | measured min (MiB) | measured max (MiB) | predicted (MiB) | error vs max | "
-        "parameters at the peak (MiB) |",
+        "| world size | ep | routing | rank | measured min (MiB) | measured max (MiB) | predicted (MiB) | "
+        "error vs max | parameters at the peak (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for world, ep, routing, rank, low, high, predicted, error, params in rows:
@@ -164,11 +158,9 @@ def main() -> int:
                      f"{predicted / mib:.3f} | {error:+.3%} | {params / mib:.2f} |")
     lines += ["", f"largest |error| vs each rank's largest measurement: {worst:.3%} "
               f"({time.perf_counter() - start:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text + "\n")
+    from distributed import write_results
+
+    write_results("\n".join(lines), RESULTS)
     return 0 if worst <= 0.03 else 1
 
 

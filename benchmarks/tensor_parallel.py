@@ -37,14 +37,12 @@ Writes benchmarks/results/tensor_parallel.md and prints the same table.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 REPEATS = 3
 BATCH, SEQ = 4, 128
@@ -147,13 +145,9 @@ def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
 
 def measure(layout: str, world: int) -> list[tuple[int, ...]]:
     """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, layout, port, queue), nprocs=world, start_method="spawn")
-    peaks = dict(queue.get() for _ in range(world))
-    return [peaks[r] for r in range(world)]
+    from distributed import spawn_ranks
+
+    return spawn_ranks(_worker, world, world, layout)
 
 
 def predict(layout: str, world: int) -> Any:
@@ -215,11 +209,9 @@ def main() -> int:
                      f"{formula / mib:.2f} |")
     lines += ["", f"largest |error| vs the largest measurement: {worst:.2%}; vs the call-end figure: "
               f"{worst_placed:.2%} ({time.perf_counter() - start:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text + "\n")
+    from distributed import write_results
+
+    write_results("\n".join(lines), RESULTS)
     return 0 if worst_placed <= 0.03 else 1
 
 

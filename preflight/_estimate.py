@@ -22,7 +22,7 @@ from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
-from preflight._steps import LossNotFoundError, with_optimizer_impl, StepFn, check_step
+from preflight._steps import Evaluation, LossNotFoundError, StepFn, check_step, with_optimizer_impl
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
                                round_events, shard_events)
 from preflight._units import format_bytes
@@ -39,9 +39,9 @@ from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
-from preflight.trace._run import SAVE_NOT_TRACED, SAVE_PHASE
+from preflight.trace._run import EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE
 
-__all__ = ["check_plan", "estimate", "read_plan_off_ddp", "summarize_events"]
+__all__ = ["check_plan", "estimate", "estimate_evaluating", "read_plan_off_ddp", "summarize_events"]
 
 _TIMELINE_POINTS = 2000  # enough for a plot, small enough for a JSON report
 
@@ -127,6 +127,21 @@ def estimate(
           traced eagerly (the eager peak, an upper bound for activations), as ``coverage.notes`` says. Dynamo is
           kept out of the trace, so nothing about the user's compilation changes.
     """
+    return _estimate(model, optimizer, batch, run, step=step, evaluation=None)
+
+
+@untouched()
+def estimate_evaluating(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run | None = None, *,
+                        step: StepFn | None = None, evaluation: Evaluation) -> Estimate:
+    """`estimate`, with the trainer's ``evaluation`` traced after the steps where each rank is traced under tensor
+    parallelism (a plan's or a laid-out model's): its phase ``"evaluation"`` (`Estimate.phase`) holds each rank's
+    evaluation peak with that rank's training state alive. Elsewhere there is no such phase: the caller predicts the
+    evaluation on one device (`preflight.estimate_eval`) and takes the rank's share."""
+    return _estimate(model, optimizer, batch, run, step=step, evaluation=evaluation)
+
+
+def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run | None, *,
+              step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
     run = check_run(run)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
@@ -246,7 +261,7 @@ def estimate(
             raise ValueError("`run.parallel.tp` plans tensor parallelism for a model not yet parallelized, but the "
                              "model is already wrapped by FSDP: call preflight before wrapping it.")
         return _tp_estimate(model, optimizer, batch, tp, fsdp_trace_plan(fsdp, sharding), world_size, options,
-                            fast=fast, gpu_info=gpu_info, allocator=allocator)
+                            fast=fast, gpu_info=gpu_info, allocator=allocator, evaluation=evaluation)
     plan = fsdp_trace_plan(fsdp, sharding)
     # The ranks one rank's state is cut among: under hybrid sharding one shard group's (a ValueError where they do
     # not divide the world), which a rescaled estimate divides by.
@@ -368,6 +383,23 @@ def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: 
     how = "labelled lower bound" if any(n.startswith(SAVE_NOT_TRACED) for n in notes) else "traced"
     return list(events[:start]), PhaseEstimate("saving", peak, breakdown, SAVE_PHASE, device_total_bytes=total,
                                                how=how)
+
+
+def _evaluating(events: Sequence[Event], categories: dict[int, Category], *, evaluates: bool, target: torch.device,
+                gpu_info: GPU | None, allocator: AllocatorConfig | None, nccl: tuple[int, str] | None,
+                failed: bool) -> PhaseEstimate | None:
+    """The `PhaseEstimate` of an evaluation traced after the steps (the phase `EVAL_PHASE`, up to a save after it):
+    its peak with the training state the steps left alive, and on a CUDA target the device total while it runs
+    (the allocator keeps what training reserved). None where the run does not evaluate, or where the trace stopped
+    before the evaluation ended (no figure rather than a partial one)."""
+    start = next((i for i, e in enumerate(events) if e.phase == EVAL_PHASE), None)
+    if not evaluates or failed or start is None:
+        return None
+    end = next((i for i, e in enumerate(events) if i > start and e.phase == SAVE_PHASE), len(events))
+    window = list(events[:end])
+    peak, breakdown, _, _ = summarize_events(window, categories, start=start)
+    total = cuda_terms(window, gpu_info, allocator, nccl).device_total_bytes if target.type == "cuda" else None
+    return PhaseEstimate("evaluation", peak, breakdown, EVAL_PHASE, device_total_bytes=total)
 
 
 def read_plan_off_ddp(model: nn.Module, run: Run) -> tuple[nn.Module, Run, str | None]:
@@ -544,11 +576,12 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, tp: TPPlan | WrappedTP,
                  fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
-                 allocator: AllocatorConfig | None) -> Estimate:
+                 allocator: AllocatorConfig | None, evaluation: Evaluation | None = None) -> Estimate:
     """Each distinct rank of a tensor-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced
     through ``parallelize_module`` (`preflight.parallel.trace_tp`); the estimate of the rank that peaks highest. Where
     a rank cannot be traced, the analytic lower bound with everything divided among the ranks, labelled. ``tp``: a
-    plan, or the layout of a model already parallelized (`preflight.parallel.read_tp`)."""
+    plan, or the layout of a model already parallelized (`preflight.parallel.read_tp`); ``evaluation``: traced on
+    each rank after the steps (the phase ``"evaluation"``)."""
     target, traced_as = options["target_device"], _rank_options(options)
     if fsdp is not None and fsdp.replicate != 1:
         raise ValueError("tensor parallelism is traced with FSDP2 over one data-parallel dim (a 2-D mesh); "
@@ -568,7 +601,7 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     skipped = [] if read else unmatched_styles(model, tp)
     def trace(rank: int) -> TraceResult:
         return trace_tp(model, optimizer, batch, world_size=world_size, rank=rank, plan=tp, fsdp=fsdp,
-                        **traced_as)
+                        evaluation=evaluation, **traced_as)
 
     groups, traced, failed = _traced_groups(
         lambda: _rank_zero_alone(tp_rank_groups(model, tp, world_size, fsdp), options["checkpoint"]), trace, engine)
@@ -596,7 +629,7 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding,
-                              saves=options["checkpoint"] is not None)
+                              saves=options["checkpoint"] is not None, evaluates=evaluation is not None)
 
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
@@ -849,11 +882,13 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
 
 def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
                        trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
-                       world_size: int, sharding: str, saves: bool = False) -> Estimate:
+                       world_size: int, sharding: str, saves: bool = False, evaluates: bool = False) -> Estimate:
     """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`);
-    ``saves``: the traces end with a checkpoint save (its phase per rank in ``phases``)."""
+    ``saves``: the traces end with a checkpoint save, ``evaluates``: an evaluation runs after the steps (each phase
+    per rank in ``phases``)."""
     figures = []
     savings: list[tuple[list[int], PhaseEstimate | None]] = []
+    evaluations: list[tuple[list[int], PhaseEstimate | None]] = []
     for group, result in ranks:
         notes = list(result.notes)
         scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
@@ -865,8 +900,12 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             notes.append(workspace_note)
             events = round_events(events)
         nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
+        evaluation = _evaluating(events, result.categories, evaluates=evaluates, target=target, gpu_info=gpu_info,
+                                 allocator=allocator, nccl=nccl, failed=result.error is not None)
+        evaluations.append((group, evaluation))
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
                                  allocator=allocator, nccl=nccl, notes=notes)
+        events = [e for e in events if e.phase != EVAL_PHASE]  # the steps' own events: evaluation runs after them
         if target.type == "cuda":
             terms = cuda_terms(events, gpu_info, allocator, nccl)
             reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
@@ -909,7 +948,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         events=tuple(events),
         categories=result.categories,
         rank_events=tuple(rank_events),
-        phases=_per_rank_phase(savings, world_size),
+        phases=_per_rank_phase(evaluations, world_size) + _per_rank_phase(savings, world_size),
     )
 
 

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PRECISIONS", "ZERO_GRAD_CHOICES", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
+    "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
     "autocast_for", "compute_loss", "half_dtype", "run_steps",
 ]
 
@@ -55,6 +55,33 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 
 
 ZERO_GRAD_CHOICES = ("after_step", "before_backward", "in_place")
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The evaluation a trainer runs after training steps, where a per-rank trace runs it after them on the same
+    fake ranks (a model laid out by tensor parallelism: each rank evaluates its own shards; `preflight.verdict`).
+
+    Attributes:
+        batch: one evaluation batch as the eval dataloader yields it.
+        step: ``step(model, batch)``, the evaluation forward (a LightningModule's ``validation_step``); its return
+            value is alive until it returns. None: ``model(**batch)`` for a mapping, ``model(batch)`` otherwise.
+        frees_gradients: the trainer sets the gradients to None before evaluating (Lightning's default
+            ``zero_grad(set_to_none=True)`` at the end of each optimizer step).
+        keeps_batch: the training batch is still alive while the trainer evaluates (the HF Trainer evaluates
+            inside its loop over the micro-batches); otherwise it is dropped first.
+    """
+
+    batch: Any
+    step: Callable[[nn.Module, Any], Any] | None = None
+    frees_gradients: bool = False
+    keeps_batch: bool = False
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        """One evaluation forward of ``model`` on ``batch`` (the caller sets eval mode and ``no_grad``)."""
+        if self.step is not None:
+            return self.step(model, batch)
+        return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,7 @@ class StepPeakMeter:
         from torch.profiler import ProfilerActivity, profile
 
         self._resident = live_storages(resident, self.device)
+        self._release_unheld()
         self._quiet = StderrFilter().open()  # the profiler's native log lines (see preflight._quiet)
         try:
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -148,6 +149,28 @@ class StepPeakMeter:
             held[step] += nbytes
         self.step_retained[:] = held
         return held[index]
+
+    def _release_unheld(self) -> None:
+        """Forget the blocks earlier steps left that no Python tensor holds any more: they were freed between the
+        measured windows, outside every profile (Lightning sets the gradients to None as its validation starts; an
+        evaluation in between frees the last step's outputs), where no later allocation happened to reuse their
+        address. A block something still holds (a loss kept in a list) stays counted; so does one only C++ holds."""
+        if not self._held:
+            return
+        import gc
+        import warnings
+
+        with warnings.catch_warnings():  # isinstance on some of torch's deprecated module objects warns
+            warnings.simplefilter("ignore")
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        alive = live_storages(tensors, self.device)
+        del tensors
+        for ptr in [ptr for ptr in self._held if ptr not in alive]:
+            del self._held[ptr]
+        held = [0] * len(self.step_retained)
+        for step, nbytes in self._held.values():
+            held[step] += nbytes
+        self.step_retained[:] = held
 
     def abort(self) -> None:
         """Stop a running profiler without recording (training ended inside a measured step)."""

@@ -32,7 +32,8 @@ from preflight.parallel._context import CPPlan, cp_rank_groups, cpu_ring_attenti
 from preflight.parallel._expert import EPPlan, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._fake_group import ProcessGroupInUseError, fake_world
 from preflight.parallel._fsdp1 import FSDP1Plan, WrappedFSDP1, fsdp1_rank_groups, read_fsdp1, trace_fsdp1
-from preflight.parallel._fsdp2 import FSDP2Plan, WrappedFSDP2, rank_groups, read_fsdp2, trace_fsdp2
+from preflight.parallel._fsdp2 import (FSDP2Plan, WrappedFSDP2, held_by_fully_shard, rank_groups, read_fsdp2,
+                                      trace_fsdp2)
 from preflight.parallel._pipeline import (PPPlan, causal_lm_loss, split_sequential, split_transformers,
                                          stage_rank_groups, trace_pp)
 from preflight.parallel._rank import default_units, fake_replica
@@ -47,7 +48,8 @@ __all__ = ["CPPlan", "EPPlan", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan
            "WrappedFSDP1", "WrappedFSDP2", "WrappedTP", "WrappedZero", "accelerate_checkpoint", "accelerate_plan",
            "already_sharded", "causal_lm_loss", "cp_rank_groups", "cpu_ring_attention", "deepspeed_optimizer",
            "deepspeed_plan", "default_units", "ep_rank_groups", "fake_replica", "fake_world", "fsdp1_rank_groups",
-           "fsdp_plan", "held_tensors", "laid_out_parameters", "model_styles", "rank_groups", "read_ddp", "read_ep",
-           "read_fsdp1", "read_fsdp2", "read_tp", "read_zero", "split_sequential", "split_transformers",
+           "fsdp_plan", "held_by_fully_shard", "held_tensors", "laid_out_parameters", "model_styles", "rank_groups",
+           "read_ddp", "read_ep", "read_fsdp1", "read_fsdp2", "read_tp", "read_zero", "split_sequential",
+           "split_transformers",
            "stage_rank_groups", "stand_in", "tp_rank_groups", "trace_cp", "trace_ep", "trace_fsdp1", "trace_fsdp2",
            "trace_pp", "trace_tp", "zero_plan"]

@@ -45,7 +45,42 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["FSDP2Plan", "WrappedFSDP2", "apply_fully_shard", "rank_groups", "read_fsdp2", "trace_fsdp2"]
+__all__ = ["FSDP2Plan", "WrappedFSDP2", "apply_fully_shard", "held_by_fully_shard", "rank_groups", "read_fsdp2",
+           "trace_fsdp2"]
+
+
+def held_by_fully_shard(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors ``fully_shard`` holds for ``model``'s units besides the parameters the model shows: each
+    parameter's shard, all-gather outputs and unsharded data, its resharded-after-forward copy, and each group's
+    pending all-gather and partial reduce-scatter output (empty storages count nothing). Between steps the model
+    shows the shards and the rest is freed; after an evaluation forward the root unit stays gathered (no backward
+    reshards it): the model shows the unsharded parameters while FSDP2 keeps the shards, and the next training step
+    starts with both alive. For the verification, which counts what is resident when a step begins."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build of torch without distributed support
+        return []
+    held: list[torch.Tensor] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            held.extend(getattr(fsdp_param, "all_gather_outputs", None) or [])
+            held.extend(getattr(fsdp_param, "_unsharded_inner_tensors", None) or [])
+            for name in ("sharded_param", "_unsharded_param", "_sharded_post_forward_param_data"):
+                value = getattr(fsdp_param, name, None)
+                if isinstance(value, torch.Tensor):
+                    held.append(value)
+        pending = getattr(group, "_all_gather_result", None)
+        if pending is not None and isinstance(getattr(pending, "all_gather_output", None), torch.Tensor):
+            held.append(pending.all_gather_output)
+        partial = getattr(group, "_partial_reduce_output", None)
+        if isinstance(partial, torch.Tensor):
+            held.append(partial)
+    return held
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,15 +32,15 @@ from preflight._device import held_tensors, iter_tensors, map_held_tensors, name
 from preflight._errors import StepWouldFailError
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
-from preflight._steps import LossNotFoundError, Loop, StepFn, run_steps
+from preflight._steps import Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, run_steps
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
 from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import (checkpoint_saver, counted_rng_snapshots, phase_bookkeeping, settled_frees,
-                                  shadow_value)
+from preflight.trace._run import (EVAL_PHASE, SAVE_PHASE, checkpoint_saver, counted_rng_snapshots,
+                                  phase_bookkeeping, settled_frees, shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._step_checks import mixed_dtensor_failure
 from preflight.trace._twin import TwinMaker, cuda_default_impl
@@ -338,9 +338,12 @@ def trace_rank(
     cuda: CudaTarget | None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    evaluation: Evaluation | None = None,
 ) -> TraceResult:
-    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring), and a
-    checkpoint save after them where ``checkpoint`` says the run saves; the arguments are
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring), the
+    evaluation a trainer runs after them where ``evaluation`` gives one (in the phase `EVAL_PHASE`; not under an
+    engine that drives its own schedule), and a checkpoint save after that where ``checkpoint`` says the run saves;
+    the arguments are
     `preflight.parallel.trace_fsdp2`'s. ``error`` in the result is set when the trace stopped or the
     engine could not wrap the copy; the caller then rescales a single-device trace."""
     start = time.perf_counter()
@@ -370,7 +373,7 @@ def trace_rank(
     try:
         return _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                          precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker, twins=twins,
-                         notes=notes, result=result, checkpoint=checkpoint)
+                         notes=notes, result=result, checkpoint=checkpoint, evaluation=evaluation)
     except BaseException:
         tracker.detach()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
@@ -379,8 +382,10 @@ def trace_rank(
 def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, world_size: int,
               rank: int, step: StepFn | None, precision: str | None, steps: int, schedule: Loop,
               cuda: CudaTarget | None, tracker: StorageTracker, twins: TwinMaker, notes: list[str],
-              result: Callable[..., TraceResult], checkpoint: Checkpoint | None = None) -> TraceResult:
-    """`trace_rank`'s body: wrap the copy, run the steps, and return ``result(error, failed_op)``."""
+              result: Callable[..., TraceResult], checkpoint: Checkpoint | None = None,
+              evaluation: Evaluation | None = None) -> TraceResult:
+    """`trace_rank`'s body: wrap the copy, run the steps (and the evaluation after them), and return
+    ``result(error, failed_op)``."""
     fake_mode = tracker.fake_mode
     user_error = None
     with fresh_dtensor_caches(), fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, \
@@ -421,13 +426,23 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None):
             try:
                 wrapped.train()
+                save = checkpoint_saver(tracker, checkpoint, host_is_device=cuda is None, fake_world=True,
+                                        notes=notes, gathers=gloo_dtensor_gathers if cuda is None else None)
                 with engine.around(mesh, fake_batch, cpu=cuda is None) if engine.around is not None \
                         else contextlib.nullcontext():
                     run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
                               steps=steps, schedule=schedule, on_phase=on_phase,
-                              before_backward=tracker.watch_backward, drive=drive, save=checkpoint_saver(
-                                  tracker, checkpoint, host_is_device=cuda is None, fake_world=True, notes=notes,
-                                  gathers=gloo_dtensor_gathers if cuda is None else None))
+                              before_backward=tracker.watch_backward, drive=drive,
+                              save=save if evaluation is None else None)
+                if evaluation is not None:  # the trainer evaluates after the steps, then saves
+                    if not evaluation.keeps_batch:  # the trainer's last training batch is gone by then
+                        fake_batch = fake = None
+                        twins.forget(batch)
+                    _evaluate(evaluation, wrapped, fake_opt, twins, tracker, precision, on_phase, steps)
+                    if save is not None:
+                        on_phase(steps, SAVE_PHASE)
+                        with torch.no_grad():
+                            save(wrapped, fake_opt)
             except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
@@ -448,6 +463,30 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     if tracker.routing.note():
         notes.append(tracker.routing.note())
     return result(error, failed)
+
+
+def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.Optimizer, twins: TwinMaker,
+              tracker: StorageTracker, precision: str | None, on_phase: Callable[[int, str], None],
+              steps: int) -> None:
+    """The evaluation forward after the steps, on the rank's wrapped copy, in eval mode and without gradients (as
+    `preflight.estimate_eval` traces one device's), with the training state the steps left: the gradients set to
+    None first where the trainer frees them."""
+    on_phase(steps, EVAL_PHASE)
+    if evaluation.frees_gradients:
+        fake_opt.zero_grad(set_to_none=True)
+    eval_batch = twins.batch(evaluation.batch, cast=float_dtype_for(precision) is not None)
+    for path, fake in zip([p for p, _ in named_tensors(evaluation.batch)], iter_tensors(eval_batch)):
+        tracker.register(fake, Category.INPUTS)
+        tracker.label(fake, Category.INPUTS)  # made inside the trace: tracked as it was allocated
+        tracker.names[fake] = f"the evaluation batch{path}"
+    wrapped.eval()
+    try:
+        with torch.no_grad(), autocast_for(precision, "cpu"):
+            out = evaluation.forward(wrapped, eval_batch)
+        del out
+    finally:
+        wrapped.train()
+        twins.forget(evaluation.batch)  # the loader lets go of it after the step
 
 
 def _carried_ids(parameters: list[torch.Tensor]) -> set[int]:

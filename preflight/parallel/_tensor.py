@@ -260,8 +260,10 @@ def trace_tp(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    evaluation: Evaluation | None = None,
 ) -> TraceResult:
-    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under tensor parallelism (module docstring).
+    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under tensor parallelism (module docstring),
+    and the trainer's evaluation after them where ``evaluation`` gives one (`preflight.parallel.trace_rank`).
 
     Args:
         model, optimizer, batch: the user's; only read. The optimizer is rebuilt (same class and hyperparameters)
@@ -283,7 +285,7 @@ def trace_tp(
     engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size,
                       rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, evaluation=evaluation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,11 +42,13 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow", "checkpoint_saver",
-           "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value", "trace_steps"]
+__all__ = ["EVAL_PHASE", "SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow",
+           "checkpoint_saver", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value",
+           "trace_steps"]
 
 # The phase of a checkpoint save traced after the steps (`preflight._steps.run_steps`'s ``save``).
 SAVE_PHASE = "save"
+EVAL_PHASE = "eval/forward"  # an evaluation traced after the training steps (`preflight._steps.Evaluation`)
 # The note of a save the trace could not run: the saving phase is then the training state the steps leave alone.
 SAVE_NOT_TRACED = "checkpoint save: not traced, its figure is the training state the steps leave, a lower bound"
 
@@ -89,10 +91,11 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
     fake_params = [p for group in fake_opt.param_groups for p in group["params"]]
 
     def on_phase(i: int, phase: str) -> None:
-        if phase == SAVE_PHASE:  # after the last step, outside every step (`preflight.Estimate.step_peaks`)
+        if phase in (SAVE_PHASE, EVAL_PHASE):  # after the last step, outside every step (`Estimate.step_peaks`)
             tracker.end_backward()
             tracker.placeholders_allowed = False
-            tracker.phase, tracker.phase_category = SAVE_PHASE, Category.TEMPORARIES
+            tracker.phase = phase
+            tracker.phase_category = Category.TEMPORARIES if phase == SAVE_PHASE else Category.ACTIVATIONS
             return
         if phase == "optimizer":  # gradients are complete: label them
             for p in fake_params:

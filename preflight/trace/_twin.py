@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._device import map_held_tensors, map_tensors
+from preflight._device import iter_tensors, map_held_tensors, map_tensors
 
 __all__ = ["TwinMaker", "clone_optimizer", "cuda_default_impl", "float_dtype_for"]
 
@@ -66,6 +66,13 @@ class TwinMaker:
         twin = self.tensor(t, cast=False, requires_grad=False)
         self.carried.append((path, twin))
         return twin
+
+    def forget(self, tensors: Any) -> None:
+        """Let go of the twins of ``tensors`` (a nested batch), so that a twin nothing else holds is freed: a
+        trainer's training batch before it evaluates, or the evaluation batch after it."""
+        for t in iter_tensors(tensors):
+            if self._memo.pop(id(t), None) is not None:
+                self._keep = [k for k in self._keep if k is not t]
 
     def existing(self, t: torch.Tensor) -> torch.Tensor | None:
         """The twin already made for ``t``, or None."""

@@ -20,13 +20,13 @@ from preflight.report._console import progress
 from preflight._device import live_storage_bytes, resolve_device
 from preflight._dryrun import settings_from_env
 from preflight._analytic import optimizer_state_bytes
-from preflight._estimate import estimate, read_plan_off_ddp
+from preflight._estimate import estimate, estimate_evaluating, read_plan_off_ddp
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_terms
 from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._eval import EvalStepFn, estimate_eval
-from preflight._result import Category, Estimate
+from preflight._result import Category, Estimate, PhaseEstimate
 from preflight._run import Run, check_run, pinned, run_budget
-from preflight._steps import Loop, StepFn
+from preflight._steps import Evaluation, Loop, StepFn
 from preflight._units import format_bytes
 from preflight._version import __version__
 from preflight.cuda import WORKSPACE_UIDS
@@ -150,8 +150,16 @@ def predict(
                                    f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
             return report
     estimate_run = pinned(estimate_run, target)
+    # A model laid out by tensor parallelism evaluates on its own shards: its evaluation is traced per rank after
+    # the training steps, on the same fake ranks.
+    evaluation = None
+    if laid_out is not None and options.check_eval and eval_batch is not None:
+        evaluation = Evaluation(eval_batch, eval_step, frees_gradients=eval_frees_gradients,
+                                keeps_batch=eval_keeps_batch)
 
-    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer) -> Estimate:
+    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer, evaluated: Evaluation | None = None) -> Estimate:
+        if evaluated is not None:
+            return estimate_evaluating(model, opt, b, estimate_run, step=step, evaluation=evaluated)
         return estimate(model, opt, b, estimate_run, step=step)
 
     def step_predictor(b: Any) -> dict[int, int]:
@@ -162,8 +170,9 @@ def predict(
         return {k: v + buckets for k, v in one.step_peaks(rank).items()}
 
     talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
-    with progress("tracing the training step on fake tensors", enabled=talk):
-        est = run_estimate(batch)
+    with progress("tracing the training step on fake tensors" + (" and the evaluation after it" if evaluation
+                                                                  else ""), enabled=talk):
+        est = run_estimate(batch, evaluated=evaluation)
     if est.device != str(target):
         target = torch.device(est.device)
     breakdown = dict(est.breakdown)
@@ -195,9 +204,12 @@ def predict(
     # A model FSDP already wrapped: its evaluation step and the suggestions' options run on its unwrapped meta copy
     # (`preflight.parallel.stand_in`), rescaled to the rank or traced per rank under its own plan.
     base_model, base_optimizer, unwrapped = model, optimizer, True
+    traced_eval = _rank_evaluation(est, evaluation, schedule, batch, target, notes)
     if laid_out is not None:
         unwrapped = False
-        notes.append(f"{laid_out.note()}; no evaluation peak or suggestions for a tensor-parallel model yet")
+        notes.append(f"{laid_out.note()}; " + ("evaluation traced on each rank after the training steps; "
+                                               if traced_eval is not None else "no evaluation peak; ")
+                     + "no suggestions for a tensor-parallel model yet")
     if spread is not None:
         unwrapped = False
         notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
@@ -245,6 +257,17 @@ def predict(
             return eval_figures(estimate_eval(base_model, b, eval_run, step=eval_step, resident=resident))[0]
 
     eval_peak = eval_total = None
+    if traced_eval is not None:
+        eval_peak, eval_total = traced_eval.peak_bytes, traced_eval.device_total_bytes
+
+        def eval_predictor(b: Any) -> int:  # noqa: F811 - this rank's evaluation of another batch, traced again
+            again = _rank_evaluation(run_estimate(batch, _without_state(optimizer), dataclasses.replace(
+                evaluation, batch=b)), evaluation, schedule, batch, target, [])
+            if again is None:
+                raise RuntimeError("the evaluation could not be traced again")
+            mine = _rank() if again.per_rank_peak_bytes is not None and _world_size() == len(
+                again.per_rank_peak_bytes) else None
+            return again.peak_bytes if mine is None else again.per_rank_peak_bytes[mine]
     if eval_est is not None:
         eval_peak, eval_total = eval_figures(eval_est)
         notes.extend(f"evaluation: {n}" for n in eval_est.coverage.notes if n.startswith("generation:"))
@@ -266,11 +289,12 @@ def predict(
         peak_phase=est.peak_phase,
         eval_predicted_peak_bytes=eval_peak,
         eval_predicted_device_total_bytes=None if total is None else eval_total,
-        eval_peak_phase=eval_est.peak_phase if eval_est is not None else None,
+        eval_peak_phase=eval_est.peak_phase if eval_est is not None else (
+            traced_eval.where if traced_eval is not None else None),
         worst_case_batch_shape=batch_info.shape if batch_info is not None else _shape(batch),
         worst_case_batch=batch_info.to_dict() if batch_info is not None else None,
         eval_batch_shape=(eval_batch_info.shape if eval_batch_info is not None else _shape(eval_batch))
-        if eval_est is not None else None,
+        if eval_est is not None or traced_eval is not None else None,
         fits=None,
         coverage=coverage,
         precision=precision,
@@ -284,7 +308,7 @@ def predict(
         eval_predictor=eval_predictor,
     )
     report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets,
-                            0 if replicas_nccl is None else replicas_nccl[0])
+                            0 if replicas_nccl is None else replicas_nccl[0], traced_eval)
     for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
         if info is not None and info.failed_samples:
             text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
@@ -335,13 +359,18 @@ def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step
 
 
 def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | None, eval_peak: int | None,
-            eval_total: int | None, buckets: int, nccl: int = 0) -> list[dict[str, Any]]:
-    """The report's phases: training, evaluation where predicted, and the checkpoint save where the run saves (DDP's
-    buckets, alive for the whole run, added to it as to training, and their communicator's ``nccl`` bytes to its
-    device total)."""
+            eval_total: int | None, buckets: int, nccl: int = 0,
+            traced_eval: PhaseEstimate | None = None) -> list[dict[str, Any]]:
+    """The report's phases: training, evaluation where predicted (``traced_eval``: traced per rank after the
+    steps), and the checkpoint save where the run saves (DDP's buckets, alive for the whole run, added to it as to
+    training, and their communicator's ``nccl`` bytes to its device total)."""
     how = "labelled lower bound" if est.coverage.lower_bound else "traced"
     phases = [{"name": "training", "peak_bytes": peak, "required_bytes": total if total is not None else peak,
                "where": est.peak_phase, "how": how, "per_rank_peak_bytes": _listed(est.per_rank_peak_bytes)}]
+    if traced_eval is not None:
+        phases.append({"name": "evaluation", "peak_bytes": traced_eval.peak_bytes,
+                       "required_bytes": traced_eval.required_bytes, "where": traced_eval.where, "how": "traced",
+                       "per_rank_peak_bytes": _listed(traced_eval.per_rank_peak_bytes)})
     if eval_est is not None and eval_peak is not None:
         phases.append({"name": "evaluation", "peak_bytes": eval_peak,
                        "required_bytes": eval_total if total is not None and eval_total is not None else eval_peak,
@@ -356,6 +385,27 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
                        "where": saving.where, "how": saving.how,
                        "per_rank_peak_bytes": _listed(saving.per_rank_peak_bytes)})
     return phases
+
+
+def _rank_evaluation(est: Estimate, evaluation: Evaluation | None, schedule: Loop, batch: Any,
+                     target: torch.device, notes: list[str]) -> PhaseEstimate | None:
+    """The evaluation traced on each rank after the training steps (``est``'s phase ``"evaluation"``), with the
+    micro-batches beyond the one the trace kept where the trainer evaluates while they are alive; None where none
+    was asked for or it could not be traced (a note says so)."""
+    if evaluation is None:
+        return None
+    traced = est.phase("evaluation")
+    if traced is None:
+        notes.append("the evaluation after the training steps could not be traced on each rank: no evaluation peak")
+        return None
+    extra = (schedule.accumulate - 1) * live_storage_bytes(batch, target) if evaluation.keeps_batch else 0
+    if not extra:
+        return traced
+    return dataclasses.replace(
+        traced, peak_bytes=traced.peak_bytes + extra,
+        device_total_bytes=None if traced.device_total_bytes is None else traced.device_total_bytes + extra,
+        per_rank_peak_bytes=None if traced.per_rank_peak_bytes is None else tuple(
+            p + extra for p in traced.per_rank_peak_bytes))
 
 
 def _replicas_nccl(run: Run) -> tuple[int, str] | None:

@@ -13,7 +13,7 @@ from preflight._warnings import warn
 from preflight._device import iter_tensors, map_tensors
 from preflight._guard import untouched
 from preflight._verify import StepPeakMeter, compare, summary
-from preflight.parallel import held_tensors
+from preflight.parallel import held_by_fully_shard, held_tensors
 
 from preflight.report._report import Report
 from preflight.verdict._decide import _emit
@@ -262,12 +262,13 @@ class VerifySession:
 
 def training_state(model: nn.Module, optimizers: Any) -> list[Any]:
     """Every tensor of the training state alive between steps, for `VerifySession`'s resident bytes: the model's
-    parameters, buffers and gradients, the optimizers' state, and what DeepSpeed holds beside them
-    (`preflight.parallel.held_tensors`: ZeRO-3's partitions, its ZeRO optimizer's flat buffers)."""
+    parameters, buffers and gradients, the optimizers' state, what DeepSpeed holds beside them
+    (`preflight.parallel.held_tensors`: ZeRO-3's partitions, its ZeRO optimizer's flat buffers) and what FSDP2 holds
+    beside them (`preflight.parallel.held_by_fully_shard`: a root unit still gathered after an evaluation)."""
     optimizers = [o for o in optimizers if o is not None]
     return [list(model.parameters()), list(model.buffers()), [p.grad for p in model.parameters() if p.grad is not None],
             [list(s.values()) for o in optimizers for s in o.state.values()],
-            [held_tensors(model, o) for o in optimizers]]
+            [held_tensors(model, o) for o in optimizers], held_by_fully_shard(model)]
 
 
 def _elements(batch: Any) -> int:

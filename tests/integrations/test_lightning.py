@@ -681,6 +681,9 @@ class LM(pl.LightningModule):
     def training_step(self, batch, index):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
 
+    def validation_step(self, batch, index):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters())
 
@@ -689,8 +692,10 @@ ids = torch.randint(0, 2048, (16, 64), generator=torch.Generator().manual_seed(1
 callback = PreflightCallback(Run(target=Target(budget="1GiB")), report_path={report!r})
 trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(data_parallel_size=2,
                      tensor_parallel_size=2), max_steps=4, callbacks=[callback], logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False)
-trainer.fit(LM(), DataLoader(TensorDataset(ids), batch_size=4))
+                     enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                     limit_val_batches=1, val_check_interval=2)
+# Evaluation on batches twice as large as training's: its logits make the evaluation the run's peak.
+trainer.fit(LM(), DataLoader(TensorDataset(ids), batch_size=4), DataLoader(TensorDataset(ids), batch_size=8))
 """
 
 
@@ -710,3 +715,8 @@ def test_model_parallel_strategy_tp_x_fsdp2_is_predicted_per_rank_and_verified(t
     assert len(data["rank_measured_peak_bytes"]) == 4
     # Each rank within 3% of its measured peak (the CPU meter cannot see frees gloo's threads make: a few KiB late).
     assert all(abs(error) <= 0.03 for error in data["rank_relative_errors"]), data["rank_relative_errors"]
+    # The evaluation, traced on each rank after the training steps, against the evaluation measured in the run.
+    evaluation = next(p for p in data["phases"] if p["name"] == "evaluation")
+    assert len(evaluation["per_rank_peak_bytes"]) == 4 and evaluation["how"] == "traced"
+    assert data["eval_measured_peak_bytes"] is not None and abs(data["eval_relative_error"]) <= 0.03, \
+        (data["eval_predicted_measured_bytes"], data["eval_measured_peak_bytes"])

@@ -186,6 +186,34 @@ def test_uneven_shards_give_ranks_their_own_traces():
     assert tp_rank_groups(model, TPPlan(2, _styles()), 2) == [[0, 1]]
 
 
+def test_an_evaluation_after_the_steps_is_traced_on_each_rank_without_changing_the_training_figure():
+    """`estimate_evaluating` traces the trainer's evaluation after the steps on the same fake ranks: the training
+    figure is `estimate`'s, the evaluation holds this rank's shards and optimizer state, the gradients only where
+    the trainer keeps them, and the training batch only where the trainer keeps it (the HF Trainer)."""
+    from preflight._estimate import estimate_evaluating
+    from preflight._steps import Evaluation
+
+    model, batch = _llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    run = _run(2, 2, _styles())
+    eval_batch = {"input_ids": torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(4))}
+    alone = preflight.estimate(model, optimizer, batch, run)
+    freed = estimate_evaluating(model, optimizer, batch, run, evaluation=Evaluation(eval_batch, frees_gradients=True))
+    kept = estimate_evaluating(model, optimizer, batch, run, evaluation=Evaluation(eval_batch, keeps_batch=True))
+    assert freed.per_rank_peak_bytes == kept.per_rank_peak_bytes == alone.per_rank_peak_bytes
+    assert freed.breakdown == alone.breakdown and alone.phase("evaluation") is None
+    a, b = freed.phase("evaluation"), kept.phase("evaluation")
+    assert a.where == b.where == "eval/forward" and len(a.per_rank_peak_bytes) == 2
+    local_parameters = alone.breakdown["parameters"]
+    assert a.breakdown["parameters"] == b.breakdown["parameters"] == local_parameters  # the rank's shards
+    assert a.breakdown["optimizer_state"] == b.breakdown["optimizer_state"] > 0
+    assert a.breakdown["gradients"] == 0 and b.breakdown["gradients"] == 0  # run_steps sets them to None too
+    batch_bytes = batch["input_ids"].untyped_storage().nbytes()  # input_ids and labels share one tensor
+    assert a.breakdown["inputs"] == eval_batch["input_ids"].nbytes
+    assert b.breakdown["inputs"] == eval_batch["input_ids"].nbytes + batch_bytes
+    assert b.peak_bytes - a.peak_bytes == batch_bytes
+
+
 def test_a_plan_that_cannot_be_applied_gives_a_labelled_lower_bound():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -267,6 +295,7 @@ def test_the_cli_suggests_per_rank_under_tensor_parallelism_and_its_command_fits
 
 # Activations large beside the small model, as in the FSDP tests; VOCAB stays small so four processes fit.
 BIG_BATCH = (8, 64)
+EVAL_BATCH = (16, 64)  # larger than training's: the evaluation's logits are the peak of its phase
 
 
 def _big_setup():
@@ -307,11 +336,35 @@ def _gloo_worker(rank: int, world: int, port: int, queue, degree: int) -> None:
         from preflight.verdict import Options, predict
 
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes
-        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=batch)
-        assert report.predicted_peak_bytes == max(inside) and report.eval_predicted_peak_bytes is None
-        said = "no evaluation peak or suggestions for a tensor-parallel model"
-        assert any(said in note for note in report.coverage["notes"])
-        queue.put((rank, (_measured(model, optimizer, batch), inside)))
+        eval_batch = {"input_ids": torch.randint(0, VOCAB, EVAL_BATCH, generator=torch.Generator().manual_seed(3))}
+        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=eval_batch)
+        evaluation = next(p for p in report.phases if p["name"] == "evaluation")
+        assert report.predicted_peak_bytes == max(inside)
+        assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
+        assert any("evaluation traced on each rank" in note for note in report.coverage["notes"])
+        measured = _measured(model, optimizer, batch)
+        queue.put((rank, (measured, inside, _measured_eval(model, optimizer, eval_batch),
+                          evaluation["per_rank_peak_bytes"])))
+
+
+def _measured_eval(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
+    """This rank's measured peak of an evaluation forward after the training steps: the bytes alive before (its
+    local shards, buffers, optimizer state and the evaluation batch; the steps left no gradients) plus the profiled
+    rise."""
+    from preflight._device import live_storage_bytes
+
+    def evaluate(on_phase):
+        on_phase(0, "forward")
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+        model.train()
+
+    assert all(p.grad is None for p in model.parameters())
+    before = live_storage_bytes([list(model.parameters()), list(model.buffers()), optimizer.state, batch],
+                                torch.device("cpu"))
+    dist.barrier()
+    return before + call_end_peak(evaluate)
 
 
 @pytest.mark.slow
@@ -323,10 +376,15 @@ def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree)
     assert est.per_rank_peak_bytes is not None, est.coverage.notes
     results = spawned(_gloo_worker, world, degree)
     for rank in range(world):
-        measured, inside = results[rank]
+        measured, inside, _, _ = results[rank]
         assert inside == est.per_rank_peak_bytes  # read off the laid-out model: the figure planned before
         error = (est.per_rank_peak_bytes[rank] - measured) / measured
-        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, {r: m for r, (m, _) in results.items()})
+        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, {r: m[0] for r, m in results.items()})
+    # The callbacks' evaluation of the laid-out model, traced on each rank after the steps, against the evaluation
+    # each rank measured after its real steps.
+    for rank in range(world):
+        _, _, measured, predicted = results[rank]
+        assert abs(predicted[rank] - measured) / measured <= 0.03, (rank, predicted, measured)
 
 
 @pytest.mark.slow

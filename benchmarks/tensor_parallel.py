@@ -16,9 +16,11 @@ DTensor:
 
 Each builds AdamW over the laid-out parameters and runs two real training steps on the same batch (4 x 128 tokens).
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
-(its local parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make; they are
-put back where the address is allocated again (an upper bound, "measured max"), and also at the end of the phase
-that allocated the block ("call end", `preflight._measure.lost_free_peaks`), as in ``benchmarks/distributed.py``.
+(its local parameter shards, buffers, the batch). The profiler loses the frees gloo's worker threads make: the steps
+run inside `preflight._measure.collective_calls`, where each collective (the functional ones DTensor issues included)
+returns only once gloo's worker has let go of what it was handed, so that the caller frees it on its own thread; a
+free still lost is put back where the address is allocated again (an upper bound, "measured max"), and also at the
+end of the phase or collective that allocated the block ("call end", `preflight._measure.lost_free_peaks`).
 Each configuration is measured REPEATS times, in fresh processes. The prediction is
 ``preflight.estimate(model, AdamW, batch, Run(parallel=ParallelPlan(world, sharding, tp=TPPlan(2, styles))))``
 made before any process group exists, one figure per rank.
@@ -30,7 +32,7 @@ and ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, times the layers, for 
 key/value heads, plus the logits and the loss) is printed beside it. They are different programs; the column shows by
 how much a hand estimate misses this one.
 
-Run: python benchmarks/tensor_parallel.py      (about 8 minutes on 2 shared CPU cores)
+Run: python benchmarks/tensor_parallel.py      (about 2 to 4 minutes on 2 CPU cores)
 Writes benchmarks/results/tensor_parallel.md and prints the same table.
 """
 
@@ -119,7 +121,7 @@ def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
 
     from distributed import _CALL, _alive_storages, _Phases, join_gloo
     from preflight._device import live_storage_bytes
-    from preflight._measure import lost_free_peaks
+    from preflight._measure import collective_calls, lost_free_peaks
     from preflight._quiet import StderrFilter
     from preflight._steps import run_steps
 
@@ -133,7 +135,8 @@ def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
         phases = _Phases()
-        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
+                                                               profile_memory=True) as prof:
             run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2,
                       on_phase=phases.mark)
             phases.close()

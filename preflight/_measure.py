@@ -288,18 +288,21 @@ class _SettledFunctionalCollectives(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it and issues its collectives, which come back here
-        if (not isinstance(func, torch._ops.OpOverload) or func.namespace != "_c10d_functional"
-                or func.overloadpacket.__name__ == "wait_tensor"):
-            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else ""
+        if getattr(func, "namespace", None) not in ("_c10d_functional", "_c10d_functional_autograd") or \
+                name.startswith("_") or name == "wait_tensor":
+            return func(*args, **kwargs)  # not a collective (``_wrap_tensor_autograd``, the waits themselves)
         from torch.profiler import record_function
 
         handed = list(iter_tensors((args, kwargs)))
         counts = [t._use_count() for t in handed]
-        with record_function(self.call_prefix + func.overloadpacket.__name__):
+        with record_function(self.call_prefix + name):
             result = func(*args, **kwargs)
+            made = [out for out in iter_tensors(result) if not any(out is h for h in handed)]
             for out in iter_tensors(result):
                 torch.ops._c10d_functional.wait_tensor(out)
-        _settle(handed, counts, self.settle_s)
+        # A new output is held by this frame alone once gloo has let go (autograd saves it only after this returns).
+        _settle(handed + made, counts + [1] * len(made), self.settle_s)
         return result
 
 

@@ -40,6 +40,7 @@ from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activatio
                                         unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 from preflight.trace._run import EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE
+from preflight.trace._step_checks import library_optimizer_over_dtensors
 
 __all__ = ["check_plan", "estimate", "estimate_evaluating", "read_plan_off_ddp", "summarize_events"]
 
@@ -505,6 +506,10 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     hybrid = shard != world_size or getattr(plan, "hybrid", False)
     rescaled = f"rescaled as {'fsdp-full' if sharding == 'fsdp2' else sharding} from a single-device trace" + (
         f" over the {shard} ranks of one shard group (the all-reduce across groups not counted)" if hybrid else "")
+    if not fsdp1 and (any(offload.values()) or getattr(optimizer, "is_paged", False)):
+        failure = library_optimizer_over_dtensors(optimizer, engine)  # the trace that would say so is not run
+        if failure is not None:
+            raise StepWouldFailError(failure)
     if any(offload.values()):
         return None, f"{sharding}: CPU offload is not traced per rank yet; {rescaled}"
     if getattr(optimizer, "is_paged", False):

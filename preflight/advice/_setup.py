@@ -430,7 +430,7 @@ def _bnb_8bit(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, 
 
 def eight_bit_move(setup: _Setup) -> Move | None:
     found = eight_bit(setup.optimizer)
-    if found is None:
+    if found is None or _dtensor_parameters(setup):
         return None
     _, name, _ = found
     change = {"optimizer": name}
@@ -445,6 +445,15 @@ def eight_bit_move(setup: _Setup) -> Move | None:
 
     return Move("adamw8bit", "optimizer", change, name.removeprefix("bitsandbytes.optim."), _EIGHT_BIT_COST, apply,
                 order=2)
+
+
+def _dtensor_parameters(setup: _Setup) -> bool:
+    """The run steps DTensor parameters (FSDP2, tensor or expert parallelism, planned or laid out), which
+    bitsandbytes' optimizers cannot step (`preflight.trace._step_checks.library_optimizer_over_dtensors`)."""
+    plan = setup.plan
+    if plan is not None and (plan.sharding == "fsdp2" or plan.tp is not None or plan.ep is not None):
+        return True
+    return any(type(p).__name__ == "DTensor" for p in setup.model.parameters())
 
 
 def offload_move(setup: _Setup) -> Move | None:

@@ -231,6 +231,20 @@ def device_mismatch(err: BaseException) -> bool:
                                               or "Expected all tensors to be on the same device" in text)
 
 
+def library_optimizer_over_dtensors(optimizer: Any, engine: str) -> str | None:
+    """The message of `preflight.StepWouldFailError` for a bitsandbytes optimizer over the DTensor parameters
+    ``engine`` makes (``fully_shard``), where the plan is not traced (paged state, offloading) and the trace would not
+    reach the step that fails; else None. Measured on a one-rank gloo mesh: AdamW8bit and PagedAdamW8bit raise
+    DTensor's refusal at their first step under ``fully_shard`` and under tensor parallelism."""
+    if not type(optimizer).__module__.startswith("bitsandbytes."):
+        return None
+    return (f"The training step would fail at its first step: {type(optimizer).__name__} under {engine} steps DTensor "
+            "parameters with state it keeps as plain tensors, and bitsandbytes' operators have no DTensor rule "
+            "(\"got mixed torch.Tensor and DTensor\" in the real job, measured on a gloo mesh). Fix: use a torch "
+            "optimizer (torch.optim.AdamW) for DTensor parameters (FSDP2, tensor or expert parallelism), or FSDP1, "
+            "whose flat parameters are plain tensors. No memory was predicted: a step that fails has no peak.")
+
+
 def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
     """The message of `preflight.StepWouldFailError` when ``err`` is DTensor's refusal of an operator whose tensor
     operands mix DTensors and plain tensors of more than one element, else None. DTensor's dispatcher decides it from
@@ -248,6 +262,15 @@ def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
                 "in the trace: a tensor the parallel layout does not distribute meets one it does. Fix: make that "
                 "operand a DTensor (distribute it, or lay out the module that makes it), or keep it out of the laid-"
                 "out modules. No memory was predicted: a step that fails has no peak.")
+    operator = text.split(" got mixed", 1)[0].strip()
+    if operator.split(".", 1)[0] not in ("aten", "prims", "_c10d_functional"):  # a library's own kernel
+        return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). The "
+                f"optimizer's own operator ({operator}) receives the DTensor parameters and gradients with state it "
+                "keeps as plain tensors, and has no DTensor rule: the real job fails the same way (bitsandbytes' "
+                "8-bit and paged optimizers on a real gloo mesh raise it at their first step, under fully_shard as "
+                "under tensor parallelism). Fix: use a torch optimizer (torch.optim.AdamW) for DTensor parameters "
+                "(FSDP2, tensor or expert parallelism), or FSDP1, whose flat parameters are plain tensors. No memory "
+                "was predicted: a step that fails has no peak.")
     return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). A "
             "foreach or fused step takes the parameters of a group in one call, and here some are DTensors (laid out "
             "by tensor parallelism) and some plain tensors (modules the plan leaves alone, such as norms); torch "

@@ -526,3 +526,27 @@ def test_qlora_is_offered_with_the_figure_of_the_model_from_pretrained_loads(mon
     n_adapters = sum(p.numel() for p in adapters.param_groups[0]["params"])
     assert f"trains {n_adapters:,} of {sum(p.numel() for p in model.parameters()) + n_adapters:,} parameters" \
         in qlora.description
+
+
+def test_eight_bit_adamw_is_not_offered_for_dtensor_parameters(monkeypatch):
+    """bitsandbytes' optimizers cannot step DTensor parameters (`tests/parallel/test_tensor.py` runs it on gloo):
+    under FSDP2 the 8-bit option is left out, under DDP it is offered."""
+    pytest.importorskip("bitsandbytes")
+    from conftest import only_options
+
+    from preflight.parallel import ParallelPlan
+
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = lm_batch(BATCH)
+    only_options(monkeypatch, "8-bit AdamW")
+    offered = {}
+    for sharding in ("ddp", "fsdp2"):
+        run = preflight.Run(parallel=ParallelPlan(2, sharding))
+        base = preflight.estimate(model, opt, batch, run=run)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = advise(model, opt, batch, run=run.replace(target=preflight.Target(budget=base.peak_bytes // 2)))
+        assert not [w for w in caught if "left out" in str(w.message)], [str(w.message) for w in caught]
+        offered[sharding] = [s.change.get("optimizer") for s in found if "optimizer" in s.change]
+    assert offered == {"ddp": ["bitsandbytes.optim.AdamW8bit"], "fsdp2": []}

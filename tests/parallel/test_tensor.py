@@ -68,6 +68,51 @@ def test_on_a_cuda_target_a_foreach_step_over_dtensor_and_plain_parameters_would
     assert "got mixed torch.Tensor and DTensor" in spawned(_real_foreach_step, 1)[0]
 
 
+@pytest.mark.slow
+def test_a_bitsandbytes_optimizer_over_tensor_parallel_parameters_would_fail_and_says_why():
+    """bitsandbytes' 8-bit optimizers keep their state as plain tensors and their kernels have no DTensor rule: under
+    tensor parallelism or FSDP2 the real step raises DTensor's refusal (on a one-rank gloo mesh, `_real_bnb_step`),
+    and the estimate says so by the optimizer's operator, with a torch optimizer as the fix."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    model, batch = _llama()
+    fsdp2 = preflight.Run(parallel=preflight.ParallelPlan(2, "fsdp2"))
+    for optimizer in (bnb.optim.AdamW8bit(model.parameters()), bnb.optim.PagedAdamW8bit(model.parameters())):
+        for run in (_run(2, 2, _styles()), fsdp2):
+            with pytest.raises(preflight.StepWouldFailError, match="no DTensor rule") as err:
+                preflight.estimate(model, optimizer, batch, run)
+            assert "bitsandbytes" in str(err.value) and "torch.optim.AdamW" in str(err.value)
+    for name, said in spawned(_real_bnb_step, 1)[0].items():
+        assert "got mixed torch.Tensor and DTensor" in said and "bitsandbytes." in said, (name, said)
+
+
+def _real_bnb_step(rank, world, port, queue):
+    import warnings
+
+    import bitsandbytes as bnb
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    warnings.filterwarnings("ignore")  # paged optimizers fall back to ordinary state on CPU, saying so
+    with gloo_rank(rank, world, port):
+        said = {}
+        for name, layout in [(n, w) for n in ("AdamW8bit", "PagedAdamW8bit") for w in ("tp", "fsdp2")]:
+            model, batch = _llama()
+            if layout == "tp":
+                parallelize_module(model, init_device_mesh("cpu", (world,)), _styles())
+            else:
+                fully_shard(model)
+            optimizer = getattr(bnb.optim, name)(model.parameters())
+            model(**batch).loss.backward()
+            try:
+                optimizer.step()
+                said[name, layout] = "stepped"
+            except RuntimeError as err:
+                said[name, layout] = str(err)
+        queue.put((rank, said))
+
+
 def _real_foreach_step(rank, world, port, queue):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module

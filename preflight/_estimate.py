@@ -134,8 +134,8 @@ def estimate(
 @untouched()
 def estimate_evaluating(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run | None = None, *,
                         step: StepFn | None = None, evaluation: Evaluation) -> Estimate:
-    """`estimate`, with the trainer's ``evaluation`` traced after the steps where each rank is traced under tensor
-    parallelism (a plan's or a laid-out model's): its phase ``"evaluation"`` (`Estimate.phase`) holds each rank's
+    """`estimate`, with the trainer's ``evaluation`` traced after the steps where each rank is traced under tensor or
+    expert parallelism (a plan's or a laid-out model's): its phase ``"evaluation"`` (`Estimate.phase`) holds each rank's
     evaluation peak with that rank's training state alive. Elsewhere there is no such phase: the caller predicts the
     evaluation on one device (`preflight.estimate_eval`) and takes the rank's share."""
     return _estimate(model, optimizer, batch, run, step=step, evaluation=evaluation)
@@ -233,7 +233,7 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
             raise ValueError("`run.parallel.ep` plans transformers' expert parallelism for a whole model, but the "
                              "model is already laid out or wrapped: call preflight on the model before it is.")
         return _ep_estimate(model, optimizer, batch, ep, world_size, options, fast=fast, gpu_info=gpu_info,
-                            allocator=allocator, laid_out=ep_read is not None)
+                            allocator=allocator, laid_out=ep_read is not None, evaluation=evaluation)
     cp = plan_kwargs.get("cp")
     if cp is not None:
         if laid_out is not None or isinstance(wrapped, WrappedFSDP1):
@@ -680,16 +680,17 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,
                  options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None,
-                 laid_out: bool = False) -> Estimate:
+                 laid_out: bool = False, evaluation: Evaluation | None = None) -> Estimate:
     """Each place on the ``ep`` dim of transformers' expert parallelism traced through its own layout and token
     exchange (`preflight.parallel.trace_ep`); the estimate of the rank that peaks highest. Where a rank cannot be
-    traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
+    traced, the analytic lower bound with the model's state divided among the ranks, labelled. ``evaluation``:
+    traced on each rank after the steps (the phase ``"evaluation"``)."""
     target, traced_as = options["target_device"], _rank_options(options)
     sharding = f"ep{ep.degree} x fsdp2"
 
     def trace(rank: int) -> TraceResult:
         return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, laid_out=laid_out,
-                        **traced_as)
+                        evaluation=evaluation, **traced_as)
 
     check_ep_model(model, ep)  # a ValueError naming a model transformers cannot lay out: the plan is wrong
     groups, traced, failed = _traced_groups(
@@ -711,7 +712,8 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
-                              sharding=sharding, saves=options["checkpoint"] is not None)
+                              sharding=sharding, saves=options["checkpoint"] is not None,
+                              evaluates=evaluation is not None)
 
 
 def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, cp: CPPlan,

@@ -255,3 +255,23 @@ def call_end_peak(run_steps_with_phases, teardown=None) -> int:
             gc.collect()
         alive |= freed_addresses(dropped)
     return lost_free_peaks(prof, alive, prefix)[1]
+
+
+def evaluation_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
+    """This rank's measured peak of an evaluation forward (eval mode, no gradients) after real training steps on
+    gloo: the bytes alive before (its local shards, buffers, optimizer state and the evaluation batch; the steps
+    left no gradients) plus the profiled rise (`call_end_peak`)."""
+    from preflight._device import live_storage_bytes
+
+    def evaluate(on_phase):
+        on_phase(0, "forward")
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+        model.train()
+
+    assert all(p.grad is None for p in model.parameters())
+    before = live_storage_bytes([list(model.parameters()), list(model.buffers()), optimizer.state, batch],
+                                torch.device("cpu"))
+    torch.distributed.barrier()
+    return before + call_end_peak(evaluate)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
-from preflight._steps import Loop, StepFn
+from preflight._steps import Evaluation, Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
 from preflight.parallel._tensor import dtensor_watch, meshes_outside_modes
@@ -208,10 +208,12 @@ def trace_ep(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    evaluation: Evaluation | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under expert parallelism (module
-    docstring); the arguments are `preflight.parallel.trace_cp`'s. ``laid_out``: the model is one transformers
-    already laid out (`read_ep`); its copy is put back as before the layout and laid out again over the fake meshes.
+    docstring), and the trainer's evaluation after them where ``evaluation`` gives one (`trace_rank`); the
+    arguments are `preflight.parallel.trace_cp`'s. ``laid_out``: the model is one transformers already laid out
+    (`read_ep`); its copy is put back as before the layout and laid out again over the fake meshes.
 
     Raises:
         ValueError: the model is not a transformers mixture-of-experts model.
@@ -222,4 +224,4 @@ def trace_ep(
     check_ep_model(model, plan)
     return trace_rank(_engine(plan, world_size, laid_out), model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, evaluation=evaluation)

@@ -120,9 +120,8 @@ def predict(
     # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
     # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
     # A model DTensor's tensor parallelism laid out (alone, or then wrapped by fully_shard): `estimate` reads its layout
-    # and traces each rank; its evaluation and the suggestions are not traced per rank yet.
-    # A model transformers laid out with expert parallelism: `estimate` reads its plan from its config (its
-    # evaluation and the suggestions are not traced per rank yet either).
+    # and traces each rank, its evaluation after the steps; the suggestions are not traced per rank yet.
+    # A model transformers laid out with expert parallelism: `estimate` reads its plan from its config, the same.
     spread = read_ep(model) if wrapped is not None else None
     laid_out = read_tp(model) if wrapped is not None and spread is None else None
     fsdp2 = read_fsdp2(model) if wrapped is not None and laid_out is None and spread is None else None
@@ -150,10 +149,10 @@ def predict(
                                    f"FullyShardedDataParallel is not supported yet ({sharded.note()})")
             return report
     estimate_run = pinned(estimate_run, target)
-    # A model laid out by tensor parallelism evaluates on its own shards: its evaluation is traced per rank after
-    # the training steps, on the same fake ranks.
+    # A model laid out by tensor or expert parallelism evaluates on its own shards: its evaluation is traced per
+    # rank after the training steps, on the same fake ranks.
     evaluation = None
-    if laid_out is not None and options.check_eval and eval_batch is not None:
+    if (laid_out is not None or spread is not None) and options.check_eval and eval_batch is not None:
         evaluation = Evaluation(eval_batch, eval_step, frees_gradients=eval_frees_gradients,
                                 keeps_batch=eval_keeps_batch)
 
@@ -213,7 +212,9 @@ def predict(
     if spread is not None:
         unwrapped = False
         notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
-                     f"{spread[1]} rank(s)); no evaluation peak or suggestions for an expert-parallel model yet")
+                     f"{spread[1]} rank(s)); " + ("evaluation traced on each rank after the training steps; "
+                                                  if traced_eval is not None else "no evaluation peak; ")
+                     + "no suggestions for an expert-parallel model yet")
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
         try:
             base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)

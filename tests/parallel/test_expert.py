@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, gloo_rank, spawned
+from conftest import call_end_peak, evaluation_peak, gloo_rank, spawned
 
 import preflight
 from preflight.parallel import EPPlan, ep_rank_groups
@@ -105,14 +105,18 @@ def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes  # read off the laid-out model
         from preflight.verdict import Options, predict
 
-        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=batch)
+        eval_batch = {"input_ids": torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(3))}
+        report = predict(model, optimizer, batch, preflight.Run(), options=Options(), eval_batch=eval_batch)
         assert report.predicted_peak_bytes == max(inside), (report.predicted_peak_bytes, report.coverage)
+        evaluation = next(p for p in report.phases if p["name"] == "evaluation")
+        assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()
-        queue.put((rank, (before + call_end_peak(lambda on_phase: run_steps(
-            model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2, on_phase=on_phase)),
-            inside)))
+        measured = before + call_end_peak(lambda on_phase: run_steps(
+            model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2, on_phase=on_phase))
+        queue.put((rank, (measured, inside, evaluation_peak(model, optimizer, eval_batch),
+                          evaluation["per_rank_peak_bytes"])))
 
 
 @pytest.mark.slow
@@ -124,10 +128,15 @@ def test_real_gloo_expert_parallel_per_rank_peak_within_3_percent(tmp_path, worl
     assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
     results = spawned(_gloo_worker, world, str(tmp_path / "moe"), 2)
     for rank in range(world):
-        measured, inside = results[rank]
+        measured, inside, _, _ = results[rank]
         assert inside == est.per_rank_peak_bytes  # inside the job, off the laid-out model: the figure planned
         error = (est.per_rank_peak_bytes[rank] - measured) / measured
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, results)
+    # The callbacks' evaluation of the laid-out model (a batch twice training's), traced on each rank after the
+    # steps, against the evaluation each rank measured after its real steps.
+    for rank in range(world):
+        _, _, measured, predicted = results[rank]
+        assert abs(predicted[rank] - measured) / measured <= 0.03, (rank, predicted, measured)
 
 
 def test_token_counts_exchanged_in_a_fake_group_are_answered_as_if_every_rank_routed_alike():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, gloo_rank, spawned
+from conftest import call_end_peak, evaluation_peak, gloo_rank, spawned
 
 import preflight
 from preflight.parallel import TPPlan, model_styles, tp_rank_groups
@@ -388,28 +388,8 @@ def _gloo_worker(rank: int, world: int, port: int, queue, degree: int) -> None:
         assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
         assert any("evaluation traced on each rank" in note for note in report.coverage["notes"])
         measured = _measured(model, optimizer, batch)
-        queue.put((rank, (measured, inside, _measured_eval(model, optimizer, eval_batch),
+        queue.put((rank, (measured, inside, evaluation_peak(model, optimizer, eval_batch),
                           evaluation["per_rank_peak_bytes"])))
-
-
-def _measured_eval(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> int:
-    """This rank's measured peak of an evaluation forward after the training steps: the bytes alive before (its
-    local shards, buffers, optimizer state and the evaluation batch; the steps left no gradients) plus the profiled
-    rise."""
-    from preflight._device import live_storage_bytes
-
-    def evaluate(on_phase):
-        on_phase(0, "forward")
-        model.eval()
-        with torch.no_grad():
-            model(**batch)
-        model.train()
-
-    assert all(p.grad is None for p in model.parameters())
-    before = live_storage_bytes([list(model.parameters()), list(model.buffers()), optimizer.state, batch],
-                                torch.device("cpu"))
-    dist.barrier()
-    return before + call_end_peak(evaluate)
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from torch import nn
 from preflight._autotune import max_batch_size, split_global_batch
 from preflight._budget import check_headroom, usable_bytes
 from preflight._device import resolve_device
+from preflight._errors import StepWouldFailError
 from preflight._estimate import estimate, read_plan_off_ddp
 from preflight._guard import untouched
 from preflight._run import Run, check_run, pinned, run_budget
@@ -193,7 +194,10 @@ def _optimizer_impl(setup: _Setup) -> list[tuple[str, Suggestion]]:
     on CUDA (foreach) allocates temporaries the size of all the parameters it updates."""
     out = []
     for move in impl_moves(setup):
-        figure = need(setup.trace_moves([move]))
+        try:
+            figure = need(setup.trace_moves([move]))
+        except StepWouldFailError:  # fused or foreach over a group mixing DTensors and plain tensors: not an option
+            continue
         if not _lowered(setup, figure):
             continue
         argument = {"fused": "fused=True", "for-loop": "foreach=False"}[move.key]

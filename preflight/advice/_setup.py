@@ -532,6 +532,9 @@ def _adapters_refused(setup: _Setup) -> str | None:
     if setup.run.parallel is not None and setup.run.parallel.ep is not None:
         return ("transformers' expert parallelism lays out the transformers model itself, not a peft model around "
                 "it, so a LoRA model is not planned under an expert-parallel plan")
+    if any(type(p).__name__ == "DTensor" for p in setup.model.parameters()):
+        return ("the model is already laid out (DTensor parameters): peft's LoRA layers would replace modules the "
+                "layout distributed, so a LoRA model is not planned over it")
     return None
 
 

@@ -120,7 +120,7 @@ def predict(
     # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
     # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
     # A model DTensor's tensor parallelism laid out (alone, or then wrapped by fully_shard): `estimate` reads its layout
-    # and traces each rank, its evaluation after the steps; the suggestions are not traced per rank yet.
+    # and traces each rank, its evaluation after the steps, and each suggestion on the model as laid out.
     # A model transformers laid out with expert parallelism: `estimate` reads its plan from its config, the same.
     spread = read_ep(model) if wrapped is not None else None
     laid_out = read_tp(model) if wrapped is not None and spread is None else None
@@ -206,9 +206,8 @@ def predict(
     traced_eval = _rank_evaluation(est, evaluation, schedule, batch, target, notes)
     if laid_out is not None:
         unwrapped = False
-        notes.append(f"{laid_out.note()}; " + ("evaluation traced on each rank after the training steps; "
-                                               if traced_eval is not None else "no evaluation peak; ")
-                     + "no suggestions for a tensor-parallel model yet")
+        notes.append(f"{laid_out.note()}; " + ("evaluation traced on each rank after the training steps"
+                                               if traced_eval is not None else "no evaluation peak"))
     if spread is not None:
         unwrapped = False
         notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
@@ -325,7 +324,8 @@ def predict(
         if report.fits and (est.coverage.lower_bound or (eval_est is not None and eval_est.coverage.lower_bound)):
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
-    if report.fits is False and options.suggest and talk and unwrapped:
+    # A laid-out model's options are traced on the model as it is laid out (`estimate` reads the layout each time).
+    if report.fits is False and options.suggest and talk and (unwrapped or laid_out is not None):
         with progress("it does not fit: predicting what to change (about ten traces)"):
             advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
             report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),

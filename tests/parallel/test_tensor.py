@@ -387,6 +387,14 @@ def _gloo_worker(rank: int, world: int, port: int, queue, degree: int) -> None:
         assert report.predicted_peak_bytes == max(inside)
         assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
         assert any("evaluation traced on each rank" in note for note in report.coverage["notes"])
+        if rank == 0 and degree == world:  # over a budget: each option traced on the model as it is laid out
+            tight = preflight.Run(target=preflight.Target(budget=int(max(inside) * 0.8)))
+            over = predict(model, optimizer, batch, tight, options=Options())
+            assert over.fits is False and over.suggestions, over.warnings
+            bf16 = next(s for s in over.suggestions if s["change"] == {"precision": "bf16-true"})
+            assert bf16["predicted_peak_bytes"] == preflight.estimate(
+                model, optimizer, batch, preflight.Run(precision="bf16-true")).peak_bytes < max(inside)
+            assert not any("peft" in s["change"] for s in over.suggestions)  # not over a layout
         measured = _measured(model, optimizer, batch)
         queue.put((rank, (measured, inside, evaluation_peak(model, optimizer, eval_batch),
                           evaluation["per_rank_peak_bytes"])))

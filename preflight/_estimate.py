@@ -36,8 +36,8 @@ from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors
 from preflight.parallel._expert import EPPlan, check_ep_model, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
-from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_rank_groups, trace_tp,
-                                        unmatched_styles, uses_sequence_parallel)
+from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_mesh, tp_rank_groups,
+                                        trace_tp, unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
 from preflight.trace._run import EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE
 from preflight.trace._step_checks import library_optimizer_over_dtensors
@@ -588,20 +588,21 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     plan, or the layout of a model already parallelized (`preflight.parallel.read_tp`); ``evaluation``: traced on
     each rank after the steps (the phase ``"evaluation"``)."""
     target, traced_as = options["target_device"], _rank_options(options)
-    if fsdp is not None and fsdp.replicate != 1:
-        raise ValueError("tensor parallelism is traced with FSDP2 over one data-parallel dim (a 2-D mesh); "
-                         f"FSDP2Plan(replicate={fsdp.replicate}) asks for a third (HSDP): leave replicate at 1.")
     read = isinstance(tp, WrappedTP)
-    shape, names = tp.mesh if read else tp.mesh(world_size)
+    shape, names = tp.mesh if read else tp_mesh(tp, world_size, fsdp)
     mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names)) if names else " x ".join(map(str, shape))
+    over = " over replicate x shard (HSDP)" if fsdp is not None and fsdp.replicate > 1 else " over dp"
     engine = ("the model's own DTensor layout and hooks" if read else "parallelize_module") + (
-        " then fully_shard over dp" if fsdp is not None else "")
+        f" then fully_shard{over}" if fsdp is not None else "")
     if read:  # the ranks of the mesh dims FSDP2 does not shard over
         sizes = dict(zip(names or (), shape))
         degree = world_size // math.prod(sizes[d] for d in tp.fsdp_dims or ())
     else:
         degree = tp.degree
-    sharding = f"tp{degree}" + (" x fsdp2" if fsdp is not None else "")
+    # One word per mesh dim (NCCL makes a communicator for each: `preflight.cuda._nccl.rank_nccl_buffers`).
+    replicate = 1 if fsdp is None else fsdp.replicate
+    sharding = f"tp{degree}" + (" x fsdp2" if fsdp is not None else "") + (
+        f" x replicate{replicate}" if replicate > 1 else "")
     # A ValueError where neither the plan nor the model has styles.
     skipped = [] if read else unmatched_styles(model, tp)
     def trace(rank: int) -> TraceResult:

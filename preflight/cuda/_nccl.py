@@ -62,13 +62,14 @@ def nccl_buffers(communicators: int, given: int | float | str | None = None,
 def rank_nccl_buffers(world_size: int, sharding: str | None,
                       given: int | float | str | None = None) -> tuple[int, str] | None:
     """NCCL's buffers on one rank of a CUDA job of ``world_size`` ranks under ``sharding``: the default group, and one
-    more per dim of a 2-D mesh (tensor or pipeline parallelism with FSDP2, ``"tp2 x fsdp2"``: each dim is a process
-    group of its own); None on one rank. Hybrid sharding's two groups are not told apart from its name, and count as
-    one. ``given`` is the bytes per communicator the user measured (`nccl_buffers`)."""
+    more per dim of a mesh of several (tensor or pipeline parallelism with FSDP2, ``"tp2 x fsdp2"``; HSDP beside
+    tensor parallelism, ``"tp2 x fsdp2 x replicate2"``: each dim is a process group of its own); None on one rank.
+    Hybrid sharding alone (``"fsdp2"`` with a replicate dim) is not told apart from its name, and counts as one
+    group. ``given`` is the bytes per communicator the user measured (`nccl_buffers`)."""
     if world_size < 2:
         return None
-    two_dims = sharding is not None and " x " in sharding
-    return nccl_buffers(3 if two_dims else 1, given)
+    dims = sharding.count(" x ") + 1 if sharding is not None and " x " in sharding else 0
+    return nccl_buffers(1 + dims, given)
 
 
 def _size(env: Mapping[str, str], name: str, default: int) -> int:

@@ -169,9 +169,24 @@ def laid_out_parameters(model: nn.Module, plan: TPPlan) -> set[str]:
     return out
 
 
+def tp_mesh(plan: TPPlan, world_size: int, fsdp: FSDP2Plan | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The fake mesh of a tensor-parallel run: `TPPlan.mesh`, or with FSDP2's HSDP beside it (``fsdp.replicate`` >
+    1) torchtitan's 3-D mesh ``(replicate, world_size // (replicate * degree), degree)`` over ``("replicate",
+    "shard", "tp")`` (its ``dp_replicate``, ``dp_shard`` and ``tp``: a tensor-parallel group's ranks consecutive,
+    then a shard group's); a ValueError where the degrees do not divide the world."""
+    replicate = 1 if fsdp is None else fsdp.replicate
+    if replicate == 1:
+        return plan.mesh(world_size)
+    if world_size % (replicate * plan.degree) or world_size == replicate * plan.degree:
+        raise ValueError(f"HSDP's replicate degree ({replicate}) times the tensor-parallel degree ({plan.degree}) "
+                         f"should divide the world size {world_size} and leave a shard dim of at least 2: the mesh "
+                         "is (replicate, world_size // (replicate * degree), degree).")
+    return (replicate, world_size // (replicate * plan.degree), plan.degree), ("replicate", "shard", "tp")
+
+
 def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:
     styles = _styles(model, plan)
-    shape, names = plan.mesh(world_size)
+    shape, names = tp_mesh(plan, world_size, fsdp)
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         with meshes_outside_modes():
@@ -180,10 +195,9 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
     def _wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        tp_mesh = mesh["tp"] if len(shape) > 1 else mesh
-        parallelize_module(replica, tp_mesh, styles)
-        if fsdp is not None:
-            apply_fully_shard(replica, mesh["dp"], fsdp)
+        parallelize_module(replica, mesh["tp"] if len(shape) > 1 else mesh, styles)
+        if fsdp is not None:  # FSDP2 over the data-parallel dim, or HSDP over the two (a 2-D sub-mesh)
+            apply_fully_shard(replica, mesh["replicate", "shard"] if len(shape) == 3 else mesh["dp"], fsdp)
         return replica
 
     return Engine(name="parallelize_module" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,

@@ -28,6 +28,13 @@ def test_the_model_follows_nccls_defaults_and_environment():
     assert nbytes == 3 * 8 * 2 * 2**21 and "NCCL_MAX_NCHANNELS" in note and "3 communicator(s)" in note
     assert nccl_buffers(0, env={}) is None
     assert nccl_buffers(2, "100MiB")[0] == 2 * 100 * 2**20
+    # One communicator per mesh dim beside the default group: 1-D, 2-D (TP x FSDP2), 3-D (HSDP x TP)
+    from preflight.cuda._nccl import rank_nccl_buffers
+
+    counts = {sharding: rank_nccl_buffers(8, sharding, "1MiB")[0] // 2**20
+              for sharding in ("fsdp2", "tp2 x fsdp2", "tp2 x fsdp2 x replicate2")}
+    assert counts == {"fsdp2": 1, "tp2 x fsdp2": 3, "tp2 x fsdp2 x replicate2": 4}
+    assert rank_nccl_buffers(1, "fsdp2") is None
 
 
 @pytest.mark.slow

@@ -159,6 +159,13 @@ def test_plan_options_are_checked():
         preflight.ParallelPlan(2, None, tp=2)
     assert TPPlan(2).mesh(8) == ((4, 2), ("dp", "tp"))
     assert TPPlan(8).mesh(8) == ((8,), ("tp",))
+    # HSDP beside it: torchtitan's 3-D mesh, with a shard dim of at least 2
+    from preflight.parallel import FSDP2Plan
+    from preflight.parallel._tensor import tp_mesh
+
+    assert tp_mesh(TPPlan(2), 16, FSDP2Plan(replicate=2)) == ((2, 4, 2), ("replicate", "shard", "tp"))
+    with pytest.raises(ValueError, match="leave a shard dim of at least 2"):
+        preflight.ParallelPlan(4, "fsdp2", tp=TPPlan(2), fsdp=FSDP2Plan(replicate=2))
 
 
 def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unknown_words_are_refused():
@@ -418,6 +425,42 @@ def test_real_gloo_tensor_parallel_per_rank_peak_within_3_percent(world, degree)
     for rank in range(world):
         _, _, measured, predicted = results[rank]
         assert abs(predicted[rank] - measured) / measured <= 0.03, (rank, predicted, measured)
+
+
+def _hsdp_worker(rank: int, world: int, port: int, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with gloo_rank(rank, world, port):
+        model, batch = _big_setup()  # torchtitan's 3-D layout: tensor parallel inside, HSDP across
+        mesh = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        parallelize_module(model, mesh["tp"], _styles())
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["replicate", "shard"])
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+        optimizer = torch.optim.AdamW(model.parameters())
+        inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes  # read off the 3-D layout
+        queue.put((rank, (_measured(model, optimizer, batch), inside)))
+
+
+@pytest.mark.slow
+def test_real_gloo_hsdp_x_tensor_parallel_on_a_3d_mesh_per_rank_peak_within_3_percent():
+    """HSDP beside tensor parallelism (replicate 2 x shard 2 x tp 2 over 8 gloo processes): planned before the job
+    and read off the laid-out model inside it, each rank's figure against its measured peak."""
+    from preflight.parallel import FSDP2Plan
+
+    model, batch = _big_setup()
+    plan = preflight.ParallelPlan(8, "fsdp2", tp=TPPlan(2, _styles()), fsdp=FSDP2Plan(replicate=2))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=plan))
+    assert est.sharding == "tp2 x fsdp2 x replicate2" and not est.coverage.lower_bound
+    assert any("replicate 2 x shard 2 x tp 2 mesh" in n for n in est.coverage.notes)
+    results = spawned(_hsdp_worker, 8)
+    for rank in range(8):
+        measured, inside = results[rank]
+        assert inside == est.per_rank_peak_bytes  # the layout read inside the job: the figure planned before
+        assert abs(est.per_rank_peak_bytes[rank] - measured) / measured <= 0.03, (rank, est.per_rank_peak_bytes,
+                                                                                 {r: m for r, (m, _) in results.items()})
 
 
 @pytest.mark.slow

@@ -147,6 +147,10 @@ def _parser() -> argparse.ArgumentParser:
                           "with DTensor's styles); the world size defaults to N, and a larger --world-size needs "
                           "--sharding fsdp2 (FSDP2 over the other dim of an (world/N, N) mesh). Each distinct rank "
                           "traced")
+    est.add_argument("--replicate", type=int, default=1, metavar="R",
+                     help="with --sharding fsdp2: FSDP2's hybrid sharding (HSDP), the model replicated over R groups "
+                          "of --world-size/R ranks that shard it (a (R, world/R) mesh; with --tp N the 3-D mesh (R, "
+                          "world/(R*N), N)). Each distinct rank traced")
     est.add_argument("--pp", type=int, default=None, metavar="N",
                      help="pipeline parallelism over N stage ranks (causal-lm): the model cut as transformers' own "
                           "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
@@ -441,6 +445,16 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
     if args.accumulate < 1:
         raise UsageError(f"--accumulate should be at least 1, got {args.accumulate}.")
     parallel = None
+    replicate = getattr(args, "replicate", 1)
+    if replicate != 1 and (replicate < 2 or sharding != "fsdp2" or any(
+            getattr(args, flag, None) is not None for flag in ("pp", "cp", "ep")) or any(offload.values())):
+        raise UsageError(f"--replicate {replicate}: FSDP2's hybrid sharding replicates over at least 2 groups, with "
+                         "--sharding fsdp2 (alone or with --tp), without --pp, --cp, --ep or offloading.")
+    hsdp = None
+    if replicate > 1:
+        from preflight.parallel import FSDP2Plan
+
+        hsdp = FSDP2Plan(replicate=replicate)
     try:
         tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
         if pp is None and (getattr(args, "microbatches", None) is not None or
@@ -482,13 +496,13 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             from preflight.parallel import TPPlan
 
             world = tp if args.world_size == 1 else args.world_size
-            parallel = ParallelPlan(world, sharding, tp=TPPlan(tp), source="the command line")
+            parallel = ParallelPlan(world, sharding, tp=TPPlan(tp), fsdp=hsdp, source="the command line")
         elif args.deepspeed_config:
             parallel = deepspeed_plan(args.deepspeed_config, world_size=args.world_size, source="--deepspeed-config")
         elif args.world_size > 1 or sharding or any(offload.values()):
             parallel = ParallelPlan(args.world_size, check_plan(args.world_size, sharding, **offload),
                                     source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
-                                    **offload)
+                                    fsdp=hsdp, **offload)
         return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate,
                                                        optimizer_impl=getattr(args, "optimizer_impl", None)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
@@ -634,7 +648,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
             "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
-            "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp,
+            "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp, "replicate": getattr(args, "replicate", 1),
             "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": _microbatches(args)}
             if args.pp else None,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,

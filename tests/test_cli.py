@@ -267,6 +267,26 @@ def test_fsdp2_world_size_prints_and_records_each_rank(config, tmp_path, capsys)
     assert report["breakdown"]["communication"] > 0
 
 
+def test_replicate_plans_fsdp2_hybrid_sharding_per_rank(config, tmp_path, capsys):
+    """--replicate R: FSDP2's HSDP (R groups of world/R ranks sharding the model); a rank holds a larger shard than
+    under FSDP2 over every rank, the same as FSDP2 over world/R ranks."""
+    figures = {}
+    for name, flags in (("hsdp 2x2", ["--world-size", "4", "--replicate", "2"]), ("fsdp2 x4", ["--world-size", "4"]),
+                        ("fsdp2 x2", ["--world-size", "2"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--sharding", "fsdp2",
+                     *flags, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        figures[name] = report["per_rank_peak_bytes"]
+        if name == "hsdp 2x2":
+            assert report["inputs"]["replicate"] == 2 and len(figures[name]) == 4
+    capsys.readouterr()
+    assert figures["hsdp 2x2"][0] == figures["fsdp2 x2"][0] > figures["fsdp2 x4"][0]
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--world-size", "4",
+                 "--replicate", "2"]) == 2
+    assert "--replicate 2: FSDP2's hybrid sharding" in capsys.readouterr().err
+
+
 def test_json_records_the_inputs_and_versions(config, tmp_path):
     import torch
 

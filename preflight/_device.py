@@ -95,7 +95,8 @@ def live_storage_bytes(tensors: Any, device: torch.device) -> int:
 def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
     """The distinct storages behind ``tensors`` (any nested structure) that live on ``device``: their data
     address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by their own identity; a
-    wrapper subclass (DTensor) counts the tensors it wraps; a fake tensor counts nothing."""
+    wrapper subclass (DTensor) counts the tensors it wraps; a fake tensor counts nothing, nor does a sparse or mkldnn
+    tensor (no storage to read)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     storages: dict[int, int] = {}
@@ -106,11 +107,11 @@ def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
             names, _ = t.__tensor_flatten__()
             storages.update(live_storages([getattr(t, name) for name in names], device))
             continue
-        storage = t.untyped_storage()
         try:
+            storage = t.untyped_storage()
             address = storage.data_ptr()
-        except RuntimeError:  # a fake or functional tensor (a trace's, still referenced) holds no memory
-            continue
+        except (RuntimeError, NotImplementedError):  # a fake or functional tensor holds no memory; sparse and mkldnn
+            continue                                 # tensors have no storage to read (their bytes are not counted)
         storages[address or id(storage)] = storage.nbytes()
     return storages
 

@@ -39,7 +39,7 @@ from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_mesh, tp_rank_groups,
                                         trace_tp, unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
-from preflight.trace._run import EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE
+from preflight.trace._run import EVAL_NOT_TRACED, EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE
 from preflight.trace._step_checks import library_optimizer_over_dtensors
 
 __all__ = ["check_plan", "estimate", "estimate_evaluating", "read_plan_off_ddp", "summarize_events"]
@@ -391,8 +391,8 @@ def _evaluating(events: Sequence[Event], categories: dict[int, Category], *, eva
                 failed: bool) -> PhaseEstimate | None:
     """The `PhaseEstimate` of an evaluation traced after the steps (the phase `EVAL_PHASE`, up to a save after it):
     its peak with the training state the steps left alive, and on a CUDA target the device total while it runs
-    (the allocator keeps what training reserved). None where the run does not evaluate, or where the trace stopped
-    before the evaluation ended (no figure rather than a partial one)."""
+    (the allocator keeps what training reserved). None where the run does not evaluate, or where the trace or the
+    evaluation stopped before it ended (`EVAL_NOT_TRACED`: no figure rather than a partial one)."""
     start = next((i for i, e in enumerate(events) if e.phase == EVAL_PHASE), None)
     if not evaluates or failed or start is None:
         return None
@@ -909,7 +909,8 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             events = round_events(events)
         nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
         evaluation = _evaluating(events, result.categories, evaluates=evaluates, target=target, gpu_info=gpu_info,
-                                 allocator=allocator, nccl=nccl, failed=result.error is not None)
+                                 allocator=allocator, nccl=nccl, failed=result.error is not None or any(
+                                     n.startswith(EVAL_NOT_TRACED) for n in notes))
         evaluations.append((group, evaluation))
         events, saving = _saving(events, result.categories, saves=saves, target=target, gpu_info=gpu_info,
                                  allocator=allocator, nccl=nccl, notes=notes)

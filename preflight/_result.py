@@ -80,7 +80,7 @@ class PhaseEstimate:
     traced after the steps, with the training state they leave alive).
 
     Attributes:
-        name: the phase (``"saving"``, ``"loading"``).
+        name: the phase (``"saving"``, ``"evaluation"``: traced on each rank after the training steps).
         peak_bytes: live tensor bytes at the phase's peak, everything alive then included (the peak rank's, where
             ranks were traced).
         breakdown: bytes at that peak per `Category` value.

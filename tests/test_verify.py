@@ -145,3 +145,29 @@ def test_meter_measures_what_a_step_leaves_alive(leak):
 def test_meter_rejects_other_devices():
     with pytest.raises(ValueError, match="CUDA or CPU"):
         StepPeakMeter(torch.device("meta"))
+
+
+def test_forgetting_freed_blocks_survives_objects_that_raise_when_inspected():
+    """The scan for tensors still alive (`StepPeakMeter._release_unheld`) walks every object the garbage collector
+    tracks: a dead weak proxy (Lightning keeps some) raises on any attribute, and must not stop the measurement."""
+    import weakref
+
+    class Holder:
+        pass
+
+    target = Holder()
+    dead = weakref.proxy(target)
+    del target
+    model = make_gpt2(n_layer=1, n_embd=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept = []
+    meter = StepPeakMeter(torch.device("cpu"))
+    for length in (16, 24, 32):
+        batch = lm_batch(2, length)
+        meter.start(_resident(model, optimizer, batch))
+        run_steps(model, optimizer, batch, step=lambda m, b: (kept.__setitem__(slice(None), [m(**b).logits]),
+                                                              m(**b).loss)[1],
+                  precision=None, device_type="cpu", steps=1)
+        meter.stop()
+        kept.clear()  # freed between the measured windows
+    assert [dead] and meter.step_retained[0] > 0 and meter.step_retained[1] == 0  # step 2 freed before step 3

@@ -446,7 +446,10 @@ def _stronger_sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:
         other = dataclasses.replace(plan, sharding=sharding, fsdp=fsdp, deepspeed=deepspeed,
                                     offload_params=plan.offload_params and sharding in ("zero3", "fsdp-full"))
         changed = setup.run.replace(parallel=other)
-        peak = need(setup.trace(run=changed))
+        try:
+            peak = need(setup.trace(run=changed))
+        except StepWouldFailError:  # the engine's step fails with this optimizer (bitsandbytes over DTensors)
+            continue
         if not _lowered(setup, peak):
             continue
         how = ("each rank's step traced through FSDP's own program" if sharding.startswith("fsdp") else

@@ -39,8 +39,8 @@ from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_e
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
-from preflight.trace._run import (EVAL_PHASE, SAVE_PHASE, checkpoint_saver, counted_rng_snapshots,
-                                  phase_bookkeeping, settled_frees, shadow_value)
+from preflight.trace._run import (EVAL_NOT_TRACED, EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE, checkpoint_saver,
+                                  counted_rng_snapshots, phase_bookkeeping, settled_frees, shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._step_checks import mixed_dtensor_failure
 from preflight.trace._twin import TwinMaker, cuda_default_impl
@@ -428,6 +428,10 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 wrapped.train()
                 save = checkpoint_saver(tracker, checkpoint, host_is_device=cuda is None, fake_world=True,
                                         notes=notes, gathers=gloo_dtensor_gathers if cuda is None else None)
+                if evaluation is not None and (drive is not None or engine.around is not None):
+                    notes.append(f"{EVAL_NOT_TRACED} (under {engine.name}, whose schedule or context runs the "
+                                 "steps)")
+                    evaluation = None
                 with engine.around(mesh, fake_batch, cpu=cuda is None) if engine.around is not None \
                         else contextlib.nullcontext():
                     run_steps(wrapped, fake_opt, fake_batch, step=step, precision=precision, device_type="cpu",
@@ -438,11 +442,14 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                     if not evaluation.keeps_batch:  # the trainer's last training batch is gone by then
                         fake_batch = fake = None
                         twins.forget(batch)
-                    _evaluate(evaluation, wrapped, fake_opt, twins, tracker, precision, on_phase, steps)
-                    if save is not None:
+                    evaluated = _evaluate(evaluation, wrapped, fake_opt, twins, tracker, precision, on_phase, steps,
+                                          notes)
+                    if save is not None and evaluated:
                         on_phase(steps, SAVE_PHASE)
                         with torch.no_grad():
                             save(wrapped, fake_opt)
+                    elif save is not None:
+                        notes.append(f"{SAVE_NOT_TRACED} (the evaluation before it could not be traced)")
             except (LossNotFoundError, StepWouldFailError):
                 raise
             except Exception as err:  # noqa: BLE001 - reported as where the trace stopped
@@ -467,23 +474,35 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
 
 def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.Optimizer, twins: TwinMaker,
               tracker: StorageTracker, precision: str | None, on_phase: Callable[[int, str], None],
-              steps: int) -> None:
+              steps: int, notes: list[str]) -> bool:
     """The evaluation forward after the steps, on the rank's wrapped copy, in eval mode and without gradients (as
     `preflight.estimate_eval` traces one device's), with the training state the steps left: the gradients set to
-    None first where the trainer frees them."""
+    None first where the trainer frees them. False, with a note, where the evaluation could not be traced: the
+    training figure stands and no evaluation phase is given (`preflight._estimate._evaluating`); the user's own
+    error is raised, as a single-device evaluation raises it."""
     on_phase(steps, EVAL_PHASE)
     if evaluation.frees_gradients:
         fake_opt.zero_grad(set_to_none=True)
     eval_batch = twins.batch(evaluation.batch, cast=float_dtype_for(precision) is not None)
-    for path, fake in zip([p for p, _ in named_tensors(evaluation.batch)], iter_tensors(eval_batch)):
+    for (path, real), fake in zip(named_tensors(evaluation.batch), iter_tensors(eval_batch)):
         tracker.register(fake, Category.INPUTS)
         tracker.label(fake, Category.INPUTS)  # made inside the trace: tracked as it was allocated
         tracker.names[fake] = f"the evaluation batch{path}"
+        with torch.utils._python_dispatch._disable_current_modes():
+            value = shadow_value(real)
+        if value is not None:
+            tracker.shadow(fake, value)
     wrapped.eval()
     try:
         with torch.no_grad(), autocast_for(precision, "cpu"):
             out = evaluation.forward(wrapped, eval_batch)
         del out
+        return True
+    except Exception as err:  # noqa: BLE001 - the training figure stands without the evaluation's
+        if is_user_error(err):
+            raise
+        notes.append(f"{EVAL_NOT_TRACED} ({failed_op_of(err)}: {type(err).__name__}: {err})".splitlines()[0][:300])
+        return False
     finally:
         wrapped.train()
         twins.forget(evaluation.batch)  # the loader lets go of it after the step

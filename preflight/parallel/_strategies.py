@@ -104,12 +104,13 @@ class ParallelPlan:
                              "pass sharding='ddp', or leave gradient_as_bucket_view out.")
 
     def _check_tp(self) -> None:
+        from preflight.parallel._fsdp2 import FSDP2Plan
         from preflight.parallel._tensor import TPPlan, tp_mesh
 
         if not isinstance(self.tp, TPPlan):
             raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
         # A ValueError where the degrees do not divide the world (HSDP's replicate dim included).
-        tp_mesh(self.tp, self.world_size, self.fsdp if hasattr(self.fsdp, "replicate") else None)
+        tp_mesh(self.tp, self.world_size, self.fsdp if isinstance(self.fsdp, FSDP2Plan) else None)
         if self.sharding is None and self.tp.degree != self.world_size:
             raise ValueError(f"`tp.degree` is {self.tp.degree} but the world size is {self.world_size}: data "
                              "parallelism beside tensor parallelism is traced with FSDP2 over the other dim; pass "

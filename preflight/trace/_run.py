@@ -42,13 +42,15 @@ from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
-__all__ = ["EVAL_PHASE", "SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult", "can_shadow",
-           "checkpoint_saver", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state", "shadow_value",
-           "trace_steps"]
+__all__ = ["EVAL_NOT_TRACED", "EVAL_PHASE", "SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult",
+           "can_shadow", "checkpoint_saver", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state",
+           "shadow_value", "trace_steps"]
 
 # The phase of a checkpoint save traced after the steps (`preflight._steps.run_steps`'s ``save``).
 SAVE_PHASE = "save"
 EVAL_PHASE = "eval/forward"  # an evaluation traced after the training steps (`preflight._steps.Evaluation`)
+# The note of such an evaluation the trace could not run: no evaluation phase is given, the training figure stands.
+EVAL_NOT_TRACED = "evaluation after the steps: not traced"
 # The note of a save the trace could not run: the saving phase is then the training state the steps leave alone.
 SAVE_NOT_TRACED = "checkpoint save: not traced, its figure is the training state the steps leave, a lower bound"
 

@@ -231,6 +231,15 @@ def device_mismatch(err: BaseException) -> bool:
                                               or "Expected all tensors to be on the same device" in text)
 
 
+def _version(package: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # noqa: BLE001 - only for a message
+        return "(version unknown)"
+
+
 def library_optimizer_over_dtensors(optimizer: Any, engine: str) -> str | None:
     """The message of `preflight.StepWouldFailError` for a bitsandbytes optimizer over the DTensor parameters
     ``engine`` makes (``fully_shard``), where the plan is not traced (paged state, offloading) and the trace would not
@@ -240,7 +249,8 @@ def library_optimizer_over_dtensors(optimizer: Any, engine: str) -> str | None:
         return None
     return (f"The training step would fail at its first step: {type(optimizer).__name__} under {engine} steps DTensor "
             "parameters with state it keeps as plain tensors, and bitsandbytes' operators have no DTensor rule "
-            "(\"got mixed torch.Tensor and DTensor\" in the real job, measured on a gloo mesh). Fix: use a torch "
+            "(\"got mixed torch.Tensor and DTensor\" in the real job, measured on a CPU gloo mesh with bitsandbytes "
+            f"{_version('bitsandbytes')}). Fix: use a torch "
             "optimizer (torch.optim.AdamW) for DTensor parameters (FSDP2, tensor or expert parallelism), or FSDP1, "
             "whose flat parameters are plain tensors. No memory was predicted: a step that fails has no peak.")
 
@@ -267,7 +277,7 @@ def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
         return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). The "
                 f"optimizer's own operator ({operator}) receives the DTensor parameters and gradients with state it "
                 "keeps as plain tensors, and has no DTensor rule: the real job fails the same way (bitsandbytes' "
-                "8-bit and paged optimizers on a real gloo mesh raise it at their first step, under fully_shard as "
+                "8-bit and paged optimizers on a CPU gloo mesh raise it at their first step, under fully_shard as "
                 "under tensor parallelism). Fix: use a torch optimizer (torch.optim.AdamW) for DTensor parameters "
                 "(FSDP2, tensor or expert parallelism), or FSDP1, whose flat parameters are plain tensors. No memory "
                 "was predicted: a step that fails has no peak.")

@@ -264,6 +264,17 @@ def test_an_evaluation_after_the_steps_is_traced_on_each_rank_without_changing_t
     assert a.breakdown["inputs"] == eval_batch["input_ids"].nbytes
     assert b.breakdown["inputs"] == eval_batch["input_ids"].nbytes + batch_bytes
     assert b.peak_bytes - a.peak_bytes == batch_bytes
+    # The evaluation batch's small integer tensors carry their values into the trace, as the training batch's do.
+    counted = estimate_evaluating(model, optimizer, batch, run, evaluation=Evaluation(
+        {"input_ids": eval_batch["input_ids"], "count": torch.tensor(16)},
+        step=lambda m, b: m(input_ids=b["input_ids"][:, :int(b["count"])])))
+    assert counted.phase("evaluation") is not None and counted.per_rank_peak_bytes == alone.per_rank_peak_bytes
+    # An evaluation the trace cannot run leaves the training figure as it is, without an evaluation phase.
+    stopped = estimate_evaluating(model, optimizer, batch, run, evaluation=Evaluation(
+        eval_batch, step=lambda m, b: torch.nonzero(m(**b).logits > 0)))
+    assert stopped.per_rank_peak_bytes == alone.per_rank_peak_bytes and not stopped.coverage.lower_bound
+    assert stopped.phase("evaluation") is None
+    assert any(n.startswith("evaluation after the steps: not traced (aten.nonzero") for n in stopped.coverage.notes)
 
 
 def test_a_plan_that_cannot_be_applied_gives_a_labelled_lower_bound():
@@ -459,8 +470,9 @@ def test_real_gloo_hsdp_x_tensor_parallel_on_a_3d_mesh_per_rank_peak_within_3_pe
     for rank in range(8):
         measured, inside = results[rank]
         assert inside == est.per_rank_peak_bytes  # the layout read inside the job: the figure planned before
+        measurements = {r: m for r, (m, _) in results.items()}
         assert abs(est.per_rank_peak_bytes[rank] - measured) / measured <= 0.03, (rank, est.per_rank_peak_bytes,
-                                                                                 {r: m for r, (m, _) in results.items()})
+                                                                                 measurements)
 
 
 @pytest.mark.slow

@@ -74,13 +74,8 @@ def _worker(rank: int, world: int, layout: str, degree: int, rotate: str, precis
             queue: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases, join_gloo
-    from preflight._device import live_storage_bytes
-    from preflight._measure import collective_calls, lost_free_peaks
-    from preflight._quiet import StderrFilter
-    from preflight._steps import run_steps
+    from distributed import join_gloo, measured_peaks
     from preflight.parallel import CPPlan
     from preflight.parallel._context import ring_of
 
@@ -97,20 +92,8 @@ def _worker(rank: int, world: int, layout: str, degree: int, rotate: str, precis
             for layer in model.model.layers:
                 fully_shard(layer, mesh=every)
             fully_shard(model, mesh=every)
-        optimizer = torch.optim.AdamW(model.parameters())
-        model.train()
-        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-        before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
-        dist.barrier()
-        phases = _Phases()
-        with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
-                                                               profile_memory=True) as prof:
-            with ring_of(ring, batch, CPPlan(degree, rotate), cpu=True):
-                run_steps(model, optimizer, batch, step=None, precision=precision, device_type="cpu", steps=2,
-                          on_phase=phases.mark)
-            phases.close()
-        peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
-        queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
+        queue.put((rank, measured_peaks(model, torch.optim.AdamW(model.parameters()), batch, precision=precision,
+                                        around=lambda: ring_of(ring, batch, CPPlan(degree, rotate), cpu=True))))
     finally:
         dist.destroy_process_group()
 

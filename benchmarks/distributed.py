@@ -43,6 +43,7 @@ objects), so it is not the tensor peak, but it shows whether the peak changes fr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -201,6 +202,36 @@ def _alive_storages() -> set[int]:
             except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) or a storage without data
                 pass
     return out
+
+
+def measured_peaks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *,
+                   precision: str | None = None, around: Any = contextlib.nullcontext) -> tuple[int | None, ...]:
+    """This rank's two real training steps on gloo, measured: the bytes alive before them (its local parameter
+    shards, buffers, the batch) plus each of `preflight._measure.lost_free_peaks`' figures (repaired, call-end,
+    dropped). The steps run inside `preflight._measure.collective_calls`, which waits for each collective until
+    gloo's worker has let go of its tensors, and inside ``around()`` where given (context parallelism's ring, which
+    shards the batch in place: inside the profile)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from preflight._device import live_storage_bytes
+    from preflight._measure import collective_calls, lost_free_peaks
+    from preflight._quiet import StderrFilter
+    from preflight._steps import run_steps
+
+    model.train()
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
+    dist.barrier()
+    phases = _Phases()
+    with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
+                                                           profile_memory=True) as prof:
+        with around():
+            run_steps(model, optimizer, batch, step=None, precision=precision, device_type="cpu", steps=2,
+                      on_phase=phases.mark)
+        phases.close()
+    peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
+    return tuple(None if p is None else before + p for p in peaks)
 
 
 def spawn_ranks(worker: Any, world_size: int, *args: Any) -> list[Any]:

@@ -66,14 +66,9 @@ def route_as(model: torch.nn.Module, routing: str) -> None:
 
 def _worker(rank: int, world: int, ep: int, routing: str, path: str, port: int, queue: Any) -> None:
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
     from transformers import Qwen3MoeForCausalLM
 
-    from distributed import _CALL, _alive_storages, _Phases, join_gloo
-    from preflight._device import live_storage_bytes
-    from preflight._measure import collective_calls, lost_free_peaks
-    from preflight._quiet import StderrFilter
-    from preflight._steps import run_steps
+    from distributed import join_gloo, measured_peaks
     from preflight.parallel import EPPlan
 
     join_gloo(rank, world, port)
@@ -81,20 +76,7 @@ def _worker(rank: int, world: int, ep: int, routing: str, path: str, port: int, 
     try:
         model = Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=EPPlan(ep).config(world))
         route_as(model, routing)
-        data = batch()
-        optimizer = torch.optim.AdamW(model.parameters())
-        model.train()
-        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-        before = live_storage_bytes([local, list(model.buffers()), data], torch.device("cpu"))
-        dist.barrier()
-        phases = _Phases()
-        with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
-                                                               profile_memory=True) as prof:
-            run_steps(model, optimizer, data, step=None, precision=None, device_type="cpu", steps=2,
-                      on_phase=phases.mark)
-            phases.close()
-        peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
-        queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
+        queue.put((rank, measured_peaks(model, torch.optim.AdamW(model.parameters()), batch())))
     finally:
         dist.destroy_process_group()
 

@@ -117,31 +117,14 @@ def lay_out(model: torch.nn.Module, layout: str, world: int) -> torch.nn.Module:
 
 def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases, join_gloo
-    from preflight._device import live_storage_bytes
-    from preflight._measure import collective_calls, lost_free_peaks
-    from preflight._quiet import StderrFilter
-    from preflight._steps import run_steps
+    from distributed import join_gloo, measured_peaks
 
     join_gloo(rank, world, port)
     try:
         model, batch = build()
         model = lay_out(model, layout, world)
-        optimizer = torch.optim.AdamW(model.parameters())
-        model.train()
-        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-        before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
-        dist.barrier()
-        phases = _Phases()
-        with StderrFilter(), collective_calls(_CALL), profile(activities=[ProfilerActivity.CPU],
-                                                               profile_memory=True) as prof:
-            run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2,
-                      on_phase=phases.mark)
-            phases.close()
-        peaks = lost_free_peaks(prof, _alive_storages(), _CALL)
-        queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
+        queue.put((rank, measured_peaks(model, torch.optim.AdamW(model.parameters()), batch)))
     finally:
         dist.destroy_process_group()
 

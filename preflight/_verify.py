@@ -144,11 +144,15 @@ class StepPeakMeter:
         index = len(self.step_peaks)
         for ptr, nbytes in session_survivors(events).items():
             self._held[ptr] = (index, nbytes)
-        held = [0] * (index + 1)
+        self._recount(index + 1)
+        return self.step_retained[index]
+
+    def _recount(self, steps: int) -> None:
+        """Each of ``steps`` steps' bytes still held (``_held``) into ``step_retained``."""
+        held = [0] * steps
         for step, nbytes in self._held.values():
             held[step] += nbytes
         self.step_retained[:] = held
-        return held[index]
 
     def _release_unheld(self) -> None:
         """Forget the blocks earlier steps left that no Python tensor holds any more: they were freed between the
@@ -163,18 +167,12 @@ class StepPeakMeter:
 
         try:
             # type(), not isinstance: a dead weakref proxy raises on __class__ (Lightning keeps such proxies)
-            tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
-            alive = live_storages(tensors, self.device)
+            alive = live_storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)], self.device)
         except Exception:  # noqa: BLE001 - the blocks stay counted, as before this scan existed
             return
-        finally:
-            tensors = []
         for ptr in [ptr for ptr in self._held if ptr not in alive]:
             del self._held[ptr]
-        held = [0] * len(self.step_retained)
-        for step, nbytes in self._held.values():
-            held[step] += nbytes
-        self.step_retained[:] = held
+        self._recount(len(self.step_retained))
 
     def abort(self) -> None:
         """Stop a running profiler without recording (training ended inside a measured step)."""

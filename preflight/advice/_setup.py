@@ -453,7 +453,12 @@ def _dtensor_parameters(setup: _Setup) -> bool:
     plan = setup.plan
     if plan is not None and (plan.sharding == "fsdp2" or plan.tp is not None or plan.ep is not None):
         return True
-    return any(type(p).__name__ == "DTensor" for p in setup.model.parameters())
+    return _laid_out(setup.model)
+
+
+def _laid_out(model: nn.Module) -> bool:
+    """The model's parameters are DTensors: a layout (tensor or expert parallelism, fully_shard) made before."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def offload_move(setup: _Setup) -> Move | None:
@@ -532,7 +537,7 @@ def _adapters_refused(setup: _Setup) -> str | None:
     if setup.run.parallel is not None and setup.run.parallel.ep is not None:
         return ("transformers' expert parallelism lays out the transformers model itself, not a peft model around "
                 "it, so a LoRA model is not planned under an expert-parallel plan")
-    if any(type(p).__name__ == "DTensor" for p in setup.model.parameters()):
+    if _laid_out(setup.model):
         return ("the model is already laid out (DTensor parameters): peft's LoRA layers would replace modules the "
                 "layout distributed, so a LoRA model is not planned over it")
     return None

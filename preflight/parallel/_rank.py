@@ -410,13 +410,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 tracker.register(held, Category.PARAMETERS)
         for b in wrapped.buffers():
             tracker.register(b, Category.BUFFERS)
-        fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
-        for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
-            tracker.register(fake, Category.INPUTS)
-            tracker.names[fake] = f"the batch{path}"
-            value = shadow_value(real)
-            if value is not None:
-                tracker.shadow(fake, value)
+        fake_batch = _counted_batch(batch, "the batch", twins, tracker, precision)
         on_phase = phase_bookkeeping(tracker, fake_opt)
         emulation = emulate_cuda(cuda, tracker) if cuda is not None else contextlib.nullcontext()
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
@@ -440,7 +434,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                               save=save if evaluation is None else None)
                 if evaluation is not None:  # the trainer evaluates after the steps, then saves
                     if not evaluation.keeps_batch:  # the trainer's last training batch is gone by then
-                        fake_batch = fake = None
+                        fake_batch = None
                         twins.forget(batch)
                     evaluated = _evaluate(evaluation, wrapped, fake_opt, twins, tracker, precision, on_phase, steps,
                                           notes)
@@ -472,6 +466,21 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
     return result(error, failed)
 
 
+def _counted_batch(batch: Any, what: str, twins: TwinMaker, tracker: StorageTracker, precision: str | None) -> Any:
+    """A fake twin of ``batch`` counted as the inputs, each tensor named ``what`` and its path, with the value
+    shadows of its small integer tensors (read outside the trace's modes, also when it runs: an evaluation's)."""
+    fake_batch = twins.batch(batch, cast=float_dtype_for(precision) is not None)
+    for (path, real), fake in zip(named_tensors(batch), iter_tensors(fake_batch)):
+        tracker.register(fake, Category.INPUTS)
+        tracker.label(fake, Category.INPUTS)  # a twin made while the tracker runs was tracked as it was allocated
+        tracker.names[fake] = f"{what}{path}"
+        with torch.utils._python_dispatch._disable_current_modes():
+            value = shadow_value(real)
+        if value is not None:
+            tracker.shadow(fake, value)
+    return fake_batch
+
+
 def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.Optimizer, twins: TwinMaker,
               tracker: StorageTracker, precision: str | None, on_phase: Callable[[int, str], None],
               steps: int, notes: list[str]) -> bool:
@@ -483,15 +492,7 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
     on_phase(steps, EVAL_PHASE)
     if evaluation.frees_gradients:
         fake_opt.zero_grad(set_to_none=True)
-    eval_batch = twins.batch(evaluation.batch, cast=float_dtype_for(precision) is not None)
-    for (path, real), fake in zip(named_tensors(evaluation.batch), iter_tensors(eval_batch)):
-        tracker.register(fake, Category.INPUTS)
-        tracker.label(fake, Category.INPUTS)  # made inside the trace: tracked as it was allocated
-        tracker.names[fake] = f"the evaluation batch{path}"
-        with torch.utils._python_dispatch._disable_current_modes():
-            value = shadow_value(real)
-        if value is not None:
-            tracker.shadow(fake, value)
+    eval_batch = _counted_batch(evaluation.batch, "the evaluation batch", twins, tracker, precision)
     wrapped.eval()
     try:
         with torch.no_grad(), autocast_for(precision, "cpu"):

@@ -231,6 +231,12 @@ def device_mismatch(err: BaseException) -> bool:
                                               or "Expected all tensors to be on the same device" in text)
 
 
+# What a step whose optimizer's own kernels refuse DTensor parameters should do instead (bitsandbytes').
+_LIBRARY_OPTIMIZER_FIX = ("Fix: use a torch optimizer (torch.optim.AdamW) for DTensor parameters (FSDP2, tensor or "
+                          "expert parallelism), or FSDP1, whose flat parameters are plain tensors. No memory was "
+                          "predicted: a step that fails has no peak.")
+
+
 def _version(package: str) -> str:
     try:
         from importlib.metadata import version
@@ -250,9 +256,7 @@ def library_optimizer_over_dtensors(optimizer: Any, engine: str) -> str | None:
     return (f"The training step would fail at its first step: {type(optimizer).__name__} under {engine} steps DTensor "
             "parameters with state it keeps as plain tensors, and bitsandbytes' operators have no DTensor rule "
             "(\"got mixed torch.Tensor and DTensor\" in the real job, measured on a CPU gloo mesh with bitsandbytes "
-            f"{_version('bitsandbytes')}). Fix: use a torch "
-            "optimizer (torch.optim.AdamW) for DTensor parameters (FSDP2, tensor or expert parallelism), or FSDP1, "
-            "whose flat parameters are plain tensors. No memory was predicted: a step that fails has no peak.")
+            f"{_version('bitsandbytes')}). {_LIBRARY_OPTIMIZER_FIX}")
 
 
 def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
@@ -278,9 +282,7 @@ def mixed_dtensor_failure(err: BaseException, where: str) -> str | None:
                 f"optimizer's own operator ({operator}) receives the DTensor parameters and gradients with state it "
                 "keeps as plain tensors, and has no DTensor rule: the real job fails the same way (bitsandbytes' "
                 "8-bit and paged optimizers on a CPU gloo mesh raise it at their first step, under fully_shard as "
-                "under tensor parallelism). Fix: use a torch optimizer (torch.optim.AdamW) for DTensor parameters "
-                "(FSDP2, tensor or expert parallelism), or FSDP1, whose flat parameters are plain tensors. No memory "
-                "was predicted: a step that fails has no peak.")
+                f"under tensor parallelism). {_LIBRARY_OPTIMIZER_FIX}")
     return (f"The training step would fail at its first step: {text.splitlines()[0]} ({where}). A "
             "foreach or fused step takes the parameters of a group in one call, and here some are DTensors (laid out "
             "by tensor parallelism) and some plain tensors (modules the plan leaves alone, such as norms); torch "

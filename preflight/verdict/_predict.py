@@ -165,8 +165,7 @@ def predict(
         # After the measured steps the optimizer has state; the measured run's first step had none.
         # Under a per-rank trace inside a job, this rank's own steps (its shards may differ from the peak rank's).
         one = run_estimate(b, _without_state(optimizer))
-        rank = _rank() if one.per_rank_peak_bytes is not None and _world_size() == one.world_size else None
-        return {k: v + buckets for k, v in one.step_peaks(rank).items()}
+        return {k: v + buckets for k, v in one.step_peaks(_traced_rank(one.per_rank_peak_bytes)).items()}
 
     talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
     with progress("tracing the training step on fake tensors" + (" and the evaluation after it" if evaluation
@@ -265,8 +264,7 @@ def predict(
                 evaluation, batch=b)), evaluation, schedule, batch, target, [])
             if again is None:
                 raise RuntimeError("the evaluation could not be traced again")
-            mine = _rank() if again.per_rank_peak_bytes is not None and _world_size() == len(
-                again.per_rank_peak_bytes) else None
+            mine = _traced_rank(again.per_rank_peak_bytes)
             return again.peak_bytes if mine is None else again.per_rank_peak_bytes[mine]
     if eval_est is not None:
         eval_peak, eval_total = eval_figures(eval_est)
@@ -386,6 +384,11 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
                        "where": saving.where, "how": saving.how,
                        "per_rank_peak_bytes": _listed(saving.per_rank_peak_bytes)})
     return phases
+
+
+def _traced_rank(per_rank: tuple[int, ...] | None) -> int | None:
+    """This process's rank where a per-rank estimate traced the job it runs in (the same world size), else None."""
+    return _rank() if per_rank is not None and _world_size() == len(per_rank) else None
 
 
 def _rank_evaluation(est: Estimate, evaluation: Evaluation | None, schedule: Loop, batch: Any,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
     from preflight._measure import measure
     from preflight._result import Category, Coverage, Estimate, Event, Measurement, PhaseEstimate, TimelinePoint
     from preflight._checkpoint import Checkpoint
+    from preflight._loading import Loading
     from preflight._run import Loop, Run, Target
     from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
     from preflight._steps import PRECISIONS
@@ -63,6 +64,7 @@ _WHERE = {
     "PhaseEstimate": "preflight._result",
     "TimelinePoint": "preflight._result",
     "Checkpoint": "preflight._checkpoint",
+    "Loading": "preflight._loading",
     "Loop": "preflight._run",
     "Run": "preflight._run",
     "Target": "preflight._run",
@@ -92,6 +94,7 @@ __all__ = [
     "__version__",
     "PRECISIONS",
     "Checkpoint",
+    "Loading",
     "Loop",
     "ParallelPlan",
     "Run",

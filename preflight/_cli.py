@@ -57,7 +57,7 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "accumulate_grad_batches": "accumulate",
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
                  "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant",
-                 "microbatches": "microbatches"}
+                 "microbatches": "microbatches", "loading": "loading"}
 # Said by other keys of the same change, or by the flags' defaults.
 _IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {f"bitsandbytes.optim.{cls}": flag for flag, cls in _BNB_OPTIMIZERS.items()}
@@ -187,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="a full state dict stays on the device (offload_to_cpu=False)")
     save.add_argument("--checkpoint-every-rank", action="store_true",
                       help="every rank keeps the full state dict (rank0_only=False)")
+    est.add_argument("--loading", choices=["device", "host", "meta"], default=None,
+                     help="predict the model's loading too (a phase of its own, per rank; the verdict takes the "
+                          "largest phase): 'device', each rank holds the whole model on its device before the engine "
+                          "shards it (from_pretrained with a device_map, model.to(device) before FSDP); 'host', FSDP "
+                          "moves it from the host unit by unit (FSDP1 device_id, fully_shard of a CPU model); "
+                          "'meta', built on meta and each rank materialises its own shards (torchtitan, Lightning's "
+                          "ModelParallelStrategy, init_module(empty_init=True))")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -302,6 +309,14 @@ def _estimate(args: argparse.Namespace) -> int:
             saving.required_bytes > est.required_bytes:
         print("the checkpoint save is the peak: save a sharded state dict (--checkpoint sharded), or gather a full one "
               "to the host of rank 0 alone (leave out --checkpoint-on-device and --checkpoint-every-rank)")
+    loading = est.phase("loading")
+    if verdict["fits"] is False and loading is not None and loading.required_bytes == est.run_required_bytes and \
+            loading.required_bytes > est.required_bytes:
+        print("the model's loading is the peak: build it on the meta device so that each rank materialises only its "
+              "own shards (--loading meta), or load it on the host and let FSDP move it unit by unit (--loading "
+              "host)" if run.loading is not None and run.loading.placement == "device" else
+              "the model's loading is the peak: build it on the meta device so that each rank materialises only its "
+              "own shards (--loading meta)")
     suggestions: list[dict[str, Any]] = []
     if verdict["fits"] is False and args.suggest and generation is None:
         suggestions = _suggest(args, model, optimizer, batch, config, budget, run)
@@ -508,7 +523,7 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
                                  allocator=args.allocator, cuda_context=args.cuda_context,
                                  nccl_buffers=getattr(args, "nccl_buffers", None)),
-                   parallel=parallel, fast=args.fast, checkpoint=_checkpoint(args))
+                   parallel=parallel, fast=args.fast, checkpoint=_checkpoint(args), loading=_loading(args))
     except (ValueError, TypeError) as err:
         raise UsageError(str(err).replace("pass sharding='fsdp2'", "pass --sharding fsdp2")) from None
 
@@ -521,6 +536,18 @@ def _given(args: argparse.Namespace, offload: dict[str, bool], *flags: str) -> l
              "--quantize": bool(getattr(args, "quantize", None)), "--generate": bool(getattr(args, "generate", False)),
              "--accumulate": args.accumulate != 1}
     return [flag for flag in flags if given[flag]]
+
+
+def _loading(args: argparse.Namespace) -> Any:
+    """The `preflight.Loading` ``--loading`` says (None without it)."""
+    from preflight._loading import Loading
+
+    placement = getattr(args, "loading", None)
+    if placement is None:
+        return None
+    if getattr(args, "generate", False):
+        raise UsageError("--loading describes a training run's loading; --generate plans generation alone.")
+    return Loading(placement)
 
 
 def _checkpoint(args: argparse.Namespace) -> Any:
@@ -648,11 +675,12 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "lora": {"r": args.lora_r, "targets": args.lora_targets} if args.lora_r else None,
             "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
-            "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp, "replicate": getattr(args, "replicate", 1),
+            "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp,
+            "replicate": getattr(args, "replicate", 1),
             "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": _microbatches(args)}
             if args.pp else None,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,
-            "headroom": args.headroom, "fast": args.fast}
+            "headroom": args.headroom, "fast": args.fast, "loading": getattr(args, "loading", None)}
 
 
 def _versions() -> dict[str, str | None]:

@@ -17,6 +17,7 @@ from preflight._device import model_device, resolve_device, trace_device_for, un
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
 from preflight._guard import untouched
+from preflight._loading import LOAD_PHASE, Loading
 from preflight._result import Category, Coverage, Estimate, Event, PhaseEstimate, TimelinePoint
 from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
@@ -144,6 +145,17 @@ def estimate_evaluating(model: nn.Module, optimizer: torch.optim.Optimizer, batc
 def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run | None, *,
               step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
     run = check_run(run)
+    est = _estimated(model, optimizer, batch, run, step=step, evaluation=evaluation)
+    if run.loading is not None and est.phase("loading") is None:
+        why = ("the steps could not be traced (the figure is a lower bound)" if est.coverage.lower_bound else
+               "the model is already wrapped, laid out or partitioned in this job, so its loading is over")
+        est = dataclasses.replace(est, coverage=dataclasses.replace(
+            est.coverage, notes=(*est.coverage.notes, f"loading: not predicted: {why}")))
+    return est
+
+
+def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run, *,
+               step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     # A model and optimizer DeepSpeed ZeRO has taken over: its unpartitioned stand-ins are predicted (never the
@@ -153,7 +165,7 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     if zero is not None:
         planned = pinned(run, resolve_device(None, model))  # the partitioned model's device, not the stand-in's
         est = estimate(zero.model, zero.optimizer, batch,
-                       planned.replace(parallel=run.parallel or zero_plan(zero, None)), step=step)
+                       planned.replace(parallel=run.parallel or zero_plan(zero, None), loading=None), step=step)
         return dataclasses.replace(est, coverage=dataclasses.replace(
             est.coverage, notes=(*est.coverage.notes, zero.note())))
     # A DDP model is its own parallel plan: the module it wraps is traced, DDP's buckets counted per rank.
@@ -214,7 +226,10 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     trace_device = trace_device_for(target)
     options = dict(step=step, precision=precision, trace_device=trace_device, target_device=target, steps=steps,
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
-                   cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None, checkpoint=run.checkpoint)
+                   cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None, checkpoint=run.checkpoint,
+                   loading=run.loading)
+    if wrapped is not None or laid_out is not None or ep_read is not None or ddp_note is not None:
+        options["loading"] = None  # its loading is over: the model is already wrapped or laid out in this job
     tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
     if pp is not None:
         if laid_out is not None or wrapped is not None:
@@ -284,12 +299,13 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     if ranks is not None:
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
                                   allocator=allocator, steps=steps, world_size=world_size, sharding=sharding,
-                                  saves=run.checkpoint is not None)
+                                  saves=run.checkpoint is not None, loading=options["loading"])
     calibrator = Calibrator(target, can_run=(trace_device == target))
+    traced = {k: v for k, v in options.items() if k != "loading"}  # one device's loading is counted, not traced
     if fast:  # the shallow traces are calibrated before they are composed
-        result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **options)
+        result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **traced)
     else:
-        result = trace_steps(model, optimizer, batch, **options)
+        result = trace_steps(model, optimizer, batch, **traced)
     notes = list(result.notes) + ([composed_note] if composed_note else []) + ([rank_note] if rank_note else [])
     if ddp_note:
         notes.append(ddp_note)
@@ -324,6 +340,7 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)
     unsharded = None
+    whole = events  # the model as one device holds it, before a sharding rescales it
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
         terms, terms_notes = deepspeed_terms(model, sharding, ds, precision, shard_ranks, offload)
@@ -337,6 +354,12 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
+    loading = None
+    if options["loading"] is not None:
+        loading, note = _counted_loading(options["loading"], events, whole, categories, sharding=sharding,
+                                         model=model, target=target, gpu_info=gpu_info, allocator=allocator,
+                                         nccl=nccl)
+        notes.append(note)
     if target.type == "cuda":
         terms = cuda_terms(events, gpu_info, allocator, nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
@@ -361,8 +384,59 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
         unsharded_peak_bytes=unsharded,
         events=tuple(events),
         categories=categories,
-        phases=() if saving is None else (saving,),
+        phases=tuple(p for p in (loading, saving) if p is not None),
     )
+
+
+def _counted_loading(loading: Loading, events: Sequence[Event], whole: Sequence[Event],
+                     categories: dict[int, Category], *, sharding: str | None, model: nn.Module,
+                     target: torch.device, gpu_info: GPU | None, allocator: AllocatorConfig | None,
+                     nccl: tuple[int, str] | None) -> tuple[PhaseEstimate, str]:
+    """The loading phase where no engine's wrapping is traced (one device, DDP, ZeRO and the rescaled FSDP plans),
+    and its note: the parameters and buffers alive before the steps, as the rank holds them (``events``: a
+    ``"meta"`` loading materialises only the rank's partitions) or, where the model comes whole to the device,
+    as one device holds them (``whole``: the events before a sharding rescaled them)."""
+    partitioned = sharding is not None and resident_bytes(events, categories) < resident_bytes(whole, categories)
+    if loading.placement == "meta" or not partitioned:
+        phase = _resident_phase(events, categories, how="counted", target=target, gpu_info=gpu_info,
+                                allocator=allocator, nccl=nccl)
+        return phase, (f"loading ({loading.placement}): the parameters and buffers the rank holds before its first "
+                       "step, each counted as it comes to the device (reading the checkpoint, a conversion from its "
+                       "dtype and a broadcast from rank 0 are not traced: `preflight._loading`)")
+    phase = _resident_phase(whole, categories, how="counted (upper bound)" if loading.placement == "host" else
+                            "counted", target=target, gpu_info=gpu_info, allocator=allocator, nccl=nccl)
+    return phase, (f"loading ({loading.placement}): every rank holds the whole model ({phase.peak_bytes:,} B of "
+                   f"parameters and buffers) before {sharding} partitions it; its partitioning is not traced here"
+                   + ("; the engine moving it from the host unit by unit holds less (an upper bound)"
+                      if loading.placement == "host" else ""))
+
+
+def resident_bytes(events: Sequence[Event], categories: dict[int, Category]) -> int:
+    """The bytes of the parameters and buffers alive before the steps (registered, op -1) in ``events``."""
+    return sum(e.nbytes for e in _resident(events, categories))
+
+
+def _resident(events: Sequence[Event], categories: dict[int, Category]) -> list[Event]:
+    return [e for e in events if e.op < 0 and e.nbytes > 0 and
+            categories.get(e.uid) in (Category.PARAMETERS, Category.BUFFERS)]
+
+
+def _resident_phase(events: Sequence[Event], categories: dict[int, Category], *, how: str, target: torch.device,
+                    gpu_info: GPU | None, allocator: AllocatorConfig | None,
+                    nccl: tuple[int, str] | None) -> PhaseEstimate:
+    """A loading phase of the parameters and buffers alive before the steps in ``events``."""
+    return _loading_phase(_resident(events, categories), categories, how=how, target=target, gpu_info=gpu_info,
+                          allocator=allocator, nccl=nccl)
+
+
+def _loading_phase(events: Sequence[Event], categories: dict[int, Category], *, how: str, target: torch.device,
+                   gpu_info: GPU | None, allocator: AllocatorConfig | None,
+                   nccl: tuple[int, str] | None) -> PhaseEstimate:
+    """The `PhaseEstimate` ``"loading"`` of ``events`` (a loading trace's, or the resident state's), with the device
+    total on a CUDA target."""
+    peak, breakdown, _, _ = summarize_events(events, categories)
+    total = cuda_terms(events, gpu_info, allocator, nccl).device_total_bytes if target.type == "cuda" else None
+    return PhaseEstimate("loading", peak, breakdown, LOAD_PHASE, device_total_bytes=total, how=how)
 
 
 def _saving(events: Sequence[Event], categories: dict[int, Category], *, saves: bool, target: torch.device,
@@ -549,7 +623,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
                            schedule=options["schedule"], record_op=options["record_op"], routing=options["routing"],
-                           cuda=cuda, checkpoint=options["checkpoint"],
+                           cuda=cuda, checkpoint=options["checkpoint"], loading=options["loading"],
                            **({"through_root": True} if through_root else {}))
             if result.error is not None:
                 reason = f"{type(result.error).__name__}: {result.error}".splitlines()[0][:200]
@@ -635,7 +709,8 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size, sharding=sharding,
-                              saves=options["checkpoint"] is not None, evaluates=evaluation is not None)
+                              saves=options["checkpoint"] is not None, evaluates=evaluation is not None,
+                              loading=options["loading"])
 
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
@@ -676,7 +751,7 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
-                              sharding=sharding, saves=options["checkpoint"] is not None)
+                              sharding=sharding, saves=options["checkpoint"] is not None, loading=options["loading"])
 
 
 def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,
@@ -714,7 +789,7 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
                               sharding=sharding, saves=options["checkpoint"] is not None,
-                              evaluates=evaluation is not None)
+                              evaluates=evaluation is not None, loading=options["loading"])
 
 
 def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, cp: CPPlan,
@@ -765,7 +840,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
-                              sharding=sharding, saves=options["checkpoint"] is not None)
+                              sharding=sharding, saves=options["checkpoint"] is not None, loading=options["loading"])
 
 
 def nccl_term(gpu: GPU | None, world_size: int, sharding: str | None) -> tuple[int, str] | None:
@@ -782,7 +857,7 @@ def _rank_options(options: dict[str, Any]) -> dict[str, Any]:
         cuda = CudaTarget.of(None)
     return {"step": options["step"], "precision": options["precision"], "steps": options["steps"],
             "schedule": options["schedule"], "record_op": options["record_op"], "routing": options["routing"],
-            "cuda": cuda, "checkpoint": options["checkpoint"]}
+            "cuda": cuda, "checkpoint": options["checkpoint"], "loading": options["loading"]}
 
 
 def _sharing(groups: list[list[int]]) -> str:
@@ -890,11 +965,13 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
 
 def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target: torch.device,
                        trace_device: torch.device, gpu_info: GPU, allocator: AllocatorConfig | None, steps: int,
-                       world_size: int, sharding: str, saves: bool = False, evaluates: bool = False) -> Estimate:
+                       world_size: int, sharding: str, saves: bool = False, evaluates: bool = False,
+                       loading: Loading | None = None) -> Estimate:
     """The `Estimate` of the rank that peaks highest, with every rank's peak (``ranks`` from `_trace_ranks`);
-    ``saves``: the traces end with a checkpoint save, ``evaluates``: an evaluation runs after the steps (each phase
-    per rank in ``phases``)."""
+    ``saves``: the traces end with a checkpoint save, ``evaluates``: an evaluation runs after the steps, ``loading``:
+    how the model comes to the device, traced before them (each phase per rank in ``phases``)."""
     figures = []
+    loadings: list[tuple[list[int], PhaseEstimate | None]] = []
     savings: list[tuple[list[int], PhaseEstimate | None]] = []
     evaluations: list[tuple[list[int], PhaseEstimate | None]] = []
     for group, result in ranks:
@@ -922,6 +999,9 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         peak, breakdown, phase, timeline = summarize_events(events, result.categories)
         figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
         savings.append((group, saving))
+        if loading is not None:
+            loadings.append((group, _rank_loading(loading, result, events, target=target, gpu_info=gpu_info,
+                                                  allocator=allocator, nccl=nccl, notes=notes)))
     per_rank = [0] * world_size
     rank_events: list[tuple[Event, ...]] = [()] * world_size
     rank_breakdown: list[dict[str, Any]] = [{}] * world_size
@@ -957,8 +1037,39 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         events=tuple(events),
         categories=result.categories,
         rank_events=tuple(rank_events),
-        phases=_per_rank_phase(evaluations, world_size) + _per_rank_phase(savings, world_size),
+        phases=(_per_rank_phase(loadings, world_size) + _per_rank_phase(evaluations, world_size)
+                + _per_rank_phase(savings, world_size)),
     )
+
+
+def _rank_loading(loading: Loading, result: TraceResult, events: Sequence[Event], *, target: torch.device,
+                  gpu_info: GPU | None, allocator: AllocatorConfig | None, nccl: tuple[int, str] | None,
+                  notes: list[str]) -> PhaseEstimate:
+    """One traced rank's loading phase: its loading trace (`preflight.parallel.trace_loading`), or for a model built
+    on meta, the parameters and buffers it holds before its first step (``events``: its steps' events); a note for
+    ``notes``. Where the engine could not wrap the loading copy, the resident state, labelled a lower bound."""
+    loaded = result.loading
+    if loaded is None:
+        notes.append("loading (meta): the rank materialises its own shards and fills them in place: its parameters "
+                     "and buffers before its first step (a full state dict broadcast from rank 0 would add its "
+                     "largest tensor, not counted)")
+        return _resident_phase(events, result.categories, how="counted", target=target, gpu_info=gpu_info,
+                               allocator=allocator, nccl=nccl)
+    notes.extend(loaded.notes)
+    if loaded.error is not None:
+        notes.append(f"loading ({loading.placement}): the engine could not wrap the loading copy ({loaded.failed_op}: "
+                     f"{loaded.error})".splitlines()[0][:300] + "; the phase is the rank's resident state, a lower "
+                     "bound")
+        return _resident_phase(events, result.categories, how="labelled lower bound", target=target,
+                               gpu_info=gpu_info, allocator=allocator, nccl=nccl)
+    moved = loading.placement == "host" and not any(n.startswith("loading (host)") for n in loaded.notes)
+    notes.append("loading: traced as the engine wraps the rank's copy of the whole model" + (
+        ", each tensor counted from the moment the engine moves it from the host" if moved else
+        ", every parameter and buffer on the device before it"))
+    traced = round_events(loaded.events) if target.type == "cuda" else loaded.events
+    bounded = any(n.endswith("an upper bound") for n in loaded.notes)
+    return _loading_phase(traced, loaded.categories, how="traced (upper bound)" if bounded else "traced",
+                          target=target, gpu_info=gpu_info, allocator=allocator, nccl=nccl)
 
 
 def _per_rank_phase(phases: list[tuple[list[int], PhaseEstimate | None]], world_size: int

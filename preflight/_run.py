@@ -17,6 +17,8 @@ in sections (torchtitan's ``JobConfig`` style):
   ``Seq2SeqTrainer`` with ``predict_with_generate``) and for a generation job (`preflight.estimate_generation`).
 - ``checkpoint`` (`Checkpoint`): how the run saves checkpoints (the optimizer's state too, a full or sharded state
   dict, gathered on the host or the device); the save is traced after the steps as a phase of its own.
+- ``loading`` (`Loading`): how the model comes to each rank's device (whole on the device, moved from the host by
+  the engine, or built on meta); predicted as a phase of its own, before the steps.
 
 `preflight.estimate`, ``estimate_eval``, ``check``, ``advise``, ``max_batch_size``, ``measure``, the callbacks and
 the CLI all take a `Run`; a `preflight.Suggestion` returns one changed. `Run.over` lays the fields someone set
@@ -35,12 +37,13 @@ import torch
 from preflight._budget import check_budget, resolve_budget
 from preflight._checkpoint import Checkpoint, check_checkpoint
 from preflight._device import resolve_device
+from preflight._loading import Loading, check_loading
 from preflight._steps import Loop, check_precision
 from preflight.allocator import AllocatorConfig
 from preflight.parallel import ParallelPlan
 from preflight.trace import ROUTINGS
 
-__all__ = ["Checkpoint", "Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
+__all__ = ["Checkpoint", "Loading", "Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,10 @@ class Run:
             training state they leave, and predicted as the phase ``"saving"`` (``Estimate.phases``); under FSDP a
             full state dict is gathered as the engine gathers it, per rank. None: no save predicted (the callbacks
             fill it from the trainer's saving settings).
+        loading: how the model comes to each rank's device (`Loading`): predicted as the phase ``"loading"``
+            (``Estimate.phases``), per rank under a sharding engine, where a rank holding the whole model before the
+            engine shards it can be the run's peak. None: no loading predicted (nor for a model already wrapped or
+            laid out: its loading is over).
 
     Example:
         >>> run = preflight.Run(precision="bf16-mixed", loop=preflight.Loop(accumulate=4),
@@ -155,10 +162,12 @@ class Run:
     fast: bool = True
     generation: Mapping[str, Any] | None = None
     checkpoint: Checkpoint | None = None
+    loading: Loading | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", check_precision(self.precision))
         check_checkpoint(self.checkpoint)
+        check_loading(self.loading)
         if self.generation is not None:
             object.__setattr__(self, "generation", check_generation(self.generation))
         for name, kind in (("loop", Loop), ("target", Target)):
@@ -233,7 +242,8 @@ class Run:
                 "generation": None if self.generation is None else {
                     k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
                     for k, v in self.generation.items()},
-                "checkpoint": None if self.checkpoint is None else self.checkpoint.to_dict()}
+                "checkpoint": None if self.checkpoint is None else self.checkpoint.to_dict(),
+                "loading": None if self.loading is None else self.loading.to_dict()}
 
     def cli_flags(self) -> list[str]:
         """The ``preflight estimate`` / ``preflight check`` flags that say this description (those the CLI has)."""
@@ -270,6 +280,8 @@ class Run:
             flags += ["--checkpoint-weights-only"] * (not self.checkpoint.optimizer)
             flags += ["--checkpoint-on-device"] * (not self.checkpoint.offload_to_cpu)
             flags += ["--checkpoint-every-rank"] * (not self.checkpoint.rank0_only)
+        if self.loading is not None:
+            flags += ["--loading", self.loading.placement]
         return flags  # generation is not a training flag: `preflight estimate --generate` plans it as its own job
 
 

@@ -39,7 +39,7 @@ from preflight._warnings import warn
 from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
-    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, micro_batch_move, need,
+    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move, need,
     offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.trace import NotRestoredError
@@ -319,8 +319,12 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
     text = f"activation checkpointing ({how}): {setup.versus(figure)}"
     if saving < _LITTLE_SAVING * base:  # kept, unlike other options, to say it does not help here
         amount = f"saves little ({saving / base:.1%})" if saving > 0 else "does not lower the peak"
-        text += (f". It {amount}: the peak is in {setup.baseline.peak_phase}, where activations hold "
-                 f"{format_bytes(setup.baseline.breakdown.get('activations', 0))} of it")
+        phase = next((p for p in setup.baseline.phases if p.required_bytes == base), None)
+        if base > setup.baseline.required_bytes and phase is not None:  # another phase than the training step's
+            text += f". It {amount}: the run's peak is its {phase.name} phase, which it does not change"
+        else:
+            text += (f". It {amount}: the peak is in {setup.baseline.peak_phase}, where activations hold "
+                     f"{format_bytes(setup.baseline.breakdown.get('activations', 0))} of it")
     return [("checkpointing", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
 
 
@@ -475,7 +479,8 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
     expandable = simulate(base.events, AllocatorConfig(expandable_segments=True)).peak_reserved_bytes
     if expandable >= reserved:
         return []
-    figure = need(base) - reserved + expandable  # the context and workspaces stay
+    # The context and workspaces stay; the training phase's reserve shrinks, the other phases are kept as they are.
+    figure = max(base.required_bytes - reserved + expandable, *(p.required_bytes for p in base.phases))
     text = (f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the simulated reserved peak goes from "
             f"{format_bytes(reserved)} to {format_bytes(expandable)} (allocated peak {format_bytes(base.peak_bytes)}, "
             f"unchanged); {setup.versus(figure)}")
@@ -483,6 +488,21 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
     changed = setup.run.replace(target=dataclasses.replace(setup.run.target, allocator="expandable_segments:True"))
     return [("allocator", Suggestion({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, text, figure,
                                      figure <= setup.limit, cost, changed))]
+
+
+def _meta_init(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The model built on meta, where the run loads it whole on several ranks and that is what does not fit."""
+    move = meta_init_move(setup)
+    if move is None:
+        return []
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    loading = setup.baseline.phase("loading")
+    held = "" if loading is None else f" (loading {format_bytes(loading.required_bytes)} now)"
+    text = f"{move.words}{held}: {setup.versus(figure)}"
+    return [("meta-init", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                     _moved_run(setup, move)))]
 
 
 def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
@@ -499,6 +519,7 @@ def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
 
 # The single options `advise` traces, in this order: (name in its warnings, the function listing its suggestions).
 OPTIONS: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
+    ("model built on meta", _meta_init),
     ("optimizer implementation", _optimizer_impl),
     ("micro-batch", _micro_batch),
     ("activation checkpointing", _checkpointing),

@@ -26,6 +26,7 @@ from preflight._device import iter_tensors, map_tensors
 from preflight._estimate import estimate
 from preflight._quiet import quiet_import_logs
 from preflight._result import Estimate
+from preflight._loading import Loading
 from preflight._run import Run, pinned
 from preflight._steps import StepFn, half_dtype, with_optimizer_impl
 from preflight._units import format_bytes
@@ -36,6 +37,7 @@ from preflight.trace import restored_module
 # its costliest change costs.
 COST_ORDER = (
     "allocator",  # an environment variable
+    "meta-init",  # how the script builds and loads the model, not how it trains
     "fused",  # the same updates in one kernel: usually faster
     "micro_batch",  # same updates, lower throughput
     "for-loop",  # the same updates, one kernel launch per parameter: a slower step
@@ -161,8 +163,10 @@ class Move:
 
 
 def need(est: Estimate) -> int:
-    """What a verdict compares with the budget (the CLI's exit status and the callbacks' decision)."""
-    return est.required_bytes
+    """What a verdict compares with the budget (the CLI's exit status and the callbacks' decision): the largest need
+    of the run's phases traced with the steps (training, and the loading and the checkpoint save where the run
+    describes them)."""
+    return est.run_required_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +250,8 @@ class _Setup:
 def available_moves(setup: _Setup) -> list[Move]:
     """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
     moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (micro_batch_move, checkpointing_move, eight_bit_move, offload_move, lora_move, qlora_move):
+    for build in (meta_init_move, micro_batch_move, checkpointing_move, eight_bit_move, offload_move, lora_move,
+                  qlora_move):
         move = build(setup)
         if move is not None:
             moves.append(move)
@@ -256,6 +261,23 @@ def available_moves(setup: _Setup) -> list[Move]:
 def _run_move(key: str, group: str, change: dict[str, Any], words: str, cost: str,
               edit: Callable[[Run], Run]) -> Move:
     return Move(key, group, change, words, cost, lambda c, stack: dataclasses.replace(c, run=edit(c.run)), order=3)
+
+
+_META_INIT_COST = ("changes how the script builds and loads the model, not how it trains: build it on the meta device "
+                   "(torch.device('meta'), Lightning's init_module(empty_init=True)), wrap it, then materialise each "
+                   "rank's shards (to_empty) and load them in place (torch.distributed.checkpoint, or "
+                   "set_model_state_dict with broadcast_from_rank0)")
+
+
+def meta_init_move(setup: _Setup) -> Move | None:
+    """The model built on meta, each rank materialising its own shards, where the run says it loads the whole model
+    (or moves it from the host) on several ranks."""
+    loading = setup.run.loading
+    if loading is None or loading.placement == "meta" or setup.run.world_size == 1:
+        return None
+    return _run_move("meta-init", "loading", {"loading": "meta"}, "the model built on meta, each rank "
+                     "materialising its own shards", _META_INIT_COST,
+                     lambda run: run.replace(loading=Loading("meta")))
 
 
 def impl_moves(setup: _Setup) -> list[Move]:

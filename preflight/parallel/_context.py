@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
@@ -266,6 +267,7 @@ def trace_cp(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under context parallelism (module
     docstring).
@@ -287,4 +289,4 @@ def trace_cp(
     sequence_tensors(batch, plan)  # a ValueError naming what the plan asks of the batch, before any trace
     return trace_rank(_engine(plan, fsdp, world_size), model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._steps import Evaluation, Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
@@ -208,6 +209,7 @@ def trace_ep(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
     evaluation: Evaluation | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under expert parallelism (module
@@ -224,4 +226,4 @@ def trace_ep(
     check_ep_model(model, plan)
     return trace_rank(_engine(plan, world_size, laid_out), model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, evaluation=evaluation)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading, evaluation=evaluation)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._result import Category
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
@@ -367,6 +368,7 @@ def trace_fsdp1(
     through_root: bool = False,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP1 (module docstring); the
     arguments, result and exceptions are `preflight.parallel.trace_fsdp2`'s, with an `FSDP1Plan`. With
@@ -375,7 +377,7 @@ def trace_fsdp1(
         step = through_root_step(step)
     return trace_rank(_engine(plan, world_size), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
-                      cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)
 
 
 def through_root_step(step: StepFn | None) -> StepFn:
@@ -435,7 +437,7 @@ def _engine(plan: FSDP1Plan, world_size: int) -> Engine:
 
     return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan, mesh),
                   optimizer=optimizer, parameters=parameters, watch=watched_fsdp1,
-                  replicate=plan.replicate(world_size))
+                  replicate=plan.replicate(world_size), moves_from_host=True)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._result import Category
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
@@ -296,6 +297,7 @@ def trace_fsdp2(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under FSDP2 (module docstring).
 
@@ -316,7 +318,7 @@ def trace_fsdp2(
     """
     return trace_rank(_engine(plan), model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
-                      cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)
 
 
 def apply_fully_shard(replica: nn.Module, mesh: Any, plan: FSDP2Plan) -> nn.Module:
@@ -343,7 +345,7 @@ def _engine(plan: FSDP2Plan) -> Engine:
     def optimizer(user: torch.optim.Optimizer, model: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
         return clone_optimizer(user, ParamTwins(model, dict(wrapped.named_parameters()), "FSDP2"), foreach=None)
 
-    return Engine(name="fully_shard", wrap=wrap, optimizer=optimizer,
+    return Engine(name="fully_shard", moves_from_host=True, wrap=wrap, optimizer=optimizer,
                   parameters=lambda wrapped: list(wrapped.parameters()), watch=watched_fsdp2,
                   replicate=plan.replicate if plan.replicate > 1 else None)
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
@@ -515,6 +516,7 @@ def trace_pp(
     shared: dict[str, Any] | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of stage rank ``rank`` of ``plan`` (module docstring).
 
@@ -545,4 +547,4 @@ def trace_pp(
     engine = _engine(plan, shared["stage_metas"], fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size or plan.stages, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
-                      cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+                      cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)

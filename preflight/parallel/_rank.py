@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from preflight._checkpoint import Checkpoint
 from preflight._device import held_tensors, iter_tensors, map_held_tensors, named_tensors
 from preflight._errors import StepWouldFailError
+from preflight._loading import LOAD_PHASE, Loading
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
 from preflight._steps import Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, run_steps
@@ -71,6 +73,8 @@ class Engine:
         around: ``around(mesh, batch, cpu=...) -> context``, entered inside the fake mode and the tracker around
             all the steps with the rank's fake batch (context parallelism shards the batch's sequence tensors in
             place and sends attention through its ring; ``cpu``: the trace's target is the CPU); None: nothing.
+        moves_from_host: the engine moves a model on the host to the device itself as it wraps it (FSDP1 and
+            FSDP2: `moved_by_engine`); a `preflight.Loading` on the host is otherwise traced as on the device.
     """
 
     name: str
@@ -82,6 +86,7 @@ class Engine:
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
     drive: Callable[[nn.Module, Any], Callable[[Any], None]] | None = None
     around: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
+    moves_from_host: bool = False
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -339,11 +344,13 @@ def trace_rank(
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
     evaluation: Evaluation | None = None,
+    loading: Loading | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under ``engine`` (module docstring), the
     evaluation a trainer runs after them where ``evaluation`` gives one (in the phase `EVAL_PHASE`; not under an
     engine that drives its own schedule), and a checkpoint save after that where ``checkpoint`` says the run saves;
-    the arguments are
+    where ``loading`` places the model on the device or the host, the rank's loading is traced first, apart
+    (`trace_loading`, the result's ``loading``); the arguments are
     `preflight.parallel.trace_fsdp2`'s. ``error`` in the result is set when the trace stopped or the
     engine could not wrap the copy; the caller then rescales a single-device trace."""
     start = time.perf_counter()
@@ -370,13 +377,124 @@ def trace_rank(
                            num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
                            failed_op=failed, op_log=op_log, notes=notes)
 
+    loaded = None
+    if loading is not None and loading.placement != "meta":
+        # On a CPU target the host is the device.
+        host = loading.placement == "host" and engine.moves_from_host and cuda is not None
+        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host" if host else "device",
+                               precision=precision, sweep=sweep)
+        if loading.placement == "host" and cuda is None:
+            loaded.notes.append("loading (host): on a CPU target the host is the device: the whole model is there "
+                                "before the engine wraps it")
+        elif loading.placement == "host" and not host:
+            loaded.notes.append(f"loading (host): {engine.name} does not move the model from the host itself; the "
+                                "whole model is counted on the device before it wraps it, an upper bound")
     try:
-        return _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
-                         precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker, twins=twins,
-                         notes=notes, result=result, checkpoint=checkpoint, evaluation=evaluation)
+        traced = _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
+                           precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker,
+                           twins=twins, notes=notes, result=result, checkpoint=checkpoint, evaluation=evaluation)
     except BaseException:
         tracker.detach()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
+    return dataclasses.replace(traced, loading=loaded)
+
+
+def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: int, placement: str,
+                  precision: str | None, sweep: Sweep) -> TraceResult:
+    """Rank ``rank``'s loading under ``engine``: its fake copy of the whole model wrapped as the engine wraps it,
+    in the phase `LOAD_PHASE` (`preflight._loading` says what each placement means). ``"device"``: every parameter
+    and buffer (and a quantised weight's state) counted before the wrap, the full tensors the engine replaces freed
+    as it drops them; ``"host"``: each counted from the moment the engine moves it to the device (`moved_by_engine`).
+    The engine's own copies (FSDP2's padded shards, FSDP1's flat parameters) are counted as it makes them. ``error``
+    in the result is set where the copy could not be wrapped (a note says why)."""
+    start = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = StorageTracker(fake_mode, layouts=False)
+    sweep.watch(tracker.tensors)
+    tracker.on_adopt = sweep.remember
+    twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
+    tracker.twin_of = twins.existing
+    notes: list[str] = []
+    error = failed = kept = None
+    try:
+        with fresh_dtensor_caches(), fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, \
+                isolated_process(notes), isolated_rng(notes):
+            made: dict[int, nn.Parameter] = {}
+            replica = fake_replica(model, twins, params=made)
+            tracker.phase, tracker.phase_category = LOAD_PHASE, Category.PARAMETERS
+            if placement == "device":  # (no loop variable may hold a tensor past the loop: it would never free)
+                _register_all([*replica.parameters(), *(held for _, held in twins.carried)], tracker,
+                              Category.PARAMETERS)
+                _register_all(list(replica.buffers()), tracker, Category.BUFFERS)
+            # The copy alone holds its twins now (`fake_replica`'s closures, a reference cycle, keep its table of
+            # them): a full tensor the engine replaces is freed when it drops it, as the real one is.
+            made.clear()
+            twins.forget([*model.parameters(), *model.buffers()])
+            try:
+                with handled_fake_tensor_errors(), fake_mode, tracker, \
+                        moved_by_engine(tracker, count=placement == "host"):
+                    kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
+                    gc.collect()  # what the last unit dropped
+            except Exception as err:  # noqa: BLE001 - the phase is then the rank's resident state, labelled
+                if is_user_error(err):
+                    raise
+                error, failed = err, f"{engine.name} ({type(err).__name__})"
+    finally:
+        tracker.detach()
+    del kept
+    return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
+                       num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error, failed_op=failed,
+                       notes=notes)
+
+
+def _register_all(tensors: list[torch.Tensor], tracker: StorageTracker, category: Category) -> None:
+    for t in tensors:
+        tracker.register(t, category)
+
+
+@contextlib.contextmanager
+def moved_by_engine(tracker: StorageTracker, *, count: bool) -> Iterator[None]:
+    """With ``count``, count each parameter and buffer from the moment FSDP moves it from the host to the device
+    while it wraps a unit: FSDP2's ``fully_shard`` moves the unit's managed states
+    (``_fsdp_init._move_states_to_device``), FSDP1's constructor with ``device_id`` the unit's parameters and buffers
+    not under a nested wrapper (``_init_utils._move_module_to_device``, the same walk). On the trace's CPU copy the
+    move itself moves nothing.
+
+    Either way, the garbage collector runs as each unit starts: a full tensor the engine dropped while it cut the
+    unit before is freed by then, as the real one is when the engine drops it (the fake tensors' machinery leaves
+    some in reference cycles, which the real run does not have: measured on 2 gloo processes, FSDP2 frees each
+    unit's full parameters as ``fully_shard`` returns)."""
+    from torch.distributed.fsdp import _init_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    move_states, move_module = _fsdp_init._move_states_to_device, _init_utils._move_module_to_device
+
+    def counted(tensors: Any) -> None:
+        for t in tensors:
+            tracker.register(t, Category.PARAMETERS if isinstance(t, nn.Parameter) else Category.BUFFERS)
+
+    def states(params: Any, buffers: Any, device: Any) -> None:
+        gc.collect()
+        if count:
+            counted([*params, *buffers])
+        return move_states(params, buffers, device)
+
+    def module(root: nn.Module, ignored_params: Any, ignored_buffers: Any, device_from_device_id: Any) -> None:
+        gc.collect()
+        if count and device_from_device_id is not None:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            queue, moving = [root], []
+            while queue:
+                current = queue.pop(0)
+                moving += [p for p in current.parameters(recurse=False) if p not in ignored_params]
+                moving += [b for b in current.buffers(recurse=False) if b not in ignored_buffers]
+                queue += [c for c in current.children() if not isinstance(c, FullyShardedDataParallel)]
+            counted(moving)
+        return move_module(root, ignored_params, ignored_buffers, device_from_device_id)
+
+    with patched([(_fsdp_init, "_move_states_to_device", states), (_init_utils, "_move_module_to_device", module)]):
+        yield
 
 
 def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, world_size: int,

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from preflight._checkpoint import Checkpoint
+from preflight._loading import Loading
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
@@ -274,6 +275,7 @@ def trace_tp(
     cuda: CudaTarget | None = None,
     sweep: Sweep,
     checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
     evaluation: Evaluation | None = None,
 ) -> TraceResult:
     """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under tensor parallelism (module docstring),
@@ -299,7 +301,7 @@ def trace_tp(
     engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
     return trace_rank(engine, model, optimizer, batch, world_size=world_size,
                       rank=rank, step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
-                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, evaluation=evaluation)
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading, evaluation=evaluation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,12 +85,12 @@ class Report:
     def verdict_bytes(self) -> int:
         """What the verdict compares with the usable budget: the largest need of the run's phases: training (the
         device total when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the
-        peak of tensor storages), evaluation and saving (likewise)."""
+        peak of tensor storages), evaluation, loading and saving (likewise)."""
         return max(self._needs().values())
 
     @property
     def run_peak_phase(self) -> str:
-        """The phase whose need the verdict compares: ``"training"``, ``"evaluation"``, ``"saving"``."""
+        """The phase whose need the verdict compares: ``"training"``, ``"evaluation"``, ``"loading"``, ``"saving"``."""
         needs = self._needs()
         return max(needs, key=lambda name: needs[name])
 

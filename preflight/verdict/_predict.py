@@ -361,8 +361,9 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
             eval_total: int | None, buckets: int, nccl: int = 0,
             traced_eval: PhaseEstimate | None = None) -> list[dict[str, Any]]:
     """The report's phases: training, evaluation where predicted (``traced_eval``: traced per rank after the
-    steps), and the checkpoint save where the run saves (DDP's buckets, alive for the whole run, added to it as to
-    training, and their communicator's ``nccl`` bytes to its device total)."""
+    steps), the loading where the run describes it and the checkpoint save where the run saves (DDP's buckets,
+    alive for the whole run from its wrapping, added to each as to training, and their communicator's ``nccl`` bytes
+    to its device total)."""
     how = "labelled lower bound" if est.coverage.lower_bound else "traced"
     phases = [{"name": "training", "peak_bytes": peak, "required_bytes": total if total is not None else peak,
                "where": est.peak_phase, "how": how, "per_rank_peak_bytes": _listed(est.per_rank_peak_bytes)}]
@@ -376,13 +377,14 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
                        "where": eval_est.peak_phase,
                        "how": "labelled lower bound" if eval_est.coverage.lower_bound else "traced",
                        "per_rank_peak_bytes": None})
-    saving = est.phase("saving")
-    if saving is not None:
-        device = None if saving.device_total_bytes is None else saving.device_total_bytes + buckets + nccl
-        phases.append({"name": "saving", "peak_bytes": saving.peak_bytes + buckets,
-                       "required_bytes": device if device is not None else saving.peak_bytes + buckets,
-                       "where": saving.where, "how": saving.how,
-                       "per_rank_peak_bytes": _listed(saving.per_rank_peak_bytes)})
+    for name in ("loading", "saving"):  # DDP allocates its buckets as it wraps the model, before the first step
+        phase = est.phase(name)
+        if phase is not None:
+            device = None if phase.device_total_bytes is None else phase.device_total_bytes + buckets + nccl
+            phases.append({"name": name, "peak_bytes": phase.peak_bytes + buckets,
+                           "required_bytes": device if device is not None else phase.peak_bytes + buckets,
+                           "where": phase.where, "how": phase.how,
+                           "per_rank_peak_bytes": _listed(phase.per_rank_peak_bytes)})
     return phases
 
 

@@ -1,0 +1,263 @@
+"""The loading phase (`preflight.Loading`): one device counted, each rank traced as its engine wraps the whole model,
+against real loads measured on CPU (transformers' ``from_pretrained``; FSDP2 and FSDP1 on 2 gloo processes)."""
+
+import math
+
+import pytest
+import torch
+
+import preflight
+from preflight import Loading, ParallelPlan, Run, Target
+from preflight.parallel import FSDP2Plan
+from tests.conftest import gloo_rank, lm_batch, make_llama, only_options, spawned
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_the_loading_section_is_checked_and_said_by_every_door():
+    with pytest.raises(ValueError, match="'device'.*'host'.*'meta'"):
+        Loading("gpu")
+    with pytest.raises(TypeError, match=r"Loading\('meta'\)"):
+        Run(loading="meta")
+    run = Run(loading=Loading("meta"))
+    assert run.to_dict()["loading"] == {"placement": "meta"}
+    assert run.cli_flags()[-2:] == ["--loading", "meta"]
+    assert Run(precision="bf16-mixed").over(run).loading == Loading("meta")  # the trainer's, kept under the user's
+    assert Run(loading=Loading("host")).over(run).loading == Loading("host")
+
+
+def test_one_device_loading_is_the_models_tensors_and_leaves_the_training_figure_as_it_was():
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    plain = preflight.estimate(model, optimizer, lm_batch(2, 64))
+    est = preflight.estimate(model, optimizer, lm_batch(2, 64), Run(loading=Loading()))
+    loading = est.phase("loading")
+    assert loading.peak_bytes == _model_bytes(model) and loading.where == "load"
+    assert loading.breakdown["parameters"] + loading.breakdown["buffers"] == loading.peak_bytes
+    assert (est.peak_bytes, est.peak_phase) == (plain.peak_bytes, plain.peak_phase)
+    assert est.run_required_bytes == est.required_bytes  # one device: training holds the model and more
+    assert plain.phase("loading") is None
+
+
+def test_from_pretrained_on_cpu_peaks_at_the_predicted_loading(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from preflight._measure import cpu_profiled_peak
+
+    make_llama().save_pretrained(tmp_path)
+    loaded = {}
+    measured, _ = cpu_profiled_peak(lambda: loaded.update(model=AutoModelForCausalLM.from_pretrained(tmp_path)),
+                                    resident={})
+    model = loaded["model"]
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 64), Run(loading=Loading()))
+    predicted = est.phase("loading").peak_bytes
+    # On the CPU the safetensors file is read into one block that the parameters view (transformers 5.24): its
+    # header rides along (2,216 B here), with a few hundred bytes of scalars while the model is built.
+    [file] = tmp_path.glob("*.safetensors")
+    header = file.stat().st_size - sum(p.numel() * p.element_size() for p in model.parameters())
+    assert header <= measured - predicted <= header + 1024, (predicted, measured, header)
+
+
+def _fsdp_load_worker(rank: int, world: int, port: int, queue, engine: str, placement: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from preflight._measure import cpu_profiled_peak
+
+    with gloo_rank(rank, world, port):
+        kept = {}
+
+        def load() -> None:  # built inside the measured window: every block's free is seen
+            torch.manual_seed(0)
+            with torch.device("meta" if placement == "meta" else "cpu"):
+                model = make_llama()
+            if engine == "fsdp2":
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                fully_shard(model)
+                if placement == "meta":
+                    model.to_empty(device="cpu")
+            else:
+                model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                                 device_id=torch.device("cpu"), use_orig_params=True)
+            kept["model"] = model
+
+        torch.distributed.barrier()
+        peak, _ = cpu_profiled_peak(load, resident={})
+        queue.put((rank, peak))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine, placement", [("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp-full", "device")])
+def test_real_gloo_fsdp_load_per_rank_equals_its_loading_phase(engine, placement):
+    model = make_llama()
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 64),
+                             Run(parallel=ParallelPlan(2, engine), loading=Loading(placement)))
+    predicted = est.phase("loading").per_rank_peak_bytes
+    measured = spawned(_fsdp_load_worker, 2, engine, placement)
+    for rank in range(2):
+        # fully_shard without a mesh makes the job's default one: its few int64 tensors (8 to 24 B) are the job's.
+        assert 0 <= measured[rank] - predicted[rank] <= 64, (engine, placement, predicted, measured)
+    if placement == "device":  # the whole model on each rank, then its shards while the engine cuts it
+        assert min(predicted) > _model_bytes(model)
+    else:
+        assert max(predicted) < _model_bytes(model) / 2 + 1024
+
+
+def test_from_the_host_each_unit_is_counted_from_its_move():
+    """FSDP2 moves a unit's parameters to the device inside ``fully_shard``: a rank holds the units already cut, the
+    unit being cut whole, and its new shard. On a CPU copy the hook is what a CUDA target needs."""
+    from preflight.parallel._fsdp2 import _engine
+    from preflight.parallel._rank import trace_loading
+    from preflight.trace import Sweep
+
+    model = make_llama()
+
+    def shard(t: torch.Tensor) -> int:  # dim 0 cut into 2, padded to equal parts
+        return math.ceil(t.shape[0] / 2) * (t.numel() // t.shape[0]) * t.element_size()
+
+    def full(ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    layers = [list(layer.parameters()) for layer in model.model.layers]
+    root = [p for name, p in model.named_parameters() if ".layers." not in name]
+    cut = sum(shard(p) for layer in layers for p in layer)  # every layer cut, before the root is
+    expected = max([sum(shard(p) for layer in layers[:i] for p in layer) + full(layers[i]) +
+                    sum(shard(p) for p in layers[i]) for i in range(len(layers))] +
+                   [cut + full(root) + full(model.buffers()) + sum(shard(p) for p in root)])
+    kept = cut + sum(shard(p) for p in root) + full(model.buffers())
+    results = {placement: trace_loading(_engine(FSDP2Plan()), model, world_size=2, rank=0, placement=placement,
+                                        precision=None, sweep=Sweep()) for placement in ("host", "device")}
+    peaks = {}
+    for placement, result in results.items():
+        assert result.error is None
+        live = peak = 0
+        for event in result.events:
+            live += event.nbytes
+            peak = max(peak, live)
+        peaks[placement] = peak
+        assert live == kept  # the shards and buffers stay
+    assert peaks["host"] == expected
+    assert peaks["device"] > _model_bytes(model) > peaks["host"]
+
+
+def test_on_a_cuda_target_from_the_host_holds_less_than_on_the_device_and_other_engines_say_upper_bound():
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    figures = {}
+    for placement in ("device", "host", "meta"):
+        est = preflight.estimate(model, optimizer, lm_batch(2, 64), Run(
+            parallel=ParallelPlan(4, "fsdp2"), loading=Loading(placement), target=Target(gpu="H100-80GB")))
+        figures[placement] = est.phase("loading").peak_bytes
+        assert est.phase("loading").how == ("counted" if placement == "meta" else "traced")
+    assert figures["device"] > figures["host"] > figures["meta"]
+    # On a CPU target the host is the device.
+    cpu = {placement: preflight.estimate(model, optimizer, lm_batch(2, 64), Run(
+        parallel=ParallelPlan(2, "fsdp2"), loading=Loading(placement))).phase("loading") for placement in
+        ("device", "host")}
+    assert cpu["host"].peak_bytes == cpu["device"].peak_bytes
+
+
+def test_a_rescaled_plan_holds_the_whole_model_unless_built_on_meta():
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    whole = _model_bytes(model)
+    figures = {}
+    for sharding in ("ddp", "zero3"):
+        for placement in ("device", "meta"):
+            est = preflight.estimate(model, optimizer, lm_batch(2, 64), Run(
+                parallel=ParallelPlan(4, sharding), loading=Loading(placement)))
+            figures[sharding, placement] = est.phase("loading").peak_bytes
+    assert figures["ddp", "device"] == figures["ddp", "meta"] == whole  # every DDP rank holds the whole model
+    assert figures["zero3", "device"] == whole
+    assert figures["zero3", "meta"] < whole / 2  # zero.Init: each rank its partitions
+
+
+def test_a_ddp_model_already_wrapped_has_loaded_and_no_loading_is_predicted():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = torch.get_num_threads()
+    try:
+        with gloo_rank(0, 1, port):
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+            est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(8, 64),
+                                     Run(loading=Loading()), step=lambda m, b: m(b).sum())
+    finally:
+        torch.set_num_threads(threads)
+    assert est.phase("loading") is None
+    assert any(n.startswith("loading: not predicted: the model is already wrapped") for n in est.coverage.notes)
+
+
+def _deep_llama():
+    """16 narrow layers: the whole model outweighs what one of 8 ranks holds for its step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=16,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                        max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def _fits_only_on_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Run]:
+    """A budget between the training step's need and the loading's, for a whole-model load on 8 ranks."""
+    run = Run(parallel=ParallelPlan(8, "fsdp2"), loading=Loading())
+    est = preflight.estimate(model, optimizer, lm_batch(1, 8), run)
+    assert est.phase("loading").peak_bytes > est.required_bytes
+    return (est.required_bytes + est.phase("loading").peak_bytes) // 2, run
+
+
+@pytest.mark.slow  # four traces of 8 ranks' steps
+def test_advice_builds_the_model_on_meta_when_the_whole_model_on_each_rank_does_not_fit(monkeypatch):
+    model = _deep_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget, run = _fits_only_on_meta(model, optimizer)
+    only_options(monkeypatch, "model built on meta", "activation checkpointing")
+    run = run.replace(target=Target(budget=budget))
+    suggestions = preflight.advise(model, optimizer, lm_batch(1, 8), run, headroom=0.0)
+    first = suggestions[0]
+    assert first.changes == ("meta-init",) and first.fits and first.run.loading == Loading("meta")
+    assert first.predicted_peak_bytes == preflight.estimate(model, optimizer, lm_batch(1, 8),
+                                                            first.run).run_required_bytes
+    assert "--loading meta" in " ".join(first.run.cli_flags())
+    # Checkpointing lowers the training step, not the loading that is the run's peak: said, and not a fit.
+    checkpointing = next(s for s in suggestions if s.changes == ("checkpointing",))
+    assert not checkpointing.fits and "the run's peak is its loading phase" in checkpointing.description
+
+
+def test_cli_stops_a_run_whose_loading_does_not_fit_and_names_the_fix(tmp_path):
+    from tests.test_cli import run_cli
+
+    _deep_llama().config.save_pretrained(tmp_path)
+    args = ["estimate", "--hf-config", str(tmp_path), "--batch", "1", "--seq", "8", "--world-size", "8",
+            "--sharding", "fsdp2", "--headroom", "0", "--no-suggest"]
+    low = run_cli(*args, "--budget", "1GiB", "--loading", "device", "--json", str(tmp_path / "out.json"))
+    assert low.returncode == 0, low.stderr[-2000:]
+    import json
+
+    out = json.loads((tmp_path / "out.json").read_text())
+    loading = next(p for p in out["phases"] if p["name"] == "loading")
+    training, load = out["peak_bytes"], loading["peak_bytes"]
+    assert load > training and out["inputs"]["loading"] == "device" and out["run"]["loading"] == {"placement":
+                                                                                                  "device"}
+    budget = f"{(training + load) // 2}B"
+    stopped = run_cli(*args, "--budget", budget, "--loading", "device")
+    assert stopped.returncode == 3, stopped.stdout[-2000:]
+    assert "(loading peak)" in stopped.stdout and "--loading meta" in stopped.stdout
+    fits = run_cli(*args, "--budget", budget, "--loading", "meta")
+    assert fits.returncode == 0, fits.stdout[-2000:]
+    assert "loading:" in fits.stdout and "verdict: FITS" in fits.stdout
+
+
+def test_loading_notes_say_what_is_and_is_not_traced():
+    model = make_llama()
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 64),
+                             Run(parallel=ParallelPlan(2, "fsdp2"), loading=Loading("meta")))
+    note = next(n for n in est.coverage.notes if n.startswith("loading (meta)"))
+    assert "broadcast from rank 0" in note
+    assert est.phase("loading").to_dict()["per_rank_peak_bytes"] == [est.phase("loading").peak_bytes] * 2

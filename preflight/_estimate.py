@@ -1062,7 +1062,8 @@ def _rank_loading(loading: Loading, result: TraceResult, events: Sequence[Event]
                      "bound")
         return _resident_phase(events, result.categories, how="labelled lower bound", target=target,
                                gpu_info=gpu_info, allocator=allocator, nccl=nccl)
-    moved = loading.placement == "host" and not any(n.startswith("loading (host)") for n in loaded.notes)
+    moved = (loading.placement == "host" and not any(n.startswith("loading (host)") for n in loaded.notes)) or \
+        loading.placement == "meta"
     notes.append("loading: traced as the engine wraps the rank's copy of the whole model" + (
         ", each tensor counted from the moment the engine moves it from the host" if moved else
         ", every parameter and buffer on the device before it"))

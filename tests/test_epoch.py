@@ -156,3 +156,5 @@ def test_the_whole_run_example_runs():
     stdout = example_output("whole_run.py", timeout=900)
     assert "the save peaks at" in stdout and "8 steps over batches of varying shapes" in stdout
     assert "last grew in step" in stdout
+    loading = {p: int(stdout.split(f"loading ({p}): ")[1].split(" B")[0].replace(",", "")) for p in ("device", "meta")}
+    assert loading["device"] > 4 * loading["meta"]  # the whole model on each of 8 ranks, or its eighth

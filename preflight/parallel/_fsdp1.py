@@ -437,7 +437,7 @@ def _engine(plan: FSDP1Plan, world_size: int) -> Engine:
 
     return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan, mesh),
                   optimizer=optimizer, parameters=parameters, watch=watched_fsdp1,
-                  replicate=plan.replicate(world_size), moves_from_host=True)
+                  replicate=plan.replicate(world_size), moves_from_host=True, materialises_units=True)
 
 
 @contextlib.contextmanager

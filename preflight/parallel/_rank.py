@@ -75,6 +75,10 @@ class Engine:
             place and sends attention through its ring; ``cpu``: the trace's target is the CPU); None: nothing.
         moves_from_host: the engine moves a model on the host to the device itself as it wraps it (FSDP1 and
             FSDP2: `moved_by_engine`); a `preflight.Loading` on the host is otherwise traced as on the device.
+        materialises_units: the engine materialises a model built on meta unit by unit, each unit whole on the
+            device before it cuts it (FSDP1: ``reset_parameters`` or ``param_init_fn``, then its move to the
+            device); a `preflight.Loading` on meta is then traced as one from the host. Otherwise a rank built on
+            meta materialises its own shards only (FSDP2's ``to_empty``).
     """
 
     name: str
@@ -87,6 +91,7 @@ class Engine:
     drive: Callable[[nn.Module, Any], Callable[[Any], None]] | None = None
     around: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
     moves_from_host: bool = False
+    materialises_units: bool = False
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -378,7 +383,12 @@ def trace_rank(
                            failed_op=failed, op_log=op_log, notes=notes)
 
     loaded = None
-    if loading is not None and loading.placement != "meta":
+    if loading is not None and loading.placement == "meta" and engine.materialises_units:
+        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host", precision=precision,
+                               sweep=sweep)
+        loaded.notes.append(f"loading (meta): {engine.name} materialises each unit whole on the device before it "
+                            "cuts it: each counted from its materialisation")
+    elif loading is not None and loading.placement != "meta":
         # On a CPU target the host is the device.
         host = loading.placement == "host" and engine.moves_from_host and cuda is not None
         loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host" if host else "device",

@@ -1,0 +1,167 @@
+"""The loading phase measured on CPU against preflight's prediction: each rank of FSDP2 and FSDP1 on real gloo
+processes, and transformers' ``from_pretrained`` on one device.
+
+**Per rank.** For each configuration, `torch.multiprocessing` starts WORLD processes; inside one profiler session
+each builds the same Llama (transformers, LAYERS layers, hidden HIDDEN, vocab VOCAB; same seed) and wraps it as
+users do: ``device``, built on the CPU (the device here) and then FSDP2's ``fully_shard`` on each decoder layer and
+the root, or ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer})``, ``use_orig_params=True``,
+``device_id=cpu``; ``meta``, built under ``torch.device("meta")``, then ``fully_shard`` as above and ``to_empty`` on
+the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``). Each rank's measured peak is the profiler's allocator events over the session (nothing is alive before it:
+every free is of a block the session allocated). No collective runs, so no free is lost on gloo's threads. The
+prediction is ``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
+before any process group exists: the phase ``"loading"``'s figure for each rank. Each configuration runs REPEATS
+times. ``host`` needs a CUDA device to differ from ``device`` (on a CPU target the host is the device) and is not
+measured here.
+
+**One device.** The model is saved with ``save_pretrained`` (safetensors) and loaded back with
+``AutoModelForCausalLM.from_pretrained`` under the profiler; the prediction is the loaded model's loading phase
+(``Loading()``: its parameters and buffers).
+
+Run: python benchmarks/loading.py      (about 1 minute on 2 shared CPU cores)
+Writes benchmarks/results/loading.md and prints the same table.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+REPEATS = 3
+WORLD = 2
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loading.md")
+CONFIGURATIONS = (("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp-full", "device"), ("fsdp-full", "meta"))
+
+
+def build() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512)
+    return LlamaForCausalLM(config)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _on_cpu(module: torch.nn.Module) -> None:
+    """FSDP1's ``param_init_fn`` for a model built on meta: the unit's own tensors materialised on the CPU."""
+    module.to_empty(device="cpu", recurse=False)
+
+
+def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from preflight._measure import cpu_profiled_peak
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    kept = {}
+
+    def load() -> None:
+        with torch.device("meta" if placement == "meta" else "cpu"):
+            model = build()
+        if engine == "fsdp2":
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            if placement == "meta":
+                model.to_empty(device="cpu")
+        else:
+            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                             device_id=torch.device("cpu"), use_orig_params=True,
+                                             param_init_fn=_on_cpu if placement == "meta" else None)
+        kept["model"] = model
+
+    dist.barrier()
+    peak, _ = cpu_profiled_peak(load, resident={})
+    queue.put((rank, peak))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(engine: str, placement: str) -> list[int]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(WORLD, engine, placement, port, queue), nprocs=WORLD, start_method="spawn")
+    found = dict(queue.get() for _ in range(WORLD))
+    return [found[rank] for rank in range(WORLD)]
+
+
+def predict(engine: str, placement: str) -> tuple[int, ...]:
+    import preflight
+
+    model = build()
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch(),
+                             preflight.Run(parallel=preflight.ParallelPlan(WORLD, engine),
+                                           loading=preflight.Loading(placement)))
+    return est.phase("loading").per_rank_peak_bytes
+
+
+def one_device() -> tuple[int, int, int]:
+    """``(predicted, measured, header)`` of ``from_pretrained`` of a saved model on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    import preflight
+    from preflight._measure import cpu_profiled_peak
+
+    with tempfile.TemporaryDirectory() as folder:
+        build().save_pretrained(folder)
+        header = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        loaded = {}
+        measured, _ = cpu_profiled_peak(lambda: loaded.update(model=AutoModelForCausalLM.from_pretrained(folder)),
+                                        resident={})
+    model = loaded["model"]
+    header -= sum(p.numel() * p.element_size() for p in model.parameters())
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch(),
+                             preflight.Run(loading=preflight.Loading()))
+    return est.phase("loading").peak_bytes, measured, header
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    start = time.perf_counter()
+    rows = ["| engine | placement | rank | predicted (B) | measured min / max (B) | error |", "|---|---|---|---|---|---|"]
+    for engine, placement in CONFIGURATIONS:
+        predicted = predict(engine, placement)
+        runs = [measure(engine, placement) for _ in range(REPEATS)]
+        for rank in range(WORLD):
+            low, high = min(r[rank] for r in runs), max(r[rank] for r in runs)
+            error = (predicted[rank] - high) / high
+            rows.append(f"| {engine} | {placement} | {rank} | {predicted[rank]:,} | {low:,} / {high:,} | "
+                        f"{error:+.4%} |")
+        print(f"{engine} {placement}: done", file=sys.stderr)
+    predicted, measured, header = one_device()
+    rows.append("")
+    rows.append("| one device | predicted (B) | measured (B) | difference | of which the safetensors header |")
+    rows.append("|---|---|---|---|---|")
+    rows.append(f"| from_pretrained (CPU) | {predicted:,} | {measured:,} | {measured - predicted:+,} B | {header:,} B |")
+    table = "\n".join(rows)
+    text = (f"Loading phase, {WORLD} gloo processes, Llama {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}; "
+            f"{REPEATS} runs each (torch {torch.__version__}); {time.perf_counter() - start:.0f} s\n\n{table}\n")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

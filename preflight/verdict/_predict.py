@@ -212,7 +212,7 @@ def predict(
         notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
                      f"{spread[1]} rank(s)); " + ("evaluation traced on each rank after the training steps; "
                                                   if traced_eval is not None else "no evaluation peak; ")
-                     + "no suggestions for an expert-parallel model yet")
+                     + "suggestions traced on the model as it is laid out")
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
         try:
             base_model, base_optimizer = stand_in(own.root if fsdp1 is not None else model, optimizer, engine)
@@ -323,7 +323,8 @@ def predict(
             report.fits = None  # a lower bound under the budget says nothing about the real peak
             report.warnings.append("no verdict: the prediction is a lower bound and it is under the budget")
     # A laid-out model's options are traced on the model as it is laid out (`estimate` reads the layout each time).
-    if report.fits is False and options.suggest and talk and (unwrapped or laid_out is not None):
+    if report.fits is False and options.suggest and talk and (unwrapped or laid_out is not None or
+                                                              spread is not None):
         with progress("it does not fit: predicting what to change (about ten traces)"):
             advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
             report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),

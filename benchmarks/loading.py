@@ -6,7 +6,8 @@ each builds the same Llama (transformers, LAYERS layers, hidden HIDDEN, vocab VO
 users do: ``device``, built on the CPU (the device here) and then FSDP2's ``fully_shard`` on each decoder layer and
 the root, or ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer})``, ``use_orig_params=True``,
 ``device_id=cpu``; ``meta``, built under ``torch.device("meta")``, then ``fully_shard`` as above and ``to_empty`` on
-the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``). Each rank's measured peak is the profiler's allocator events over the session (nothing is alive before it:
+the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``). Each rank's
+measured peak is the profiler's allocator events over the session (nothing is alive before it:
 every free is of a block the session allocated). No collective runs, so no free is lost on gloo's threads. The
 prediction is ``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
 before any process group exists: the phase ``"loading"``'s figure for each rank. Each configuration runs REPEATS
@@ -139,7 +140,8 @@ def one_device() -> tuple[int, int, int]:
 def main() -> None:
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
-    rows = ["| engine | placement | rank | predicted (B) | measured min / max (B) | error |", "|---|---|---|---|---|---|"]
+    rows = ["| engine | placement | rank | predicted (B) | measured min / max (B) | error |",
+            "|---|---|---|---|---|---|"]
     for engine, placement in CONFIGURATIONS:
         predicted = predict(engine, placement)
         runs = [measure(engine, placement) for _ in range(REPEATS)]
@@ -153,7 +155,8 @@ def main() -> None:
     rows.append("")
     rows.append("| one device | predicted (B) | measured (B) | difference | of which the safetensors header |")
     rows.append("|---|---|---|---|---|")
-    rows.append(f"| from_pretrained (CPU) | {predicted:,} | {measured:,} | {measured - predicted:+,} B | {header:,} B |")
+    rows.append(f"| from_pretrained (CPU) | {predicted:,} | {measured:,} | {measured - predicted:+,} B | "
+                f"{header:,} B |")
     table = "\n".join(rows)
     text = (f"Loading phase, {WORLD} gloo processes, Llama {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}; "
             f"{REPEATS} runs each (torch {torch.__version__}); {time.perf_counter() - start:.0f} s\n\n{table}\n")

@@ -356,8 +356,9 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
                              allocator=allocator, nccl=nccl, notes=notes)
     loading = None
     if options["loading"] is not None:
-        loading, note = _counted_loading(options["loading"], events, whole, categories, sharding=sharding,
-                                         model=model, target=target, gpu_info=gpu_info, allocator=allocator,
+        loading, note = _counted_loading(options["loading"], events,
+                                         round_events(whole) if target.type == "cuda" else whole, categories,
+                                         sharding=sharding, target=target, gpu_info=gpu_info, allocator=allocator,
                                          nccl=nccl)
         notes.append(note)
     if target.type == "cuda":
@@ -389,14 +390,14 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
 
 
 def _counted_loading(loading: Loading, events: Sequence[Event], whole: Sequence[Event],
-                     categories: dict[int, Category], *, sharding: str | None, model: nn.Module,
-                     target: torch.device, gpu_info: GPU | None, allocator: AllocatorConfig | None,
+                     categories: dict[int, Category], *, sharding: str | None, target: torch.device,
+                     gpu_info: GPU | None, allocator: AllocatorConfig | None,
                      nccl: tuple[int, str] | None) -> tuple[PhaseEstimate, str]:
     """The loading phase where no engine's wrapping is traced (one device, DDP, ZeRO and the rescaled FSDP plans),
     and its note: the parameters and buffers alive before the steps, as the rank holds them (``events``: a
     ``"meta"`` loading materialises only the rank's partitions) or, where the model comes whole to the device,
     as one device holds them (``whole``: the events before a sharding rescaled them)."""
-    partitioned = sharding is not None and resident_bytes(events, categories) < resident_bytes(whole, categories)
+    partitioned = sharding is not None and _resident_bytes(events, categories) < _resident_bytes(whole, categories)
     if loading.placement == "meta" or not partitioned:
         phase = _resident_phase(events, categories, how="counted", target=target, gpu_info=gpu_info,
                                 allocator=allocator, nccl=nccl)
@@ -411,7 +412,7 @@ def _counted_loading(loading: Loading, events: Sequence[Event], whole: Sequence[
                       if loading.placement == "host" else ""))
 
 
-def resident_bytes(events: Sequence[Event], categories: dict[int, Category]) -> int:
+def _resident_bytes(events: Sequence[Event], categories: dict[int, Category]) -> int:
     """The bytes of the parameters and buffers alive before the steps (registered, op -1) in ``events``."""
     return sum(e.nbytes for e in _resident(events, categories))
 

@@ -268,3 +268,27 @@ def test_loading_notes_say_what_is_and_is_not_traced():
     note = next(n for n in est.coverage.notes if n.startswith("loading (meta)"))
     assert "broadcast from rank 0" in note
     assert est.phase("loading").to_dict()["per_rank_peak_bytes"] == [est.phase("loading").peak_bytes] * 2
+
+
+def test_a_loading_the_trace_cannot_follow_is_a_labelled_lower_bound_and_the_steps_stand(monkeypatch):
+    import contextlib
+
+    from preflight.parallel import _rank
+
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    run = Run(parallel=ParallelPlan(2, "fsdp2"), loading=Loading())
+    plain = preflight.estimate(model, optimizer, lm_batch(2, 64), run)
+
+    @contextlib.contextmanager
+    def cannot(tracker, *, count):
+        raise NotImplementedError("a wrapping fake tensors cannot follow")
+        yield
+
+    monkeypatch.setattr(_rank, "moved_by_engine", cannot)
+    est = preflight.estimate(model, optimizer, lm_batch(2, 64), run)
+    assert est.per_rank_peak_bytes == plain.per_rank_peak_bytes  # the steps' figures stand
+    loading = est.phase("loading")
+    assert loading.how == "labelled lower bound"
+    assert loading.peak_bytes < plain.phase("loading").peak_bytes  # the rank's resident shards alone
+    assert any("could not wrap the loading copy" in n and "NotImplementedError" in n for n in est.coverage.notes)

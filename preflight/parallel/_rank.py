@@ -440,15 +440,13 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
             # them): a full tensor the engine replaces is freed when it drops it, as the real one is.
             made.clear()
             twins.forget([*model.parameters(), *model.buffers()])
-            try:
-                with handled_fake_tensor_errors(), fake_mode, tracker, \
-                        moved_by_engine(tracker, count=placement == "host"):
-                    kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
-                    gc.collect()  # what the last unit dropped
-            except Exception as err:  # noqa: BLE001 - the phase is then the rank's resident state, labelled
-                if is_user_error(err):
-                    raise
-                error, failed = err, f"{engine.name} ({type(err).__name__})"
+            with handled_fake_tensor_errors(), fake_mode, tracker, moved_by_engine(tracker, count=placement == "host"):
+                kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
+                gc.collect()  # what the last unit dropped
+    except Exception as err:  # noqa: BLE001 - the phase is then the rank's resident state, labelled
+        if is_user_error(err):
+            raise
+        error, failed = err, f"{engine.name} ({type(err).__name__})"
     finally:
         tracker.detach()
     del kept

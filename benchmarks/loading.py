@@ -6,10 +6,13 @@ each builds the same Llama (transformers, LAYERS layers, hidden HIDDEN, vocab VO
 users do: ``device``, built on the CPU (the device here) and then FSDP2's ``fully_shard`` on each decoder layer and
 the root, or ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer})``, ``use_orig_params=True``,
 ``device_id=cpu``; ``meta``, built under ``torch.device("meta")``, then ``fully_shard`` as above and ``to_empty`` on
-the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``). Each rank's
-measured peak is the profiler's allocator events over the session (nothing is alive before it:
-every free is of a block the session allocated). No collective runs, so no free is lost on gloo's threads. The
-prediction is ``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
+the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``); ``meta-rank0``,
+FSDP2 built on meta as above, its shards then filled from the full state dict rank 0 builds on the CPU, by torch's
+``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``. Each rank's
+measured peak is the profiler's allocator events over the session (nothing is alive before it: every free is of a
+block the session allocated); the broadcasts wait until gloo has let go of their tensors
+(`preflight._measure.collective_calls`), so no free is lost on gloo's threads. The prediction is
+``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
 before any process group exists: the phase ``"loading"``'s figure for each rank. Each configuration runs REPEATS
 times. ``host`` needs a CUDA device to differ from ``device`` (on a CPU target the host is the device) and is not
 measured here.
@@ -39,7 +42,8 @@ REPEATS = 3
 WORLD = 2
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loading.md")
-CONFIGURATIONS = (("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp-full", "device"), ("fsdp-full", "meta"))
+CONFIGURATIONS = (("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp2", "meta-rank0"), ("fsdp-full", "device"),
+                  ("fsdp-full", "meta"))
 
 
 def build() -> torch.nn.Module:
@@ -67,7 +71,9 @@ def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from preflight._measure import cpu_profiled_peak
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from preflight._measure import collective_calls, cpu_profiled_peak
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -76,14 +82,18 @@ def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue
     kept = {}
 
     def load() -> None:
-        with torch.device("meta" if placement == "meta" else "cpu"):
+        with torch.device("cpu" if placement == "device" else "meta"):
             model = build()
         if engine == "fsdp2":
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
-            if placement == "meta":
+            if placement != "device":
                 model.to_empty(device="cpu")
+            if placement == "meta-rank0":  # rank 0's full state dict (its "checkpoint"), broadcast tensor by tensor
+                full = build().state_dict() if rank == 0 else {}
+                set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                           broadcast_from_rank0=True))
         else:
             model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
                                              device_id=torch.device("cpu"), use_orig_params=True,
@@ -91,7 +101,8 @@ def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue
         kept["model"] = model
 
     dist.barrier()
-    peak, _ = cpu_profiled_peak(load, resident={})
+    with collective_calls("## "):  # the broadcasts' frees on this thread, where the profiler sees them
+        peak, _ = cpu_profiled_peak(load, resident={})
     queue.put((rank, peak))
     dist.barrier()
     dist.destroy_process_group()
@@ -111,9 +122,10 @@ def predict(engine: str, placement: str) -> tuple[int, ...]:
     import preflight
 
     model = build()
+    loading = (preflight.Loading("meta", from_rank0=True) if placement == "meta-rank0" else
+               preflight.Loading(placement))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch(),
-                             preflight.Run(parallel=preflight.ParallelPlan(WORLD, engine),
-                                           loading=preflight.Loading(placement)))
+                             preflight.Run(parallel=preflight.ParallelPlan(WORLD, engine), loading=loading))
     return est.phase("loading").per_rank_peak_bytes
 
 

@@ -187,13 +187,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="a full state dict stays on the device (offload_to_cpu=False)")
     save.add_argument("--checkpoint-every-rank", action="store_true",
                       help="every rank keeps the full state dict (rank0_only=False)")
-    est.add_argument("--loading", choices=["device", "host", "meta"], default=None,
+    est.add_argument("--loading", choices=["device", "host", "meta", "meta-rank0"], default=None,
                      help="predict the model's loading too (a phase of its own, per rank; the verdict takes the "
                           "largest phase): 'device', each rank holds the whole model on its device before the engine "
                           "shards it (from_pretrained with a device_map, model.to(device) before FSDP); 'host', FSDP "
                           "moves it from the host unit by unit (FSDP1 device_id, fully_shard of a CPU model); "
                           "'meta', built on meta and each rank materialises its own shards (torchtitan, Lightning's "
-                          "ModelParallelStrategy, init_module(empty_init=True))")
+                          "ModelParallelStrategy, init_module(empty_init=True)); 'meta-rank0', those shards filled "
+                          "from a full state dict rank 0 broadcasts one tensor at a time (set_model_state_dict with "
+                          "broadcast_from_rank0, accelerate's cpu_ram_efficient_loading)")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -312,11 +314,13 @@ def _estimate(args: argparse.Namespace) -> int:
     loading = est.phase("loading")
     if verdict["fits"] is False and loading is not None and loading.required_bytes == est.run_required_bytes and \
             loading.required_bytes > est.required_bytes:
-        print("the model's loading is the peak: build it on the meta device so that each rank materialises only its "
-              "own shards (--loading meta), or load it on the host and let FSDP move it unit by unit (--loading "
-              "host)" if run.loading is not None and run.loading.placement == "device" else
-              "the model's loading is the peak: build it on the meta device so that each rank materialises only its "
-              "own shards (--loading meta)")
+        if run.loading is not None and run.loading.from_rank0:
+            print("the model's loading is the peak: have each rank read its own shards from a distributed "
+                  "checkpoint (torch.distributed.checkpoint) rather than rank 0's full state dict (--loading meta)")
+        else:
+            print("the model's loading is the peak: build it on the meta device so that each rank materialises only "
+                  "its own shards (--loading meta)" + (", or load it on the host and let FSDP move it unit by unit "
+                                                      "(--loading host)" if run.loading.placement == "device" else ""))
     suggestions: list[dict[str, Any]] = []
     if verdict["fits"] is False and args.suggest and generation is None:
         suggestions = _suggest(args, model, optimizer, batch, config, budget, run)
@@ -547,7 +551,7 @@ def _loading(args: argparse.Namespace) -> Any:
         return None
     if getattr(args, "generate", False):
         raise UsageError("--loading describes a training run's loading; --generate plans generation alone.")
-    return Loading(placement)
+    return Loading("meta", from_rank0=True) if placement == "meta-rank0" else Loading(placement)
 
 
 def _checkpoint(args: argparse.Namespace) -> Any:

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
-from preflight._checkpoint import Checkpoint
 from preflight._device import model_device, resolve_device, trace_device_for, unmodelled_device_note
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
@@ -604,7 +603,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     try:
         block = 512 if options["target_device"].type == "cuda" else 1  # the CUDA allocator's rounding
         groups = _rank_zero_alone(fsdp1_rank_groups(model, plan, world_size, block=block) if fsdp1
-                                  else rank_groups(model, world_size, plan.replicate), options["checkpoint"])
+                                  else rank_groups(model, world_size, plan.replicate), options)
     except ProcessGroupInUseError as err:
         return None, f"{sharding}: {err}; {rescaled}"
     except Exception as err:  # noqa: BLE001 - FSDP1 could not wrap the copy to read the ranks' shards
@@ -618,8 +617,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             bounded = (f"rank {most} traced (it holds the most); {world_size - len(groups[0])} rank(s) cut their "
                        f"shards {len(groups) - 1} other ways and hold less: they get rank {most}'s figure as an "
                        "upper bound")
-            groups = _rank_zero_alone([[most] + [rank for rank in range(world_size) if rank != most]],
-                                      options["checkpoint"])
+            groups = _rank_zero_alone([[most] + [rank for rank in range(world_size) if rank != most]], options)
         for group in groups:
             result = trace(model, optimizer, batch, world_size=world_size, rank=group[0], plan=plan,
                            step=options["step"], precision=options["precision"], steps=options["steps"],
@@ -685,7 +683,7 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                         evaluation=evaluation, **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(tp_rank_groups(model, tp, world_size, fsdp), options["checkpoint"]), trace, engine)
+        lambda: _rank_zero_alone(tp_rank_groups(model, tp, world_size, fsdp), options), trace, engine)
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
@@ -735,7 +733,7 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                         shared=shared, **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size), options["checkpoint"]), trace,
+        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size), options), trace,
         "torch.distributed.pipelining")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
@@ -771,7 +769,7 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
     check_ep_model(model, ep)  # a ValueError naming a model transformers cannot lay out: the plan is wrong
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(ep_rank_groups(ep, world_size), options["checkpoint"]), trace,
+        lambda: _rank_zero_alone(ep_rank_groups(ep, world_size), options), trace,
         "transformers' expert parallelism")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
@@ -812,7 +810,7 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
                         **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(cp_rank_groups(cp, world_size), options["checkpoint"]), trace, "context_parallel")
+        lambda: _rank_zero_alone(cp_rank_groups(cp, world_size), options), trace, "context_parallel")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
@@ -868,12 +866,15 @@ def _sharing(groups: list[list[int]]) -> str:
     return f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
 
 
-def _rank_zero_alone(groups: list[list[int]], checkpoint: Checkpoint | None) -> list[list[int]]:
+def _rank_zero_alone(groups: list[list[int]], options: dict[str, Any]) -> list[list[int]]:
     """``groups`` (ranks that run the same program) with rank 0 in a group of its own when the run saves a full state
     dict that rank 0 alone keeps (FSDP1's `preflight.Checkpoint.rank0_only`; DCP keeps it on rank 0 alone when it
-    offloads): its save differs from the other ranks' of its group."""
-    if checkpoint is None or checkpoint.state_dict != "full" or not (checkpoint.rank0_only or
-                                                                    checkpoint.offload_to_cpu):
+    offloads), or loads one rank 0 broadcasts (`preflight.Loading.from_rank0`): its save or its loading differs from
+    the other ranks' of its group (``options``: the estimate's, with its ``checkpoint`` and ``loading``)."""
+    checkpoint, loading = options["checkpoint"], options["loading"]
+    saves_alone = checkpoint is not None and checkpoint.state_dict == "full" and (checkpoint.rank0_only or
+                                                                                  checkpoint.offload_to_cpu)
+    if not saves_alone and not (loading is not None and loading.from_rank0):
         return groups
     out = []
     for group in groups:
@@ -1065,9 +1066,14 @@ def _rank_loading(loading: Loading, result: TraceResult, events: Sequence[Event]
                                gpu_info=gpu_info, allocator=allocator, nccl=nccl)
     moved = (loading.placement == "host" and not any(n.startswith("loading (host)") for n in loaded.notes)) or \
         loading.placement == "meta"
-    notes.append("loading: traced as the engine wraps the rank's copy of the whole model" + (
-        ", each tensor counted from the moment the engine moves it from the host" if moved else
-        ", every parameter and buffer on the device before it"))
+    if loading.from_rank0 and not any(n.startswith("loading (meta)") for n in loaded.notes):
+        notes.append("loading: traced as the engine wraps the rank's copy built on meta (its shards materialised) and "
+                     "torch's set_model_state_dict(broadcast_from_rank0=True) fills them from rank 0's full state "
+                     "dict, one tensor at a time")
+    else:
+        notes.append("loading: traced as the engine wraps the rank's copy of the whole model" + (
+            ", each tensor counted from the moment the engine moves it from the host" if moved else
+            ", every parameter and buffer on the device before it"))
     traced = round_events(loaded.events) if target.type == "cuda" else loaded.events
     bounded = any(n.endswith("an upper bound") for n in loaded.notes)
     return _loading_phase(traced, loaded.categories, how="traced (upper bound)" if bounded else "traced",

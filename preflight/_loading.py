@@ -24,8 +24,10 @@ model comes from decides it, read from the engines' source (torch 2.13):
 What is not traced: reading the checkpoint's files (host memory: safetensors maps them, ``torch.load`` reads them),
 a conversion on the device from the checkpoint's dtype (transformers converts on the host, then copies), the
 merging of per-expert checkpoint tensors that transformers' weight converters do for mixture-of-experts models,
-and a full state dict broadcast from rank 0 into a meta-built model (``broadcast_from_rank0``, accelerate's
-``cpu_ram_efficient_loading``: one full tensor at a time beside the shards). The notes say so.
+and under FSDP1 the broadcast of ``sync_module_states``. A full state dict rank 0 broadcasts into a meta-built
+model (``Loading("meta", from_rank0=True)``) is traced through torch's ``set_model_state_dict``: each rank holds
+its shards and one full tensor at a time, and rank 0 moves each of its host tensors to the device first (on a CPU
+target its whole state dict is device memory). The notes say what was not traced.
 """
 
 from __future__ import annotations
@@ -51,15 +53,27 @@ class Loading:
             is on the host and FSDP moves it to the device unit by unit as it wraps it: FSDP1 with ``device_id``,
             ``fully_shard`` of a CPU model; accelerate's and Lightning's FSDP of a model loaded on the CPU) or
             ``"meta"`` (built on meta; each rank materialises its own shards and loads into them).
+        from_rank0: with ``"meta"``, the shards are filled from a full state dict rank 0 holds on its host and
+            broadcasts one tensor at a time: torch's ``set_model_state_dict(model, full, StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))``, traced through torch's own code (accelerate's
+            ``cpu_ram_efficient_loading`` broadcasts each tensor the same way and cuts it with ``distribute_tensor``,
+            which is not run). False: each rank reads its own
+            shards in place (a distributed checkpoint, ``reset_parameters``).
     """
 
     placement: str = "device"
+    from_rank0: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"`Loading.placement` should be one of {PLACEMENTS}, got {self.placement!r}: 'device' "
                              "(the whole model on each rank's device before the engine wraps it), 'host' (the engine "
                              "moves it from the host unit by unit) or 'meta' (each rank materialises its own shards).")
+        if not isinstance(self.from_rank0, bool):
+            raise TypeError(f"`Loading.from_rank0` should be True or False, got {self.from_rank0!r}.")
+        if self.from_rank0 and self.placement != "meta":
+            raise ValueError("`Loading(from_rank0=True)` fills the shards of a model built on meta from rank 0's full "
+                             "state dict: use it with placement='meta'.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

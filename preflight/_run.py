@@ -281,7 +281,7 @@ class Run:
             flags += ["--checkpoint-on-device"] * (not self.checkpoint.offload_to_cpu)
             flags += ["--checkpoint-every-rank"] * (not self.checkpoint.rank0_only)
         if self.loading is not None:
-            flags += ["--loading", self.loading.placement]
+            flags += ["--loading", "meta-rank0" if self.loading.from_rank0 else self.loading.placement]
         return flags  # generation is not a training flag: `preflight estimate --generate` plans it as its own job
 
 

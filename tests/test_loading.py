@@ -70,21 +70,27 @@ def _fsdp_load_worker(rank: int, world: int, port: int, queue, engine: str, plac
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from preflight._measure import cpu_profiled_peak
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from preflight._measure import collective_calls, cpu_profiled_peak
 
     with gloo_rank(rank, world, port):
         kept = {}
 
         def load() -> None:  # built inside the measured window: every block's free is seen
             torch.manual_seed(0)
-            with torch.device("meta" if placement == "meta" else "cpu"):
+            with torch.device("cpu" if placement == "device" else "meta"):
                 model = make_llama()
             if engine == "fsdp2":
                 for layer in model.model.layers:
                     fully_shard(layer)
                 fully_shard(model)
-                if placement == "meta":
+                if placement != "device":
                     model.to_empty(device="cpu")
+                if placement == "meta-rank0":  # rank 0's full state dict, broadcast one tensor at a time
+                    full = make_llama().state_dict() if rank == 0 else {}
+                    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                               broadcast_from_rank0=True))
             else:
                 model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
                                                  device_id=torch.device("cpu"), use_orig_params=True,
@@ -92,17 +98,19 @@ def _fsdp_load_worker(rank: int, world: int, port: int, queue, engine: str, plac
             kept["model"] = model
 
         torch.distributed.barrier()
-        peak, _ = cpu_profiled_peak(load, resident={})
+        with collective_calls("## "):  # the broadcasts' frees on this thread, where the profiler sees them
+            peak, _ = cpu_profiled_peak(load, resident={})
         queue.put((rank, peak))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine, placement", [("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp-full", "device"),
-                                              ("fsdp-full", "meta")])
+@pytest.mark.parametrize("engine, placement", [("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp2", "meta-rank0"),
+                                              ("fsdp-full", "device"), ("fsdp-full", "meta")])
 def test_real_gloo_fsdp_load_per_rank_equals_its_loading_phase(engine, placement):
     model = make_llama()
+    loading = Loading("meta", from_rank0=True) if placement == "meta-rank0" else Loading(placement)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 64),
-                             Run(parallel=ParallelPlan(2, engine), loading=Loading(placement)))
+                             Run(parallel=ParallelPlan(2, engine), loading=loading))
     predicted = est.phase("loading").per_rank_peak_bytes
     measured = spawned(_fsdp_load_worker, 2, engine, placement)
     for rank in range(2):
@@ -110,8 +118,10 @@ def test_real_gloo_fsdp_load_per_rank_equals_its_loading_phase(engine, placement
         assert 0 <= measured[rank] - predicted[rank] <= 64, (engine, placement, predicted, measured)
     if placement == "device":  # the whole model on each rank, then its shards while the engine cuts it
         assert min(predicted) > _model_bytes(model)
-    elif engine == "fsdp2":  # its own shards only
-        assert max(predicted) < _model_bytes(model) / 2 + 1024
+    elif placement == "meta":  # FSDP2: its own shards only
+        assert engine != "fsdp2" or max(predicted) < _model_bytes(model) / 2 + 1024
+    else:  # on a CPU target rank 0's full state dict is device memory; the others hold one full tensor at a time
+        assert predicted[0] > _model_bytes(model) > predicted[1]
 
 
 def test_from_the_host_each_unit_is_counted_from_its_move():
@@ -292,3 +302,21 @@ def test_a_loading_the_trace_cannot_follow_is_a_labelled_lower_bound_and_the_ste
     assert loading.how == "labelled lower bound"
     assert loading.peak_bytes < plain.phase("loading").peak_bytes  # the rank's resident shards alone
     assert any("could not wrap the loading copy" in n and "NotImplementedError" in n for n in est.coverage.notes)
+
+
+def test_from_rank0_on_a_cuda_target_each_rank_holds_its_shards_and_one_full_tensor_at_a_time():
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def loading(placement: Loading) -> tuple[int, ...]:
+        return preflight.estimate(model, optimizer, lm_batch(2, 64), Run(
+            parallel=ParallelPlan(2, "fsdp2"), loading=placement, target=Target(gpu="H100-80GB"))
+        ).phase("loading").per_rank_peak_bytes
+
+    shards, broadcast = loading(Loading("meta")), loading(Loading("meta", from_rank0=True))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    # Rank 0's state dict is host memory: it moves one tensor at a time to the device, as the others receive one.
+    assert broadcast[0] == broadcast[1]
+    assert 0 < broadcast[1] - shards[1] - largest <= 8192  # with a 512-byte block or so of torch's own
+    with pytest.raises(ValueError, match="placement='meta'"):
+        Loading("device", from_rank0=True)

@@ -273,10 +273,11 @@ def meta_init_move(setup: _Setup) -> Move | None:
     """The model built on meta, each rank materialising its own shards, where the run says it loads the whole model
     (or moves it from the host) on several ranks."""
     loading = setup.run.loading
-    if loading is None or loading.placement == "meta" or setup.run.world_size == 1:
+    if loading is None or loading == Loading("meta") or setup.run.world_size == 1:
         return None
-    return _run_move("meta-init", "loading", {"loading": "meta"}, "the model built on meta, each rank "
-                     "materialising its own shards", _META_INIT_COST,
+    words = ("each rank's shards read from a distributed checkpoint rather than broadcast from rank 0"
+             if loading.from_rank0 else "the model built on meta, each rank materialising its own shards")
+    return _run_move("meta-init", "loading", {"loading": "meta"}, words, _META_INIT_COST,
                      lambda run: run.replace(loading=Loading("meta")))
 
 

@@ -383,11 +383,16 @@ def trace_rank(
                            failed_op=failed, op_log=op_log, notes=notes)
 
     loaded = None
-    if loading is not None and loading.placement == "meta" and engine.materialises_units:
+    if loading is not None and loading.from_rank0 and not engine.materialises_units:
+        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="rank0", precision=precision,
+                               sweep=sweep, host_is_device=cuda is None)
+    elif loading is not None and loading.placement == "meta" and engine.materialises_units:
         loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host", precision=precision,
                                sweep=sweep)
         loaded.notes.append(f"loading (meta): {engine.name} materialises each unit whole on the device before it "
-                            "cuts it: each counted from its materialisation")
+                            "cuts it: each counted from its materialisation" + (
+                                " (rank 0's broadcast of sync_module_states not traced)" if loading.from_rank0
+                                else ""))
     elif loading is not None and loading.placement != "meta":
         # On a CPU target the host is the device.
         host = loading.placement == "host" and engine.moves_from_host and cuda is not None
@@ -410,13 +415,16 @@ def trace_rank(
 
 
 def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: int, placement: str,
-                  precision: str | None, sweep: Sweep) -> TraceResult:
+                  precision: str | None, sweep: Sweep, host_is_device: bool = True) -> TraceResult:
     """Rank ``rank``'s loading under ``engine``: its fake copy of the whole model wrapped as the engine wraps it,
     in the phase `LOAD_PHASE` (`preflight._loading` says what each placement means). ``"device"``: every parameter
     and buffer (and a quantised weight's state) counted before the wrap, the full tensors the engine replaces freed
-    as it drops them; ``"host"``: each counted from the moment the engine moves it to the device (`moved_by_engine`).
-    The engine's own copies (FSDP2's padded shards, FSDP1's flat parameters) are counted as it makes them. ``error``
-    in the result is set where the copy could not be wrapped (a note says why)."""
+    as it drops them; ``"host"``: each counted from the moment the engine moves it to the device (`moved_by_engine`);
+    ``"rank0"``: built on meta, the engine's shards counted as it makes them (as ``to_empty`` materialises them),
+    then filled from rank 0's full state dict through torch's ``set_model_state_dict`` (`filled_from_rank0`; with
+    ``host_is_device``, rank 0's state dict is counted from the start). The engine's own copies (FSDP2's padded
+    shards, FSDP1's flat parameters) are counted as it makes them. ``error`` in the result is set where the copy could
+    not be wrapped or filled (a note says why)."""
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = StorageTracker(fake_mode, layouts=False)
@@ -430,7 +438,8 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
         with fresh_dtensor_caches(), fake_world(world_size, rank, engine.replicate, mesh=engine.mesh) as mesh, \
                 isolated_process(notes), isolated_rng(notes):
             made: dict[int, nn.Parameter] = {}
-            replica = fake_replica(model, twins, params=made)
+            # Built on meta (plain meta tensors, which hold nothing and which the tracker leaves alone), or whole.
+            replica = fake_replica(model, MetaTwins() if placement == "rank0" else twins, params=made)
             tracker.phase, tracker.phase_category = LOAD_PHASE, Category.PARAMETERS
             if placement == "device":  # (no loop variable may hold a tensor past the loop: it would never free)
                 _register_all([*replica.parameters(), *(held for _, held in twins.carried)], tracker,
@@ -440,9 +449,27 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
             # them): a full tensor the engine replaces is freed when it drops it, as the real one is.
             made.clear()
             twins.forget([*model.parameters(), *model.buffers()])
-            with handled_fake_tensor_errors(), fake_mode, tracker, moved_by_engine(tracker, count=placement == "host"):
-                kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
-                gc.collect()  # what the last unit dropped
+            full = None
+            shapes = {name: (tuple(t.shape), t.dtype) for name, t in replica.state_dict().items()}
+            if placement == "rank0" and rank == 0:  # the "checkpoint" rank 0 loaded on its host
+                with fake_mode:
+                    full = {name: torch.empty(shape, dtype=dtype, device="cpu" if host_is_device else "meta")
+                            for name, (shape, dtype) in shapes.items()}
+                _register_all(list(full.values()), tracker, Category.PARAMETERS)
+                if not host_is_device:  # rank 0's host memory: each tensor counted once it is moved to the device
+                    for t in full.values():
+                        tracker.to_host(t)
+            if placement == "rank0":  # wrapped on meta (nothing held), its shards materialised, then filled
+                with handled_fake_tensor_errors(), fake_mode:
+                    kept = engine.wrap(replica, mesh)
+                with handled_fake_tensor_errors(), fake_mode, tracker:
+                    kept.to_empty(device="cpu")
+                    filled_from_rank0(kept, full, shapes)
+            else:
+                with handled_fake_tensor_errors(), fake_mode, tracker, \
+                        moved_by_engine(tracker, count=placement == "host"):
+                    kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
+                    gc.collect()  # what the last unit dropped
     except Exception as err:  # noqa: BLE001 - the phase is then the rank's resident state, labelled
         if is_user_error(err):
             raise
@@ -453,6 +480,28 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
     return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
                        num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error, failed_op=failed,
                        notes=notes)
+
+
+def filled_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None,
+                      shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Fill the rank's sharded ``model`` from rank 0's ``full`` state dict (None on the other ranks) as torch's
+    ``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))`` does, in the fake
+    world: rank 0's ``broadcast_object_list`` of the tensors' sizes and dtypes is answered on every rank from
+    ``shapes`` (each entry's shape and dtype; the fake group carries no objects); the broadcasts themselves and the
+    cutting of each full tensor into the rank's shard run as torch runs them."""
+    import torch.distributed as dist
+    from torch.distributed import _state_dict_utils
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    sent = {key: _state_dict_utils._TensorInfo(torch.Size(shape), dtype) if shape else torch.zeros((), dtype=dtype)
+            for key, (shape, dtype) in shapes.items()}
+
+    def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> None:
+        object_list[0] = dict(sent)
+
+    with patched([(dist, "broadcast_object_list", broadcast_object_list)]):
+        set_model_state_dict(model, full if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _register_all(tensors: list[torch.Tensor], tracker: StorageTracker, category: Category) -> None:

@@ -22,8 +22,9 @@ def test_the_loading_section_is_checked_and_said_by_every_door():
     with pytest.raises(TypeError, match=r"Loading\('meta'\)"):
         Run(loading="meta")
     run = Run(loading=Loading("meta"))
-    assert run.to_dict()["loading"] == {"placement": "meta"}
+    assert run.to_dict()["loading"] == {"placement": "meta", "from_rank0": False}
     assert run.cli_flags()[-2:] == ["--loading", "meta"]
+    assert Run(loading=Loading("meta", from_rank0=True)).cli_flags()[-2:] == ["--loading", "meta-rank0"]
     assert Run(precision="bf16-mixed").over(run).loading == Loading("meta")  # the trainer's, kept under the user's
     assert Run(loading=Loading("host")).over(run).loading == Loading("host")
 
@@ -260,8 +261,8 @@ def test_cli_stops_a_run_whose_loading_does_not_fit_and_names_the_fix(tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     loading = next(p for p in out["phases"] if p["name"] == "loading")
     training, load = out["peak_bytes"], loading["peak_bytes"]
-    assert load > training and out["inputs"]["loading"] == "device" and out["run"]["loading"] == {"placement":
-                                                                                                  "device"}
+    assert load > training and out["inputs"]["loading"] == "device"
+    assert out["run"]["loading"] == {"placement": "device", "from_rank0": False}
     budget = f"{(training + load) // 2}B"
     stopped = run_cli(*args, "--budget", budget, "--loading", "device")
     assert stopped.returncode == 3, stopped.stdout[-2000:]

@@ -65,25 +65,22 @@ def _on_cpu(module: torch.nn.Module) -> None:
     module.to_empty(device="cpu", recurse=False)
 
 
-def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:
+def loaded_peak(build_model: Any, engine: str, placement: str, rank: int) -> int:
+    """This rank's measured peak (B) while it builds a transformers Llama with ``build_model()`` and wraps it as
+    ``placement`` says (module docstring), in a gloo job already started; the model is kept until it returns."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     from preflight._measure import collective_calls, cpu_profiled_peak
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     kept = {}
 
-    def load() -> None:
+    def load() -> None:  # built inside the measured window: every block's free is seen
         with torch.device("cpu" if placement == "device" else "meta"):
-            model = build()
+            model = build_model()
         if engine == "fsdp2":
             for layer in model.model.layers:
                 fully_shard(layer)
@@ -91,7 +88,7 @@ def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue
             if placement != "device":
                 model.to_empty(device="cpu")
             if placement == "meta-rank0":  # rank 0's full state dict (its "checkpoint"), broadcast tensor by tensor
-                full = build().state_dict() if rank == 0 else {}
+                full = build_model().state_dict() if rank == 0 else {}
                 set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=True))
         else:
@@ -103,7 +100,17 @@ def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue
     dist.barrier()
     with collective_calls("## "):  # the broadcasts' frees on this thread, where the profiler sees them
         peak, _ = cpu_profiled_peak(load, resident={})
-    queue.put((rank, peak))
+    return peak
+
+
+def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    queue.put((rank, loaded_peak(build, engine, placement, rank)))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -275,3 +275,22 @@ def evaluation_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
                                 torch.device("cpu"))
     torch.distributed.barrier()
     return before + call_end_peak(evaluate)
+
+
+def assert_suggested_on_the_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
+                                   inside: tuple[int, ...], *, micro_batch: bool = False) -> None:
+    """Inside a job whose model is laid out (tensor or expert parallelism), over a budget of 80% of the largest
+    rank's peak: the callbacks' prediction suggests, each option traced on the model as it is laid out, bf16-true at
+    exactly `estimate`'s figure under bf16-true (and, with ``micro_batch``, a smaller micro-batch that fits), and no
+    LoRA over the layout."""
+    import preflight
+    from preflight.verdict import Options, predict
+
+    tight = preflight.Run(target=preflight.Target(budget=int(max(inside) * 0.8)))
+    over = predict(model, optimizer, batch, tight, options=Options())
+    assert over.fits is False and over.suggestions, over.warnings
+    bf16 = next(s for s in over.suggestions if s["change"] == {"precision": "bf16-true"})
+    assert bf16["predicted_peak_bytes"] == preflight.estimate(
+        model, optimizer, batch, preflight.Run(precision="bf16-true")).peak_bytes < max(inside)
+    assert not micro_batch or any(s["fits"] and "micro_batch_size" in s["change"] for s in over.suggestions)
+    assert not any("peft" in s["change"] for s in over.suggestions)  # not over a layout

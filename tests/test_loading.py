@@ -61,47 +61,11 @@ def test_from_pretrained_on_cpu_peaks_at_the_predicted_loading(tmp_path):
     assert header <= measured - predicted <= header + 1024, (predicted, measured, header)
 
 
-def _on_cpu(module: torch.nn.Module) -> None:
-    """FSDP1's ``param_init_fn`` for a model built on meta: the unit's own tensors materialised on the CPU."""
-    module.to_empty(device="cpu", recurse=False)
-
-
 def _fsdp_load_worker(rank: int, world: int, port: int, queue, engine: str, placement: str) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from preflight._measure import collective_calls, cpu_profiled_peak
+    from benchmarks.loading import loaded_peak
 
     with gloo_rank(rank, world, port):
-        kept = {}
-
-        def load() -> None:  # built inside the measured window: every block's free is seen
-            torch.manual_seed(0)
-            with torch.device("cpu" if placement == "device" else "meta"):
-                model = make_llama()
-            if engine == "fsdp2":
-                for layer in model.model.layers:
-                    fully_shard(layer)
-                fully_shard(model)
-                if placement != "device":
-                    model.to_empty(device="cpu")
-                if placement == "meta-rank0":  # rank 0's full state dict, broadcast one tensor at a time
-                    full = make_llama().state_dict() if rank == 0 else {}
-                    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                                               broadcast_from_rank0=True))
-            else:
-                model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                                 device_id=torch.device("cpu"), use_orig_params=True,
-                                                 param_init_fn=_on_cpu if placement == "meta" else None)
-            kept["model"] = model
-
-        torch.distributed.barrier()
-        with collective_calls("## "):  # the broadcasts' frees on this thread, where the profiler sees them
-            peak, _ = cpu_profiled_peak(load, resident={})
-        queue.put((rank, peak))
+        queue.put((rank, loaded_peak(make_llama, engine, placement, rank)))
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, evaluation_peak, gloo_rank, spawned
+from conftest import assert_suggested_on_the_layout, call_end_peak, evaluation_peak, gloo_rank, spawned
 
 import preflight
 from preflight.parallel import EPPlan, ep_rank_groups
@@ -111,14 +111,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int
         evaluation = next(p for p in report.phases if p["name"] == "evaluation")
         assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
         if rank == 0 and world == 2:  # over a budget: each option traced on the model as it is laid out
-            tight = preflight.Run(target=preflight.Target(budget=int(max(inside) * 0.8)))
-            over = predict(model, optimizer, batch, tight, options=Options())
-            assert over.fits is False and over.suggestions, over.warnings
-            bf16 = next(s for s in over.suggestions if s["change"] == {"precision": "bf16-true"})
-            assert bf16["predicted_peak_bytes"] == preflight.estimate(
-                model, optimizer, batch, preflight.Run(precision="bf16-true")).peak_bytes < max(inside)
-            assert any(s["fits"] and "micro_batch_size" in s["change"] for s in over.suggestions)
-            assert not any("peft" in s["change"] for s in over.suggestions)  # not over a layout
+            assert_suggested_on_the_layout(model, optimizer, batch, inside, micro_batch=True)
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
         dist.barrier()

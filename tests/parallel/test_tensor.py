@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call_end_peak, evaluation_peak, gloo_rank, spawned
+from conftest import assert_suggested_on_the_layout, call_end_peak, evaluation_peak, gloo_rank, spawned
 
 import preflight
 from preflight.parallel import TPPlan, model_styles, tp_rank_groups
@@ -406,13 +406,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, degree: int) -> None:
         assert report.eval_predicted_peak_bytes == max(evaluation["per_rank_peak_bytes"])
         assert any("evaluation traced on each rank" in note for note in report.coverage["notes"])
         if rank == 0 and degree == world:  # over a budget: each option traced on the model as it is laid out
-            tight = preflight.Run(target=preflight.Target(budget=int(max(inside) * 0.8)))
-            over = predict(model, optimizer, batch, tight, options=Options())
-            assert over.fits is False and over.suggestions, over.warnings
-            bf16 = next(s for s in over.suggestions if s["change"] == {"precision": "bf16-true"})
-            assert bf16["predicted_peak_bytes"] == preflight.estimate(
-                model, optimizer, batch, preflight.Run(precision="bf16-true")).peak_bytes < max(inside)
-            assert not any("peft" in s["change"] for s in over.suggestions)  # not over a layout
+            assert_suggested_on_the_layout(model, optimizer, batch, inside)
         measured = _measured(model, optimizer, batch)
         queue.put((rank, (measured, inside, evaluation_peak(model, optimizer, eval_batch),
                           evaluation["per_rank_peak_bytes"])))

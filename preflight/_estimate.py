@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
-from preflight._device import model_device, resolve_device, trace_device_for, unmodelled_device_note
+from preflight._device import held_tensors, model_device, resolve_device, trace_device_for, unmodelled_device_note
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
 from preflight._guard import untouched
@@ -145,12 +145,31 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
               step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
     run = check_run(run)
     est = _estimated(model, optimizer, batch, run, step=step, evaluation=evaluation)
+    loading = est.phase("loading")
+    if loading is not None and torch.device(est.device).type != "cpu":  # the host is another memory than the device
+        held = run.loading.placement == "host" or run.loading.from_rank0
+        host = _whole_model_bytes(model, run.precision) if held else 0
+        est = dataclasses.replace(est, phases=tuple(dataclasses.replace(p, host_bytes=host) if p is loading else p
+                                                    for p in est.phases))
     if run.loading is not None and est.phase("loading") is None:
         why = ("the steps could not be traced (the figure is a lower bound)" if est.coverage.lower_bound else
                "the model is already wrapped, laid out or partitioned in this job, so its loading is over")
         est = dataclasses.replace(est, coverage=dataclasses.replace(
             est.coverage, notes=(*est.coverage.notes, f"loading: not predicted: {why}")))
     return est
+
+
+def _whole_model_bytes(model: nn.Module, precision: str | None) -> int:
+    """The bytes of ``model``'s parameters and buffers (and a quantised weight's state) as the run loads them: floating
+    parameters in the dtype ``precision`` casts them to."""
+    cast = float_dtype_for(precision)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    total = 0
+    for t in tensors.values():
+        itemsize = cast.itemsize if cast is not None and t.is_floating_point() and isinstance(t, nn.Parameter) \
+            else t.element_size()
+        total += t.numel() * itemsize
+    return total + sum(held.numel() * held.element_size() for p in model.parameters() for _, held in held_tensors(p))
 
 
 def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run, *,

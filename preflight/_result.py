@@ -91,6 +91,10 @@ class PhaseEstimate:
             state dict by default, so ranks differ).
         peak_rank: the rank with the largest figure, where ranks were traced.
         how: how the figure was obtained, in words (``"traced"``, or what was modelled and from which source).
+        host_bytes: for ``"loading"`` on a GPU target, the host memory the rank that holds the most keeps for its
+            model while it loads, counted from the model's tensors: the whole model with ``Loading("host")`` (each
+            rank), rank 0's full state dict with ``from_rank0``, else 0 (a checkpoint read through safetensors' file
+            mapping is page cache, not counted). None where the host is the device (a CPU target).
     """
 
     name: str
@@ -101,6 +105,7 @@ class PhaseEstimate:
     per_rank_peak_bytes: tuple[int, ...] | None = None
     peak_rank: int | None = None
     how: str = "traced"
+    host_bytes: int | None = None
 
     @property
     def required_bytes(self) -> int:
@@ -305,6 +310,8 @@ def format_estimate(est: Estimate) -> str:
             line += f", device total {format_bytes(p.device_total_bytes)}"
         if p.per_rank_peak_bytes is not None and p.peak_rank is not None:
             line += f" (rank {p.peak_rank})"
+        if p.host_bytes:
+            line += f"; host memory {format_bytes(p.host_bytes)} for the model"
         lines.append(line)
     cov = est.coverage
     if cov.traced:

@@ -285,3 +285,19 @@ def test_from_rank0_on_a_cuda_target_each_rank_holds_its_shards_and_one_full_ten
     assert 0 < broadcast[1] - shards[1] - largest <= 8192  # with a 512-byte block or so of torch's own
     with pytest.raises(ValueError, match="placement='meta'"):
         Loading("device", from_rank0=True)
+
+
+def test_on_a_gpu_target_the_host_memory_the_model_takes_while_it_loads_is_said():
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    whole = _model_bytes(model)
+
+    def host(loading: Loading, target: Target) -> int | None:
+        return preflight.estimate(model, optimizer, lm_batch(2, 64), Run(
+            parallel=ParallelPlan(2, "fsdp2"), loading=loading, target=target)).phase("loading").host_bytes
+
+    gpu = Target(gpu="H100-80GB")
+    assert host(Loading("host"), gpu) == whole  # every rank's whole model on its host until FSDP moves it
+    assert host(Loading("meta", from_rank0=True), gpu) == whole  # rank 0's full state dict
+    assert host(Loading("device"), gpu) == host(Loading("meta"), gpu) == 0
+    assert host(Loading("host"), Target()) is None  # on a CPU target the host is the device, counted there

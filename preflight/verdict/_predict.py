@@ -385,7 +385,8 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
             phases.append({"name": name, "peak_bytes": phase.peak_bytes + buckets,
                            "required_bytes": device if device is not None else phase.peak_bytes + buckets,
                            "where": phase.where, "how": phase.how,
-                           "per_rank_peak_bytes": _listed(phase.per_rank_peak_bytes)})
+                           "per_rank_peak_bytes": _listed(phase.per_rank_peak_bytes),
+                           **({"host_bytes": phase.host_bytes} if name == "loading" else {})})
     return phases
 
 

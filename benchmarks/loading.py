@@ -28,7 +28,6 @@ Writes benchmarks/results/loading.md and prints the same table.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -36,7 +35,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 REPEATS = 3
 WORLD = 2
@@ -106,23 +104,21 @@ def loaded_peak(build_model: Any, engine: str, placement: str, rank: int) -> int
 def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    queue.put((rank, loaded_peak(build, engine, placement, rank)))
-    dist.barrier()
-    dist.destroy_process_group()
+    from distributed import join_gloo
+
+    join_gloo(rank, world, port)
+    try:
+        queue.put((rank, loaded_peak(build, engine, placement, rank)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def measure(engine: str, placement: str) -> list[int]:
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(WORLD, engine, placement, port, queue), nprocs=WORLD, start_method="spawn")
-    found = dict(queue.get() for _ in range(WORLD))
-    return [found[rank] for rank in range(WORLD)]
+    """Each rank's measured peak in one run of WORLD fresh processes."""
+    from distributed import spawn_ranks
+
+    return spawn_ranks(_worker, WORLD, WORLD, engine, placement)
 
 
 def predict(engine: str, placement: str) -> tuple[int, ...]:
@@ -158,6 +154,7 @@ def one_device() -> tuple[int, int, int]:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `distributed`'s helpers, in the workers too
     start = time.perf_counter()
     rows = ["| engine | placement | rank | predicted (B) | measured min / max (B) | error |",
             "|---|---|---|---|---|---|"]
@@ -177,12 +174,11 @@ def main() -> None:
     rows.append(f"| from_pretrained (CPU) | {predicted:,} | {measured:,} | {measured - predicted:+,} B | "
                 f"{header:,} B |")
     table = "\n".join(rows)
-    text = (f"Loading phase, {WORLD} gloo processes, Llama {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}; "
-            f"{REPEATS} runs each (torch {torch.__version__}); {time.perf_counter() - start:.0f} s\n\n{table}\n")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text)
-    print(text)
+    from distributed import write_results
+
+    write_results(f"Loading phase, {WORLD} gloo processes, Llama {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}; "
+                  f"{REPEATS} runs each (torch {torch.__version__}); {time.perf_counter() - start:.0f} s\n\n{table}",
+                  RESULTS)
 
 
 if __name__ == "__main__":

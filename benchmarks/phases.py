@@ -33,14 +33,12 @@ Writes benchmarks/results/phases.md and prints the same table.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 REPEATS = 3
 WORLD = 2
@@ -127,13 +125,10 @@ def _worker(rank: int, world: int, engine: str, checkpoint: Any, port: int, queu
 
 
 def measure_save(engine: str, checkpoint: Any) -> list[int]:
-    queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(WORLD, engine, checkpoint, port, queue), nprocs=WORLD, start_method="spawn")
-    peaks = dict(queue.get() for _ in range(WORLD))
-    return [peaks[r] for r in range(WORLD)]
+    """Each rank's measured peak in one run of WORLD fresh processes."""
+    from distributed import spawn_ranks
+
+    return spawn_ranks(_worker, WORLD, WORLD, engine, checkpoint)
 
 
 def predict_save(engine: str, checkpoint: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["STATE_DICTS", "Checkpoint", "answered_object_collectives", "check_checkpoint", "collect_state",
+__all__ = ["STATE_DICTS", "Checkpoint", "answered_object_collectives", "collect_state",
            "engine_of", "every_parameter_in_state"]
 
 STATE_DICTS = ("full", "sharded")
@@ -78,14 +78,6 @@ class Checkpoint:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def check_checkpoint(checkpoint: Any) -> Checkpoint | None:
-    """``checkpoint`` if it is a `Checkpoint` or None, else a TypeError naming the fix."""
-    if checkpoint is None or isinstance(checkpoint, Checkpoint):
-        return checkpoint
-    raise TypeError(f"`Run.checkpoint` should be None (no save predicted) or a preflight.Checkpoint, e.g. "
-                    f"Checkpoint(optimizer=True), got {type(checkpoint).__name__}.")
 
 
 def engine_of(model: nn.Module) -> str:

@@ -148,7 +148,7 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     loading = est.phase("loading")
     if loading is not None and torch.device(est.device).type != "cpu":  # the host is another memory than the device
         held = run.loading.placement == "host" or run.loading.from_rank0
-        host = _whole_model_bytes(model, run.precision) if held else 0
+        host = _whole_model_bytes(model, optimizer, run.precision) if held else 0
         est = dataclasses.replace(est, phases=tuple(dataclasses.replace(p, host_bytes=host) if p is loading else p
                                                     for p in est.phases))
     if run.loading is not None and est.phase("loading") is None:
@@ -159,17 +159,12 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
     return est
 
 
-def _whole_model_bytes(model: nn.Module, precision: str | None) -> int:
-    """The bytes of ``model``'s parameters and buffers (and a quantised weight's state) as the run loads them: floating
-    parameters in the dtype ``precision`` casts them to."""
-    cast = float_dtype_for(precision)
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    total = 0
-    for t in tensors.values():
-        itemsize = cast.itemsize if cast is not None and t.is_floating_point() and isinstance(t, nn.Parameter) \
-            else t.element_size()
-        total += t.numel() * itemsize
-    return total + sum(held.numel() * held.element_size() for p in model.parameters() for _, held in held_tensors(p))
+def _whole_model_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str | None) -> int:
+    """The bytes of ``model``'s parameters and buffers as the run loads them (floating ones in the dtype ``precision``
+    casts them to, `preflight._analytic.model_state`'s count), with a quantised weight's state."""
+    state = model_state(model, optimizer, None, torch.device("cpu"), param_dtype=float_dtype_for(precision))
+    return state.parameters + state.buffers + sum(held.numel() * held.element_size() for p in model.parameters()
+                                                  for _, held in held_tensors(p))
 
 
 def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run, *,
@@ -1083,19 +1078,8 @@ def _rank_loading(loading: Loading, result: TraceResult, events: Sequence[Event]
                      "bound")
         return _resident_phase(events, result.categories, how="labelled lower bound", target=target,
                                gpu_info=gpu_info, allocator=allocator, nccl=nccl)
-    moved = (loading.placement == "host" and not any(n.startswith("loading (host)") for n in loaded.notes)) or \
-        loading.placement == "meta"
-    if loading.from_rank0 and not any(n.startswith("loading (meta)") for n in loaded.notes):
-        notes.append("loading: traced as the engine wraps the rank's copy built on meta (its shards materialised) and "
-                     "torch's set_model_state_dict(broadcast_from_rank0=True) fills them from rank 0's full state "
-                     "dict, one tensor at a time")
-    else:
-        notes.append("loading: traced as the engine wraps the rank's copy of the whole model" + (
-            ", each tensor counted from the moment the engine moves it from the host" if moved else
-            ", every parameter and buffer on the device before it"))
     traced = round_events(loaded.events) if target.type == "cuda" else loaded.events
-    bounded = any(n.endswith("an upper bound") for n in loaded.notes)
-    return _loading_phase(traced, loaded.categories, how="traced (upper bound)" if bounded else "traced",
+    return _loading_phase(traced, loaded.categories, how="traced (upper bound)" if loaded.upper_bound else "traced",
                           target=target, gpu_info=gpu_info, allocator=allocator, nccl=nccl)
 
 

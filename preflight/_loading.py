@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["LOAD_PHASE", "PLACEMENTS", "Loading", "check_loading"]
+__all__ = ["LOAD_PHASE", "PLACEMENTS", "Loading"]
 
 PLACEMENTS = ("device", "host", "meta")
 
@@ -77,11 +77,3 @@ class Loading:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def check_loading(loading: Any) -> Loading | None:
-    """``loading`` if it is a `Loading` or None, else a TypeError naming the fix."""
-    if loading is None or isinstance(loading, Loading):
-        return loading
-    raise TypeError(f"`Run.loading` should be None (no loading predicted) or a preflight.Loading, e.g. "
-                    f"Loading('meta'), got {type(loading).__name__}.")

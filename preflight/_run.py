@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from preflight._budget import check_budget, resolve_budget
-from preflight._checkpoint import Checkpoint, check_checkpoint
+from preflight._checkpoint import Checkpoint
 from preflight._device import resolve_device
-from preflight._loading import Loading, check_loading
+from preflight._loading import Loading
 from preflight._steps import Loop, check_precision
 from preflight.allocator import AllocatorConfig
 from preflight.parallel import ParallelPlan
@@ -166,8 +166,13 @@ class Run:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", check_precision(self.precision))
-        check_checkpoint(self.checkpoint)
-        check_loading(self.loading)
+        # The optional sections: None (that phase is not predicted) or the section's class.
+        for name, kind, missing, example in (("checkpoint", Checkpoint, "save", "Checkpoint(optimizer=True)"),
+                                             ("loading", Loading, "loading", "Loading('meta')")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"`Run.{name}` should be None (no {missing} predicted) or a preflight."
+                                f"{kind.__name__}, e.g. {example}, got {type(value).__name__}.")
         if self.generation is not None:
             object.__setattr__(self, "generation", check_generation(self.generation))
         for name, kind in (("loop", Loop), ("target", Target)):

@@ -383,27 +383,14 @@ def trace_rank(
                            failed_op=failed, op_log=op_log, notes=notes)
 
     loaded = None
-    if loading is not None and loading.from_rank0 and not engine.materialises_units:
-        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="rank0", precision=precision,
-                               sweep=sweep, host_is_device=cuda is None)
-    elif loading is not None and loading.placement == "meta" and engine.materialises_units:
-        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host", precision=precision,
-                               sweep=sweep)
-        loaded.notes.append(f"loading (meta): {engine.name} materialises each unit whole on the device before it "
-                            "cuts it: each counted from its materialisation" + (
-                                " (rank 0's broadcast of sync_module_states not traced)" if loading.from_rank0
-                                else ""))
-    elif loading is not None and loading.placement != "meta":
-        # On a CPU target the host is the device.
-        host = loading.placement == "host" and engine.moves_from_host and cuda is not None
-        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement="host" if host else "device",
-                               precision=precision, sweep=sweep)
-        if loading.placement == "host" and cuda is None:
-            loaded.notes.append("loading (host): on a CPU target the host is the device: the whole model is there "
-                                "before the engine wraps it")
-        elif loading.placement == "host" and not host:
-            loaded.notes.append(f"loading (host): {engine.name} does not move the model from the host itself; the "
-                                "whole model is counted on the device before it wraps it, an upper bound")
+    # A model built on meta that materialises only its own shards and reads them in place holds what its steps
+    # start with: nothing to trace apart (`preflight._estimate` counts it).
+    if loading is not None and (loading.placement != "meta" or loading.from_rank0 or engine.materialises_units):
+        placement, said, bounded = _traced_placement(loading, engine, cpu=cuda is None)
+        loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement=placement,
+                               precision=precision, sweep=sweep, host_is_device=cuda is None)
+        loaded.notes.extend(said if loaded.error is None else said[:-1])  # the last one says how it was traced
+        loaded.upper_bound = said[0] if bounded else None
     try:
         traced = _run_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank, step=step,
                            precision=precision, steps=steps, schedule=schedule, cuda=cuda, tracker=tracker,
@@ -412,6 +399,31 @@ def trace_rank(
         tracker.detach()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise
     return dataclasses.replace(traced, loading=loaded)
+
+
+def _traced_placement(loading: Loading, engine: Engine, *, cpu: bool) -> tuple[str, list[str], bool]:
+    """How `trace_loading` traces ``loading`` under ``engine``: the placement it is traced as, the notes that say so
+    (the last: how the trace ran), and whether the figure is an upper bound. ``cpu``: the target is the CPU, where
+    the host is the device."""
+    whole = "loading: traced as the engine wraps the rank's copy of the whole model"
+    moved = f"{whole}, each tensor counted from the moment the engine moves it from the host"
+    if loading.placement == "meta" and engine.materialises_units:
+        return "host", [f"loading (meta): {engine.name} materialises each unit whole on the device before it cuts it: "
+                        "each counted from its materialisation" + (" (rank 0's broadcast of sync_module_states not "
+                                                                   "traced)" if loading.from_rank0 else ""),
+                        moved], False
+    if loading.placement == "meta":  # filled from rank 0
+        return "rank0", ["loading: traced as the engine wraps the rank's copy built on meta (its shards "
+                         "materialised) and torch's set_model_state_dict(broadcast_from_rank0=True) fills them from "
+                         "rank 0's full state dict, one tensor at a time"], False
+    on_device = f"{whole}, every parameter and buffer on the device before it"
+    if loading.placement == "host" and cpu:
+        return "device", ["loading (host): on a CPU target the host is the device: the whole model is there before "
+                          "the engine wraps it", on_device], False
+    if loading.placement == "host" and not engine.moves_from_host:
+        return "device", [f"loading (host): {engine.name} does not move the model from the host itself; the whole "
+                          "model is counted on the device before it wraps it, an upper bound", on_device], True
+    return loading.placement, [moved if loading.placement == "host" else on_device], False
 
 
 def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: int, placement: str,
@@ -449,8 +461,9 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
             # them): a full tensor the engine replaces is freed when it drops it, as the real one is.
             made.clear()
             twins.forget([*model.parameters(), *model.buffers()])
-            full = None
-            shapes = {name: (tuple(t.shape), t.dtype) for name, t in replica.state_dict().items()}
+            full = shapes = None
+            if placement == "rank0":
+                shapes = {name: (tuple(t.shape), t.dtype) for name, t in replica.state_dict().items()}
             if placement == "rank0" and rank == 0:  # the "checkpoint" rank 0 loaded on its host
                 with fake_mode:
                     full = {name: torch.empty(shape, dtype=dtype, device="cpu" if host_is_device else "meta")
@@ -514,8 +527,8 @@ def moved_by_engine(tracker: StorageTracker, *, count: bool) -> Iterator[None]:
     """With ``count``, count each parameter and buffer from the moment FSDP moves it from the host to the device
     while it wraps a unit: FSDP2's ``fully_shard`` moves the unit's managed states
     (``_fsdp_init._move_states_to_device``), FSDP1's constructor with ``device_id`` the unit's parameters and buffers
-    not under a nested wrapper (``_init_utils._move_module_to_device``, the same walk). On the trace's CPU copy the
-    move itself moves nothing.
+    not under a nested wrapper (``_init_utils._move_module_to_device`` hands them to its own
+    ``_move_states_to_device``, of the same signature). On the trace's CPU copy the move itself moves nothing.
 
     Either way, the garbage collector runs as each unit starts: a full tensor the engine dropped while it cut the
     unit before is freed by then, as the real one is when the engine drops it (the fake tensors' machinery leaves
@@ -524,33 +537,17 @@ def moved_by_engine(tracker: StorageTracker, *, count: bool) -> Iterator[None]:
     from torch.distributed.fsdp import _init_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
-    move_states, move_module = _fsdp_init._move_states_to_device, _init_utils._move_module_to_device
+    def hooked(move: Callable[..., None]) -> Callable[..., None]:
+        def states(params: Any, buffers: Any, device: Any) -> None:
+            gc.collect()
+            if count:
+                _register_all(list(params), tracker, Category.PARAMETERS)
+                _register_all(list(buffers), tracker, Category.BUFFERS)
+            return move(params, buffers, device)
+        return states
 
-    def counted(tensors: Any) -> None:
-        for t in tensors:
-            tracker.register(t, Category.PARAMETERS if isinstance(t, nn.Parameter) else Category.BUFFERS)
-
-    def states(params: Any, buffers: Any, device: Any) -> None:
-        gc.collect()
-        if count:
-            counted([*params, *buffers])
-        return move_states(params, buffers, device)
-
-    def module(root: nn.Module, ignored_params: Any, ignored_buffers: Any, device_from_device_id: Any) -> None:
-        gc.collect()
-        if count and device_from_device_id is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            queue, moving = [root], []
-            while queue:
-                current = queue.pop(0)
-                moving += [p for p in current.parameters(recurse=False) if p not in ignored_params]
-                moving += [b for b in current.buffers(recurse=False) if b not in ignored_buffers]
-                queue += [c for c in current.children() if not isinstance(c, FullyShardedDataParallel)]
-            counted(moving)
-        return move_module(root, ignored_params, ignored_buffers, device_from_device_id)
-
-    with patched([(_fsdp_init, "_move_states_to_device", states), (_init_utils, "_move_module_to_device", module)]):
+    with patched([(owner, "_move_states_to_device", hooked(owner._move_states_to_device))
+                  for owner in (_fsdp_init, _init_utils)]):
         yield
 
 

@@ -83,6 +83,7 @@ class TraceResult:
     op_log: list[tuple[int, int, Any, Any, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     lower_bound: str | None = None  # the trace ran to the end, but its peak is a lower bound: why
+    upper_bound: str | None = None  # the trace ran to the end, but its peak is an upper bound: why
     # A rank's loading traced before its steps (`preflight.parallel.trace_rank` with a `preflight.Loading`), apart.
     loading: TraceResult | None = None
 

@@ -18,7 +18,11 @@ stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
              (`preflight.parallel.causal_lm_loss`), 4 micro-batches
 
 Three configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
-each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks.
+each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks. Three more lay each
+Llama stage out with tensor parallelism (``parallelize_module`` over the mesh's innermost ``tp`` dim with the plan
+`stage_styles` writes, Megatron's layout as transformers' own plan words it; predicted with the model's own plan,
+``TPPlan(2)``): PP 2 x TP 2 under 1F1B and interleaved 1F1B on 4 processes, and PP 2 x FSDP2 2 x TP 2 on a
+("pp", "dp", "tp") mesh of 8 processes, torchtitan's 3-D layout.
 
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
 (the rank's parameters or shards, the batch). A block the profiler saw allocated and never freed is either alive at
@@ -58,13 +62,16 @@ from torch import nn
 
 REPEATS = 3
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_parallel.md")
-# (model, schedule, processes, micro-batches, data-parallel ranks per stage: FSDP2 over them when 2)
-CONFIGS = [("mlp", "GPipe", 2, 8, 1), ("mlp", "GPipe", 4, 8, 1), ("mlp", "1F1B", 2, 8, 1), ("mlp", "1F1B", 4, 8, 1),
-           ("mlp", "Interleaved1F1B", 2, 8, 1), ("mlp", "LoopedBFS", 2, 4, 1), ("mlp", "1F1B", 4, 8, 2),
-           ("decoder", "1F1B", 2, 4, 1), ("decoder", "GPipe", 4, 4, 1), ("decoder", "Interleaved1F1B", 2, 4, 1),
-           ("decoder", "InterleavedZeroBubble", 2, 4, 1), ("decoder", "ZBVZeroBubble", 2, 4, 1),
-           ("decoder", "DualPipeV", 2, 4, 1), ("decoder", "1F1B", 4, 4, 2), ("llama", "1F1B", 2, 4, 1),
-           ("llama", "GPipe", 4, 4, 1), ("llama", "Interleaved1F1B", 2, 4, 1), ("llama", "1F1B", 4, 4, 2)]
+# (model, schedule, processes, micro-batches, data-parallel ranks per stage: FSDP2 over them when 2, tensor-parallel
+# ranks per stage: parallelize_module over them when 2)
+CONFIGS = [("mlp", "GPipe", 2, 8, 1, 1), ("mlp", "GPipe", 4, 8, 1, 1), ("mlp", "1F1B", 2, 8, 1, 1),
+           ("mlp", "1F1B", 4, 8, 1, 1), ("mlp", "Interleaved1F1B", 2, 8, 1, 1), ("mlp", "LoopedBFS", 2, 4, 1, 1),
+           ("mlp", "1F1B", 4, 8, 2, 1), ("decoder", "1F1B", 2, 4, 1, 1), ("decoder", "GPipe", 4, 4, 1, 1),
+           ("decoder", "Interleaved1F1B", 2, 4, 1, 1), ("decoder", "InterleavedZeroBubble", 2, 4, 1, 1),
+           ("decoder", "ZBVZeroBubble", 2, 4, 1, 1), ("decoder", "DualPipeV", 2, 4, 1, 1),
+           ("decoder", "1F1B", 4, 4, 2, 1), ("llama", "1F1B", 2, 4, 1, 1), ("llama", "GPipe", 4, 4, 1, 1),
+           ("llama", "Interleaved1F1B", 2, 4, 1, 1), ("llama", "1F1B", 4, 4, 2, 1), ("llama", "1F1B", 4, 4, 1, 2),
+           ("llama", "Interleaved1F1B", 4, 4, 1, 2), ("llama", "1F1B", 8, 4, 2, 2)]
 WIDTH, VOCAB = 256, 2048
 
 
@@ -136,7 +143,27 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
     return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
 
 
-def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, port: int,
+def stage_styles(part: nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan a job writes for a Llama stage cut by `split_transformers` (Megatron's layout, as
+    transformers' own plan words it): the attention's and MLP's projections column- then row-wise, the embedding cut
+    along the vocabulary, the head column-wise with its logits gathered; only the modules the stage holds (the
+    others are parameterless stand-ins)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    for name, module in part.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding):
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif isinstance(module, nn.Linear) and leaf == "lm_head":
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
+        elif isinstance(module, nn.Linear):
+            styles[name] = RowwiseParallel() if leaf in ("o_proj", "down_proj") else ColwiseParallel()
+    return styles
+
+
+def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, tp: int, port: int,
             queue: Any) -> None:
     import gc
 
@@ -144,6 +171,7 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
     from torch.profiler import ProfilerActivity, profile
 
     from distributed import _CALL, _alive_storages, _Phases, join_gloo
@@ -155,13 +183,18 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     join_gloo(rank, world, port)
     try:
         model, (x, y), loss_fn, split = build(kind)
-        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
-        plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches)
+        # torchtitan's mesh: pipeline ranks outermost, tensor-parallel ranks innermost (dims of size 1 left out).
+        dims = [("pp", world // (dp * tp))] + [(n, d) for n, d in (("dp", dp), ("tp", tp)) if d > 1]
+        mesh = (init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+                if len(dims) > 1 else None)
+        plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches)
         # The stages this rank holds, as torch's schedule lays them on the pipeline's ranks.
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
-        for part in parts if mesh is not None else ():  # torchtitan's PP x FSDP2: each block, then the stage
+        for part in parts if tp > 1 else ():  # each stage laid out, then wrapped, as torchtitan orders them
+            parallelize_module(part, mesh["tp"], stage_styles(part))
+        for part in parts if dp > 1 else ():  # torchtitan's PP x FSDP2: each block, then the stage
             for block in units(part):
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(part, mesh=mesh["dp"])
@@ -236,27 +269,29 @@ def units(part: nn.Module) -> list[nn.Module]:
     return list(part)
 
 
-def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int) -> list[tuple[int, ...]]:
+def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int) -> list[tuple[int, ...]]:
     """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
     queue = mp.get_context("spawn").SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, port, queue), nprocs=world,
+    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, tp, port, queue), nprocs=world,
                        start_method="spawn")
     peaks = dict(queue.get() for _ in range(world))
     return [peaks[r] for r in range(world)]
 
 
-def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int) -> Any:
-    """The estimate, and each rank's traced activations at its own peak."""
+def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int) -> Any:
+    """The estimate, and each rank's traced activations at its own peak. Tensor parallelism is planned with the
+    model's own plan (transformers' ``base_model_tp_plan``), not the worker's `stage_styles`."""
     import preflight
-    from preflight.parallel import FSDP2Plan, PPPlan
+    from preflight.parallel import FSDP2Plan, PPPlan, TPPlan
 
     model, batch, loss_fn, split = build(kind)
-    plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches, split=split)
+    plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches, split=split)
+    tensor = TPPlan(tp) if tp > 1 else None
     if dp == 1:
-        parallel = preflight.ParallelPlan(world, None, pp=plan)
+        parallel = preflight.ParallelPlan(world, None, pp=plan, tp=tensor)
     else:  # the blocks the job wraps, by their names in the whole model
         if kind == "decoder":
             names = [f"layers.{n}" for n in model.layers]
@@ -264,7 +299,7 @@ def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int) ->
             names = [f"model.layers.{i}" for i in range(len(model.model.layers))]
         else:
             names = [str(i) for i in range(len(model))]
-        parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)))
+        parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)), tp=tensor)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per stage
     return est, [est.per_rank_breakdown[rank]["activations"] for rank in range(world)]
@@ -276,27 +311,29 @@ def main() -> int:
     mib = 1 << 20
     rows, worst, worst_placed = [], 0.0, 0.0
     start = time.perf_counter()
-    for kind, schedule, world, microbatches, dp in CONFIGS:
-        runs = [measure(kind, schedule, world, microbatches, dp) for _ in range(REPEATS)]
-        est, activations = predict(kind, schedule, world, microbatches, dp)
+    for kind, schedule, world, microbatches, dp, tp in CONFIGS:
+        runs = [measure(kind, schedule, world, microbatches, dp, tp) for _ in range(REPEATS)]
+        est, activations = predict(kind, schedule, world, microbatches, dp, tp)
         for rank in range(world):
             low, high = min(r[rank][0] for r in runs), max(r[rank][0] for r in runs)
             placed = max(r[rank][-1] for r in runs)
             predicted = est.per_rank_peak_bytes[rank]
             error, placed_error = (predicted - high) / high, (predicted - placed) / placed
             worst, worst_placed = max(worst, abs(error)), max(worst_placed, abs(placed_error))
-            stage = rank // dp  # the pipeline rank
+            stage = rank // (dp * tp)  # the pipeline rank
             in_flight = {"GPipe": str(microbatches),
-                         "1F1B": str(min(microbatches, world // dp - stage))}.get(schedule, "-")
-            layout = f"pp {world // dp} x fsdp2 {dp}" if dp > 1 else f"pp {world}"
+                         "1F1B": str(min(microbatches, world // (dp * tp) - stage))}.get(schedule, "-")
+            layout = " x ".join([f"pp {world // (dp * tp)}"] + [f"{name} {d}" for name, d in (("fsdp2", dp), ("tp", tp))
+                                                               if d > 1])
             rows.append((kind, schedule, layout, microbatches, rank, low, high, placed, predicted, error,
                          placed_error, activations[rank], in_flight))
-        print(f"  {kind} {schedule} x{world} dp {dp}: measured {runs}, predicted {est.per_rank_peak_bytes}",
+        print(f"  {kind} {schedule} x{world} dp {dp} tp {tp}: measured {runs}, predicted {est.per_rank_peak_bytes}",
               file=sys.stderr)
     lines = [
         "Real `torch.distributed.pipelining` on gloo CPU processes, one process per rank (GPipe and 1F1B one stage "
         "per rank, the other schedules two, laid on ranks as torch lays them; pp x fsdp2: a (pp, dp) mesh, each "
-        "stage's blocks and the stage wrapped by fully_shard over dp): an MLP of 4 blocks "
+        "stage's blocks and the stage wrapped by fully_shard over dp; tp: each Llama stage laid out by "
+        "parallelize_module over the innermost tp dim, predicted with the model's own plan): an MLP of 4 blocks "
         "(width 256, batch 32 x 64, MSE) cut into contiguous blocks, and a decoder of 4 transformer layers (width "
         "256, vocab 2048, batch 16 x 128, cross-entropy) cut as torchtitan cuts (deep copy, other stages deleted); "
         f"AdamW, 2 steps; {REPEATS} runs per configuration in fresh processes. In flight: the micro-batches whose "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -154,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--pp", type=int, default=None, metavar="N",
                      help="pipeline parallelism over N stage ranks (causal-lm): the model cut as transformers' own "
                           "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
-                          "--batch x --microbatches sequences; the world size defaults to N, and a larger "
+                          "--batch x --microbatches sequences; with --tp M each stage is laid out by the model's "
+                          "own tensor-parallel plan over M ranks; the world size defaults to N (x M), and a larger "
                           "--world-size needs --sharding fsdp2 (FSDP2 inside each stage). Each distinct rank traced")
     est.add_argument("--cp", type=int, default=None, metavar="N",
                      help="context parallelism (causal-lm): each sequence cut among N ranks, attention through torch's "
@@ -426,7 +428,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
     tp, pp, cp, ep = (getattr(args, name, None) for name in ("tp", "pp", "cp", "ep"))
-    ranks = (tp or pp or cp or ep) if (tp or pp or cp or ep) and args.world_size == 1 else args.world_size
+    degrees = [d for d in (tp, pp, cp, ep) if d]
+    ranks = math.prod(degrees) if degrees and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
         (f", expert parallel degree {ep} (transformers' layout, FSDP2 over every rank, tokens routed evenly)"
          if ep else "") + \
@@ -575,19 +578,22 @@ def _checkpoint(args: argparse.Namespace) -> Any:
 
 
 def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> Any:
-    """The pipeline plan ``--pp`` says: transformers' own cut of the model, torch's schedule, the causal-LM loss."""
-    from preflight.parallel import ParallelPlan, PPPlan, causal_lm_loss, split_transformers
+    """The pipeline plan ``--pp`` says: transformers' own cut of the model, torch's schedule, the causal-LM loss;
+    with ``--tp``, each stage laid out by the model's own tensor-parallel plan (torchtitan's PP x TP)."""
+    from preflight.parallel import ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_transformers
 
-    other = _given(args, offload, "--tp", "--deepspeed-config", "--offload-optimizer", "--offload-params",
+    other = _given(args, offload, "--deepspeed-config", "--offload-optimizer", "--offload-params",
                    "--quantize", "--generate", "--accumulate")
-    if args.pp < 2 or args.task != "causal-lm" or other:
+    tp = getattr(args, "tp", None)
+    if args.pp < 2 or args.task != "causal-lm" or other or (tp is not None and tp < 1):
         raise UsageError(f"--pp {args.pp}: pipeline parallelism is planned for a causal-lm over at least 2 stage "
-                         "ranks, alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else "")
-                         + " (the schedule's micro-batches are its accumulation: --microbatches).")
+                         "ranks, alone or with --tp N and --sharding fsdp2" +
+                         (f"; not with {', '.join(other)}" if other else "") +
+                         " (the schedule's micro-batches are its accumulation: --microbatches).")
     plan = PPPlan(args.pp, causal_lm_loss, schedule=args.schedule, microbatches=args.microbatches,
                   split=split_transformers)
-    world = args.pp if args.world_size == 1 else args.world_size
-    return ParallelPlan(world, sharding, pp=plan, source="the command line")
+    world = args.pp * (tp or 1) if args.world_size == 1 else args.world_size
+    return ParallelPlan(world, sharding, pp=plan, tp=TPPlan(tp) if tp else None, source="the command line")
 
 
 def _check_cut(model: Any, plan: Any) -> None:

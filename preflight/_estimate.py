@@ -254,7 +254,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
             raise ValueError("pipeline parallelism is traced with FSDP2 (fully_shard) over one data-parallel dim: "
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
-                            allocator=allocator)
+                            allocator=allocator, tp=tp)
     ep = plan_kwargs.get("ep") if ep_read is None else ep_read[0]
     if ep is not None:
         if laid_out is not None or wrapped is not None:
@@ -728,38 +728,50 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
                  fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
-                 allocator: AllocatorConfig | None) -> Estimate:
-    """Each rank of a pipeline-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``) traced through
-    torch's own stages and schedule (`preflight.parallel.trace_pp`); the estimate of the rank that peaks highest.
-    Where a rank cannot be traced, the analytic lower bound with the model's state divided among the ranks,
-    labelled."""
+                 allocator: AllocatorConfig | None, tp: TPPlan | None = None) -> Estimate:
+    """Each rank of a pipeline-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``, each stage laid out
+    by tensor parallelism where ``tp``) traced through torch's own stages and schedule
+    (`preflight.parallel.trace_pp`); the estimate of the rank that peaks highest. Where a rank cannot be traced, the
+    analytic lower bound with the model's state divided among the ranks, labelled."""
     if options["step"] is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
                          "the last stage's loss from the plan's `loss_fn`): leave `step` out")
     target, traced_as = options["target_device"], _rank_options(options)
-    world_size = pp.stages if fsdp is None else world_size
-    sharding = f"pp{pp.stages}" + (f" x fsdp2 {world_size // pp.stages}" if fsdp is not None else "")
+    degree = 1 if tp is None else tp.degree
+    world_size = pp.stages * degree if fsdp is None else world_size
+    dp = world_size // (pp.stages * degree)
+    sharding = (f"pp{pp.stages}" + (f" x tp{degree}" if tp is not None else "")
+                + (f" x fsdp2 {dp}" if fsdp is not None else ""))
+    skipped = [] if tp is None else unmatched_styles(model, tp)  # a ValueError where no styles are given or known
 
     shared: dict[str, Any] = {}  # the stages' metadata, inferred once for all the ranks
 
     def trace(rank: int) -> TraceResult:
-        return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size,
+        return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size, tp=tp,
                         shared=shared, **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size), options), trace,
+        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size, tp), options), trace,
         "torch.distributed.pipelining")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"pipeline parallelism ({pp.label}): a rank could not be traced")
-    fsdp_note = (f", each stage wrapped by fully_shard over the {world_size // pp.stages} data-parallel rank(s) of a "
-                 f"fake (pp {pp.stages} x dp {world_size // pp.stages}) mesh; ranks with equal local shapes share a "
-                 f"trace: {'; '.join(_ranks_text(g) for g in groups)}") if fsdp is not None else ""
+    dims = [f"pp {pp.stages}"] + ([f"dp {dp}"] if fsdp is not None else []) + ([f"tp {degree}"] if tp else [])
+    laid = (", each stage laid out by parallelize_module over the tp dim (the plan's modules the stage holds)"
+            if tp is not None else "")
+    wrapped = (f", each stage wrapped by fully_shard over the {dp} data-parallel rank(s)" if fsdp is not None else "")
+    mesh = f" of a fake ({' x '.join(dims)}) mesh" if len(dims) > 1 else ""
+    shared_note = (f"; ranks with equal local shapes share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
+                   if len(dims) > 1 else "")
     note = (f"pipeline parallelism ({pp.label}): each rank's two steps traced through torch's own PipelineStage "
-            "and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
-            f"{fsdp_note}; the shapes neighbouring stages exchange come from torch's metadata inference over all "
-            "stages; the batch (inputs, target) is held by every rank")
+            f"and schedule under a fake process group, the micro-batches in flight as the schedule keeps them"
+            f"{laid}{wrapped}{mesh}{shared_note}; the shapes neighbouring stages exchange come from torch's metadata "
+            "inference over all stages" + (" laid out as tensor-parallel rank 0" if tp is not None else "")
+            + "; the batch (inputs, target) is held by every rank")
+    if skipped:
+        note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
+                 "module and were skipped, as parallelize_module skips them")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,

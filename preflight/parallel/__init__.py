@@ -40,15 +40,16 @@ from preflight.parallel._rank import default_units, fake_replica
 from preflight.parallel._strategies import (ParallelPlan, accelerate_checkpoint, accelerate_plan, already_sharded,
                                             deepspeed_plan, fsdp_plan, read_ddp)
 from preflight.parallel._stand_in import stand_in
-from preflight.parallel._tensor import (TPPlan, WrappedTP, laid_out_parameters, model_styles, read_tp, tp_rank_groups,
-                                        trace_tp)
+from preflight.parallel._tensor import (TPPlan, WrappedTP, laid_out_parameters, model_styles, plan_styles, read_tp,
+                                        tp_rank_groups, trace_tp)
 from preflight.parallel._zero import WrappedZero, deepspeed_optimizer, held_tensors, read_zero, zero_plan
 
 __all__ = ["CPPlan", "EPPlan", "FSDP1Plan", "FSDP2Plan", "PPPlan", "ParallelPlan", "ProcessGroupInUseError", "TPPlan",
            "WrappedFSDP1", "WrappedFSDP2", "WrappedTP", "WrappedZero", "accelerate_checkpoint", "accelerate_plan",
            "already_sharded", "causal_lm_loss", "cp_rank_groups", "cpu_ring_attention", "deepspeed_optimizer",
            "deepspeed_plan", "default_units", "ep_rank_groups", "fake_replica", "fake_world", "fsdp1_rank_groups",
-           "fsdp_plan", "held_by_fully_shard", "held_tensors", "laid_out_parameters", "model_styles", "rank_groups",
+           "fsdp_plan", "held_by_fully_shard", "held_tensors", "laid_out_parameters", "model_styles", "plan_styles",
+           "rank_groups",
            "read_ddp", "read_ep", "read_fsdp1", "read_fsdp2", "read_tp", "read_zero", "split_sequential",
            "split_transformers",
            "stage_rank_groups", "stand_in", "tp_rank_groups", "trace_cp", "trace_ep", "trace_fsdp1", "trace_fsdp2",

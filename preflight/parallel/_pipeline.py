@@ -21,10 +21,18 @@ from every stage's own ``InferenceMode.needs_dynamic``. The activations and grad
 fake process group, which moves no data; their buffers are allocated by the stage as in the job, and a pending
 send holds its tensor as gloo's work does (`_HeldWork`).
 
+With tensor parallelism beside it (torchtitan's 2-D and 3-D layouts), each stage module is laid out by DTensor's
+``parallelize_module`` over the mesh's ``tp`` dim (the plan's module names matched in the stage, which keeps the
+model's names; modules another stage holds are skipped), then wrapped by ``fully_shard`` over ``dp`` where FSDP2 is
+given, then handed to its ``PipelineStage`` over the ``pp`` dim: the mesh is ``(pp, dp, tp)``, tensor-parallel
+ranks innermost. The shapes the stages exchange come from torch's metadata inference run with the stages laid out
+as tensor-parallel rank 0 lays them (sequence parallelism hands on a slice of the sequence).
+
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
-gives a labelled lower bound naming what is missing); pipeline parallelism combined with tensor parallelism, DDP,
-FSDP1 or HSDP is refused (FSDP2 is traced); a model already cut into stages inside a job is not read (give the
-plan).
+gives a labelled lower bound naming what is missing); pipeline parallelism combined with DDP, FSDP1 or HSDP is
+refused (FSDP2 is traced); a model already cut into stages inside a job is not read (give the plan); under tensor
+parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the sequence
+by sequence parallelism would differ).
 """
 
 from __future__ import annotations
@@ -46,8 +54,8 @@ from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
-from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, trace_rank
-from preflight.parallel._tensor import meshes_outside_modes
+from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
+from preflight.parallel._tensor import TPPlan, _matches, meshes_outside_modes, plan_styles
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -260,12 +268,14 @@ def _vote(all_static: bool) -> Callable[..., None]:
     return warmup_p2p
 
 
-def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | None) -> tuple[list[Any], bool]:
+def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | None,
+                 tp: TPPlan | None = None) -> tuple[list[Any], bool]:
     """Every stage's ``_StageMeta`` (the shapes and dtypes it receives, sends and gets gradients of) and whether
     every stage votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process
-    group of one rank every stage is on the same rank, so torch passes the metadata from stage to stage as arguments.
-    Under ``precision`` as the ranks' steps run: parameters cast (``*-true``), the forward under autocast
-    (``*-mixed``)."""
+    group where the pipeline has one rank every stage is on the same rank, so torch passes the metadata from stage to
+    stage as arguments. Under ``precision`` as the ranks' steps run: parameters cast (``*-true``), the forward under
+    autocast (``*-mixed``); with ``tp``, each stage laid out as tensor-parallel rank 0 lays it out, in a fake
+    ``(pp 1, tp degree)`` world."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.distributed.pipelining._utils import InferenceMode
@@ -277,10 +287,21 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
     args, target = _parts(batch)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
-    with fake_world(1, 0), fake_mode, FakeKernelsMode(), autocast_for(precision, "cpu"):
+    degree = 1 if tp is None else tp.degree
+    layout = None if tp is None else ((1, degree), ("pp", "tp"))
+    styles = None if tp is None else plan_styles(model, tp)
+    with fresh_dtensor_caches(), fake_world(degree, 0, mesh=layout) as mesh, fake_mode, FakeKernelsMode(), \
+            autocast_for(precision, "cpu"):
         replica = fake_replica(model, twins)
-        stages = [PipelineStage(_cut(plan, replica, i), i, plan.num_stages, torch.device("cpu"))
-                  for i in range(plan.num_stages)]
+        parts = [_cut(plan, replica, i) for i in range(plan.num_stages)]
+        group = None
+        if tp is not None:
+            with meshes_outside_modes():
+                for part in parts:
+                    _lay_out(part, mesh["tp"], styles)
+                group = mesh["pp"].get_group()
+        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
+                  for i, part in enumerate(parts)]
         all_static = all(not InferenceMode.needs_dynamic(s._user_meta, True) for s in stages)
         # Any schedule runs the inference over a list of stages; GPipe over the first is the plainest vehicle.
         schedule = ScheduleGPipe(stages[0], n_microbatches=plan.n_microbatches, loss_fn=plan.loss_fn)
@@ -314,19 +335,21 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
     return part
 
 
-def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool], fsdp: FSDP2Plan | None = None,
-            world_size: int | None = None) -> Engine:
-    """The pipeline engine over ``stage_metas`` (`_stage_metas`); with ``fsdp``, each stage wrapped by
-    ``fully_shard`` over the ``dp`` dim of a ``("pp", "dp")`` mesh of ``world_size`` ranks (torchtitan's PP x FSDP2),
-    the stages talking over the ``pp`` dim."""
+def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP2Plan | None = None,
+            world_size: int | None = None, tp: TPPlan | None = None,
+            styles: dict[str, Any] | None = None) -> Engine:
+    """The pipeline engine over ``stage_metas`` (`_stage_metas`; None: an engine that only wraps); each stage laid
+    out by ``parallelize_module`` with ``styles`` over the ``tp`` dim where ``tp`` is given, then wrapped by
+    ``fully_shard`` over the ``dp`` dim where ``fsdp`` is (torchtitan's PP x FSDP2, PP x TP and PP x FSDP2 x TP on a
+    ``(pp, dp, tp)`` mesh of ``world_size`` ranks, `_mesh_shape`), the stages talking over the ``pp`` dim."""
     from torch.distributed.pipelining import PipelineStage
 
-    metas, all_static = stage_metas
-    mesh_shape = _mesh_shape(plan, fsdp, world_size)
+    mesh_shape = _mesh_shape(plan, fsdp, world_size, tp)
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
-        group = mesh["pp"].get_group() if fsdp is not None else None
-        indices = plan.stage_indices(_pp_rank(mesh, fsdp))
+        metas, all_static = stage_metas
+        group = mesh["pp"].get_group() if mesh.ndim > 1 else None
+        indices = plan.stage_indices(_pp_rank(mesh))
         stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for part, i in zip(parts, indices)]
         for stage in stages:
@@ -348,7 +371,7 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool], fsdp: FSDP2Plan |
         return run
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        return _stage_parts(plan, fsdp, replica, mesh)
+        return _stage_parts(plan, fsdp, replica, mesh, styles if tp is not None else None)
 
     @contextlib.contextmanager
     def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
@@ -356,41 +379,70 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool], fsdp: FSDP2Plan |
                 meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
             yield
 
-    name = f"torch.distributed.pipelining {plan.schedule_class.__name__}" + (" + fully_shard" if fsdp else "")
+    name = (f"torch.distributed.pipelining {plan.schedule_class.__name__}" + (" + parallelize_module" if tp else "")
+            + (" + fully_shard" if fsdp else ""))
     return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
                   drive=drive, mesh=mesh_shape)
 
 
-def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None,
-                world_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
-    """The fake mesh of PP x FSDP2, ``("pp", "dp")``, pipeline ranks outermost as torchtitan orders them; None for
-    pipeline parallelism alone (a 1-D world of ``plan.stages`` ranks)."""
-    if fsdp is None:
+def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None, world_size: int | None,
+                tp: TPPlan | None = None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """The fake mesh: ``("pp", "dp")`` for PP x FSDP2, ``("pp", "tp")`` for PP x TP, ``("pp", "dp", "tp")`` for the
+    three, pipeline ranks outermost and tensor-parallel ranks innermost as torchtitan orders them; None for pipeline
+    parallelism alone (a 1-D world of ``plan.stages`` ranks)."""
+    if fsdp is None and tp is None:
         return None
-    if world_size is None or world_size % plan.stages:
-        raise ValueError(f"PP x FSDP2 needs a world size that is a multiple of the {plan.stages} pipeline ranks, got "
-                         f"{world_size!r}")
-    return (plan.stages, world_size // plan.stages), ("pp", "dp")
+    shape, names = [plan.stages], ["pp"]
+    if fsdp is not None:
+        ranks = plan.stages * (tp.degree if tp is not None else 1)
+        if world_size is None or world_size % ranks:
+            raise ValueError(f"PP x FSDP2 needs a world size that is a multiple of the {ranks} pipeline (x tensor-"
+                             f"parallel) ranks, got {world_size!r}")
+        shape.append(world_size // ranks)
+        names.append("dp")
+    if tp is not None:
+        shape.append(tp.degree)
+        names.append("tp")
+    return tuple(shape), tuple(names)
 
 
-def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh: Any) -> nn.ModuleList:
-    """The rank's stages cut from ``replica`` (torchtitan's model parts); with ``fsdp``, each wrapped by
+def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh: Any,
+                 styles: dict[str, Any] | None = None) -> nn.ModuleList:
+    """The rank's stages cut from ``replica`` (torchtitan's model parts); with ``styles``, each laid out by
+    ``parallelize_module`` over the mesh's ``tp`` dim (`_lay_out`); with ``fsdp``, each then wrapped by
     ``fully_shard`` over the mesh's ``dp`` dim: the plan's units (default: the model's largest ``nn.ModuleList``'s
     entries) where the stage has them, then the stage itself."""
-    parts = nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(_pp_rank(mesh, fsdp))])
-    if fsdp is not None:
-        whole = fsdp.units if fsdp.units is not None else default_units(replica)
-        with meshes_outside_modes():
-            for part in parts:
+    parts = nn.ModuleList([_cut(plan, replica, i) for i in plan.stage_indices(_pp_rank(mesh))])
+    whole = None if fsdp is None else fsdp.units if fsdp.units is not None else default_units(replica)
+    with meshes_outside_modes():
+        for part in parts:
+            if styles is not None:
+                _lay_out(part, mesh["tp"], styles)
+            if fsdp is not None:
                 units = tuple(u for u in whole if _has(part, u))
                 apply_fully_shard(part, mesh["dp"], dataclasses.replace(fsdp, units=units, root=""))
     return parts
 
 
-def _pp_rank(mesh: Any, fsdp: FSDP2Plan | None) -> int:
+def _lay_out(part: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
+    """``parallelize_module`` over ``mesh`` on a stage module, with the plan's entries that name a module the stage
+    holds with parameters: a stage keeps the model's names, and the modules other stages hold are gone or stand-ins
+    (a style on a stand-in would raise, as on no nn.Linear)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    here: dict[str, Any] = {}
+    for key, style in styles.items():
+        for name, module in part.named_modules():
+            if name and _matches(name.split("."), key.split(".")) and next(module.parameters(), None) is not None:
+                here[name] = style
+    if here:
+        parallelize_module(part, mesh, here)
+
+
+def _pp_rank(mesh: Any) -> int:
     """This rank's place in the pipeline: its coordinate on the ``pp`` dim, or its rank when the pipeline is the
     whole world."""
-    return mesh["pp"].get_local_rank() if fsdp is not None else mesh.get_rank()
+    return mesh["pp"].get_local_rank() if mesh.ndim > 1 else mesh.get_rank()
 
 
 def _local_parameters(parts: nn.Module) -> list[torch.Tensor]:
@@ -474,13 +526,25 @@ def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, parts: nn.Mod
 
 
 def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = None,
-                      world_size: int | None = None) -> list[list[int]]:
+                      world_size: int | None = None, tp: TPPlan | None = None) -> list[list[int]]:
     """Ranks that run the same program: alone, every pipeline rank on its own (ranks hold different stages and
     different micro-batches in flight); with FSDP2, the ranks of one pipeline rank whose shards have the same local
     shapes: each stage is cut once from a meta copy, and FSDP2's cut of every parameter over the ``dp`` ranks
     (`shard_rows`; ``fully_shard`` covers the whole stage) says which data-parallel ranks hold equal shards, so a
     world of hundreds of ranks costs one cut per pipeline rank. (A split that fails on a meta copy raises here,
-    before any trace.)"""
+    before any trace.) With tensor parallelism, each rank's stages are laid out on a meta copy as that rank lays them
+    out in a fake world (as `preflight.parallel.tp_rank_groups` does), and ranks of one pipeline rank whose local
+    shapes are equal share a trace."""
+    if tp is not None:
+        engine = _engine(plan, None, fsdp, world_size, tp, plan_styles(model, tp))
+        size = world_size if fsdp is not None else plan.stages * tp.degree
+        signatures: dict[tuple[Any, ...], list[int]] = {}
+        for rank in range(size):
+            with fresh_dtensor_caches(), fake_world(size, rank, mesh=engine.mesh) as mesh:
+                parts = engine.wrap(fake_replica(model, MetaTwins()), mesh)
+                key = (_pp_rank(mesh), tuple(tuple(t.shape) for t in _local_parameters(parts)))
+            signatures.setdefault(key, []).append(rank)
+        return list(signatures.values())
     # A fresh copy per stage: a split may take what it keeps out of the model it is given.
     cuts = [plan.stage_module(fake_replica(model, MetaTwins()), stage) for stage in range(plan.num_stages)]
     if fsdp is None:
@@ -506,6 +570,7 @@ def trace_pp(
     plan: PPPlan,
     fsdp: FSDP2Plan | None = None,
     world_size: int | None = None,
+    tp: TPPlan | None = None,
     step: StepFn | None,
     precision: str | None,
     steps: int,
@@ -524,7 +589,8 @@ def trace_pp(
         model, optimizer, batch: the user's; only read. ``batch`` is ``(inputs, target)`` (`PPPlan`). The optimizer
             is rebuilt (same class and hyperparameters) over the stage's parameters.
         fsdp, world_size: FSDP2 over the data-parallel dim of a ``("pp", "dp")`` mesh of ``world_size`` ranks
-            (None: pipeline parallelism alone over ``plan.stages`` ranks).
+            (None: pipeline parallelism alone over ``plan.stages`` ranks, times ``tp``'s degree where given).
+        tp: tensor parallelism inside each stage, over the mesh's innermost ``tp`` dim (`_mesh_shape`).
         step: must be None: the schedule runs the forward, the loss and the backward.
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
         shared: one dict passed to every rank's call of one plan: torch's metadata inference over all the stages
@@ -543,8 +609,10 @@ def trace_pp(
                          "`loss_fn`; leave `step` out")
     shared = {} if shared is None else shared
     if "stage_metas" not in shared:
-        shared["stage_metas"] = _stage_metas(model, plan, batch, precision)
-    engine = _engine(plan, shared["stage_metas"], fsdp, world_size)
-    return trace_rank(engine, model, optimizer, batch, world_size=world_size or plan.stages, rank=rank, step=None,
+        shared["stage_metas"] = _stage_metas(model, plan, batch, precision, tp)
+    styles = None if tp is None else plan_styles(model, tp)
+    engine = _engine(plan, shared["stage_metas"], fsdp, world_size, tp, styles)
+    ranks = world_size or plan.stages * (1 if tp is None else tp.degree)
+    return trace_rank(engine, model, optimizer, batch, world_size=ranks, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)

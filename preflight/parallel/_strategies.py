@@ -60,8 +60,9 @@ class ParallelPlan:
         tp: tensor parallelism (a `preflight.parallel.TPPlan`): with ``sharding=None`` its degree is the world size;
             with ``"fsdp2"``, FSDP2 shards over the data-parallel dim of the mesh ``(world_size // degree,
             degree)``, as torchtitan lays out TP x FSDP2 (``fsdp`` may give an `FSDP2Plan` for it).
-        pp: pipeline parallelism (a `preflight.parallel.PPPlan`), one stage per rank: its stages are the world size;
-            traced alone (``sharding=None``, no ``tp``).
+        pp: pipeline parallelism (a `preflight.parallel.PPPlan`): with ``sharding=None`` its ranks (times ``tp``'s
+            degree, where given) are the world size; with ``"fsdp2"``, FSDP2 shards each stage over the data-parallel
+            dim of the mesh ``(pp ranks, world_size // (pp ranks x tp degree), tp degree)``, torchtitan's layout.
         cp: context parallelism (a `preflight.parallel.CPPlan`): with ``sharding=None`` its degree is the world size
             (the model replicated on every rank of the ring); with ``"fsdp2"``, FSDP2 shards over every rank of the
             job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks.
@@ -109,6 +110,8 @@ class ParallelPlan:
 
         if not isinstance(self.tp, TPPlan):
             raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
+        if self.pp is not None:  # the world is the pipeline's, tensor-parallel and data-parallel ranks: `_check_pp`
+            return
         # A ValueError where the degrees do not divide the world (HSDP's replicate dim included).
         tp_mesh(self.tp, self.world_size, self.fsdp if isinstance(self.fsdp, FSDP2Plan) else None)
         if self.sharding is None and self.tp.degree != self.world_size:
@@ -128,20 +131,24 @@ class ParallelPlan:
 
         if not isinstance(self.pp, PPPlan):
             raise TypeError(f"`ParallelPlan.pp` should be a preflight.parallel.PPPlan or None, got {self.pp!r}.")
-        if self.sharding is None and self.pp.stages != self.world_size:
-            raise ValueError(f"`pp.stages` is {self.pp.stages} but the world size is {self.world_size}: data "
+        # One data-parallel replica's ranks: the pipeline's, each a tensor-parallel group where `tp` is given.
+        degree = self.tp.degree if self.tp is not None else 1
+        ranks, what = self.pp.stages * degree, "pipeline" + (f" x {degree} tensor-parallel" if self.tp else "")
+        if self.sharding is None and ranks != self.world_size:
+            raise ValueError(f"the {what} ranks are {ranks} but the world size is {self.world_size}: data "
                              "parallelism beside pipeline parallelism is traced with FSDP2 over the other dim; pass "
-                             "sharding='fsdp2', or world_size equal to the pipeline's ranks.")
-        if self.sharding is not None and (self.sharding != "fsdp2" or self.world_size % self.pp.stages
-                                          or self.world_size == self.pp.stages):
-            raise ValueError(f"with pipeline parallelism over {self.pp.stages} rank(s) in a world of "
-                             f"{self.world_size}, `sharding` should be 'fsdp2' (FSDP2 over the world_size // "
-                             "pipeline ranks of each stage, a multiple of them) or None (pipeline parallelism "
-                             f"alone), got {self.sharding!r}.")
-        if self.tp is not None or any(
-                (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("pipeline parallelism is traced alone or with FSDP2, not yet with tensor parallelism, "
+                             f"sharding='fsdp2', or world_size equal to {ranks}.")
+        if self.sharding is not None and (self.sharding != "fsdp2" or self.world_size % ranks
+                                          or self.world_size == ranks):
+            raise ValueError(f"with {ranks} {what} rank(s) in a world of {self.world_size}, `sharding` should be "
+                             f"'fsdp2' (FSDP2 over the world_size // {ranks} ranks of each stage, a multiple of "
+                             f"them) or None (no data parallelism), got {self.sharding!r}.")
+        if any((self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("pipeline parallelism is traced alone or with FSDP2 and tensor parallelism, not yet with "
                              "offload, DeepSpeed or DDP's options: leave them out of a plan with `pp`.")
+        if self.tp is not None and getattr(self.fsdp, "replicate", 1) != 1:
+            raise ValueError("pipeline and tensor parallelism are traced with FSDP2 over one data-parallel dim, not "
+                             "yet with HSDP: leave the FSDP2Plan's replicate at 1.")
 
     def _check_cp(self) -> None:
         from preflight.parallel._context import CPPlan

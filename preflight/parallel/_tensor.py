@@ -45,7 +45,7 @@ from preflight.parallel._rank import (Engine, MetaTwins, fake_replica, fresh_dte
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 
-__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "laid_out_parameters", "model_styles", "read_tp",
+__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "laid_out_parameters", "model_styles", "plan_styles", "read_tp",
            "tp_rank_groups", "trace_tp", "unmatched_styles"]
 
 
@@ -139,8 +139,10 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
     return {name: _hf_style(word) for name, word in plan.items()}
 
 
-def _styles(model: nn.Module, plan: TPPlan) -> dict[str, Any]:
+def plan_styles(model: nn.Module, plan: TPPlan) -> dict[str, Any]:
+    """The plan's styles, or the model's own where the plan gives none (`model_styles`)."""
     return dict(plan.styles) if plan.styles is not None else model_styles(model)
+
 
 
 def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
@@ -148,7 +150,7 @@ def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
     submodule of ``model``: ``parallelize_module`` skips them with a warning, and so does the trace. A ValueError
     where the model has no plan of its own and the `TPPlan` gives none (`model_styles`)."""
     names = [name.split(".") for name, _ in model.named_modules() if name]
-    return [key for key in _styles(model, plan) if key and not any(_matches(parts, key.split(".")) for parts in names)]
+    return [key for key in plan_styles(model, plan) if key and not any(_matches(parts, key.split(".")) for parts in names)]
 
 
 def _matches(parts: list[str], key: list[str]) -> bool:
@@ -161,7 +163,7 @@ def laid_out_parameters(model: nn.Module, plan: TPPlan) -> set[str]:
     """The names of ``model``'s parameters ``plan`` lays out as DTensors: those of the modules its names match
     (``*`` matching one name part, as ``parallelize_module`` matches them). The others stay plain tensors under
     tensor parallelism alone."""
-    keys = [key.split(".") for key in _styles(model, plan) if key]
+    keys = [key.split(".") for key in plan_styles(model, plan) if key]
     out = set()
     for name, module in model.named_modules():
         parts = name.split(".")
@@ -186,7 +188,7 @@ def tp_mesh(plan: TPPlan, world_size: int, fsdp: FSDP2Plan | None = None) -> tup
 
 
 def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:
-    styles = _styles(model, plan)
+    styles = plan_styles(model, plan)
     shape, names = tp_mesh(plan, world_size, fsdp)
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
@@ -521,5 +523,5 @@ def uses_sequence_parallel(model: nn.Module, plan: TPPlan | WrappedTP) -> bool:
     from torch.distributed.tensor.parallel import SequenceParallel
 
     if isinstance(plan, TPPlan):
-        return any(isinstance(style, SequenceParallel) for style in _styles(model, plan).values())
+        return any(isinstance(style, SequenceParallel) for style in plan_styles(model, plan).values())
     return False  # a laid-out model keeps its hooks, not its styles

@@ -13,7 +13,7 @@ from conftest import call_end_peak, gloo_rank, spawned
 from torch import nn
 
 import preflight
-from preflight.parallel import ParallelPlan, PPPlan, causal_lm_loss, split_sequential, split_transformers
+from preflight.parallel import ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_sequential, split_transformers
 
 WIDTH, BATCH, SEQ = 128, 16, 32
 
@@ -58,9 +58,20 @@ def test_plan_options_are_checked():
         ParallelPlan(2, "fsdp2", pp=PPPlan(2, _mse))  # no data-parallel ranks left to shard over
     with pytest.raises(ValueError, match="`sharding` should be 'fsdp2'"):
         ParallelPlan(6, "fsdp2", pp=PPPlan(4, _mse))  # not a multiple of the pipeline's ranks
-    with pytest.raises(ValueError, match="not yet with tensor parallelism"):
+    with pytest.raises(ValueError, match="not yet with offload"):
         ParallelPlan(4, None, offload_optimizer=True, pp=PPPlan(4, _mse))
     assert ParallelPlan(8, "fsdp2", pp=PPPlan(2, _mse)).pp.stages == 2
+    # With tensor parallelism, one replica is the pipeline's ranks times the tensor-parallel degree.
+    assert ParallelPlan(4, None, pp=PPPlan(2, _mse), tp=TPPlan(2)).tp.degree == 2
+    assert ParallelPlan(8, "fsdp2", pp=PPPlan(2, _mse), tp=TPPlan(2)).world_size == 8
+    with pytest.raises(ValueError, match="pipeline x 2 tensor-parallel ranks are 4 but the world size is 8"):
+        ParallelPlan(8, None, pp=PPPlan(2, _mse), tp=TPPlan(2))
+    with pytest.raises(ValueError, match="`sharding` should be 'fsdp2'"):
+        ParallelPlan(6, "fsdp2", pp=PPPlan(2, _mse), tp=TPPlan(2))
+    from preflight.parallel import FSDP2Plan
+
+    with pytest.raises(ValueError, match="not yet with HSDP"):
+        ParallelPlan(16, "fsdp2", pp=PPPlan(2, _mse), tp=TPPlan(2), fsdp=FSDP2Plan(replicate=2))
 
 
 def test_stages_are_laid_on_ranks_as_torchs_schedules_lay_them():
@@ -321,6 +332,29 @@ def test_transformers_cut_keeps_names_and_hands_on_hidden_states():
         split_transformers(_blocks(), 0, 2)
 
 
+def test_tensor_parallel_stages_lay_out_their_own_modules_and_share_a_trace_per_stage():
+    """Under PP x TP each stage is laid out by the model's own plan over the mesh's tp dim: the stage's projections
+    and head are cut in two, the modules other stages hold (transformers' stand-ins) are skipped, and the ranks of one
+    stage hold equal shards, so they share a trace (with FSDP2 over a third dim too)."""
+    from preflight.parallel import FSDP2Plan, fake_replica, fake_world, plan_styles, stage_rank_groups
+    from preflight.parallel._pipeline import _mesh_shape, _stage_parts
+    from preflight.parallel._rank import MetaTwins, fresh_dtensor_caches
+
+    model = _llama()
+    plan, tp = PPPlan(2, causal_lm_loss, split=split_transformers), TPPlan(2)
+    assert _mesh_shape(plan, FSDP2Plan(), 8, tp) == ((2, 2, 2), ("pp", "dp", "tp"))
+    with fresh_dtensor_caches(), fake_world(4, 2, mesh=_mesh_shape(plan, None, 4, tp)) as mesh:
+        parts = _stage_parts(plan, None, fake_replica(model, MetaTwins()), mesh, plan_styles(model, tp))
+        local = {n: tuple(getattr(p, "_local_tensor", p).shape) for n, p in parts.named_parameters()}
+    assert local["0.model.layers.2.self_attn.q_proj.weight"] == (WIDTH // 2, WIDTH)  # column-wise
+    assert local["0.model.layers.3.mlp.down_proj.weight"] == (WIDTH, 344 // 2)  # row-wise
+    assert local["0.lm_head.weight"] == (VOCAB // 2, WIDTH)
+    assert local["0.model.norm.weight"] == (WIDTH,)  # not in the plan: whole on every rank
+    assert not any(".layers.0." in n or "embed_tokens" in n for n in local)  # the first stage's
+    assert stage_rank_groups(model, plan, None, 4, tp) == [[0, 1], [2, 3]]
+    assert stage_rank_groups(model, plan, FSDP2Plan(), 8, tp) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [None, "bf16-true", "bf16-mixed"])
 def test_a_transformers_decoder_is_traced_per_stage(precision):
@@ -414,30 +448,43 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
 
 
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, kind: str,
-                 dp: int = 1) -> None:
+                 dp: int = 1, tp: int = 1) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
-    PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp`` > 1, a
-    ("pp", "dp") mesh: each stage's blocks and the stage wrapped by fully_shard over dp, the stages talking over
-    pp. Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
+    PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp`` > 1 or
+    ``tp`` > 1, a ("pp", "dp", "tp") mesh (the dims of size 1 left out): each stage laid out by parallelize_module
+    over tp (the plan `benchmarks/pipeline_parallel.py` writes), its blocks and the stage wrapped by fully_shard
+    over dp, the stages talking over pp. Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
     lost frees placed (`conftest.call_end_peak`)."""
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    from benchmarks.pipeline_parallel import stage_styles
     from preflight._device import held_tensors, live_storage_bytes
 
     global _IN_WORKER
     _IN_WORKER = True
     with gloo_rank(rank, world, port):
-        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
+        dims = [("pp", world // (dp * tp))] + [(n, d) for n, d in (("dp", dp), ("tp", tp)) if d > 1]
+        mesh = (init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+                if len(dims) > 1 else None)
         seq = _real_seq(dp)
         model, (x, y), loss_fn, split = _setup(kind, seq)
-        plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=microbatches)
+        plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches)
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
-        for part in parts if mesh is not None else ():
-            for block in part.layers.values() if kind == "decoder" else part:
+        for part in parts if tp > 1 else ():
+            parallelize_module(part, mesh["tp"], stage_styles(part))
+        for part in parts if dp > 1 else ():
+            if kind == "decoder":
+                blocks = list(part.layers.values())
+            elif kind == "llama":
+                blocks = [layer for layer in part.model.layers if next(layer.parameters(), None) is not None]
+            else:
+                blocks = list(part)
+            for block in blocks:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(part, mesh=mesh["dp"])
         group = mesh["pp"].get_group() if mesh is not None else None
@@ -502,6 +549,26 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
 
 
 @pytest.mark.slow
+def test_real_gloo_pipeline_with_tensor_parallel_stages_per_rank_peak_within_3_percent():
+    """PP 2 x TP 2 on a 2-D mesh (torchtitan's layout, tensor-parallel ranks innermost): a transformers Llama cut as
+    transformers cuts it, each stage laid out by the model's own tensor-parallel plan, every rank against its
+    prediction. With FSDP2 over a third dim: `benchmarks/pipeline_parallel.py`."""
+    model, batch, loss_fn, split = _setup("llama", _real_seq(1))
+    plan = PPPlan(2, loss_fn, microbatches=4, split=split)
+    optimizer = torch.optim.AdamW(model.parameters())
+    est = preflight.estimate(model, optimizer, batch, preflight.Run(parallel=ParallelPlan(4, None, tp=TPPlan(2),
+                                                                                          pp=plan)))
+    assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
+    assert any("laid out by parallelize_module over the tp dim" in n for n in est.coverage.notes)
+    # Tensor-parallel ranks of one stage hold equal shards; the two stages differ.
+    assert est.per_rank_peak_bytes[0] == est.per_rank_peak_bytes[1] != est.per_rank_peak_bytes[2]
+    measured = spawned(_gloo_worker, 4, "1F1B", 4, "llama", 1, 2)
+    for rank in range(4):
+        error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
+        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
 def test_the_example_plans_each_schedule_per_stage():
     import re
 
@@ -550,11 +617,23 @@ def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
     assert "GPT2LMHeadModel is not one: plan it in Python with your own split" in capsys.readouterr().err
     assert main([*base[:-2], "--microbatches", "4"]) == 2  # without --pp
     assert "pass --pp N" in capsys.readouterr().err
-    for extra, said in ((["--tp", "2"], "not with --tp"), (["--world-size", "4"], "--sharding fsdp2"),
+    for extra, said in ((["--offload-optimizer"], "not with --offload-optimizer"),
+                        (["--world-size", "4"], "--sharding fsdp2"), (["--tp", "2", "--world-size", "6"],
+                                                                      "--sharding fsdp2"),
                         (["--accumulate", "2"], "--microbatches"), (["--schedule", "2F2B"], "'GPipe', '1F1B'")):
         capsys.readouterr()
         assert main([*base, *extra]) == 2, extra
         assert said in capsys.readouterr().err, extra
+    # With --tp 2, each stage laid out by the model's own tensor-parallel plan: 4 ranks, as the Python API plans them.
+    capsys.readouterr()
+    both = tmp_path / "pp-tp.json"
+    assert main([*base, "--tp", "2", "--microbatches", "4", "--json", str(both)]) == 0
+    assert "4 rank(s), tensor parallel degree 2, pipeline parallel degree 2" in capsys.readouterr().out
+    python = preflight.estimate(model, torch.optim.AdamW(model.parameters()), (ids, ids),
+                                preflight.Run(parallel=ParallelPlan(4, None, tp=TPPlan(2), pp=plan)))
+    report = json.loads(both.read_text())
+    assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
+    assert report["per_rank_peak_bytes"][0] < json.loads(out.read_text())["per_rank_peak_bytes"][0]
 
 
 @pytest.mark.slow

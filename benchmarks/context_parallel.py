@@ -9,6 +9,11 @@ with keys and values all-gathered (``allgather``, torch's default) or passed on 
     cp            the model replicated on each rank of one ring of WORLD ranks
     cp x fsdp2    rings of 2 consecutive ranks, and ``fully_shard`` on each decoder layer and the root over every
                   rank (the mesh ``(WORLD / 2, 2)`` flattened, torchtitan's ``dp_shard_cp``)
+    cp x tp       the model laid out by ``parallelize_module`` over a tensor-parallel dim of 2 ranks, innermost
+                  (Megatron's plan, written in `distributed.megatron_styles`; predicted with the model's own plan,
+                  ``TPPlan(2)``), beside a ring of 2 ranks: the mesh ``(cp 2, tp 2)``
+    cp x tp x fsdp2  the same on the mesh ``(dp 2, cp 2, tp 2)``, then ``fully_shard`` over the dp and cp dims
+                  flattened, torchtitan's layout
 
 torch 2.13's ring has no rule for the CPU's fused attention kernel, so the real runs enter preflight's
 ``cpu_ring_attention`` (a sharding rule and a handler that call torch's own ``_templated_ring_attention`` over
@@ -49,7 +54,9 @@ VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 CONFIGS = (("cp", 2, 2, "allgather", None), ("cp", 2, 2, "alltoall", None), ("cp", 4, 4, "allgather", None),
            ("cp", 4, 4, "alltoall", None), ("cp x fsdp2", 4, 2, "allgather", None),
            ("cp", 2, 2, "allgather", "bf16-mixed"), ("cp + ac", 2, 2, "allgather", None),
-           ("cp x fsdp2 + ac", 4, 2, "allgather", None))
+           ("cp x fsdp2 + ac", 4, 2, "allgather", None), ("cp x tp", 4, 2, "allgather", None),
+           ("cp x tp x fsdp2", 8, 2, "allgather", None))
+TP = 2  # the tensor-parallel ranks of the "cp x tp" layouts
 SUBSET = os.environ.get("CP_CONFIGS")  # a subset, by index (e.g. "6,7"), for a quick look: printed, not written
 if SUBSET:
     CONFIGS = tuple(CONFIGS[int(i)] for i in SUBSET.split(","))
@@ -75,20 +82,26 @@ def _worker(rank: int, world: int, layout: str, degree: int, rotate: str, precis
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distributed import join_gloo, measured_peaks
+    from distributed import join_gloo, measured_peaks, megatron_styles
     from preflight.parallel import CPPlan
     from preflight.parallel._context import ring_of
 
     join_gloo(rank, world, port)
     try:
         model, batch = build(layout)
-        if "fsdp2" not in layout:
-            ring = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        else:
+        tp = TP if "tp" in layout else 1
+        dp = world // (degree * tp)
+        dims = [(n, d) for n, d in (("dp", dp), ("cp", degree), ("tp", tp)) if d > 1 or n == "cp"]
+        mesh = init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        ring = mesh["cp"] if len(dims) > 1 else mesh
+        if tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh["tp"], megatron_styles(model))
+        if "fsdp2" in layout:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world // degree, degree), mesh_dim_names=("dp", "cp"))
-            ring, every = mesh["cp"], mesh._flatten("dp_cp")
+            every = mesh["dp", "cp"]._flatten("dp_cp") if dp > 1 else ring
             for layer in model.model.layers:
                 fully_shard(layer, mesh=every)
             fully_shard(model, mesh=every)
@@ -107,23 +120,25 @@ def measure(layout: str, world: int, degree: int, rotate: str, precision: str | 
 
 def predict(layout: str, world: int, degree: int, rotate: str, precision: str | None) -> Any:
     import preflight
-    from preflight.parallel import CPPlan
+    from preflight.parallel import CPPlan, TPPlan
 
     model, batch = build(layout)
     sharding = "fsdp2" if "fsdp2" in layout else None
+    tp = TPPlan(TP) if "tp" in layout else None
     run = preflight.Run(precision=precision, parallel=preflight.ParallelPlan(world, sharding,
-                                                                             cp=CPPlan(degree, rotate)))
+                                                                             cp=CPPlan(degree, rotate), tp=tp))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run)
     assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
     return est
 
 
-def closed_form(degree: int) -> int:
-    """Korthikanti et al.'s activation bytes for the run's layers (module docstring), divided by the ring's ranks."""
+def closed_form(degree: int, tp: int = 1) -> int:
+    """Korthikanti et al.'s activation bytes for the run's layers (module docstring; with tensor parallelism of
+    degree ``tp``, as their formula divides it), divided by the ring's ranks."""
     from preflight.parallel._tensor import closed_form_activations
 
     model, batch = build()
-    return closed_form_activations(model, batch, 1, sequence_parallel=False) // degree
+    return closed_form_activations(model, batch, tp, sequence_parallel=False) // degree
 
 
 def main() -> int:
@@ -135,7 +150,7 @@ def main() -> int:
     for layout, world, degree, rotate, precision in CONFIGS:
         runs = [measure(layout, world, degree, rotate, precision) for _ in range(REPEATS)]
         est = predict(layout, world, degree, rotate, precision)
-        formula = closed_form(degree)
+        formula = closed_form(degree, TP if "tp" in layout else 1)
         for rank in range(world):
             low = min(r[rank][-1] for r in runs)
             high = max(r[rank][-1] for r in runs)

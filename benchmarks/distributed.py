@@ -136,6 +136,27 @@ def wrap(model: torch.nn.Module, sharding: str, mixed: str | None, nodes: int = 
                                     use_orig_params=True, device_id=torch.device("cpu"), device_mesh=mesh)
 
 
+def megatron_styles(module: torch.nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan a job writes for a Llama, or a stage of one cut by `split_transformers` (Megatron's
+    layout, as transformers' own plan words it): the attention's and MLP's projections column- then row-wise, the
+    embedding cut along the vocabulary, the head column-wise with its logits gathered; only the modules ``module``
+    holds (a stage's others are parameterless stand-ins). Written here, not translated by preflight, so that the
+    real runs do not take their layout from the code they check."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    for name, child in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(child, torch.nn.Embedding):
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif isinstance(child, torch.nn.Linear) and leaf == "lm_head":
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
+        elif isinstance(child, torch.nn.Linear):
+            styles[name] = RowwiseParallel() if leaf in ("o_proj", "down_proj") else ColwiseParallel()
+    return styles
+
+
 def _heap_in_use() -> int:
     import ctypes
 

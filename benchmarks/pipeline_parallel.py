@@ -20,7 +20,7 @@ stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
 Three configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
 each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks. Three more lay each
 Llama stage out with tensor parallelism (``parallelize_module`` over the mesh's innermost ``tp`` dim with the plan
-`stage_styles` writes, Megatron's layout as transformers' own plan words it; predicted with the model's own plan,
+`distributed.megatron_styles` writes, Megatron's layout as transformers' own plan words it; predicted with the model's own plan,
 ``TPPlan(2)``): PP 2 x TP 2 under 1F1B and interleaved 1F1B on 4 processes, and PP 2 x FSDP2 2 x TP 2 on a
 ("pp", "dp", "tp") mesh of 8 processes, torchtitan's 3-D layout.
 
@@ -143,26 +143,6 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
     return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
 
 
-def stage_styles(part: nn.Module) -> dict[str, Any]:
-    """The tensor-parallel plan a job writes for a Llama stage cut by `split_transformers` (Megatron's layout, as
-    transformers' own plan words it): the attention's and MLP's projections column- then row-wise, the embedding cut
-    along the vocabulary, the head column-wise with its logits gathered; only the modules the stage holds (the
-    others are parameterless stand-ins)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles: dict[str, Any] = {}
-    for name, module in part.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding):
-            styles[name] = RowwiseParallel(input_layouts=Replicate())
-        elif isinstance(module, nn.Linear) and leaf == "lm_head":
-            styles[name] = ColwiseParallel(output_layouts=Replicate())
-        elif isinstance(module, nn.Linear):
-            styles[name] = RowwiseParallel() if leaf in ("o_proj", "down_proj") else ColwiseParallel()
-    return styles
-
-
 def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, tp: int, port: int,
             queue: Any) -> None:
     import gc
@@ -174,7 +154,7 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed import _CALL, _alive_storages, _Phases, join_gloo
+    from distributed import _CALL, _alive_storages, _Phases, join_gloo, megatron_styles
     from preflight._device import live_storage_bytes
     from preflight._measure import freed_addresses, lost_free_peaks
     from preflight._quiet import StderrFilter
@@ -193,7 +173,7 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
         for part in parts if tp > 1 else ():  # each stage laid out, then wrapped, as torchtitan orders them
-            parallelize_module(part, mesh["tp"], stage_styles(part))
+            parallelize_module(part, mesh["tp"], megatron_styles(part))
         for part in parts if dp > 1 else ():  # torchtitan's PP x FSDP2: each block, then the stage
             for block in units(part):
                 fully_shard(block, mesh=mesh["dp"])
@@ -283,7 +263,7 @@ def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp
 
 def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int) -> Any:
     """The estimate, and each rank's traced activations at its own peak. Tensor parallelism is planned with the
-    model's own plan (transformers' ``base_model_tp_plan``), not the worker's `stage_styles`."""
+    model's own plan (transformers' ``base_model_tp_plan``), not the worker's `distributed.megatron_styles`."""
     import preflight
     from preflight.parallel import FSDP2Plan, PPPlan, TPPlan
 

@@ -160,8 +160,10 @@ def _parser() -> argparse.ArgumentParser:
                           "--world-size needs --sharding fsdp2 (FSDP2 inside each stage). Each distinct rank traced")
     est.add_argument("--cp", type=int, default=None, metavar="N",
                      help="context parallelism (causal-lm): each sequence cut among N ranks, attention through torch's "
-                          "ring (context_parallel; --cp-rotate); the world size defaults to N, and a larger "
-                          "--world-size needs --sharding fsdp2 (FSDP2 over every rank, torchtitan's dp_shard_cp); "
+                          "ring (context_parallel; --cp-rotate); with --tp M the model is laid out by its own "
+                          "tensor-parallel plan over M ranks beside the ring; the world size defaults to N (x M), "
+                          "and a larger --world-size needs --sharding fsdp2 (FSDP2 over every rank of the data-"
+                          "parallel and ring dims, torchtitan's dp_shard_cp); "
                           "torch balances the load where --seq divides into 2N chunks. Each place in the ring "
                           "traced")
     est.add_argument("--ep", type=int, default=None, metavar="N",
@@ -499,16 +501,17 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         if parallel is not None:
             pass  # expert parallelism, above
         elif cp is not None:
-            other = _given(args, offload, "--tp", "--pp", "--deepspeed-config", "--offload-optimizer",
+            other = _given(args, offload, "--pp", "--deepspeed-config", "--offload-optimizer",
                            "--offload-params", "--generate")
-            if cp < 1 or args.task != "causal-lm" or other:
+            if cp < 1 or args.task != "causal-lm" or other or (tp is not None and tp < 1):
                 raise UsageError(f"--cp {cp}: context parallelism is planned for a causal-lm over at least 1 rank, "
-                                 "alone or with --sharding fsdp2" + (f"; not with {', '.join(other)}" if other else
-                                                                     "") + ".")
-            from preflight.parallel import CPPlan
+                                 "alone or with --tp N and --sharding fsdp2" +
+                                 (f"; not with {', '.join(other)}" if other else "") + ".")
+            from preflight.parallel import CPPlan, TPPlan
 
-            world = cp if args.world_size == 1 else args.world_size
-            parallel = ParallelPlan(world, sharding, cp=CPPlan(cp, args.cp_rotate), source="the command line")
+            world = cp * (tp or 1) if args.world_size == 1 else args.world_size
+            parallel = ParallelPlan(world, sharding, cp=CPPlan(cp, args.cp_rotate), tp=TPPlan(tp) if tp else None,
+                                    source="the command line")
         elif pp is not None:
             parallel = _pp_plan(args, sharding, offload)
         elif tp is not None:

@@ -268,13 +268,16 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
             raise ValueError("`run.parallel.cp` plans context parallelism with FSDP2 or alone, but the model is "
                              "laid out by tensor parallelism or wrapped by FSDP1: call preflight on the model "
                              "before it is wrapped.")
+        if wrapped is not None and tp is not None:
+            raise ValueError("`run.parallel.tp` plans tensor parallelism beside the ring for a model not yet laid "
+                             "out, but the model is already wrapped by FSDP: call preflight before wrapping it.")
         # A model fully_shard wrapped (accelerate's prepare): its plan was read above, over every rank.
         fsdp_cp = fsdp_trace_plan(fsdp, sharding)
         if isinstance(fsdp_cp, FSDP1Plan) or (fsdp_cp is not None and fsdp_cp.replicate != 1):
             raise ValueError("context parallelism is traced with FSDP2 (fully_shard) over every rank: pass "
                              "sharding='fsdp2' without hybrid sharding.")
         est = _cp_estimate(model, optimizer, batch, cp, fsdp_cp, world_size, options, fast=fast, gpu_info=gpu_info,
-                           allocator=allocator)
+                           allocator=allocator, tp=tp)
         if wrapped is not None:
             est = dataclasses.replace(est, coverage=dataclasses.replace(
                 est.coverage, notes=(*est.coverage.notes, wrapped.note())))
@@ -819,30 +822,38 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, cp: CPPlan,
                  fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
-                 allocator: AllocatorConfig | None) -> Estimate:
-    """Each place in the ring of a context-parallel run (with FSDP2 over every rank where ``fsdp``) traced through
-    torch's ``context_parallel`` (`preflight.parallel.trace_cp`); the estimate of the rank that peaks highest. Where
-    a rank cannot be traced, the analytic lower bound with the model's state divided among the ranks, labelled."""
+                 allocator: AllocatorConfig | None, tp: TPPlan | None = None) -> Estimate:
+    """Each place in the ring of a context-parallel run (with FSDP2 over every rank where ``fsdp``, the model laid
+    out by tensor parallelism over an innermost dim where ``tp``) traced through torch's ``context_parallel``
+    (`preflight.parallel.trace_cp`); the estimate of the rank that peaks highest. Where a rank cannot be traced, the
+    analytic lower bound with the model's state divided among the ranks, labelled."""
     target, traced_as = options["target_device"], _rank_options(options)
-    shape, names = cp.mesh(world_size)
+    shape, names = cp.mesh(world_size, tp)
     mesh = " x ".join(f"{n} {d}" for d, n in zip(shape, names))
-    # One process group where the ring is the world (FSDP2 over it too); a 2-D mesh's groups otherwise
-    # (`rank_nccl_buffers` reads " x ").
-    sharding = f"cp{cp.degree}" if fsdp is None else f"cp{cp.degree} x fsdp2" if len(shape) > 1 else \
-        f"cp{cp.degree} with fsdp2"
+    # One process group where the ring is the world (FSDP2 over it too); one more per further mesh dim, and one for
+    # the dp and cp dims flattened (`rank_nccl_buffers` counts " x ").
+    sharding = f"cp{cp.degree}" + (f" x tp{tp.degree}" if tp is not None else "")
+    if fsdp is not None:
+        sharding += " x fsdp2" if "dp" in names else " with fsdp2"
+    skipped = [] if tp is None else unmatched_styles(model, tp)  # a ValueError where no styles are given or known
 
     def trace(rank: int) -> TraceResult:
-        return trace_cp(model, optimizer, batch, world_size=world_size, rank=rank, plan=cp, fsdp=fsdp,
+        return trace_cp(model, optimizer, batch, world_size=world_size, rank=rank, plan=cp, fsdp=fsdp, tp=tp,
                         **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(cp_rank_groups(cp, world_size), options), trace, "context_parallel")
+        lambda: _rank_zero_alone(cp_rank_groups(cp, world_size, model, tp, fsdp), options), trace,
+        "context_parallel")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"context parallelism ({cp.label}): a rank could not be traced")
     engine = ("inside fully_shard over every rank, torchtitan's dp_shard_cp" if fsdp is not None else
               "the model replicated on each rank; its gradient all-reduce is in place")
+    if tp is not None:
+        engine = "the model laid out by parallelize_module over the tp dim, " + (
+            "then inside fully_shard over the dp and cp dims" if fsdp is not None else
+            "replicated over the ring; its gradient all-reduce is in place")
     kernel = ("the attention kernel the target picks" if traced_as["cuda"] is not None else
               "the CPU's fused attention kernel (torch 2.13 has no ring rule for it; preflight's "
               "cpu_ring_attention adds torch's own ring over it)")
@@ -854,13 +865,17 @@ def _cp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     note = (f"context parallelism ({cp.label}): each place in the ring traced through torch's context_parallel "
             f"({engine}) under a fake {mesh} mesh, the batch's sequence tensors sharded in place {cut}, attention "
             f"through torch's ring over {kernel}; {_sharing(groups)}")
-    formula = closed_form_activations(model, batch, 1, False)
+    formula = closed_form_activations(model, batch, 1 if tp is None else tp.degree, False)
     if formula is not None:
-        note += (f"; the closed form users compute by hand (Korthikanti et al. 2022 without tensor parallelism, "
+        parallel = "without tensor parallelism" if tp is None else f"with tensor parallelism of degree {tp.degree}"
+        note += (f"; the closed form users compute by hand (Korthikanti et al. 2022 {parallel}, "
                  f"divided by the {cp.degree} ranks of the ring as Megatron's report divides it; GPT layers in "
                  f"16-bit with dropout, nothing outside the layers) gives {format_bytes(formula // cp.degree)} of "
                  "activations, where the trace holds this model's layers in their dtypes, the keys and values the "
                  "ring gathers, the logits and the loss as they run")
+    if skipped:
+        note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
+                 "module and were skipped, as parallelize_module skips them")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,

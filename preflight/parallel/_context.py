@@ -22,6 +22,12 @@ Ranks at the same place in the ring (the same index on the ``cp`` dim) run the s
 ranks at different places do not (with load balancing, rank ``r`` computes ``r`` of its ring steps on half its keys
 and the others on half its queries), so a ring of ``degree`` ranks is traced ``degree`` times.
 
+With tensor parallelism beside it (torchtitan's ``(dp, cp, tp)`` mesh, tensor-parallel ranks innermost), the copy is
+first laid out by ``parallelize_module`` over the ``tp`` dim, then wrapped by ``fully_shard`` over the ``dp`` and
+``cp`` dims flattened; each attention then runs on the rank's own heads and its slice of the sequence, through the
+ring over ``cp``. Ranks share a trace where their place in the ring and their local shapes are equal (each rank laid
+out on a meta copy to compare them).
+
 Known limitations: the gradient all-reduce over the ring of a replicated model (without FSDP2) is the user's and is
 not traced (it is in place); attention masks other than causal and flex attention are not traced (torch's ring
 refuses a mask); the rotary-embedding buffers torchtitan shards with the batch are the model's own here.
@@ -42,8 +48,10 @@ from preflight._loading import Loading
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
-from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
-from preflight.parallel._tensor import dtensor_watch, meshes_outside_modes
+from preflight.parallel._fake_group import fake_world
+from preflight.parallel._rank import (Engine, MetaTwins, fake_replica, fresh_dtensor_caches, local_parameters,
+                                     named_optimizer, trace_rank)
+from preflight.parallel._tensor import TPPlan, dtensor_watch, meshes_outside_modes, plan_styles
 from preflight.trace import Sweep, TraceResult, swept
 
 __all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "sequence_tensors", "trace_cp"]
@@ -83,16 +91,22 @@ class CPPlan:
                                 f"dim (an int), got {self.sequence!r}.")
             object.__setattr__(self, "sequence", dict(self.sequence))
 
-    def mesh(self, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def mesh(self, world_size: int, tp: TPPlan | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The fake mesh's ``(shape, dim names)`` for ``world_size`` ranks: ``(degree,)`` over ``("cp",)`` when the
         ring holds every rank, else ``(world_size // degree, degree)`` over ``("dp", "cp")`` (torchtitan's layout:
-        the ranks of one ring are consecutive); a ValueError where ``degree`` does not divide ``world_size``."""
-        if world_size % self.degree:
-            raise ValueError(f"`CPPlan.degree` ({self.degree}) should divide the world size {world_size}: the mesh "
-                             "is (world_size // degree, degree).")
-        if world_size == self.degree:
-            return (self.degree,), ("cp",)
-        return (world_size // self.degree, self.degree), ("dp", "cp")
+        the ranks of one ring are consecutive); with ``tp``, a ``tp`` dim of its degree innermost (``("cp", "tp")``
+        or ``("dp", "cp", "tp")``); a ValueError where the degrees do not divide ``world_size``."""
+        degree = 1 if tp is None else tp.degree
+        if world_size % (self.degree * degree):
+            raise ValueError(f"`CPPlan.degree` ({self.degree})" + (f" times `TPPlan.degree` ({degree})" if tp else "")
+                             + f" should divide the world size {world_size}: the mesh is (world_size // degree, "
+                             "degree" + (", tp degree)." if tp else ")."))
+        dp = world_size // (self.degree * degree)
+        shape, names = ((dp,), ("dp",)) if dp > 1 else ((), ())
+        shape, names = (*shape, self.degree), (*names, "cp")
+        if tp is not None:
+            shape, names = (*shape, degree), (*names, "tp")
+        return shape, names
 
     @property
     def label(self) -> str:
@@ -223,29 +237,55 @@ def ring_of(mesh: Any, batch: Any, plan: CPPlan, *, cpu: bool) -> Iterator[None]
         ring._cp_options.rotate_method = before
 
 
-def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int) -> Engine:
-    shape, names = plan.mesh(world_size)
+def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int, tp: TPPlan | None = None,
+            styles: dict[str, Any] | None = None) -> Engine:
+    """The ring's engine: with ``tp``, the copy laid out by ``parallelize_module`` with ``styles`` over the ``tp``
+    dim; with ``fsdp``, then wrapped by ``fully_shard`` over every rank of the non-tensor-parallel dims."""
+    shape, names = plan.mesh(world_size, tp)
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        if fsdp is not None:  # FSDP2 over every rank of the job: torchtitan's dp_shard_cp
-            with meshes_outside_modes():
-                apply_fully_shard(replica, mesh if len(shape) == 1 else mesh._flatten("dp_cp"), fsdp)
+        with meshes_outside_modes():
+            if tp is not None:
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(replica, mesh["tp"], styles)
+            if fsdp is not None:  # FSDP2 over every rank of the dp and cp dims: torchtitan's dp_shard_cp
+                apply_fully_shard(replica, _ring_and_data(mesh, names), fsdp)
         return replica
 
     def around(mesh: Any, batch: Any, *, cpu: bool) -> contextlib.AbstractContextManager[None]:
         return ring_of(mesh["cp"] if len(shape) > 1 else mesh, batch, plan, cpu=cpu)
 
-    return Engine(name="context_parallel" + (" + fully_shard" if fsdp is not None else ""), wrap=wrap,
-                  optimizer=named_optimizer("context parallelism"), parameters=local_parameters,
-                  watch=dtensor_watch(fsdp is not None),
-                  mesh=(shape, names), around=around)
+    name = "context_parallel" + (" + parallelize_module" if tp is not None else "") + (
+        " + fully_shard" if fsdp is not None else "")
+    return Engine(name=name, wrap=wrap, optimizer=named_optimizer("context parallelism"), parameters=local_parameters,
+                  watch=dtensor_watch(fsdp is not None), mesh=(shape, names), around=around)
 
 
-def cp_rank_groups(plan: CPPlan, world_size: int) -> list[list[int]]:
+def _ring_and_data(mesh: Any, names: tuple[str, ...]) -> Any:
+    """The mesh FSDP2 shards over beside a ring: the whole mesh where it is the ring, the ``cp`` dim where only the
+    tensor-parallel dim is beside it, else the ``dp`` and ``cp`` dims flattened."""
+    if len(names) == 1:
+        return mesh
+    return mesh["dp", "cp"]._flatten("dp_cp") if "dp" in names else mesh["cp"]
+
+
+def cp_rank_groups(plan: CPPlan, world_size: int, model: nn.Module | None = None,
+                   tp: TPPlan | None = None, fsdp: FSDP2Plan | None = None) -> list[list[int]]:
     """Ranks grouped by their place in the ring (their index on the ``cp`` dim): ranks of one group run the same
-    program and trace the same (module docstring)."""
-    plan.mesh(world_size)  # a ValueError where the degree does not divide the world
-    return [[r for r in range(world_size) if r % plan.degree == place] for place in range(plan.degree)]
+    program and trace the same (module docstring). With ``tp`` (and ``model``), ranks grouped by their place in the
+    ring and the local shapes of their parameters, each rank laid out (and wrapped by ``fsdp``) on a meta copy."""
+    shape, names = plan.mesh(world_size, tp)  # a ValueError where the degrees do not divide the world
+    if tp is None:
+        return [[r for r in range(world_size) if r % plan.degree == place] for place in range(plan.degree)]
+    engine = _engine(plan, fsdp, world_size, tp, plan_styles(model, tp))
+    signatures: dict[tuple[Any, ...], list[int]] = {}
+    for rank in range(world_size):
+        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
+            wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
+            key = (mesh["cp"].get_local_rank(), tuple(tuple(t.shape) for t in local_parameters(wrapped)))
+        signatures.setdefault(key, []).append(rank)
+    return list(signatures.values())
 
 
 @swept
@@ -258,6 +298,7 @@ def trace_cp(
     rank: int,
     plan: CPPlan,
     fsdp: FSDP2Plan | None = None,
+    tp: TPPlan | None = None,
     step: StepFn | None,
     precision: str | None,
     steps: int,
@@ -275,7 +316,8 @@ def trace_cp(
     Args:
         model, optimizer, batch: the user's; only read. The optimizer is rebuilt (same class and hyperparameters)
             over the copy's parameters; the batch's sequence tensors are sharded on the copy of the batch.
-        plan: the context-parallel plan; ``fsdp``: FSDP2 over every rank of the job (None: the model replicated).
+        plan: the context-parallel plan; ``fsdp``: FSDP2 over every rank of the job's data-parallel and ring dims
+            (None: the model replicated); ``tp``: tensor parallelism over an innermost ``tp`` dim.
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
 
     Returns:
@@ -287,6 +329,7 @@ def trace_cp(
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
     sequence_tensors(batch, plan)  # a ValueError naming what the plan asks of the batch, before any trace
-    return trace_rank(_engine(plan, fsdp, world_size), model, optimizer, batch, world_size=world_size, rank=rank,
+    engine = _engine(plan, fsdp, world_size, tp, None if tp is None else plan_styles(model, tp))
+    return trace_rank(engine, model, optimizer, batch, world_size=world_size, rank=rank,
                       step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
                       routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)

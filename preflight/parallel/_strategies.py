@@ -65,7 +65,9 @@ class ParallelPlan:
             dim of the mesh ``(pp ranks, world_size // (pp ranks x tp degree), tp degree)``, torchtitan's layout.
         cp: context parallelism (a `preflight.parallel.CPPlan`): with ``sharding=None`` its degree is the world size
             (the model replicated on every rank of the ring); with ``"fsdp2"``, FSDP2 shards over every rank of the
-            job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks.
+            job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks. With
+            ``tp``, the mesh is ``(dp, cp, tp)``, tensor-parallel ranks innermost: the world size is ``cp`` times
+            ``tp`` degree without sharding, FSDP2 shards over the ``dp`` and ``cp`` dims.
         ep: expert parallelism (a `preflight.parallel.EPPlan`), as transformers lays a mixture-of-experts model out
             with ``DistributedConfig(fsdp_size=world_size, ep_size=degree)``: ``sharding`` is ``"fsdp2"``
             (transformers' FSDP2 over every rank).
@@ -110,7 +112,7 @@ class ParallelPlan:
 
         if not isinstance(self.tp, TPPlan):
             raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
-        if self.pp is not None:  # the world is the pipeline's, tensor-parallel and data-parallel ranks: `_check_pp`
+        if self.pp is not None or self.cp is not None:  # the world holds their ranks too: `_check_pp`, `_check_cp`
             return
         # A ValueError where the degrees do not divide the world (HSDP's replicate dim included).
         tp_mesh(self.tp, self.world_size, self.fsdp if isinstance(self.fsdp, FSDP2Plan) else None)
@@ -155,18 +157,25 @@ class ParallelPlan:
 
         if not isinstance(self.cp, CPPlan):
             raise TypeError(f"`ParallelPlan.cp` should be a preflight.parallel.CPPlan or None, got {self.cp!r}.")
-        self.cp.mesh(self.world_size)  # a ValueError where the degree does not divide the world
-        if self.sharding is None and self.cp.degree != self.world_size:
-            raise ValueError(f"`cp.degree` is {self.cp.degree} but the world size is {self.world_size}: data "
-                             "parallelism beside context parallelism is traced with FSDP2 over every rank; pass "
-                             "sharding='fsdp2', or world_size equal to the degree.")
+        from preflight.parallel._tensor import TPPlan
+
+        if self.tp is not None and not isinstance(self.tp, TPPlan):
+            raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
+        self.cp.mesh(self.world_size, self.tp)  # a ValueError where the degrees do not divide the world
+        ranks = self.cp.degree * (self.tp.degree if self.tp is not None else 1)
+        if self.sharding is None and ranks != self.world_size:
+            what = f"`cp.degree` times `tp.degree` is {ranks}" if self.tp else f"`cp.degree` is {ranks}"
+            raise ValueError(f"{what} but the world size is {self.world_size}: data parallelism beside context "
+                             "parallelism is traced with FSDP2 over every rank; pass sharding='fsdp2', or world_size "
+                             f"equal to {ranks}.")
         if self.sharding not in (None, "fsdp2"):
             raise ValueError("with context parallelism, `sharding` should be 'fsdp2' (FSDP2 over every rank, "
                              f"torchtitan's dp_shard_cp) or None (the model replicated), got {self.sharding!r}.")
-        if self.tp is not None or self.pp is not None or any(
+        if self.pp is not None or any(
                 (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("context parallelism is traced alone or with FSDP2, not yet with tensor or pipeline "
-                             "parallelism, offload, DeepSpeed or DDP's options: leave them out of a plan with `cp`.")
+            raise ValueError("context parallelism is traced alone, with FSDP2 or with tensor parallelism, not yet with "
+                             "pipeline parallelism, offload, DeepSpeed or DDP's options: leave them out of a plan "
+                             "with `cp`.")
         if getattr(self.fsdp, "replicate", 1) != 1:
             raise ValueError("context parallelism is traced with FSDP2 over every rank, not yet with HSDP: leave "
                              "the FSDP2Plan's replicate at 1.")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import call_end_peak, gloo_rank, spawned
 
 import preflight
-from preflight.parallel import CPPlan, FSDP2Plan, cp_rank_groups, cpu_ring_attention
+from preflight.parallel import CPPlan, FSDP2Plan, TPPlan, cp_rank_groups, cpu_ring_attention
 from preflight.parallel._context import ring_of, sequence_tensors
 
 VOCAB, HIDDEN, FFN, LAYERS = 512, 64, 176, 2
@@ -46,13 +46,28 @@ def test_plan_options_are_checked():
         preflight.ParallelPlan(4, None, cp=CPPlan(2))
     with pytest.raises(ValueError, match="should be 'fsdp2'"):
         preflight.ParallelPlan(2, "zero3", cp=CPPlan(2))
-    with pytest.raises(ValueError, match="not yet with tensor or pipeline"):
-        preflight.ParallelPlan(4, "fsdp2", cp=CPPlan(2), tp=preflight.parallel.TPPlan(2))
+    with pytest.raises(ValueError, match="not yet with pipeline"):
+        preflight.ParallelPlan(4, "fsdp2", cp=CPPlan(2), pp=preflight.parallel.PPPlan(2, lambda out, y: out.sum()))
+    # Beside tensor parallelism: a (dp, cp, tp) mesh, tensor-parallel ranks innermost.
+    assert CPPlan(2).mesh(8, TPPlan(2)) == ((2, 2, 2), ("dp", "cp", "tp"))
+    assert CPPlan(2).mesh(4, TPPlan(2)) == ((2, 2), ("cp", "tp"))
+    with pytest.raises(ValueError, match="`cp.degree` times `tp.degree` is 4 but the world size is 8"):
+        preflight.ParallelPlan(8, None, cp=CPPlan(2), tp=TPPlan(2))
+    with pytest.raises(ValueError, match="times `TPPlan.degree`"):
+        preflight.ParallelPlan(6, "fsdp2", cp=CPPlan(2), tp=TPPlan(2))
     with pytest.raises(TypeError, match="CPPlan or None"):
         preflight.ParallelPlan(2, None, cp=2)
     assert CPPlan(2).mesh(8) == ((4, 2), ("dp", "cp"))
     assert CPPlan(4).mesh(4) == ((4,), ("cp",))
     assert cp_rank_groups(CPPlan(2), 6) == [[0, 2, 4], [1, 3, 5]]  # the rings are consecutive runs of 2 ranks
+
+
+def test_beside_tensor_parallelism_ranks_share_a_trace_by_place_in_the_ring_and_local_shapes():
+    """On the (dp, cp, tp) mesh, rank r sits at place (r // tp) % cp in its ring; the tensor-parallel ranks of one
+    place hold equal shards here, and so do the places' data-parallel copies."""
+    model, _ = _llama()
+    assert cp_rank_groups(CPPlan(2), 4, model, TPPlan(2)) == [[0, 1], [2, 3]]
+    assert cp_rank_groups(CPPlan(2), 8, model, TPPlan(2), FSDP2Plan()) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_the_batch_tensors_that_carry_the_sequence_are_found_or_named():
@@ -140,9 +155,18 @@ def test_the_cli_plans_context_parallelism(tmp_path, capsys):
     assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp-rotate",
                  "alltoall"]) == 2
     assert "pass --cp N" in capsys.readouterr().err
-    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp", "2", "--tp",
+    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp", "2", "--pp",
                  "2"]) == 2
-    assert "not with --tp" in capsys.readouterr().err
+    assert "not with --pp" in capsys.readouterr().err
+    # With --tp 2 beside the ring: 4 ranks, the model laid out by its own plan, as the Python API plans it.
+    both = tmp_path / "cp-tp.json"
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "64", "--cp", "2", "--tp", "2",
+                 "--no-suggest", "--json", str(both)]) == 0
+    assert "4 rank(s), tensor parallel degree 2, context parallel degree 2" in capsys.readouterr().out
+    model, batch = _llama()
+    python = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                                preflight.Run(parallel=preflight.ParallelPlan(4, None, cp=CPPlan(2), tp=TPPlan(2))))
+    assert json.loads(both.read_text())["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
 
 
 def test_accelerates_context_parallelism_is_read_into_the_plan():
@@ -238,6 +262,58 @@ def test_real_gloo_context_parallel_per_rank_peak_within_3_percent(world, degree
         assert inside in (None, est.per_rank_peak_bytes)  # read off the wrapped model: the figure planned before
         error = (est.per_rank_peak_bytes[rank] - measured) / measured
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, results)
+
+
+def _tp_worker(rank: int, world: int, port: int, queue, fsdp: bool) -> None:
+    """One rank of a ring of 2 beside tensor parallelism of 2, as torchtitan lays them out: the mesh (cp 2, tp 2), the
+    model laid out by parallelize_module over tp (the plan `benchmarks/distributed.py` writes), with ``fsdp`` then
+    wrapped by fully_shard over the ring's ranks; two real steps inside torch's context_parallel over cp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from benchmarks.distributed import megatron_styles
+    from preflight._device import live_storage_bytes
+    from preflight._steps import run_steps
+
+    with gloo_rank(rank, world, port):
+        model, batch = _llama()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        parallelize_module(model, mesh["tp"], megatron_styles(model))
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["cp"])
+            fully_shard(model, mesh=mesh["cp"])
+        optimizer = torch.optim.AdamW(model.parameters())
+        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+        before = live_storage_bytes([local, list(model.buffers()), batch], torch.device("cpu"))
+        dist.barrier()
+
+        def steps(on_phase):
+            with ring_of(mesh["cp"], batch, CPPlan(2), cpu=True):
+                run_steps(model, optimizer, batch, step=None, precision=None, device_type="cpu", steps=2,
+                          on_phase=on_phase)
+
+        queue.put((rank, before + call_end_peak(steps)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_real_gloo_context_parallel_beside_tensor_parallel_per_rank_peak_within_3_percent(fsdp):
+    """CP 2 x TP 2 on 4 gloo processes, the model replicated over the ring or wrapped by FSDP2 over it: every rank
+    against its prediction, made with the model's own tensor-parallel plan (equal to the byte when written). With a
+    data-parallel dim too (8 processes): `benchmarks/context_parallel.py`."""
+    model, batch = _llama()
+    plan = preflight.ParallelPlan(4, "fsdp2" if fsdp else None, cp=CPPlan(2), tp=TPPlan(2))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=plan))
+    assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
+    # Tensor-parallel ranks at one place in the ring hold equal shards; the two places differ.
+    assert est.per_rank_peak_bytes[0] == est.per_rank_peak_bytes[1] != est.per_rank_peak_bytes[2]
+    measured = spawned(_tp_worker, 4, fsdp)
+    for rank in range(4):
+        assert abs(est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank] <= 0.03, (
+            rank, est.per_rank_peak_bytes, measured)
 
 
 @pytest.mark.slow

@@ -452,7 +452,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
     PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp`` > 1 or
     ``tp`` > 1, a ("pp", "dp", "tp") mesh (the dims of size 1 left out): each stage laid out by parallelize_module
-    over tp (the plan `benchmarks/pipeline_parallel.py` writes), its blocks and the stage wrapped by fully_shard
+    over tp (the plan `benchmarks/distributed.py` writes), its blocks and the stage wrapped by fully_shard
     over dp, the stages talking over pp. Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
     lost frees placed (`conftest.call_end_peak`)."""
     from torch.distributed import pipelining
@@ -460,7 +460,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from benchmarks.pipeline_parallel import stage_styles
+    from benchmarks.distributed import megatron_styles
     from preflight._device import held_tensors, live_storage_bytes
 
     global _IN_WORKER
@@ -476,7 +476,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
         for part in parts if tp > 1 else ():
-            parallelize_module(part, mesh["tp"], stage_styles(part))
+            parallelize_module(part, mesh["tp"], megatron_styles(part))
         for part in parts if dp > 1 else ():
             if kind == "decoder":
                 blocks = list(part.layers.values())

@@ -586,7 +586,7 @@ def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, 
     from preflight.parallel import ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_transformers
 
     other = _given(args, offload, "--deepspeed-config", "--offload-optimizer", "--offload-params",
-                   "--quantize", "--generate", "--accumulate")
+                   "--generate", "--accumulate")
     tp = getattr(args, "tp", None)
     if args.pp < 2 or args.task != "causal-lm" or other or (tp is not None and tp < 1):
         raise UsageError(f"--pp {args.pp}: pipeline parallelism is planned for a causal-lm over at least 2 stage "
@@ -602,8 +602,11 @@ def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, 
 def _check_cut(model: Any, plan: Any) -> None:
     """Cut the meta model's first stage before any trace: a model transformers' cut does not fit is a usage error
     here, not a lower bound after the trace."""
-    try:
-        plan.stage_module(model, 0)
+    from preflight.parallel import fake_replica
+    from preflight.parallel._rank import MetaTwins
+
+    try:  # on a plain meta copy, as the trace cuts it: a deep copy of bitsandbytes' meta weights fails in bitsandbytes
+        plan.stage_module(fake_replica(model, MetaTwins()), 0)
     except ValueError as err:
         raise UsageError(f"--pp {plan.stages}: {err}".replace("give the plan your own `split`",
                                                                "plan it in Python with your own split "

@@ -293,7 +293,7 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
     with fresh_dtensor_caches(), fake_world(degree, 0, mesh=layout) as mesh, fake_mode, FakeKernelsMode(), \
             autocast_for(precision, "cpu"):
         replica = fake_replica(model, twins)
-        parts = [_cut(plan, replica, i) for i in range(plan.num_stages)]
+        parts = [_cut(plan, replica, i).train() for i in range(plan.num_stages)]  # as the ranks' steps run them
         group = None
         if tp is not None:
             with meshes_outside_modes():

@@ -289,10 +289,11 @@ def _llama_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.T
 _IN_WORKER = False  # set in the real runs' processes, which load the checkpoint their parent saved
 
 
-def _qlora_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """`_llama_setup`'s model saved, loaded in NF4 by transformers and bitsandbytes, prepared by peft and given LoRA
-    adapters on every linear layer, as a QLoRA user builds it (the checkpoint in a fixed temporary folder, so that
-    the real runs' processes load the same)."""
+def _qlora_setup(seq: int = SEQ, int8: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """`_llama_setup`'s model saved, loaded in NF4 (``int8``: LLM.int8) by transformers and bitsandbytes, prepared
+    by peft and given LoRA adapters on every linear layer, as a QLoRA user builds it (the checkpoint in a fixed
+    temporary folder, so that the real runs' processes load the same). transformers hands the model back in eval
+    mode, as a user gets it."""
     import tempfile
     from pathlib import Path
 
@@ -303,8 +304,9 @@ def _qlora_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.T
     path = Path(tempfile.gettempdir()) / f"preflight-pp-qlora-{os.getppid() if _IN_WORKER else os.getpid()}"
     if not path.exists():
         model.save_pretrained(path)
-    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.float32)
+    quantized = BitsAndBytesConfig(load_in_8bit=True) if int8 else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32)
     model = LlamaForCausalLM.from_pretrained(path, quantization_config=quantized)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(1)
@@ -442,8 +444,8 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
         return (*_llama_setup(seq), causal_lm_loss, split_transformers)
     if kind == "moe":
         return (*_moe_setup(seq), causal_lm_loss, split_transformers)
-    if kind == "qlora":
-        return (*_qlora_setup(seq), causal_lm_loss, split_transformers)
+    if kind in ("qlora", "int8"):
+        return (*_qlora_setup(seq, int8=kind == "int8"), causal_lm_loss, split_transformers)
     return _blocks(), _batch(seq), _mse, split_sequential
 
 
@@ -473,7 +475,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
         model, (x, y), loss_fn, split = _setup(kind, seq)
         plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches)
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
-        parts = [split(model, i, plan.num_stages) for i in indices]
+        parts = [split(model, i, plan.num_stages).train() for i in indices]  # as a training loop sets them
         del model
         for part in parts if tp > 1 else ():
             parallelize_module(part, mesh["tp"], megatron_styles(part))
@@ -521,10 +523,13 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, world, kind, dp", [("1F1B", 2, "decoder", 1), ("1F1B", 4, "blocks", 2),
-                                                       ("1F1B", 2, "moe", 1), ("1F1B", 2, "qlora", 1)])
+                                                       ("1F1B", 2, "moe", 1), ("1F1B", 2, "qlora", 1),
+                                                       ("1F1B", 2, "int8", 1)])
 def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind, dp):
     """Each rank of a real gloo pipeline (dp 2: PP 2 x FSDP2 2 on a 2-D mesh) against its prediction: 1F1B on a
-    decoder, under FSDP2, and on a mixture-of-experts decoder. GPipe, interleaved 1F1B, the zero-bubble schedules,
+    decoder, under FSDP2, on a mixture-of-experts decoder, and on QLoRA and LLM.int8 + LoRA models as transformers
+    loads them (in eval mode: the stages' shapes are inferred in train mode, as the steps run; before, the int8
+    layers' eval path stopped the trace). GPipe, interleaved 1F1B, the zero-bubble schedules,
     4 stages, a transformers Llama and PP x FSDP2 on the decoders are measured, 3 runs each, by
     `benchmarks/pipeline_parallel.py` (docs/pipeline-parallel.md)."""
     model, batch, loss_fn, split = _setup(kind, _real_seq(dp))
@@ -535,7 +540,7 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
         units = tuple(f"layers.{n}" for n in model.layers)
     elif kind == "blocks":
         units = tuple(str(i) for i in range(len(model)))
-    elif kind != "qlora":  # a transformers decoder
+    elif kind not in ("qlora", "int8"):  # a transformers decoder
         units = tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
     parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
                 ParallelPlan(world, "fsdp2", fsdp=FSDP2Plan(units=units), pp=plan))
@@ -634,6 +639,33 @@ def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
     report = json.loads(both.read_text())
     assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
     assert report["per_rank_peak_bytes"][0] < json.loads(out.read_text())["per_rank_peak_bytes"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_the_cli_cuts_a_model_it_quantizes_on_meta_as_the_loaded_model_is_cut(tmp_path, scheme):
+    """``--pp 2 --quantize``: the stages of the model the command line builds on the meta device hold, to the byte,
+    what the stages of the model transformers loads with the same quantization config hold (LoRA r=8 on every
+    linear layer over it, as peft prepares it)."""
+    import json
+
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": WIDTH, "intermediate_size": 344,
+                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": VOCAB, "max_position_embeddings": 256}))
+    out = tmp_path / "pp.json"
+    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--pp", "2", "--quantize",
+                 scheme, *(["--double-quant"] if scheme == "nf4" else []), "--lora-r", "8", "--no-suggest",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    model, _ = _qlora_setup(int8=scheme == "int8")
+    ids = torch.zeros(4, 64, dtype=torch.long)  # 2 micro-batches (one per stage) of 2 sequences
+    python = preflight.estimate(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                (ids, ids), _run(PPPlan(2, causal_lm_loss, split=split_transformers)))
+    assert not python.coverage.lower_bound and not report["coverage"]["lower_bound"], python.coverage.reason
+    assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ and the others on half its queries), so a ring of ``degree`` ranks is traced ``d
 With tensor parallelism beside it (torchtitan's ``(dp, cp, tp)`` mesh, tensor-parallel ranks innermost), the copy is
 first laid out by ``parallelize_module`` over the ``tp`` dim, then wrapped by ``fully_shard`` over the ``dp`` and
 ``cp`` dims flattened; each attention then runs on the rank's own heads and its slice of the sequence, through the
-ring over ``cp``. Ranks share a trace where their place in the ring and their local shapes are equal (each rank laid
-out on a meta copy to compare them).
+ring over ``cp``. Ranks share a trace where their place in the ring, their tensor-parallel shapes and FSDP2's shards
+of them are equal (one layout per tensor-parallel rank on a meta copy, FSDP2's chunks counted: `cp_rank_groups`).
 
 Known limitations: the gradient all-reduce over the ring of a replicated model (without FSDP2) is the user's and is
 not traced (it is in place); attention masks other than causal and flex attention are not traced (torch's ring
@@ -48,10 +48,9 @@ from preflight._loading import Loading
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
-from preflight.parallel._fake_group import fake_world
-from preflight.parallel._rank import (Engine, MetaTwins, fake_replica, fresh_dtensor_caches, local_parameters,
-                                     named_optimizer, trace_rank)
-from preflight.parallel._tensor import TPPlan, dtensor_watch, meshes_outside_modes, plan_styles
+from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
+from preflight.parallel._tensor import (TPPlan, dtensor_watch, grouped_by_shards, meshes_outside_modes, plan_styles,
+                                        tp_layouts)
 from preflight.trace import Sweep, TraceResult, swept
 
 __all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "sequence_tensors", "trace_cp"]
@@ -274,18 +273,17 @@ def cp_rank_groups(plan: CPPlan, world_size: int, model: nn.Module | None = None
                    tp: TPPlan | None = None, fsdp: FSDP2Plan | None = None) -> list[list[int]]:
     """Ranks grouped by their place in the ring (their index on the ``cp`` dim): ranks of one group run the same
     program and trace the same (module docstring). With ``tp`` (and ``model``), ranks grouped by their place in the
-    ring and the local shapes of their parameters, each rank laid out (and wrapped by ``fsdp``) on a meta copy."""
-    shape, names = plan.mesh(world_size, tp)  # a ValueError where the degrees do not divide the world
+    ring, the local shapes of their parameters under ``tp`` and FSDP2's shards of them (`grouped_by_shards`: one
+    layout per tensor-parallel rank)."""
+    plan.mesh(world_size, tp)  # a ValueError where the degrees do not divide the world
     if tp is None:
         return [[r for r in range(world_size) if r % plan.degree == place] for place in range(plan.degree)]
-    engine = _engine(plan, fsdp, world_size, tp, plan_styles(model, tp))
-    signatures: dict[tuple[Any, ...], list[int]] = {}
-    for rank in range(world_size):
-        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
-            wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
-            key = (mesh["cp"].get_local_rank(), tuple(tuple(t.shape) for t in local_parameters(wrapped)))
-        signatures.setdefault(key, []).append(rank)
-    return list(signatures.values())
+    # On the (dp, cp, tp) mesh rank r is tensor-parallel rank r % tp, at place r // tp % cp in its ring, and at
+    # index r // tp of the dp and cp dims flattened, which FSDP2 shards over.
+    by_tp_rank, degree = tp_layouts(model, tp), tp.degree
+    shard = world_size // degree if fsdp is not None else 1
+    return grouped_by_shards(world_size, lambda rank: (by_tp_rank[rank % degree], rank // degree), shard,
+                             key=lambda rank: rank // degree % plan.degree)
 
 
 @swept

@@ -55,7 +55,8 @@ from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
-from preflight.parallel._tensor import TPPlan, _matches, meshes_outside_modes, plan_styles
+from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, laid_out_locals, meshes_outside_modes,
+                                        plan_styles)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -532,19 +533,22 @@ def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = N
     shapes: each stage is cut once from a meta copy, and FSDP2's cut of every parameter over the ``dp`` ranks
     (`shard_rows`; ``fully_shard`` covers the whole stage) says which data-parallel ranks hold equal shards, so a
     world of hundreds of ranks costs one cut per pipeline rank. (A split that fails on a meta copy raises here,
-    before any trace.) With tensor parallelism, each rank's stages are laid out on a meta copy as that rank lays them
-    out in a fake world (as `preflight.parallel.tp_rank_groups` does), and ranks of one pipeline rank whose local
-    shapes are equal share a trace."""
-    if tp is not None:
-        engine = _engine(plan, None, fsdp, world_size, tp, plan_styles(model, tp))
-        size = world_size if fsdp is not None else plan.stages * tp.degree
-        signatures: dict[tuple[Any, ...], list[int]] = {}
-        for rank in range(size):
-            with fresh_dtensor_caches(), fake_world(size, rank, mesh=engine.mesh) as mesh:
-                parts = engine.wrap(fake_replica(model, MetaTwins()), mesh)
-                key = (_pp_rank(mesh), tuple(tuple(t.shape) for t in _local_parameters(parts)))
-            signatures.setdefault(key, []).append(rank)
-        return list(signatures.values())
+    before any trace.) With tensor parallelism, each (pipeline, tensor-parallel) place's stages are laid out once on
+    a meta copy in a fake world of those ranks, and FSDP2's cut of their local tensors over the ``dp`` ranks is
+    counted (as `preflight.parallel.tp_rank_groups` counts it): ranks of one pipeline rank with equal local shapes
+    and equal shards share a trace."""
+    if tp is not None:  # each (pp, tp) place laid out once; FSDP2's cut of its local tensors over dp counted
+        ranks = plan.stages * tp.degree
+        engine = _engine(plan, None, None, ranks, tp, plan_styles(model, tp))
+        places = [laid_out_locals(model, engine, ranks, rank) for rank in range(ranks)]
+        size = world_size if fsdp is not None else ranks
+        dp = size // ranks  # rank = (pp_rank * dp + dp_rank) * degree + tp_rank on the (pp, dp, tp) mesh
+
+        def place(rank: int) -> tuple[list[torch.Tensor], int]:
+            pp_rank, dp_rank, tp_rank = rank // (dp * tp.degree), rank // tp.degree % dp, rank % tp.degree
+            return places[pp_rank * tp.degree + tp_rank], dp_rank
+
+        return grouped_by_shards(size, place, dp, key=lambda rank: rank // (dp * tp.degree))
     # A fresh copy per stage: a split may take what it keeps out of the model it is given.
     cuts = [plan.stage_module(fake_replica(model, MetaTwins()), stage) for stage in range(plan.num_stages)]
     if fsdp is None:

@@ -39,14 +39,15 @@ from preflight._loading import Loading
 from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
 from preflight.parallel._rank import (Engine, MetaTwins, fake_replica, fresh_dtensor_caches, local_parameters,
                                      named_optimizer, trace_rank, with_cells)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 
-__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "laid_out_parameters", "model_styles", "plan_styles", "read_tp",
-           "tp_rank_groups", "trace_tp", "unmatched_styles"]
+__all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "grouped_by_shards", "laid_out_locals",
+           "laid_out_parameters", "model_styles", "plan_styles", "read_tp", "tp_layouts", "tp_rank_groups", "trace_tp",
+           "unmatched_styles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,8 @@ def unmatched_styles(model: nn.Module, plan: TPPlan) -> list[str]:
     submodule of ``model``: ``parallelize_module`` skips them with a warning, and so does the trace. A ValueError
     where the model has no plan of its own and the `TPPlan` gives none (`model_styles`)."""
     names = [name.split(".") for name, _ in model.named_modules() if name]
-    return [key for key in plan_styles(model, plan) if key and not any(_matches(parts, key.split(".")) for parts in names)]
+    return [key for key in plan_styles(model, plan)
+            if key and not any(_matches(parts, key.split(".")) for parts in names)]
 
 
 def _matches(parts: list[str], key: list[str]) -> bool:
@@ -244,17 +246,53 @@ def meshes_outside_modes() -> Iterator[None]:
 
 def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
                    fsdp: FSDP2Plan | None = None) -> list[list[int]]:
-    """Ranks grouped by the local shapes of their parameters once the plan (and FSDP2, over the ``dp`` dim) is
-    applied, or the layout a parallelized model was read with (`read_tp`): ranks of one group run the same program
-    and trace the same. Each rank's shapes are read off a meta copy of the model parallelized as that rank in a fake
-    world (no step runs)."""
-    engine = _read_engine(plan, fsdp) if isinstance(plan, WrappedTP) else _engine(model, plan, fsdp, world_size)
+    """Ranks grouped by the local shapes of their parameters once the plan is applied, and by FSDP2's shards of them
+    (over the ``dp`` dim), or by the layout a parallelized model was read with (`read_tp`): ranks of one group run
+    the same program and trace the same. For a plan, each tensor-parallel rank's shapes (what FSDP2 gathers back)
+    are read off a meta copy parallelized as that rank in a fake world of the tensor-parallel ranks alone, and
+    FSDP2's cut of each local tensor over the shard dim (`preflight.parallel._fsdp2.shard_rows`: ``torch.chunk`` of
+    dim 0, as ``fully_shard`` cuts a DTensor's local tensor) is counted, so a world of thousands of ranks costs
+    ``degree`` layouts. A read layout is applied to a meta copy as every rank (no step runs)."""
+    if isinstance(plan, WrappedTP):
+        engine = _read_engine(plan, fsdp)
+        signatures: dict[tuple[Any, ...], list[int]] = {}
+        for rank in range(world_size):
+            with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
+                wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
+                shapes = tuple(tuple(t.shape) for t in local_parameters(wrapped))
+            signatures.setdefault(shapes, []).append(rank)
+        return list(signatures.values())
+    shape, _ = tp_mesh(plan, world_size, fsdp)
+    by_tp_rank = tp_layouts(model, plan)
+    shard = shape[-2] if fsdp is not None else 1  # FSDP2's dim: ("dp", "tp") or ("replicate", "shard", "tp")
+    return grouped_by_shards(world_size, lambda rank: (by_tp_rank[rank % plan.degree], (rank // plan.degree) % shard),
+                             shard)
+
+
+def tp_layouts(model: nn.Module, plan: TPPlan) -> list[list[torch.Tensor]]:
+    """Each tensor-parallel rank's local parameter tensors under ``plan`` alone (meta tensors), by rank."""
+    alone = _engine(model, plan, None, plan.degree)
+    return [laid_out_locals(model, alone, plan.degree, rank) for rank in range(plan.degree)]
+
+
+def laid_out_locals(model: nn.Module, engine: Engine, world_size: int, rank: int) -> list[torch.Tensor]:
+    """The local tensors of the parameters of a meta copy of ``model`` wrapped by ``engine`` as ``rank`` of a fake
+    world of ``world_size`` ranks."""
+    with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
+        return local_parameters(engine.wrap(fake_replica(model, MetaTwins()), mesh))
+
+
+def grouped_by_shards(world_size: int, place: Callable[[int], tuple[Any, int]], shard: int,
+                      key: Callable[[int], Any] = lambda rank: None) -> list[list[int]]:
+    """Ranks grouped by what they hold: ``place(rank)`` gives the rank's local tensors before FSDP2 and its index on
+    the ``shard`` ranks FSDP2 cuts them among (1: no FSDP2), ``key(rank)`` anything else that sets its program (its
+    pipeline rank). Ranks of one group hold tensors of the same shapes and FSDP2 shards of the same rows."""
     signatures: dict[tuple[Any, ...], list[int]] = {}
     for rank in range(world_size):
-        with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
-            wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
-            shapes = tuple(tuple(t.shape) for t in local_parameters(wrapped))
-        signatures.setdefault(shapes, []).append(rank)
+        tensors, index = place(rank)
+        rows = shard_rows(tensors, shard, index) if shard > 1 else ()
+        signature = (key(rank), tuple(tuple(t.shape) for t in tensors), rows)
+        signatures.setdefault(signature, []).append(rank)
     return list(signatures.values())
 
 

@@ -65,9 +65,27 @@ def test_plan_options_are_checked():
 def test_beside_tensor_parallelism_ranks_share_a_trace_by_place_in_the_ring_and_local_shapes():
     """On the (dp, cp, tp) mesh, rank r sits at place (r // tp) % cp in its ring; the tensor-parallel ranks of one
     place hold equal shards here, and so do the places' data-parallel copies."""
+    from preflight.parallel._context import _engine
+    from preflight.parallel._tensor import _engine as tp_engine
+    from preflight.parallel._tensor import laid_out_locals, plan_styles
+
     model, _ = _llama()
     assert cp_rank_groups(CPPlan(2), 4, model, TPPlan(2)) == [[0, 1], [2, 3]]
     assert cp_rank_groups(CPPlan(2), 8, model, TPPlan(2), FSDP2Plan()) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # Uneven (a vocabulary of 513 cut in 2, local dims cut over the 6 ranks of dp 3 x cp 2): the groups that laying
+    # out and wrapping a meta copy as every rank gives, by place, tensor-parallel shapes and shards.
+    from transformers import LlamaForCausalLM
+
+    uneven = LlamaForCausalLM(model.config.__class__(**{**model.config.to_dict(), "vocab_size": VOCAB + 1}))
+    tp = TPPlan(2)
+    wrapped, laid = _engine(CPPlan(2), FSDP2Plan(), 12, tp, plan_styles(uneven, tp)), tp_engine(uneven, tp, None, 2)
+    by_wrapping: dict[tuple, list[int]] = {}
+    for rank in range(12):
+        shards = tuple(tuple(t.shape) for t in laid_out_locals(uneven, wrapped, 12, rank))
+        gathered = tuple(tuple(t.shape) for t in laid_out_locals(uneven, laid, 2, rank % 2))
+        by_wrapping.setdefault((rank // 2 % 2, gathered, shards), []).append(rank)
+    groups = cp_rank_groups(CPPlan(2), 12, uneven, tp, FSDP2Plan())
+    assert sorted(groups) == sorted(by_wrapping.values()) and len(groups) > 2
 
 
 def test_the_batch_tensors_that_carry_the_sequence_are_found_or_named():

@@ -276,9 +276,9 @@ def _llama(layers: int = 4, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=344,
-                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=256, **extra))
+    return LlamaForCausalLM(LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": WIDTH, "intermediate_size": 344,
+                                           "num_hidden_layers": layers, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "max_position_embeddings": 256, **extra}))
 
 
 def _llama_setup(seq: int = SEQ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -355,6 +355,23 @@ def test_tensor_parallel_stages_lay_out_their_own_modules_and_share_a_trace_per_
     assert not any(".layers.0." in n or "embed_tokens" in n for n in local)  # the first stage's
     assert stage_rank_groups(model, plan, None, 4, tp) == [[0, 1], [2, 3]]
     assert stage_rank_groups(model, plan, FSDP2Plan(), 8, tp) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Counted from one layout per (pp, tp) place and FSDP2's chunks: the groups that laying out and wrapping a meta
+    # copy as every rank gives, by its pipeline rank, its tensor-parallel shapes (what FSDP2 gathers back) and its
+    # shards, also where they are uneven (a vocabulary of 513 cut in 2, local dims cut over 3 data-parallel ranks).
+    from preflight.parallel._pipeline import _engine
+    from preflight.parallel._tensor import laid_out_locals
+
+    uneven = _llama(vocab_size=VOCAB + 1)
+    styles = plan_styles(uneven, tp)
+    wrapped, laid = _engine(plan, None, FSDP2Plan(), 12, tp, styles), _engine(plan, None, None, 4, tp, styles)
+    by_wrapping: dict[tuple, list[int]] = {}
+    for rank in range(12):
+        pp_rank, dp_rank, tp_rank = rank // 6, rank // 2 % 3, rank % 2
+        shards = tuple(tuple(t.shape) for t in laid_out_locals(uneven, wrapped, 12, rank))
+        gathered = tuple(tuple(t.shape) for t in laid_out_locals(uneven, laid, 4, pp_rank * 2 + tp_rank))
+        by_wrapping.setdefault((pp_rank, gathered, shards), []).append(rank)
+    groups = stage_rank_groups(uneven, plan, FSDP2Plan(), 12, tp)
+    assert sorted(groups) == sorted(by_wrapping.values()) and len(groups) > 4
 
 
 @pytest.mark.slow

@@ -238,6 +238,28 @@ def test_uneven_shards_give_ranks_their_own_traces():
     assert tp_rank_groups(model, TPPlan(2, _styles()), 2) == [[0, 1]]
 
 
+@pytest.mark.parametrize("world, replicate", [(6, 1), (8, 2)])
+def test_groups_counted_from_each_tensor_parallel_layout_are_those_wrapping_every_rank_gives(world, replicate):
+    """The groups are counted from one layout per tensor-parallel rank and FSDP2's chunk of each local tensor over
+    the shard dim; they equal the groups that laying out and wrapping a meta copy as every rank of the job gives, by
+    its tensor-parallel shapes (what FSDP2 gathers back) and its shards (uneven: a vocabulary of 257 cut in 2, local
+    dims cut over 3 and 2 shard ranks)."""
+    from preflight.parallel import FSDP2Plan
+    from preflight.parallel._tensor import _engine, laid_out_locals
+
+    model, _ = _llama(vocab=VOCAB + 1)
+    plan, fsdp = TPPlan(2), FSDP2Plan(replicate=replicate)
+    wrapped, laid = _engine(model, plan, fsdp, world), _engine(model, plan, None, 2)
+    by_wrapping: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        shards = tuple(tuple(t.shape) for t in laid_out_locals(model, wrapped, world, rank))
+        gathered = tuple(tuple(t.shape) for t in laid_out_locals(model, laid, 2, rank % 2))
+        by_wrapping.setdefault((gathered, shards), []).append(rank)
+    groups = tp_rank_groups(model, plan, world, fsdp)
+    assert sorted(groups) == sorted(by_wrapping.values())
+    assert len(groups) > 2  # the shards split the tensor-parallel ranks' groups
+
+
 def test_an_evaluation_after_the_steps_is_traced_on_each_rank_without_changing_the_training_figure():
     """`estimate_evaluating` traces the trainer's evaluation after the steps on the same fake ranks: the training
     figure is `estimate`'s, the evaluation holds this rank's shards and optimizer state, the gradients only where

@@ -16,8 +16,8 @@ Ranks whose parameters are cut to the same local shapes run the same program and
 (`tp_rank_groups`, which applies the plan to a meta copy as each rank to read its shapes).
 
 Known limitations: transformers' own tensor-parallel engine (``from_pretrained(tp_plan="auto")``) is not DTensor's
-and is not traced; its plan entries other than ``colwise``, ``rowwise`` and ``colwise_gather_output`` are refused
-with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
+and is not traced; its plan words are translated to DTensor's styles for the same layouts (`model_styles`), and a
+word with no such style is refused with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
 trace only where the step enters it.
 """
 
@@ -94,28 +94,54 @@ class TPPlan:
         return (world_size // self.degree, self.degree), ("dp", "tp")
 
 
-# transformers' tp plan words that DTensor's styles express as they are (transformers.integrations.tensor_parallel
-# names the same layouts): column-wise (output sharded on the last dim), row-wise (input sharded, output
-# all-reduced), column-wise with the output gathered back whole, and an embedding cut along the vocabulary (ids
-# replicated, output all-reduced).
+# transformers' tp plan words that DTensor's styles express as they are (transformers.distributed.tensor_parallel
+# registers the same layouts under these words): column-wise (output sharded on the last dim), row-wise (input
+# sharded, output all-reduced), column-wise with the output gathered back whole (``colwise_gather_output``,
+# ``colwise_rep``), row-wise over a replicated input that each rank cuts locally (``rowwise_split_input``,
+# ``rowwise_rep``: Olmo2's o_proj after its full-width q/k norms), an embedding cut along the vocabulary (ids
+# replicated, output all-reduced), a parameter every rank keeps whole (``replicate``: no style), and a replicated
+# parameter whose partial gradient is summed over the tensor-parallel ranks (``replicated_with_grad_allreduce``:
+# Qwen3's per-head q/k norms; `_grad_all_reduce`).
 def _hf_style(word: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}[word]()
+            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "replicate": lambda: None, "replicated_with_grad_allreduce": _grad_all_reduce}[word]()
 
 
-_HF_WORDS = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+_HF_WORDS = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
+             "embedding_rowwise", "replicate", "replicated_with_grad_allreduce")
+
+
+def _grad_all_reduce() -> Any:
+    """transformers' ``ReplicatedWithGradAllReduce`` as a DTensor style: the module's parameters stay whole on every
+    rank, and each gradient is all-reduced in place over the mesh once it is accumulated."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class GradAllReduce(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def all_reduce(param: torch.Tensor) -> None:
+                dist.all_reduce(param.grad, group=device_mesh.get_group())
+
+            for param in module.parameters(recurse=False):
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(all_reduce)
+            return module
+
+    return GradAllReduce()
 
 
 def model_styles(model: nn.Module) -> dict[str, Any]:
     """The model's own tensor-parallel plan as DTensor styles: a transformers model's ``config.base_model_tp_plan``
-    (its keys under the base model's prefix) and the class's ``_tp_plan`` (the head's), each word translated
-    (``colwise`` -> ``ColwiseParallel()``, ``rowwise`` -> ``RowwiseParallel()``, ``colwise_gather_output`` ->
-    ``ColwiseParallel(output_layouts=Replicate())``, ``embedding_rowwise`` ->
-    ``RowwiseParallel(input_layouts=Replicate())``).
+    (its keys under the base model's prefix) and the class's ``_tp_plan`` (the head's), each word translated as
+    `_hf_style` says; ``replicate`` entries are left out (kept whole).
 
     Raises:
         ValueError: the model has no plan of its own, or an entry whose word has no DTensor style here (named).
@@ -137,7 +163,8 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {name!r}: {word!r}, which preflight "
                          f"translates to no DTensor style (it translates {', '.join(_HF_WORDS)}): give "
                          "TPPlan(degree, styles=...) with the styles your script applies.")
-    return {name: _hf_style(word) for name, word in plan.items()}
+    styles = {name: _hf_style(word) for name, word in plan.items()}
+    return {name: style for name, style in styles.items() if style is not None}
 
 
 def plan_styles(model: nn.Module, plan: TPPlan) -> dict[str, Any]:

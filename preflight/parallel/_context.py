@@ -49,8 +49,8 @@ from preflight._steps import Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
 from preflight.parallel._rank import Engine, local_parameters, named_optimizer, trace_rank
-from preflight.parallel._tensor import (TPPlan, dtensor_watch, grouped_by_shards, meshes_outside_modes, plan_styles,
-                                        tp_layouts)
+from preflight.parallel._tensor import (TPPlan, dtensor_watch, grouped_by_shards, lay_out, meshes_outside_modes,
+                                        plan_styles, tp_layouts)
 from preflight.trace import Sweep, TraceResult, swept
 
 __all__ = ["CPPlan", "cp_rank_groups", "cpu_ring_attention", "sequence_tensors", "trace_cp"]
@@ -245,9 +245,7 @@ def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int, tp: TPPlan | 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         with meshes_outside_modes():
             if tp is not None:
-                from torch.distributed.tensor.parallel import parallelize_module
-
-                parallelize_module(replica, mesh["tp"], styles)
+                lay_out(replica, mesh["tp"], styles)
             if fsdp is not None:  # FSDP2 over every rank of the dp and cp dims: torchtitan's dp_shard_cp
                 apply_fully_shard(replica, _ring_and_data(mesh, names), fsdp)
         return replica

@@ -55,8 +55,8 @@ from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
-from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, laid_out_locals, meshes_outside_modes,
-                                        plan_styles)
+from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, laid_out_locals, lay_out,
+                                        meshes_outside_modes, plan_styles)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -429,15 +429,13 @@ def _lay_out(part: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
     """``parallelize_module`` over ``mesh`` on a stage module, with the plan's entries that name a module the stage
     holds with parameters: a stage keeps the model's names, and the modules other stages hold are gone or stand-ins
     (a style on a stand-in would raise, as on no nn.Linear)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     here: dict[str, Any] = {}
     for key, style in styles.items():
         for name, module in part.named_modules():
             if name and _matches(name.split("."), key.split(".")) and next(module.parameters(), None) is not None:
                 here[name] = style
     if here:
-        parallelize_module(part, mesh, here)
+        lay_out(part, mesh, here)
 
 
 def _pp_rank(mesh: Any) -> int:

@@ -46,7 +46,7 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._tracker import StorageTracker
 
 __all__ = ["TPPlan", "WrappedTP", "closed_form_activations", "grouped_by_shards", "laid_out_locals",
-           "laid_out_parameters", "model_styles", "plan_styles", "read_tp", "tp_layouts", "tp_rank_groups", "trace_tp",
+           "laid_out_parameters", "lay_out", "model_styles", "plan_styles", "read_tp", "tp_layouts", "tp_rank_groups", "trace_tp",
            "unmatched_styles"]
 
 
@@ -225,9 +225,7 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
             return _wrap(replica, mesh)
 
     def _wrap(replica: nn.Module, mesh: Any) -> nn.Module:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(replica, mesh["tp"] if len(shape) > 1 else mesh, styles)
+        lay_out(replica, mesh["tp"] if len(shape) > 1 else mesh, styles)
         if fsdp is not None:  # FSDP2 over the data-parallel dim, or HSDP over the two (a 2-D sub-mesh)
             apply_fully_shard(replica, mesh["replicate", "shard"] if len(shape) == 3 else mesh["dp"], fsdp)
         return replica
@@ -238,6 +236,32 @@ def _engine(model: nn.Module, plan: TPPlan, fsdp: FSDP2Plan | None, world_size: 
 
 
 _optimizer = named_optimizer("tensor parallelism")  # the user's, rebuilt over the laid-out copy's parameters
+
+
+def lay_out(module: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
+    """``parallelize_module(module, mesh, styles)``, with the parameters the module shared under several names (tied
+    input and output embeddings) shared again where their new DTensors are laid out alike, as transformers ties them
+    after its own layout (``tie_weights``): ``parallelize_module`` gives each module a parameter of its own, and a
+    tied model trained so would hold, and train, two."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    shared: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    parallelize_module(module, mesh, styles)
+    for names in (n for n in shared.values() if len(n) > 1):
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            other = module.get_parameter(name)
+            if other is not first and _laid_out_alike(first, other):
+                module.get_submodule(owner)._parameters[leaf] = first
+
+
+def _laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two parameters of the same shape, dtype and DTensor placements (plain tensors: none)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and getattr(a, "placements", None) == getattr(b, "placements", None))
 
 
 def dtensor_watch(fsdp: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:

@@ -189,8 +189,9 @@ def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unkn
 
 
 def _family(name: str):
-    """A small Qwen3 (per-head q/k norms between its column- and row-wise layers: ``replicated_with_grad_allreduce``)
-    or Olmo2 (full-width q/k norms: the projections gathered, ``rowwise_split_input`` after) and a batch."""
+    """A small Qwen3 (per-head q/k norms between its column- and row-wise layers: ``replicated_with_grad_allreduce``),
+    Olmo2 (full-width q/k norms: the projections gathered, ``rowwise_split_input`` after) or Gemma (its head tied to
+    its embedding) and a batch."""
     import transformers
 
     torch.manual_seed(0)
@@ -198,6 +199,9 @@ def _family(name: str):
                   num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa")
     if name == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    elif name == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=32, pad_token_id=0,
+                                                                       bos_token_id=1, eos_token_id=2))
     else:
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))
     ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
@@ -222,6 +226,21 @@ def test_the_plan_words_of_models_with_norms_between_their_layers_are_translated
     assert model_styles(model) == {}  # kept whole: nothing to lay out
 
 
+def test_a_head_tied_to_its_embedding_stays_tied_when_both_are_laid_out_alike():
+    """parallelize_module gives the embedding and the head a parameter each; both are cut along the vocabulary
+    (Shard(0)), so the copy shares one again, as transformers' tie_weights does after its layout."""
+    from preflight.parallel import fake_replica, fake_world
+    from preflight.parallel._rank import MetaTwins, fresh_dtensor_caches
+    from preflight.parallel._tensor import lay_out
+
+    model, _ = _family("gemma")
+    with fresh_dtensor_caches(), fake_world(2, 0) as mesh:
+        copy = fake_replica(model, MetaTwins())
+        lay_out(copy, mesh, model_styles(model))
+        assert copy.lm_head.weight is copy.model.embed_tokens.weight
+        assert copy.lm_head.weight.placements == (torch.distributed.tensor.Shard(0),)
+
+
 def _family_worker(rank: int, world: int, port: int, queue, name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -229,14 +248,16 @@ def _family_worker(rank: int, world: int, port: int, queue, name: str) -> None:
     with gloo_rank(rank, world, port):
         model, batch = _family(name)
         parallelize_module(model, init_device_mesh("cpu", (world,)), model_styles(model))
+        model.tie_weights()  # as transformers ties them again after its own layout (a no-op for untied models)
         queue.put((rank, _measured(model, torch.optim.AdamW(model.parameters()), batch)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma"])
 def test_real_gloo_tensor_parallel_over_the_translated_plans_per_rank_peak_within_3_percent(name):
     """DTensor's program of the translated plan, run for real on 2 gloo processes (the q/k norms' gradients
-    all-reduced over gloo), against each rank's prediction (equal to the byte when written)."""
+    all-reduced over gloo; Gemma's head tied to its embedding again after the layout, as transformers ties it),
+    against each rank's prediction (equal to the byte when written)."""
     model, batch = _family(name)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, _run(2, 2))
     assert not est.coverage.lower_bound, est.coverage.reason

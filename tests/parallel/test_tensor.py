@@ -581,8 +581,11 @@ def test_the_example_plans_each_layout_per_rank():
     lines = stdout.splitlines()
     single = float(re.search(r"one device: ([\d.]+) MiB", lines[0]).group(1))
     per_rank = [re.findall(r"([\d.]+) MiB", line.split("per rank", 1)[1].split("(")[0]) for line in lines[1:]]
-    assert [len(r) for r in per_rank] == [2, 2, 4]
+    assert [len(r) for r in per_rank] == [2, 2, 4, 4, 4]
     assert all(float(b) < single for ranks in per_rank for b in ranks)
+    # Pipeline and ring beside tensor parallelism hold less per rank than tensor parallelism alone.
+    assert max(map(float, per_rank[3])) < max(map(float, per_rank[0]))
+    assert max(map(float, per_rank[4])) < max(map(float, per_rank[0]))
 
 
 def _hf_tp_worker(rank: int, world: int, port: int, queue, path: str) -> None:

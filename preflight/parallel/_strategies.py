@@ -354,7 +354,9 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
     ``CPUOffload(offload_params=True)`` or ``CPUOffloadPolicy``, not FSDP2's default ``OffloadPolicy()``), FSDP1's
     hybrid strategies over ``LOCAL_WORLD_SIZE`` ranks, FSDP2's HSDP over ``parallelism_config.dp_replicate_size``
     replicas. None otherwise: a plugin accelerate did not apply (FSDP asked for on
-    CPU processes runs DDP) is not read."""
+    CPU processes runs DDP) is not read, and under ``ParallelismConfig(tp_size=...)`` (without a ring) the model's
+    own layout is the plan: accelerate takes the model transformers laid out and wraps it by ``fully_shard``, and
+    `preflight.estimate` reads both off the model."""
     kind = getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
     world = max(int(getattr(state, "num_processes", 1) or 1), 1)
@@ -364,6 +366,12 @@ def accelerate_plan(state: Any) -> ParallelPlan | None:
         plugin = getattr(state, "deepspeed_plugin", None)
         return deepspeed_plan(getattr(plugin, "deepspeed_config", None) or {}, world_size=world,
                               source="accelerate's DeepSpeedPlugin")
+    config = getattr(state, "parallelism_config", None)
+    tp_size, cp_size = getattr(config, "tp_size", None), getattr(config, "cp_size", None)
+    if isinstance(tp_size, int) and tp_size > 1 and not (isinstance(cp_size, int) and cp_size > 1):
+        # accelerate takes a model transformers already laid out (from_pretrained(tp_plan="auto")) and wraps it by
+        # fully_shard over the other dims: the model carries the whole layout, and is read off it.
+        return None
     fsdp = getattr(state, "fsdp_plugin", None)
     if kind != "FSDP" or fsdp is None:
         return None

@@ -211,6 +211,12 @@ def test_accelerates_context_parallelism_is_read_into_the_plan():
     plan = accelerate_plan(state(rings, cpu_offload=CPUOffloadPolicy()))
     assert plan.cp is None and plan.offload_params and "more activations than a rank of the ring" in plan.source
     assert accelerate_plan(state(ParallelismConfig(dp_shard_size=4))).cp is None
+    # With tensor parallelism the model comes laid out by transformers and wrapped by fully_shard: no plan is read
+    # from the state, the model carries it (estimate reads both, as tests/parallel/test_tensor.py checks in a job).
+    assert accelerate_plan(state(ParallelismConfig(dp_shard_size=2, tp_size=2))) is None
+    multi = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_GPU, deepspeed_plugin=None,
+                            fsdp_plugin=None, parallelism_config=ParallelismConfig(tp_size=2))
+    assert accelerate_plan(multi) is None
 
 
 # ---- real runs with gloo: each rank measured against its prediction -------------------------------------------------

@@ -20,9 +20,12 @@ stages; every rank holds the batch, as a torchtitan-style loop does. Two models:
 Three configurations run PP x FSDP2 (torchtitan's layout) on a ("pp", "dp") mesh of 4 processes: 2 pipeline ranks,
 each stage's blocks and then the stage wrapped by ``fully_shard`` over its 2 data-parallel ranks. Three more lay each
 Llama stage out with tensor parallelism (``parallelize_module`` over the mesh's innermost ``tp`` dim with the plan
-`distributed.megatron_styles` writes, Megatron's layout as transformers' own plan words it; predicted with the model's own plan,
-``TPPlan(2)``): PP 2 x TP 2 under 1F1B and interleaved 1F1B on 4 processes, and PP 2 x FSDP2 2 x TP 2 on a
-("pp", "dp", "tp") mesh of 8 processes, torchtitan's 3-D layout.
+`distributed.megatron_styles` writes, Megatron's layout as transformers' own plan words it; predicted with the
+model's own plan, ``TPPlan(2)``): PP 2 x TP 2 under 1F1B and interleaved 1F1B on 4 processes, and PP 2 x FSDP2 2 x
+TP 2 on a ("pp", "dp", "tp") mesh of 8 processes, torchtitan's 3-D layout. Two run each rank's steps inside torch's
+``context_parallel`` over a ``cp`` dim (a ring of 2 per stage, the batch's sequence cut in place before the first
+stage cuts it into micro-batches): PP 2 x CP 2 on 4 processes, PP 2 x FSDP2 2 x CP 2 on 8 (FSDP2 over the dp and
+cp dims flattened).
 
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
 (the rank's parameters or shards, the batch). A block the profiler saw allocated and never freed is either alive at
@@ -48,6 +51,7 @@ Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -72,6 +76,9 @@ CONFIGS = [("mlp", "GPipe", 2, 8, 1, 1), ("mlp", "GPipe", 4, 8, 1, 1), ("mlp", "
            ("decoder", "1F1B", 4, 4, 2, 1), ("llama", "1F1B", 2, 4, 1, 1), ("llama", "GPipe", 4, 4, 1, 1),
            ("llama", "Interleaved1F1B", 2, 4, 1, 1), ("llama", "1F1B", 4, 4, 2, 1), ("llama", "1F1B", 4, 4, 1, 2),
            ("llama", "Interleaved1F1B", 4, 4, 1, 2), ("llama", "1F1B", 8, 4, 2, 2)]
+# The same, with the ranks of a context-parallel ring per stage (the steps inside torch's context_parallel): PP 2 x
+# CP 2, and PP 2 x FSDP2 2 x CP 2 (FSDP2 over the dp and cp dims flattened).
+CONFIGS = [(*c, 1) for c in CONFIGS] + [("llama", "1F1B", 4, 4, 1, 1, 2), ("llama", "1F1B", 8, 4, 2, 1, 2)]
 WIDTH, VOCAB = 256, 2048
 
 
@@ -143,8 +150,8 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
     return model, (ids[:, :-1].clone(), ids[:, 1:].clone()), cross_entropy, split_decoder
 
 
-def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, tp: int, port: int,
-            queue: Any) -> None:
+def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, tp: int, cp: int,
+            port: int, queue: Any) -> None:
     import gc
 
     import torch.distributed as dist
@@ -158,26 +165,28 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
     from preflight._device import live_storage_bytes
     from preflight._measure import freed_addresses, lost_free_peaks
     from preflight._quiet import StderrFilter
-    from preflight.parallel import PPPlan
+    from preflight.parallel import CPPlan, PPPlan
+    from preflight.parallel._context import ring_of
 
     join_gloo(rank, world, port)
     try:
         model, (x, y), loss_fn, split = build(kind)
         # torchtitan's mesh: pipeline ranks outermost, tensor-parallel ranks innermost (dims of size 1 left out).
-        dims = [("pp", world // (dp * tp))] + [(n, d) for n, d in (("dp", dp), ("tp", tp)) if d > 1]
+        dims = [("pp", world // (dp * tp * cp))] + [(n, d) for n, d in (("dp", dp), ("cp", cp), ("tp", tp)) if d > 1]
         mesh = (init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
                 if len(dims) > 1 else None)
-        plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches)
+        plan = PPPlan(world // (dp * tp * cp), loss_fn, schedule=schedule, microbatches=microbatches)
         # The stages this rank holds, as torch's schedule lays them on the pipeline's ranks.
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages) for i in indices]
         del model
         for part in parts if tp > 1 else ():  # each stage laid out, then wrapped, as torchtitan orders them
             parallelize_module(part, mesh["tp"], megatron_styles(part))
+        shards = mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 and dp > 1 else mesh["dp"] if dp > 1 else None
         for part in parts if dp > 1 else ():  # torchtitan's PP x FSDP2: each block, then the stage
             for block in units(part):
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(part, mesh=mesh["dp"])
+                fully_shard(block, mesh=shards)
+            fully_shard(part, mesh=shards)
         group = mesh["pp"].get_group() if mesh is not None else None
         stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for part, i in zip(parts, indices)]
@@ -193,7 +202,8 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
         dist.barrier()
         phases = _Phases()
         _mark_chunks(held["runner"], phases)
-        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ring = ring_of(mesh["cp"], (x, y), CPPlan(cp), cpu=True) if cp > 1 else contextlib.nullcontext()
+        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, ring:
             for i in range(2):
                 phases.mark(i, "pipeline")
                 inputs = (x,) if first else ()
@@ -249,29 +259,30 @@ def units(part: nn.Module) -> list[nn.Module]:
     return list(part)
 
 
-def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int) -> list[tuple[int, ...]]:
+def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int,
+            cp: int) -> list[tuple[int, ...]]:
     """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
     queue = mp.get_context("spawn").SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, tp, port, queue), nprocs=world,
+    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, tp, cp, port, queue), nprocs=world,
                        start_method="spawn")
     peaks = dict(queue.get() for _ in range(world))
     return [peaks[r] for r in range(world)]
 
 
-def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int) -> Any:
+def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int, cp: int) -> Any:
     """The estimate, and each rank's traced activations at its own peak. Tensor parallelism is planned with the
     model's own plan (transformers' ``base_model_tp_plan``), not the worker's `distributed.megatron_styles`."""
     import preflight
-    from preflight.parallel import FSDP2Plan, PPPlan, TPPlan
+    from preflight.parallel import CPPlan, FSDP2Plan, PPPlan, TPPlan
 
     model, batch, loss_fn, split = build(kind)
-    plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches, split=split)
-    tensor = TPPlan(tp) if tp > 1 else None
+    plan = PPPlan(world // (dp * tp * cp), loss_fn, schedule=schedule, microbatches=microbatches, split=split)
+    tensor, ring = TPPlan(tp) if tp > 1 else None, CPPlan(cp) if cp > 1 else None
     if dp == 1:
-        parallel = preflight.ParallelPlan(world, None, pp=plan, tp=tensor)
+        parallel = preflight.ParallelPlan(world, None, pp=plan, tp=tensor, cp=ring)
     else:  # the blocks the job wraps, by their names in the whole model
         if kind == "decoder":
             names = [f"layers.{n}" for n in model.layers]
@@ -279,7 +290,8 @@ def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp
             names = [f"model.layers.{i}" for i in range(len(model.model.layers))]
         else:
             names = [str(i) for i in range(len(model))]
-        parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)), tp=tensor)
+        parallel = preflight.ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(names)), tp=tensor,
+                                          cp=ring)
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, preflight.Run(parallel=parallel))
     assert est.per_rank_peak_bytes is not None, est.coverage.notes  # traced per stage
     return est, [est.per_rank_breakdown[rank]["activations"] for rank in range(world)]
@@ -291,29 +303,31 @@ def main() -> int:
     mib = 1 << 20
     rows, worst, worst_placed = [], 0.0, 0.0
     start = time.perf_counter()
-    for kind, schedule, world, microbatches, dp, tp in CONFIGS:
-        runs = [measure(kind, schedule, world, microbatches, dp, tp) for _ in range(REPEATS)]
-        est, activations = predict(kind, schedule, world, microbatches, dp, tp)
+    for kind, schedule, world, microbatches, dp, tp, cp in CONFIGS:
+        runs = [measure(kind, schedule, world, microbatches, dp, tp, cp) for _ in range(REPEATS)]
+        est, activations = predict(kind, schedule, world, microbatches, dp, tp, cp)
         for rank in range(world):
             low, high = min(r[rank][0] for r in runs), max(r[rank][0] for r in runs)
             placed = max(r[rank][-1] for r in runs)
             predicted = est.per_rank_peak_bytes[rank]
             error, placed_error = (predicted - high) / high, (predicted - placed) / placed
             worst, worst_placed = max(worst, abs(error)), max(worst_placed, abs(placed_error))
-            stage = rank // (dp * tp)  # the pipeline rank
+            stages = world // (dp * tp * cp)
+            stage = rank // (dp * tp * cp)  # the pipeline rank
             in_flight = {"GPipe": str(microbatches),
-                         "1F1B": str(min(microbatches, world // (dp * tp) - stage))}.get(schedule, "-")
-            layout = " x ".join([f"pp {world // (dp * tp)}"] + [f"{name} {d}" for name, d in (("fsdp2", dp), ("tp", tp))
-                                                               if d > 1])
+                         "1F1B": str(min(microbatches, stages - stage))}.get(schedule, "-")
+            layout = " x ".join([f"pp {stages}"] + [f"{name} {d}" for name, d in (("fsdp2", dp), ("cp", cp), ("tp", tp))
+                                                    if d > 1])
             rows.append((kind, schedule, layout, microbatches, rank, low, high, placed, predicted, error,
                          placed_error, activations[rank], in_flight))
-        print(f"  {kind} {schedule} x{world} dp {dp} tp {tp}: measured {runs}, predicted {est.per_rank_peak_bytes}",
-              file=sys.stderr)
+        print(f"  {kind} {schedule} x{world} dp {dp} tp {tp} cp {cp}: measured {runs}, predicted "
+              f"{est.per_rank_peak_bytes}", file=sys.stderr)
     lines = [
         "Real `torch.distributed.pipelining` on gloo CPU processes, one process per rank (GPipe and 1F1B one stage "
         "per rank, the other schedules two, laid on ranks as torch lays them; pp x fsdp2: a (pp, dp) mesh, each "
         "stage's blocks and the stage wrapped by fully_shard over dp; tp: each Llama stage laid out by "
-        "parallelize_module over the innermost tp dim, predicted with the model's own plan): an MLP of 4 blocks "
+        "parallelize_module over the innermost tp dim, predicted with the model's own plan; cp: each rank's steps "
+        "inside torch's context_parallel over a cp dim, FSDP2 over dp and cp): an MLP of 4 blocks "
         "(width 256, batch 32 x 64, MSE) cut into contiguous blocks, and a decoder of 4 transformer layers (width "
         "256, vocab 2048, batch 16 x 128, cross-entropy) cut as torchtitan cuts (deep copy, other stages deleted); "
         f"AdamW, 2 steps; {REPEATS} runs per configuration in fresh processes. In flight: the micro-batches whose "

@@ -500,9 +500,11 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             raise UsageError("--cp-rotate describes context parallelism: pass --cp N (the ranks of the ring) too.")
         if parallel is not None:
             pass  # expert parallelism, above
+        elif pp is not None:  # with --tp and --cp inside it where given
+            parallel = _pp_plan(args, sharding, offload)
         elif cp is not None:
-            other = _given(args, offload, "--pp", "--deepspeed-config", "--offload-optimizer",
-                           "--offload-params", "--generate")
+            other = _given(args, offload, "--deepspeed-config", "--offload-optimizer", "--offload-params",
+                           "--generate")
             if cp < 1 or args.task != "causal-lm" or other or (tp is not None and tp < 1):
                 raise UsageError(f"--cp {cp}: context parallelism is planned for a causal-lm over at least 1 rank, "
                                  "alone or with --tp N and --sharding fsdp2" +
@@ -512,8 +514,6 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             world = cp * (tp or 1) if args.world_size == 1 else args.world_size
             parallel = ParallelPlan(world, sharding, cp=CPPlan(cp, args.cp_rotate), tp=TPPlan(tp) if tp else None,
                                     source="the command line")
-        elif pp is not None:
-            parallel = _pp_plan(args, sharding, offload)
         elif tp is not None:
             if tp < 1 or args.deepspeed_config or any(offload.values()):
                 raise UsageError(f"--tp {tp}: give a degree of at least 1, without --deepspeed-config or offloading "
@@ -582,21 +582,23 @@ def _checkpoint(args: argparse.Namespace) -> Any:
 
 def _pp_plan(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool]) -> Any:
     """The pipeline plan ``--pp`` says: transformers' own cut of the model, torch's schedule, the causal-LM loss;
-    with ``--tp``, each stage laid out by the model's own tensor-parallel plan (torchtitan's PP x TP)."""
-    from preflight.parallel import ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_transformers
+    with ``--tp``, each stage laid out by the model's own tensor-parallel plan (torchtitan's PP x TP); with ``--cp``,
+    the steps inside torch's ring."""
+    from preflight.parallel import CPPlan, ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_transformers
 
     other = _given(args, offload, "--deepspeed-config", "--offload-optimizer", "--offload-params",
                    "--generate", "--accumulate")
-    tp = getattr(args, "tp", None)
-    if args.pp < 2 or args.task != "causal-lm" or other or (tp is not None and tp < 1):
+    tp, cp = getattr(args, "tp", None), getattr(args, "cp", None)
+    if args.pp < 2 or args.task != "causal-lm" or other or (tp is not None and tp < 1) or (cp is not None and cp < 1):
         raise UsageError(f"--pp {args.pp}: pipeline parallelism is planned for a causal-lm over at least 2 stage "
-                         "ranks, alone or with --tp N and --sharding fsdp2" +
+                         "ranks, alone or with --tp N, --cp N and --sharding fsdp2" +
                          (f"; not with {', '.join(other)}" if other else "") +
                          " (the schedule's micro-batches are its accumulation: --microbatches).")
     plan = PPPlan(args.pp, causal_lm_loss, schedule=args.schedule, microbatches=args.microbatches,
                   split=split_transformers)
-    world = args.pp * (tp or 1) if args.world_size == 1 else args.world_size
-    return ParallelPlan(world, sharding, pp=plan, tp=TPPlan(tp) if tp else None, source="the command line")
+    world = args.pp * (tp or 1) * (cp or 1) if args.world_size == 1 else args.world_size
+    return ParallelPlan(world, sharding, pp=plan, tp=TPPlan(tp) if tp else None,
+                        cp=CPPlan(cp, args.cp_rotate) if cp else None, source="the command line")
 
 
 def _check_cut(model: Any, plan: Any) -> None:

@@ -254,7 +254,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
             raise ValueError("pipeline parallelism is traced with FSDP2 (fully_shard) over one data-parallel dim: "
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
-                            allocator=allocator, tp=tp)
+                            allocator=allocator, tp=tp, cp=plan_kwargs.get("cp"))
     ep = plan_kwargs.get("ep") if ep_read is None else ep_read[0]
     if ep is not None:
         if laid_out is not None or wrapped is not None:
@@ -731,19 +731,21 @@ def _tp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
 def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, pp: PPPlan,
                  fsdp: FSDP2Plan | None, world_size: int, options: dict[str, Any], *, fast: bool, gpu_info: GPU,
-                 allocator: AllocatorConfig | None, tp: TPPlan | None = None) -> Estimate:
+                 allocator: AllocatorConfig | None, tp: TPPlan | None = None,
+                 cp: CPPlan | None = None) -> Estimate:
     """Each rank of a pipeline-parallel run (with FSDP2 over the data-parallel dim where ``fsdp``, each stage laid out
-    by tensor parallelism where ``tp``) traced through torch's own stages and schedule
+    by tensor parallelism where ``tp``, the steps inside a ring where ``cp``) traced through torch's own stages and
+    schedule
     (`preflight.parallel.trace_pp`); the estimate of the rank that peaks highest. Where a rank cannot be traced, the
     analytic lower bound with the model's state divided among the ranks, labelled."""
     if options["step"] is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
                          "the last stage's loss from the plan's `loss_fn`): leave `step` out")
     target, traced_as = options["target_device"], _rank_options(options)
-    degree = 1 if tp is None else tp.degree
-    world_size = pp.stages * degree if fsdp is None else world_size
-    dp = world_size // (pp.stages * degree)
-    sharding = (f"pp{pp.stages}" + (f" x tp{degree}" if tp is not None else "")
+    degree, ring = (1 if tp is None else tp.degree), (1 if cp is None else cp.degree)
+    world_size = pp.stages * degree * ring if fsdp is None else world_size
+    dp = world_size // (pp.stages * degree * ring)
+    sharding = (f"pp{pp.stages}" + (f" x cp{ring}" if cp is not None else "") + (f" x tp{degree}" if tp else "")
                 + (f" x fsdp2 {dp}" if fsdp is not None else ""))
     skipped = [] if tp is None else unmatched_styles(model, tp)  # a ValueError where no styles are given or known
 
@@ -751,19 +753,24 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 
     def trace(rank: int) -> TraceResult:
         return trace_pp(model, optimizer, batch, rank=rank, plan=pp, fsdp=fsdp, world_size=world_size, tp=tp,
-                        shared=shared, **traced_as)
+                        cp=cp, shared=shared, **traced_as)
 
     groups, traced, failed = _traced_groups(
-        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size, tp), options), trace,
+        lambda: _rank_zero_alone(stage_rank_groups(model, pp, fsdp, world_size, tp, cp), options), trace,
         "torch.distributed.pipelining")
     if failed is not None:
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"pipeline parallelism ({pp.label}): a rank could not be traced")
-    dims = [f"pp {pp.stages}"] + ([f"dp {dp}"] if fsdp is not None else []) + ([f"tp {degree}"] if tp else [])
+    dims = [f"pp {pp.stages}"] + ([f"dp {dp}"] if fsdp is not None else []) + ([f"cp {ring}"] if cp else []) + (
+        [f"tp {degree}"] if tp else [])
     laid = (", each stage laid out by parallelize_module over the tp dim (the plan's modules the stage holds)"
             if tp is not None else "")
-    wrapped = (f", each stage wrapped by fully_shard over the {dp} data-parallel rank(s)" if fsdp is not None else "")
+    wrapped = (f", each stage wrapped by fully_shard over the {dp * ring} data-parallel" +
+               (" and ring" if cp is not None else "") + " rank(s)" if fsdp is not None else "")
+    if cp is not None:
+        wrapped += (f", the steps inside torch's context_parallel over the cp dim ({cp.label}), the batch's sequence "
+                    "cut in place before the first stage cuts it into micro-batches")
     mesh = f" of a fake ({' x '.join(dims)}) mesh" if len(dims) > 1 else ""
     shared_note = (f"; ranks with equal local shapes share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
                    if len(dims) > 1 else "")

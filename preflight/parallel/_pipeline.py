@@ -26,7 +26,11 @@ With tensor parallelism beside it (torchtitan's 2-D and 3-D layouts), each stage
 model's names; modules another stage holds are skipped), then wrapped by ``fully_shard`` over ``dp`` where FSDP2 is
 given, then handed to its ``PipelineStage`` over the ``pp`` dim: the mesh is ``(pp, dp, tp)``, tensor-parallel
 ranks innermost. The shapes the stages exchange come from torch's metadata inference run with the stages laid out
-as tensor-parallel rank 0 lays them (sequence parallelism hands on a slice of the sequence).
+as tensor-parallel rank 0 lays them (sequence parallelism hands on a slice of the sequence). With context parallelism
+beside it (a ``cp`` dim between ``dp`` and ``tp``), the rank's schedule steps run inside torch's ``context_parallel``
+over ``cp``, which cuts the batch's sequence in place before the first stage cuts it into micro-batches, and every
+attention of the stage goes through the ring; the stages exchange one place's slice of the sequence, and FSDP2
+shards each stage over the ``dp`` and ``cp`` dims flattened.
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
 gives a labelled lower bound naming what is missing); pipeline parallelism combined with DDP, FSDP1 or HSDP is
@@ -52,8 +56,9 @@ from preflight._checkpoint import Checkpoint
 from preflight._loading import Loading
 from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
+from preflight.parallel._context import CPPlan, ring_of, sequence_tensors
 from preflight.parallel._fake_group import fake_world
-from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
 from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, laid_out_locals, lay_out,
                                         meshes_outside_modes, plan_styles)
@@ -270,13 +275,13 @@ def _vote(all_static: bool) -> Callable[..., None]:
 
 
 def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | None,
-                 tp: TPPlan | None = None) -> tuple[list[Any], bool]:
+                 tp: TPPlan | None = None, cp: CPPlan | None = None) -> tuple[list[Any], bool]:
     """Every stage's ``_StageMeta`` (the shapes and dtypes it receives, sends and gets gradients of) and whether
     every stage votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process
     group where the pipeline has one rank every stage is on the same rank, so torch passes the metadata from stage to
     stage as arguments. Under ``precision`` as the ranks' steps run: parameters cast (``*-true``), the forward under
     autocast (``*-mixed``); with ``tp``, each stage laid out as tensor-parallel rank 0 lays it out, in a fake
-    ``(pp 1, tp degree)`` world."""
+    ``(pp 1, tp degree)`` world; with ``cp``, on one place's slice of the sequence (`_ring_slice`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.distributed.pipelining._utils import InferenceMode
@@ -285,7 +290,7 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
     from preflight.trace._fake_kernels import FakeKernelsMode
     from preflight.trace._twin import TwinMaker, float_dtype_for
 
-    args, target = _parts(batch)
+    args, target = _parts(batch if cp is None else _ring_slice(batch, cp))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
     degree = 1 if tp is None else tp.degree
@@ -338,14 +343,15 @@ def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
 
 def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP2Plan | None = None,
             world_size: int | None = None, tp: TPPlan | None = None,
-            styles: dict[str, Any] | None = None) -> Engine:
+            styles: dict[str, Any] | None = None, cp: CPPlan | None = None) -> Engine:
     """The pipeline engine over ``stage_metas`` (`_stage_metas`; None: an engine that only wraps); each stage laid
     out by ``parallelize_module`` with ``styles`` over the ``tp`` dim where ``tp`` is given, then wrapped by
     ``fully_shard`` over the ``dp`` dim where ``fsdp`` is (torchtitan's PP x FSDP2, PP x TP and PP x FSDP2 x TP on a
-    ``(pp, dp, tp)`` mesh of ``world_size`` ranks, `_mesh_shape`), the stages talking over the ``pp`` dim."""
+    ``(pp, dp, tp)`` mesh of ``world_size`` ranks, `_mesh_shape`), the stages talking over the ``pp`` dim; with
+    ``cp``, the steps inside torch's ring over a ``cp`` dim."""
     from torch.distributed.pipelining import PipelineStage
 
-    mesh_shape = _mesh_shape(plan, fsdp, world_size, tp)
+    mesh_shape = _mesh_shape(plan, fsdp, world_size, tp, cp)
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         metas, all_static = stage_metas
@@ -380,27 +386,34 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
                 meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
             yield
 
+    def around(mesh: Any, batch: Any, *, cpu: bool) -> contextlib.AbstractContextManager[None]:
+        return ring_of(mesh["cp"], batch, cp, cpu=cpu)
+
     name = (f"torch.distributed.pipelining {plan.schedule_class.__name__}" + (" + parallelize_module" if tp else "")
-            + (" + fully_shard" if fsdp else ""))
+            + (" + fully_shard" if fsdp else "") + (" + context_parallel" if cp else ""))
     return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
-                  drive=drive, mesh=mesh_shape)
+                  drive=drive, mesh=mesh_shape, around=around if cp is not None else None)
 
 
-def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None, world_size: int | None,
-                tp: TPPlan | None = None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None, world_size: int | None, tp: TPPlan | None = None,
+                cp: CPPlan | None = None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
     """The fake mesh: ``("pp", "dp")`` for PP x FSDP2, ``("pp", "tp")`` for PP x TP, ``("pp", "dp", "tp")`` for the
-    three, pipeline ranks outermost and tensor-parallel ranks innermost as torchtitan orders them; None for pipeline
-    parallelism alone (a 1-D world of ``plan.stages`` ranks)."""
-    if fsdp is None and tp is None:
+    three, a ``cp`` dim before ``tp`` with context parallelism: pipeline ranks outermost and tensor-parallel ranks
+    innermost as torchtitan orders them; None for pipeline parallelism alone (a 1-D world of ``plan.stages``
+    ranks)."""
+    if fsdp is None and tp is None and cp is None:
         return None
     shape, names = [plan.stages], ["pp"]
     if fsdp is not None:
-        ranks = plan.stages * (tp.degree if tp is not None else 1)
+        ranks = plan.stages * (tp.degree if tp is not None else 1) * (cp.degree if cp is not None else 1)
         if world_size is None or world_size % ranks:
             raise ValueError(f"PP x FSDP2 needs a world size that is a multiple of the {ranks} pipeline (x tensor-"
                              f"parallel) ranks, got {world_size!r}")
         shape.append(world_size // ranks)
         names.append("dp")
+    if cp is not None:
+        shape.append(cp.degree)
+        names.append("cp")
     if tp is not None:
         shape.append(tp.degree)
         names.append("tp")
@@ -421,8 +434,30 @@ def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh:
                 _lay_out(part, mesh["tp"], styles)
             if fsdp is not None:
                 units = tuple(u for u in whole if _has(part, u))
-                apply_fully_shard(part, mesh["dp"], dataclasses.replace(fsdp, units=units, root=""))
+                apply_fully_shard(part, _data_mesh(mesh), dataclasses.replace(fsdp, units=units, root=""))
     return parts
+
+
+def _data_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards a stage over: the ``dp`` dim, or the ``dp`` and ``cp`` dims flattened beside a ring
+    (torchtitan's ``dp_shard_cp``)."""
+    return mesh["dp", "cp"]._flatten("dp_cp") if "cp" in mesh.mesh_dim_names else mesh["dp"]
+
+
+def _ring_slice(batch: Any, cp: CPPlan) -> Any:
+    """The batch with each of its sequence tensors (`preflight.parallel._context.sequence_tensors`) cut to one place's
+    slice of the ring: the shapes a rank's stages exchange once torch's ring has cut the batch."""
+    cut = {id(t): dim for t, dim in sequence_tensors(batch, cp)}
+
+    def local(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in cut:
+            dim = cut[id(value)]
+            return value.narrow(dim, 0, value.shape[dim] // cp.degree)
+        if isinstance(value, (tuple, list)):
+            return type(value)(local(v) for v in value)
+        return value
+
+    return local(batch)
 
 
 def _lay_out(part: nn.Module, mesh: Any, styles: dict[str, Any]) -> None:
@@ -525,41 +560,37 @@ def stage_optimizer(user: torch.optim.Optimizer, model: nn.Module, parts: nn.Mod
 
 
 def stage_rank_groups(model: nn.Module, plan: PPPlan, fsdp: FSDP2Plan | None = None,
-                      world_size: int | None = None, tp: TPPlan | None = None) -> list[list[int]]:
-    """Ranks that run the same program: alone, every pipeline rank on its own (ranks hold different stages and
-    different micro-batches in flight); with FSDP2, the ranks of one pipeline rank whose shards have the same local
-    shapes: each stage is cut once from a meta copy, and FSDP2's cut of every parameter over the ``dp`` ranks
-    (`shard_rows`; ``fully_shard`` covers the whole stage) says which data-parallel ranks hold equal shards, so a
-    world of hundreds of ranks costs one cut per pipeline rank. (A split that fails on a meta copy raises here,
-    before any trace.) With tensor parallelism, each (pipeline, tensor-parallel) place's stages are laid out once on
-    a meta copy in a fake world of those ranks, and FSDP2's cut of their local tensors over the ``dp`` ranks is
-    counted (as `preflight.parallel.tp_rank_groups` counts it): ranks of one pipeline rank with equal local shapes
-    and equal shards share a trace."""
-    if tp is not None:  # each (pp, tp) place laid out once; FSDP2's cut of its local tensors over dp counted
-        ranks = plan.stages * tp.degree
+                      world_size: int | None = None, tp: TPPlan | None = None,
+                      cp: CPPlan | None = None) -> list[list[int]]:
+    """Ranks that run the same program: every pipeline rank on its own (ranks hold different stages and different
+    micro-batches in flight), and every place in a ring (`preflight.parallel.cp_rank_groups`); within those, the ranks
+    whose parameters have the same local shapes (tensor parallelism's) and the same FSDP2 shards. The shapes come
+    from one cut of each pipeline rank's stages from a meta copy, laid out once per tensor-parallel rank in a fake
+    world of the (pipeline, tensor-parallel) ranks where ``tp`` is given; FSDP2's cut of every local tensor over the
+    ranks it shards over (`shard_rows`, the ``dp`` and ``cp`` dims; ``fully_shard`` covers the whole stage) is
+    counted (`grouped_by_shards`), so a world of thousands of ranks costs one cut per such place. (A split that
+    fails on a meta copy raises here, before any trace.)"""
+    degree, ring = (tp.degree if tp is not None else 1), (cp.degree if cp is not None else 1)
+    ranks = plan.stages * degree
+    if tp is not None:
         engine = _engine(plan, None, None, ranks, tp, plan_styles(model, tp))
         places = [laid_out_locals(model, engine, ranks, rank) for rank in range(ranks)]
-        size = world_size if fsdp is not None else ranks
-        dp = size // ranks  # rank = (pp_rank * dp + dp_rank) * degree + tp_rank on the (pp, dp, tp) mesh
+    else:  # a fresh copy per stage: a split may take what it keeps out of the model it is given
+        cuts = [plan.stage_module(fake_replica(model, MetaTwins()), stage) for stage in range(plan.num_stages)]
+        places = [list(nn.ModuleList([cuts[i] for i in plan.stage_indices(pp_rank)]).parameters())
+                  for pp_rank in range(plan.stages)]
+    size = world_size if fsdp is not None else ranks * ring
+    dp = size // (ranks * ring)
 
-        def place(rank: int) -> tuple[list[torch.Tensor], int]:
-            pp_rank, dp_rank, tp_rank = rank // (dp * tp.degree), rank // tp.degree % dp, rank % tp.degree
-            return places[pp_rank * tp.degree + tp_rank], dp_rank
+    def coordinates(rank: int) -> tuple[int, int, int, int]:  # rank on the (pp, dp, cp, tp) mesh, row-major
+        return rank // (dp * ring * degree), rank // (ring * degree) % dp, rank // degree % ring, rank % degree
 
-        return grouped_by_shards(size, place, dp, key=lambda rank: rank // (dp * tp.degree))
-    # A fresh copy per stage: a split may take what it keeps out of the model it is given.
-    cuts = [plan.stage_module(fake_replica(model, MetaTwins()), stage) for stage in range(plan.num_stages)]
-    if fsdp is None:
-        return [[rank] for rank in range(plan.stages)]
-    (stages, dp), _ = _mesh_shape(plan, fsdp, world_size)
-    groups: list[list[int]] = []
-    for pp_rank in range(stages):  # rank = pp_rank * dp + dp_rank on the ("pp", "dp") mesh
-        params = list(nn.ModuleList([cuts[i] for i in plan.stage_indices(pp_rank)]).parameters())
-        signatures: dict[tuple[int, ...], list[int]] = {}
-        for dp_rank in range(dp):
-            signatures.setdefault(shard_rows(params, dp, dp_rank), []).append(pp_rank * dp + dp_rank)
-        groups.extend(signatures.values())
-    return groups
+    def place(rank: int) -> tuple[list[torch.Tensor], int]:
+        pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank)
+        return places[pp_rank * degree + tp_rank], dp_rank * ring + cp_rank  # FSDP2 over dp and cp flattened
+
+    shard = dp * ring if fsdp is not None else 1
+    return grouped_by_shards(size, place, shard, key=lambda rank: coordinates(rank)[::2])
 
 
 @swept
@@ -573,6 +604,7 @@ def trace_pp(
     fsdp: FSDP2Plan | None = None,
     world_size: int | None = None,
     tp: TPPlan | None = None,
+    cp: CPPlan | None = None,
     step: StepFn | None,
     precision: str | None,
     steps: int,
@@ -593,6 +625,7 @@ def trace_pp(
         fsdp, world_size: FSDP2 over the data-parallel dim of a ``("pp", "dp")`` mesh of ``world_size`` ranks
             (None: pipeline parallelism alone over ``plan.stages`` ranks, times ``tp``'s degree where given).
         tp: tensor parallelism inside each stage, over the mesh's innermost ``tp`` dim (`_mesh_shape`).
+        cp: context parallelism: the steps inside torch's ring over a ``cp`` dim, the batch's sequence cut in place.
         step: must be None: the schedule runs the forward, the loss and the backward.
         record_op, routing, cuda: as for `preflight.trace.trace_steps`.
         shared: one dict passed to every rank's call of one plan: torch's metadata inference over all the stages
@@ -610,11 +643,13 @@ def trace_pp(
         raise ValueError("under pipeline parallelism the schedule runs the step: the last stage's loss is the plan's "
                          "`loss_fn`; leave `step` out")
     shared = {} if shared is None else shared
+    if cp is not None:
+        sequence_tensors(batch, cp)  # a ValueError naming what the ring asks of the batch, before any trace
     if "stage_metas" not in shared:
-        shared["stage_metas"] = _stage_metas(model, plan, batch, precision, tp)
+        shared["stage_metas"] = _stage_metas(model, plan, batch, precision, tp, cp)
     styles = None if tp is None else plan_styles(model, tp)
-    engine = _engine(plan, shared["stage_metas"], fsdp, world_size, tp, styles)
-    ranks = world_size or plan.stages * (1 if tp is None else tp.degree)
+    engine = _engine(plan, shared["stage_metas"], fsdp, world_size, tp, styles, cp)
+    ranks = world_size or plan.stages * (1 if tp is None else tp.degree) * (1 if cp is None else cp.degree)
     return trace_rank(engine, model, optimizer, batch, world_size=ranks, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)

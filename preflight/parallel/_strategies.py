@@ -60,9 +60,10 @@ class ParallelPlan:
         tp: tensor parallelism (a `preflight.parallel.TPPlan`): with ``sharding=None`` its degree is the world size;
             with ``"fsdp2"``, FSDP2 shards over the data-parallel dim of the mesh ``(world_size // degree,
             degree)``, as torchtitan lays out TP x FSDP2 (``fsdp`` may give an `FSDP2Plan` for it).
-        pp: pipeline parallelism (a `preflight.parallel.PPPlan`): with ``sharding=None`` its ranks (times ``tp``'s
-            degree, where given) are the world size; with ``"fsdp2"``, FSDP2 shards each stage over the data-parallel
-            dim of the mesh ``(pp ranks, world_size // (pp ranks x tp degree), tp degree)``, torchtitan's layout.
+        pp: pipeline parallelism (a `preflight.parallel.PPPlan`): with ``sharding=None`` its ranks (times ``cp``'s
+            and ``tp``'s degrees, where given) are the world size; with ``"fsdp2"``, FSDP2 shards each stage over the
+            data-parallel dim (and the ring's) of the mesh ``(pp ranks, dp, cp degree, tp degree)``, torchtitan's
+            layout; with ``cp``, each rank's steps run inside the ring.
         cp: context parallelism (a `preflight.parallel.CPPlan`): with ``sharding=None`` its degree is the world size
             (the model replicated on every rank of the ring); with ``"fsdp2"``, FSDP2 shards over every rank of the
             job (torchtitan's ``dp_shard_cp``) and the rings are the consecutive runs of ``degree`` ranks. With
@@ -90,10 +91,10 @@ class ParallelPlan:
         _check_world(self.world_size)
         if self.tp is not None:
             self._check_tp()
-        if self.pp is not None:
-            self._check_pp()
         if self.cp is not None:
             self._check_cp()
+        if self.pp is not None:
+            self._check_pp()
         if self.ep is not None:
             self._check_ep()
         if self.sharding is not None and self.sharding not in SHARDING_CHOICES:
@@ -133,9 +134,12 @@ class ParallelPlan:
 
         if not isinstance(self.pp, PPPlan):
             raise TypeError(f"`ParallelPlan.pp` should be a preflight.parallel.PPPlan or None, got {self.pp!r}.")
-        # One data-parallel replica's ranks: the pipeline's, each a tensor-parallel group where `tp` is given.
-        degree = self.tp.degree if self.tp is not None else 1
-        ranks, what = self.pp.stages * degree, "pipeline" + (f" x {degree} tensor-parallel" if self.tp else "")
+        # One data-parallel replica's ranks: the pipeline's, each a ring of `cp` ranks and a tensor-parallel group of
+        # `tp` ranks where they are given.
+        degree = (self.tp.degree if self.tp is not None else 1) * (self.cp.degree if self.cp is not None else 1)
+        what = "pipeline" + (f" x {self.cp.degree} context-parallel" if self.cp is not None else "") + (
+            f" x {self.tp.degree} tensor-parallel" if self.tp is not None else "")
+        ranks = self.pp.stages * degree
         if self.sharding is None and ranks != self.world_size:
             raise ValueError(f"the {what} ranks are {ranks} but the world size is {self.world_size}: data "
                              "parallelism beside pipeline parallelism is traced with FSDP2 over the other dim; pass "
@@ -146,11 +150,11 @@ class ParallelPlan:
                              f"'fsdp2' (FSDP2 over the world_size // {ranks} ranks of each stage, a multiple of "
                              f"them) or None (no data parallelism), got {self.sharding!r}.")
         if any((self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("pipeline parallelism is traced alone or with FSDP2 and tensor parallelism, not yet with "
-                             "offload, DeepSpeed or DDP's options: leave them out of a plan with `pp`.")
-        if self.tp is not None and getattr(self.fsdp, "replicate", 1) != 1:
-            raise ValueError("pipeline and tensor parallelism are traced with FSDP2 over one data-parallel dim, not "
-                             "yet with HSDP: leave the FSDP2Plan's replicate at 1.")
+            raise ValueError("pipeline parallelism is traced alone or with FSDP2, tensor and context parallelism, not "
+                             "yet with offload, DeepSpeed or DDP's options: leave them out of a plan with `pp`.")
+        if (self.tp is not None or self.cp is not None) and getattr(self.fsdp, "replicate", 1) != 1:
+            raise ValueError("pipeline parallelism beside tensor or context parallelism is traced with FSDP2 over one "
+                             "data-parallel dim, not yet with HSDP: leave the FSDP2Plan's replicate at 1.")
 
     def _check_cp(self) -> None:
         from preflight.parallel._context import CPPlan
@@ -161,6 +165,8 @@ class ParallelPlan:
 
         if self.tp is not None and not isinstance(self.tp, TPPlan):
             raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
+        if self.pp is not None:  # the world holds the pipeline's ranks too: `_check_pp`
+            return
         self.cp.mesh(self.world_size, self.tp)  # a ValueError where the degrees do not divide the world
         ranks = self.cp.degree * (self.tp.degree if self.tp is not None else 1)
         if self.sharding is None and ranks != self.world_size:
@@ -171,11 +177,9 @@ class ParallelPlan:
         if self.sharding not in (None, "fsdp2"):
             raise ValueError("with context parallelism, `sharding` should be 'fsdp2' (FSDP2 over every rank, "
                              f"torchtitan's dp_shard_cp) or None (the model replicated), got {self.sharding!r}.")
-        if self.pp is not None or any(
-                (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("context parallelism is traced alone, with FSDP2 or with tensor parallelism, not yet with "
-                             "pipeline parallelism, offload, DeepSpeed or DDP's options: leave them out of a plan "
-                             "with `cp`.")
+        if any((self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
+            raise ValueError("context parallelism is traced alone, with FSDP2, tensor or pipeline parallelism, not yet "
+                             "with offload, DeepSpeed or DDP's options: leave them out of a plan with `cp`.")
         if getattr(self.fsdp, "replicate", 1) != 1:
             raise ValueError("context parallelism is traced with FSDP2 over every rank, not yet with HSDP: leave "
                              "the FSDP2Plan's replicate at 1.")

@@ -46,8 +46,8 @@ def test_plan_options_are_checked():
         preflight.ParallelPlan(4, None, cp=CPPlan(2))
     with pytest.raises(ValueError, match="should be 'fsdp2'"):
         preflight.ParallelPlan(2, "zero3", cp=CPPlan(2))
-    with pytest.raises(ValueError, match="not yet with pipeline"):
-        preflight.ParallelPlan(4, "fsdp2", cp=CPPlan(2), pp=preflight.parallel.PPPlan(2, lambda out, y: out.sum()))
+    with pytest.raises(ValueError, match="not yet with offload"):
+        preflight.ParallelPlan(2, None, cp=CPPlan(2), offload_optimizer=True)
     # Beside tensor parallelism: a (dp, cp, tp) mesh, tensor-parallel ranks innermost.
     assert CPPlan(2).mesh(8, TPPlan(2)) == ((2, 2, 2), ("dp", "cp", "tp"))
     assert CPPlan(2).mesh(4, TPPlan(2)) == ((2, 2), ("cp", "tp"))
@@ -173,9 +173,9 @@ def test_the_cli_plans_context_parallelism(tmp_path, capsys):
     assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp-rotate",
                  "alltoall"]) == 2
     assert "pass --cp N" in capsys.readouterr().err
-    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp", "2", "--pp",
-                 "2"]) == 2
-    assert "not with --pp" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "64", "--cp", "2",
+                 "--offload-optimizer"]) == 2
+    assert "not with --offload-optimizer" in capsys.readouterr().err
     # With --tp 2 beside the ring: 4 ranks, the model laid out by its own plan, as the Python API plans it.
     both = tmp_path / "cp-tp.json"
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "64", "--cp", "2", "--tp", "2",

@@ -3,6 +3,7 @@ under a fake process group, checked against real gloo runs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -13,7 +14,8 @@ from conftest import call_end_peak, gloo_rank, spawned
 from torch import nn
 
 import preflight
-from preflight.parallel import ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_sequential, split_transformers
+from preflight.parallel import (CPPlan, ParallelPlan, PPPlan, TPPlan, causal_lm_loss, split_sequential,
+                                split_transformers)
 
 WIDTH, BATCH, SEQ = 128, 16, 32
 
@@ -72,6 +74,14 @@ def test_plan_options_are_checked():
 
     with pytest.raises(ValueError, match="not yet with HSDP"):
         ParallelPlan(16, "fsdp2", pp=PPPlan(2, _mse), tp=TPPlan(2), fsdp=FSDP2Plan(replicate=2))
+    # Inside a ring: one replica is the pipeline's ranks times the ring's (times the tensor-parallel degree).
+    assert ParallelPlan(8, None, pp=PPPlan(2, _mse), cp=CPPlan(2), tp=TPPlan(2)).cp.degree == 2
+    with pytest.raises(ValueError, match="pipeline x 2 context-parallel ranks are 4 but the world size is 2"):
+        ParallelPlan(2, None, pp=PPPlan(2, _mse), cp=CPPlan(2))
+    from preflight.parallel._pipeline import _mesh_shape
+
+    assert _mesh_shape(PPPlan(2, _mse), FSDP2Plan(), 16, TPPlan(2), CPPlan(2)) == ((2, 2, 2, 2),
+                                                                                  ("pp", "dp", "cp", "tp"))
 
 
 def test_stages_are_laid_on_ranks_as_torchs_schedules_lay_them():
@@ -355,6 +365,9 @@ def test_tensor_parallel_stages_lay_out_their_own_modules_and_share_a_trace_per_
     assert not any(".layers.0." in n or "embed_tokens" in n for n in local)  # the first stage's
     assert stage_rank_groups(model, plan, None, 4, tp) == [[0, 1], [2, 3]]
     assert stage_rank_groups(model, plan, FSDP2Plan(), 8, tp) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Inside a ring each place traces apart: (pp, dp, cp) coordinates (r // 4, r // 2 % 2, r % 2).
+    assert stage_rank_groups(model, plan, None, 4, cp=CPPlan(2)) == [[0], [1], [2], [3]]
+    assert stage_rank_groups(model, plan, FSDP2Plan(), 8, cp=CPPlan(2)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     # Counted from one layout per (pp, tp) place and FSDP2's chunks: the groups that laying out and wrapping a meta
     # copy as every rank gives, by its pipeline rank, its tensor-parallel shapes (what FSDP2 gathers back) and its
     # shards, also where they are uneven (a vocabulary of 513 cut in 2, local dims cut over 3 data-parallel ranks).
@@ -366,7 +379,7 @@ def test_tensor_parallel_stages_lay_out_their_own_modules_and_share_a_trace_per_
     wrapped, laid = _engine(plan, None, FSDP2Plan(), 12, tp, styles), _engine(plan, None, None, 4, tp, styles)
     by_wrapping: dict[tuple, list[int]] = {}
     for rank in range(12):
-        pp_rank, dp_rank, tp_rank = rank // 6, rank // 2 % 3, rank % 2
+        pp_rank, tp_rank = rank // 6, rank % 2  # on the (pp 2, dp 3, tp 2) mesh
         shards = tuple(tuple(t.shape) for t in laid_out_locals(uneven, wrapped, 12, rank))
         gathered = tuple(tuple(t.shape) for t in laid_out_locals(uneven, laid, 4, pp_rank * 2 + tp_rank))
         by_wrapping.setdefault((pp_rank, gathered, shards), []).append(rank)
@@ -467,12 +480,13 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
 
 
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, kind: str,
-                 dp: int = 1, tp: int = 1) -> None:
+                 dp: int = 1, tp: int = 1, cp: int = 1) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
-    PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp`` > 1 or
-    ``tp`` > 1, a ("pp", "dp", "tp") mesh (the dims of size 1 left out): each stage laid out by parallelize_module
-    over tp (the plan `benchmarks/distributed.py` writes), its blocks and the stage wrapped by fully_shard
-    over dp, the stages talking over pp. Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
+    PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp``, ``cp`` or
+    ``tp`` > 1, a ("pp", "dp", "cp", "tp") mesh (the dims of size 1 left out): each stage laid out by
+    parallelize_module over tp (the plan `benchmarks/distributed.py` writes), its blocks and the stage wrapped by
+    fully_shard over dp (and cp), the steps inside torch's context_parallel over cp, the stages talking over pp.
+    Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
     lost frees placed (`conftest.call_end_peak`)."""
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
@@ -481,21 +495,24 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
     from benchmarks.distributed import megatron_styles
     from preflight._device import held_tensors, live_storage_bytes
+    from preflight.parallel._context import ring_of
 
     global _IN_WORKER
     _IN_WORKER = True
     with gloo_rank(rank, world, port):
-        dims = [("pp", world // (dp * tp))] + [(n, d) for n, d in (("dp", dp), ("tp", tp)) if d > 1]
+        dims = [("pp", world // (dp * tp * cp))] + [(n, d) for n, d in (("dp", dp), ("cp", cp), ("tp", tp)) if d > 1]
         mesh = (init_device_mesh("cpu", tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
                 if len(dims) > 1 else None)
         seq = _real_seq(dp)
         model, (x, y), loss_fn, split = _setup(kind, seq)
-        plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=microbatches)
+        plan = PPPlan(world // (dp * tp * cp), loss_fn, schedule=schedule, microbatches=microbatches)
         indices = plan.stage_indices(mesh["pp"].get_local_rank() if mesh is not None else rank)
         parts = [split(model, i, plan.num_stages).train() for i in indices]  # as a training loop sets them
         del model
         for part in parts if tp > 1 else ():
             parallelize_module(part, mesh["tp"], megatron_styles(part))
+        shards = (mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else mesh["dp"]) if dp > 1 else \
+            (mesh["cp"] if cp > 1 else None)
         for part in parts if dp > 1 else ():
             if kind == "decoder":
                 blocks = list(part.layers.values())
@@ -504,8 +521,8 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
             else:
                 blocks = list(part)
             for block in blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(part, mesh=mesh["dp"])
+                fully_shard(block, mesh=shards)
+            fully_shard(part, mesh=shards)
         group = mesh["pp"].get_group() if mesh is not None else None
         stages = [pipelining.PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for part, i in zip(parts, indices)]
@@ -522,6 +539,10 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
         def steps(on_phase) -> None:
             chunk_phases(held["runner"], on_phase)
+            with ring_of(mesh["cp"], (x, y), CPPlan(cp), cpu=True) if cp > 1 else contextlib.nullcontext():
+                pipeline_steps(on_phase)
+
+        def pipeline_steps(on_phase) -> None:
             for i in range(2):
                 on_phase(i, "pipeline")
                 inputs = (x,) if first else ()
@@ -585,6 +606,23 @@ def test_real_gloo_pipeline_with_tensor_parallel_stages_per_rank_peak_within_3_p
     # Tensor-parallel ranks of one stage hold equal shards; the two stages differ.
     assert est.per_rank_peak_bytes[0] == est.per_rank_peak_bytes[1] != est.per_rank_peak_bytes[2]
     measured = spawned(_gloo_worker, 4, "1F1B", 4, "llama", 1, 2)
+    for rank in range(4):
+        error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
+        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
+def test_real_gloo_pipeline_inside_a_ring_per_rank_peak_within_3_percent():
+    """PP 2 x CP 2 on a (pp, cp) mesh: each rank's 1F1B steps inside torch's context_parallel over cp (the batch's
+    sequence cut in place, then into micro-batches), every rank against its prediction (equal to the byte when
+    written; PP 2 x FSDP2 2 x CP 2 on 8 processes too)."""
+    model, batch, loss_fn, split = _setup("llama", _real_seq(1))
+    plan = PPPlan(2, loss_fn, microbatches=4, split=split)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             preflight.Run(parallel=ParallelPlan(4, None, pp=plan, cp=CPPlan(2))))
+    assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
+    assert any("inside torch's context_parallel over the cp dim" in n for n in est.coverage.notes)
+    measured = spawned(_gloo_worker, 4, "1F1B", 4, "llama", 1, 1, 2)
     for rank in range(4):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
@@ -656,6 +694,12 @@ def test_the_cli_plans_a_pipeline_per_rank(tmp_path, capsys):
     report = json.loads(both.read_text())
     assert report["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
     assert report["per_rank_peak_bytes"][0] < json.loads(out.read_text())["per_rank_peak_bytes"][0]
+    # With --cp 2, each stage rank's steps inside a ring of 2: 4 ranks, each place traced.
+    ring = tmp_path / "pp-cp.json"
+    assert main([*base, "--cp", "2", "--microbatches", "4", "--json", str(ring)]) == 0
+    python = preflight.estimate(model, torch.optim.AdamW(model.parameters()), (ids, ids),
+                                preflight.Run(parallel=ParallelPlan(4, None, pp=plan, cp=CPPlan(2))))
+    assert json.loads(ring.read_text())["per_rank_peak_bytes"] == list(python.per_rank_peak_bytes)
 
 
 @pytest.mark.slow

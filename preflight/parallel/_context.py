@@ -247,7 +247,7 @@ def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int, tp: TPPlan | 
             if tp is not None:
                 lay_out(replica, mesh["tp"], styles)
             if fsdp is not None:  # FSDP2 over every rank of the dp and cp dims: torchtitan's dp_shard_cp
-                apply_fully_shard(replica, _ring_and_data(mesh, names), fsdp)
+                apply_fully_shard(replica, data_mesh(mesh), fsdp)
         return replica
 
     def around(mesh: Any, batch: Any, *, cpu: bool) -> contextlib.AbstractContextManager[None]:
@@ -259,12 +259,13 @@ def _engine(plan: CPPlan, fsdp: FSDP2Plan | None, world_size: int, tp: TPPlan | 
                   watch=dtensor_watch(fsdp is not None), mesh=(shape, names), around=around)
 
 
-def _ring_and_data(mesh: Any, names: tuple[str, ...]) -> Any:
-    """The mesh FSDP2 shards over beside a ring: the whole mesh where it is the ring, the ``cp`` dim where only the
-    tensor-parallel dim is beside it, else the ``dp`` and ``cp`` dims flattened."""
-    if len(names) == 1:
+def data_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards over: a 1-D mesh whole; else its ``dp`` dim or a ring's ``cp`` dim, or both flattened
+    (torchtitan's ``dp_shard_cp``), whatever other dims (``pp``, ``tp``) it has."""
+    if mesh.ndim == 1:
         return mesh
-    return mesh["dp", "cp"]._flatten("dp_cp") if "dp" in names else mesh["cp"]
+    dims = tuple(d for d in ("dp", "cp") if d in mesh.mesh_dim_names)
+    return mesh[dims]._flatten("dp_cp") if len(dims) == 2 else mesh[dims[0]]
 
 
 def cp_rank_groups(plan: CPPlan, world_size: int, model: nn.Module | None = None,

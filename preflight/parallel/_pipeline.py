@@ -56,7 +56,7 @@ from preflight._checkpoint import Checkpoint
 from preflight._loading import Loading
 from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
-from preflight.parallel._context import CPPlan, ring_of, sequence_tensors
+from preflight.parallel._context import CPPlan, data_mesh, ring_of, sequence_tensors
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
@@ -434,14 +434,8 @@ def _stage_parts(plan: PPPlan, fsdp: FSDP2Plan | None, replica: nn.Module, mesh:
                 _lay_out(part, mesh["tp"], styles)
             if fsdp is not None:
                 units = tuple(u for u in whole if _has(part, u))
-                apply_fully_shard(part, _data_mesh(mesh), dataclasses.replace(fsdp, units=units, root=""))
+                apply_fully_shard(part, data_mesh(mesh), dataclasses.replace(fsdp, units=units, root=""))
     return parts
-
-
-def _data_mesh(mesh: Any) -> Any:
-    """The mesh FSDP2 shards a stage over: the ``dp`` dim, or the ``dp`` and ``cp`` dims flattened beside a ring
-    (torchtitan's ``dp_shard_cp``)."""
-    return mesh["dp", "cp"]._flatten("dp_cp") if "cp" in mesh.mesh_dim_names else mesh["dp"]
 
 
 def _ring_slice(batch: Any, cp: CPPlan) -> Any:

@@ -304,15 +304,9 @@ def tp_rank_groups(model: nn.Module, plan: TPPlan | WrappedTP, world_size: int,
     FSDP2's cut of each local tensor over the shard dim (`preflight.parallel._fsdp2.shard_rows`: ``torch.chunk`` of
     dim 0, as ``fully_shard`` cuts a DTensor's local tensor) is counted, so a world of thousands of ranks costs
     ``degree`` layouts. A read layout is applied to a meta copy as every rank (no step runs)."""
-    if isinstance(plan, WrappedTP):
+    if isinstance(plan, WrappedTP):  # each rank's local shapes as the read layout wraps a meta copy
         engine = _read_engine(plan, fsdp)
-        signatures: dict[tuple[Any, ...], list[int]] = {}
-        for rank in range(world_size):
-            with fresh_dtensor_caches(), fake_world(world_size, rank, mesh=engine.mesh) as mesh:
-                wrapped = engine.wrap(fake_replica(model, MetaTwins()), mesh)
-                shapes = tuple(tuple(t.shape) for t in local_parameters(wrapped))
-            signatures.setdefault(shapes, []).append(rank)
-        return list(signatures.values())
+        return grouped_by_shards(world_size, lambda rank: (laid_out_locals(model, engine, world_size, rank), 0), 1)
     shape, _ = tp_mesh(plan, world_size, fsdp)
     by_tp_rank = tp_layouts(model, plan)
     shard = shape[-2] if fsdp is not None else 1  # FSDP2's dim: ("dp", "tp") or ("replicate", "shard", "tp")

@@ -171,6 +171,10 @@ class PreflightCallback(TrainerCallback):
         self._hook = model.register_forward_pre_hook(self._remember_batch, with_kwargs=True)
         session.step_started(training_state(model, [optimizer]))
 
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._session is not None:
+            self._session.phase_ended()  # the forwards and backwards of the step's micro-batches
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self._session
         if session is None or not session.active:

@@ -224,6 +224,14 @@ class PreflightCallback(*_callback_bases()):
         if finished:
             _log(trainer, session.report, verified=True)
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._session is not None:
+            self._session.phase_ended()  # the forward
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None:
+            self._session.phase_ended()  # the backward
+
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         session = self._session

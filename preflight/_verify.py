@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from preflight._device import cuda_peaks, cuda_reset_peaks, live_storages
-from preflight._measure import profiled_events, session_peak, session_survivors
+from preflight._measure import _walked_profile, frees_placed, session_peak, session_survivors
 from preflight._quiet import StderrFilter
 from preflight._units import format_bytes, margin_text, signed_percent
 
@@ -41,6 +41,25 @@ UNDER_PREDICTION_TOLERANCE = 0.05
 # Memory a step may leave allocated as noise (scalars a trainer logs), relative to the peak; a leak retaining
 # a graph keeps megabytes.
 LEAK_TOLERANCE = 0.001
+
+
+# The profiler range `StepPeakMeter.mark` records at the end of each phase of a measured step.
+_PHASE_MARK = "preflight::phase_end"
+
+
+def _alive_addresses(device: torch.device) -> Any:
+    """A function returning the addresses of the storages live tensors on ``device`` hold now (one pass over the
+    garbage collector's objects)."""
+    def alive() -> set[int] | None:
+        import gc
+
+        try:
+            # type(), not isinstance: a dead weakref proxy raises on __class__ (Lightning keeps such proxies)
+            return set(live_storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)], device))
+        except Exception:  # noqa: BLE001 - unknown: every block counts as held
+            return None
+
+    return alive
 
 
 class StepPeakMeter:
@@ -125,7 +144,8 @@ class StepPeakMeter:
                 atexit.unregister(self.abort)
             if also_resident is not None:
                 self._resident.update(live_storages(also_resident, self.device))
-            events = profiled_events(profiler)
+            allocations, marks, handed = _walked_profile(profiler, _PHASE_MARK)
+            events = frees_placed(allocations, handed, [start for start, _ in marks], _alive_addresses(self.device))
             profiled_peak, _ = session_peak(events, self._resident)
             peak = sum(self._resident.values()) + profiled_peak
             retained = self._hold(events)
@@ -134,6 +154,16 @@ class StepPeakMeter:
         if self.method == "cuda-allocator":  # pragma: no cover - needs a GPU
             self.step_retained.append(retained)
         return peak
+
+    def mark(self) -> None:
+        """A phase of the measured step ends here (the forward, the backward): on CPU, the latest a block a
+        collective allocated can have been freed by gloo's worker thread, out of the profiler's sight
+        (`preflight._measure.frees_placed`). Nothing on CUDA."""
+        if self._profiler is not None:
+            from torch.autograd.profiler import record_function
+
+            with record_function(_PHASE_MARK):
+                pass
 
     def _hold(self, events: list[tuple[int, int]]) -> int:
         """Update which blocks earlier steps left alive with this step's events (a free of one, or a new block at
@@ -163,12 +193,8 @@ class StepPeakMeter:
         forgotten."""
         if not self._held:
             return
-        import gc
-
-        try:
-            # type(), not isinstance: a dead weakref proxy raises on __class__ (Lightning keeps such proxies)
-            alive = live_storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)], self.device)
-        except Exception:  # noqa: BLE001 - the blocks stay counted, as before this scan existed
+        alive = _alive_addresses(self.device)()
+        if alive is None:  # the scan failed: the blocks stay counted, as before this scan existed
             return
         for ptr in [ptr for ptr in self._held if ptr not in alive]:
             del self._held[ptr]

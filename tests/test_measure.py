@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from preflight._device import live_storages
-from preflight._measure import cpu_profiled_peak, placed_peaks, session_peak
+from preflight._measure import cpu_profiled_peak, frees_placed, placed_peaks, session_peak
 
 A, B, C, D = 0x1000, 0x2000, 0x3000, 0x4000
 
@@ -30,6 +30,61 @@ def test_a_reuse_proves_a_lost_free_and_the_call_end_can_come_before_it():
     assert placed_peaks(events, [(0, 5)], alive={B}) == (70, 50, 50)
     # Allocated outside any call: the free stays just before the reuse.
     assert placed_peaks(events, [], alive={B}) == (70, 70, 50)
+
+
+def test_a_verified_step_puts_back_the_frees_gloo_threads_made_of_what_collectives_allocated():
+    # The callbacks' meter: A (10 B) and B (20 B) are allocated by collective operators (indices 0 and 1) in the
+    # forward, which ends at time 10; C (30 B, not a collective's) lives in the backward. Nothing holds A or B at the
+    # end and no free was recorded: gloo's worker thread dropped them, at the latest as the forward ended.
+    events = [(0, 10, A), (1, 20, B), (12, 30, C), (13, -30, C)]
+    placed = frees_placed(events, handed={0, 1}, ends=[10], alive=lambda: {C})
+    assert session_peak(placed) == (30, 0)
+    # Without the phase's end, the free cannot be placed before the step ends: both stay counted.
+    assert session_peak(frees_placed(events, handed={0, 1}, ends=[], alive=lambda: set())) == (60, 30)
+    # A block no collective allocated (DDP's buckets, held by C++ alone) stays counted, held or not.
+    assert session_peak(frees_placed(events, handed={0}, ends=[10], alive=lambda: set())) == (50, 20)
+    # A block a live tensor holds is not lost; nor is any when the scan of live tensors failed.
+    assert session_peak(frees_placed(events, handed={0, 1}, ends=[10], alive=lambda: {B})) == (50, 20)
+    assert session_peak(frees_placed(events, handed={0, 1}, ends=[10], alive=lambda: None)) == (60, 30)
+
+
+def test_a_reuse_proves_a_lost_free_in_a_verified_step_whoever_allocated_the_block():
+    # B's address is allocated again at time 30 with no free in between: freed just before, with D alive (70);
+    # allocated by a collective in a phase that ended at 5, freed there (50).
+    events = [(0, 20, B), (20, 50, D), (25, -50, D), (30, 20, B)]
+    never = lambda: pytest.fail("no block is left to ask about")  # noqa: E731
+    assert session_peak(frees_placed(events, handed=set(), ends=[5], alive=never)) == (70, 20)
+    assert session_peak(frees_placed(events, handed={0}, ends=[5], alive=never)) == (50, 20)
+
+
+def _collective_allocations(rank, world, port, queue):
+    """One rank: a functional all-reduce (its output allocated inside the operator) beside a plain clone, in one
+    profile; which allocations `_walked_profile` reads as a collective's."""
+    import torch.distributed._functional_collectives as funcol
+    from conftest import gloo_rank
+    from torch.profiler import ProfilerActivity, profile
+
+    from preflight._measure import _walked_profile
+
+    with gloo_rank(rank, world, port):
+        x = torch.ones(1000)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            plain = x.clone()
+            reduced = funcol.all_reduce(x * 2, "sum", list(range(world))).wait()
+        allocations, _, handed = _walked_profile(prof)
+        # (the functional collective's bookkeeping allocates a few bytes too)
+        sizes = {"handed": sorted(allocations[i][1] for i in handed if allocations[i][1] >= 1000),
+                 "all": sorted(n for _, n, _ in allocations if n >= 1000)}
+        queue.put((rank, (sizes, float(reduced[0]), float(plain[0]))))
+
+
+def test_the_blocks_a_collective_operator_allocates_are_told_apart():
+    from conftest import spawned
+
+    for rank, (sizes, reduced, plain) in spawned(_collective_allocations, 2).items():
+        # x * 2 and the clone are the caller's; the all-reduce's output is the operator's.
+        assert (reduced, plain) == (4.0, 1.0), rank
+        assert sizes == {"handed": [4000], "all": [4000, 4000, 4000]}, (rank, sizes)
 
 
 def test_a_free_of_a_block_from_before_counts_only_if_the_baseline_holds_it():

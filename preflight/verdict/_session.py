@@ -100,6 +100,12 @@ class VerifySession:
         if size > self._pending_size:
             self._pending_size, self._pending_batch = size, batch
 
+    def phase_ended(self) -> None:
+        """A phase of the measured step ends (its forward, its backward): see `StepPeakMeter.mark`."""
+        if not self.done and self.meter is not None and self.meter.running:
+            with internal_failures("measuring the peak"):
+                self.meter.mark()
+
     def step_ended(self, also_resident: Any = None, batch: Any = None) -> bool:
         """Record the step; return True when verification has just finished. ``also_resident``: see
         `StepPeakMeter.stop`; ``batch``: the step's batch, for an adapter that only knows it now."""

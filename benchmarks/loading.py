@@ -8,11 +8,15 @@ the root, or ``FullyShardedDataParallel`` with ``ModuleWrapPolicy({decoder layer
 ``device_id=cpu``; ``meta``, built under ``torch.device("meta")``, then ``fully_shard`` as above and ``to_empty`` on
 the CPU, or FSDP1 as above with ``param_init_fn`` materialising each unit on the CPU (``to_empty``); ``meta-rank0``,
 FSDP2 built on meta as above, its shards then filled from the full state dict rank 0 builds on the CPU, by torch's
-``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``. Each rank's
+``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``, or FSDP1 with
+``sync_module_states=True`` over rank 0's model built on the CPU and the others' on meta (``param_init_fn`` as
+above; FSDP1's check that refuses CPU states there, NCCL's rule, is skipped: gloo broadcasts them). Each rank's
 measured peak is the profiler's allocator events over the session (nothing is alive before it: every free is of a
 block the session allocated); the broadcasts wait until gloo has let go of their tensors
-(`preflight._measure.collective_calls`), so no free is lost on gloo's threads. The prediction is
-``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
+(`preflight._measure.collective_calls`), so no free is lost on gloo's threads, except FSDP1's, whose buckets torch's
+C++ makes: each ``sync_module_states`` call runs in a named range, and a block allocated there that neither is
+freed in view nor belongs to the wrapped model is freed at the range's end (`preflight._measure.lost_free_peaks`).
+The prediction is ``preflight.estimate(model, AdamW, batch, Run(parallel=plan, loading=Loading(placement)))`` made
 before any process group exists: the phase ``"loading"``'s figure for each rank. Each configuration runs REPEATS
 times. ``host`` needs a CUDA device to differ from ``device`` (on a CPU target the host is the device) and is not
 measured here.
@@ -21,12 +25,13 @@ measured here.
 ``AutoModelForCausalLM.from_pretrained`` under the profiler; the prediction is the loaded model's loading phase
 (``Loading()``: its parameters and buffers).
 
-Run: python benchmarks/loading.py      (about 1 minute on 2 shared CPU cores)
+Run: python benchmarks/loading.py      (under 2 minutes on 2 shared CPU cores)
 Writes benchmarks/results/loading.md and prints the same table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -41,7 +46,7 @@ WORLD = 2
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loading.md")
 CONFIGURATIONS = (("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp2", "meta-rank0"), ("fsdp-full", "device"),
-                  ("fsdp-full", "meta"))
+                  ("fsdp-full", "meta"), ("fsdp-full", "meta-rank0"))
 
 
 def build() -> torch.nn.Module:
@@ -63,21 +68,28 @@ def _on_cpu(module: torch.nn.Module) -> None:
     module.to_empty(device="cpu", recurse=False)
 
 
-def loaded_peak(build_model: Any, engine: str, placement: str, rank: int) -> int:
+def loaded_peak(build_model: Any, engine: str, placement: str, rank: int, unit_types: Any = None) -> int:
     """This rank's measured peak (B) while it builds a transformers Llama with ``build_model()`` and wraps it as
-    ``placement`` says (module docstring), in a gloo job already started; the model is kept until it returns."""
+    ``placement`` says (module docstring), in a gloo job already started; the model is kept until it returns.
+    ``unit_types``: the module classes FSDP1 wraps (the Llama's decoder layer)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from preflight._measure import collective_calls, cpu_profiled_peak
+    from torch.profiler import ProfilerActivity, profile
+
+    from preflight._device import live_storages
+    from preflight._measure import collective_calls, lost_free_peaks
+    from preflight._quiet import StderrFilter
 
     kept = {}
+    policy = ModuleWrapPolicy(unit_types or {LlamaDecoderLayer})
 
     def load() -> None:  # built inside the measured window: every block's free is seen
-        with torch.device("cpu" if placement == "device" else "meta"):
+        on_cpu = placement == "device" or (placement == "meta-rank0" and engine != "fsdp2" and rank == 0)
+        with torch.device("cpu" if on_cpu else "meta"):
             model = build_model()
         if engine == "fsdp2":
             for layer in model.model.layers:
@@ -89,16 +101,55 @@ def loaded_peak(build_model: Any, engine: str, placement: str, rank: int) -> int
                 full = build_model().state_dict() if rank == 0 else {}
                 set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=True))
+        elif placement == "meta-rank0":  # rank 0 on the CPU, the others on meta: FSDP1 broadcasts rank 0's states
+            from torch.distributed.fsdp import _init_utils
+
+            check = _init_utils._check_module_states_for_sync_module_states
+            _init_utils._check_module_states_for_sync_module_states = lambda states: None  # NCCL's rule, not gloo's
+            try:
+                model = FullyShardedDataParallel(model, auto_wrap_policy=policy,
+                                                 device_id=torch.device("cpu"), use_orig_params=True,
+                                                 param_init_fn=_on_cpu, sync_module_states=True)
+            finally:
+                _init_utils._check_module_states_for_sync_module_states = check
         else:
-            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            model = FullyShardedDataParallel(model, auto_wrap_policy=policy,
                                              device_id=torch.device("cpu"), use_orig_params=True,
                                              param_init_fn=_on_cpu if placement == "meta" else None)
         kept["model"] = model
 
     dist.barrier()
-    with collective_calls("## "):  # the broadcasts' frees on this thread, where the profiler sees them
-        peak, _ = cpu_profiled_peak(load, resident={})
-    return peak
+    with collective_calls("## "), _ranged_sync("## "):  # the broadcasts' frees on this thread, or placed
+        with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            load()
+    # What the load keeps: the wrapped model's tensors (FSDP1's flat parameters too). A block allocated inside a
+    # named call, never freed in view and not among them, was freed on gloo's thread: placed at its call's end.
+    model = kept["model"]
+    kept_tensors = [*model.parameters(), *model.buffers(),
+                    *(m._handle.flat_param for m in FullyShardedDataParallel.fsdp_modules(model) if m._handle)]
+    alive = set(live_storages(kept_tensors, torch.device("cpu")))
+    return lost_free_peaks(prof, alive, "## ")[1]  # nothing is alive before: every free is of the session's blocks
+
+
+@contextlib.contextmanager
+def _ranged_sync(prefix: str) -> Any:
+    """FSDP1's ``sync_module_states`` broadcasts in torch's C++ ``_broadcast_coalesced``, whose flattened buckets
+    gloo's worker may free out of the profiler's sight once the call has waited for them: each call runs in a range
+    named ``prefix + "sync"``, at whose end `preflight._measure.lost_free_peaks` places such a free."""
+    from torch.distributed.fsdp import _init_utils
+    from torch.profiler import record_function
+
+    original = _init_utils._sync_params_and_buffers
+
+    def ranged(*args: Any, **kwargs: Any) -> Any:
+        with record_function(prefix + "sync"):
+            return original(*args, **kwargs)
+
+    _init_utils._sync_params_and_buffers = ranged
+    try:
+        yield
+    finally:
+        _init_utils._sync_params_and_buffers = original
 
 
 def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:

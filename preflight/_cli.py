@@ -199,7 +199,8 @@ def _parser() -> argparse.ArgumentParser:
                           "'meta', built on meta and each rank materialises its own shards (torchtitan, Lightning's "
                           "ModelParallelStrategy, init_module(empty_init=True)); 'meta-rank0', those shards filled "
                           "from a full state dict rank 0 broadcasts one tensor at a time (set_model_state_dict with "
-                          "broadcast_from_rank0, accelerate's cpu_ram_efficient_loading)")
+                          "broadcast_from_rank0, accelerate's cpu_ram_efficient_loading; under FSDP1 its "
+                          "sync_module_states broadcast)")
     est.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the CPU (ZeRO-Offload)")
     est.add_argument("--offload-params", action="store_true", help="parameter shards on the CPU (ZeRO-3 / FSDP)")
     est.add_argument("--gradient-as-bucket-view", action="store_true",

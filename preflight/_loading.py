@@ -23,11 +23,13 @@ model comes from decides it, read from the engines' source (torch 2.13):
 
 What is not traced: reading the checkpoint's files (host memory: safetensors maps them, ``torch.load`` reads them),
 a conversion on the device from the checkpoint's dtype (transformers converts on the host, then copies), the
-merging of per-expert checkpoint tensors that transformers' weight converters do for mixture-of-experts models,
-and under FSDP1 the broadcast of ``sync_module_states``. A full state dict rank 0 broadcasts into a meta-built
-model (``Loading("meta", from_rank0=True)``) is traced through torch's ``set_model_state_dict``: each rank holds
-its shards and one full tensor at a time, and rank 0 moves each of its host tensors to the device first (on a CPU
-target its whole state dict is device memory). The notes say what was not traced.
+merging of per-expert checkpoint tensors that transformers' weight converters do for mixture-of-experts models.
+A full state dict rank 0 broadcasts into a meta-built model (``Loading("meta", from_rank0=True)``) is traced through
+torch's ``set_model_state_dict`` under FSDP2: each rank holds its shards and one full tensor at a time, and rank 0
+moves each of its host tensors to the device first (on a CPU target its whole state dict is device memory). Under
+FSDP1 it is ``sync_module_states=True`` (accelerate's ``cpu_ram_efficient_loading``): rank 0 holds the model on its
+host, the others build it on meta, and FSDP1 broadcasts each unit's states from rank 0 as it wraps the unit, traced
+through torch's ``_broadcast_coalesced``. The notes say what was not traced.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Loading:
             broadcasts one tensor at a time: torch's ``set_model_state_dict(model, full, StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))``, traced through torch's own code (accelerate's
             ``cpu_ram_efficient_loading`` broadcasts each tensor the same way and cuts it with ``distribute_tensor``,
-            which is not run). False: each rank reads its own
+            which is not run); under FSDP1, ``sync_module_states=True``: rank 0 broadcasts each unit's states as
+            FSDP1 wraps it. False: each rank reads its own
             shards in place (a distributed checkpoint, ``reset_parameters``).
     """
 

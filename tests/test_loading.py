@@ -8,7 +8,7 @@ import torch
 
 import preflight
 from preflight import Loading, ParallelPlan, Run, Target
-from preflight.parallel import FSDP2Plan
+from preflight.parallel import FSDP1Plan, FSDP2Plan
 from tests.conftest import gloo_rank, lm_batch, make_llama, only_options, spawned
 
 
@@ -70,7 +70,8 @@ def _fsdp_load_worker(rank: int, world: int, port: int, queue, engine: str, plac
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine, placement", [("fsdp2", "device"), ("fsdp2", "meta"), ("fsdp2", "meta-rank0"),
-                                              ("fsdp-full", "device"), ("fsdp-full", "meta")])
+                                              ("fsdp-full", "device"), ("fsdp-full", "meta"),
+                                              ("fsdp-full", "meta-rank0")])
 def test_real_gloo_fsdp_load_per_rank_equals_its_loading_phase(engine, placement):
     model = make_llama()
     loading = Loading("meta", from_rank0=True) if placement == "meta-rank0" else Loading(placement)
@@ -85,8 +86,67 @@ def test_real_gloo_fsdp_load_per_rank_equals_its_loading_phase(engine, placement
         assert min(predicted) > _model_bytes(model)
     elif placement == "meta":  # FSDP2: its own shards only
         assert engine != "fsdp2" or max(predicted) < _model_bytes(model) / 2 + 1024
-    else:  # on a CPU target rank 0's full state dict is device memory; the others hold one full tensor at a time
-        assert predicted[0] > _model_bytes(model) > predicted[1]
+    elif engine == "fsdp2":  # on a CPU target rank 0's full state dict is device memory; the others hold one full
+        assert predicted[0] > _model_bytes(model) > predicted[1]  # tensor at a time
+    else:  # FSDP1's sync_module_states: rank 0's model is on the CPU target; the others materialise unit by unit
+        assert predicted[0] >= predicted[1]
+
+
+class _Buffered(torch.nn.Module):
+    """A block whose buffer (1 MiB) outweighs its weight: FSDP1 broadcasts buffers with the parameters but flattens
+    only the parameters, so the broadcast's bucket is a unit's loading peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 256)
+        self.register_buffer("table", torch.zeros(256, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.table[:, :256].sum()
+
+
+def _buffered() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Buffered(), _Buffered(), torch.nn.Linear(256, 1))
+
+
+def _buffered_load_worker(rank: int, world: int, port: int, queue) -> None:
+    from benchmarks.loading import loaded_peak
+
+    with gloo_rank(rank, world, port):
+        queue.put((rank, loaded_peak(_buffered, "fsdp-full", "meta-rank0", rank, unit_types={_Buffered})))
+
+
+def _buffered_loading(from_rank0: bool, target: Target | None = None) -> tuple[int, ...]:
+    model = _buffered()
+    plan = ParallelPlan(2, "fsdp-full", fsdp=FSDP1Plan(unit_types=(_Buffered,)))
+    run = Run(parallel=plan, loading=Loading("meta", from_rank0=from_rank0), target=target or Target())
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(4, 256), run,
+                             step=lambda m, b: m(b).sum())
+    return est.phase("loading").per_rank_peak_bytes
+
+
+def test_fsdp1_sync_module_states_broadcast_is_traced_where_it_is_the_loading_peak():
+    # Rank 0 holds the model on its host and broadcasts each unit's states as FSDP1 wraps it (accelerate's
+    # cpu_ram_efficient_loading); torch's _broadcast_coalesced flattens a unit's parameters and buffer into one
+    # bucket (1,311,744 B here) while the unit is whole: above the unit's own flattening, which leaves out the buffer.
+    without, synced = _buffered_loading(False), _buffered_loading(True)
+    params, buffer = _model_bytes(_buffered()[0].proj), 256 * 1024 * 4
+    # At the peak the bucket (the unit's parameters and buffer) stands where, without the broadcast, the unit's flat
+    # parameter and its shard (half of it on 2 ranks) stand.
+    assert synced[1] - without[1] == (params + buffer) - (params + params // 2), (without, synced)
+    # On a CPU target rank 0's host is the device: its whole model is there from the start. On a GPU, rank 0 moves
+    # each unit from its host as the others materialise theirs: the same figure.
+    assert synced[0] > synced[1]
+    assert _buffered_loading(True, Target(gpu="H100-80GB")) == (synced[1], synced[1])
+
+
+@pytest.mark.slow
+def test_real_gloo_fsdp1_sync_module_states_per_rank_equals_its_loading_phase():
+    predicted = _buffered_loading(True)
+    measured = spawned(_buffered_load_worker, 2)
+    for rank in range(2):
+        assert 0 <= measured[rank] - predicted[rank] <= 64, (predicted, measured)
 
 
 def test_from_the_host_each_unit_is_counted_from_its_move():

@@ -281,10 +281,11 @@ def _wrapper_of(module: nn.Module, wrapper_cls: type) -> nn.Module | None:
     return found
 
 
-def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan, mesh: Any) -> nn.Module:
+def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan, mesh: Any, *, sync_module_states: bool = False) -> nn.Module:
     """``replica`` wrapped in ``FullyShardedDataParallel`` as ``plan`` says, in the default (fake) process group, or
     for a hybrid strategy over ``mesh`` (``(nodes, ranks_per_node)``: FSDP1 takes its second dim's group as the
-    intra-node group and its first's as the inter-node one)."""
+    intra-node group and its first's as the inter-node one). ``sync_module_states``: as FSDP's argument (each unit's
+    states broadcast from rank 0 as it is wrapped)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
@@ -301,6 +302,7 @@ def wrap_fsdp1(replica: nn.Module, plan: FSDP1Plan, mesh: Any) -> nn.Module:
                 mixed_precision=plan.mixed_precision, use_orig_params=plan.use_orig_params,
                 backward_prefetch=None if plan.backward_prefetch is None else BackwardPrefetch[plan.backward_prefetch],
                 forward_prefetch=plan.forward_prefetch, limit_all_gathers=plan.limit_all_gathers,
+                sync_module_states=sync_module_states,
                 device_id=torch.device("cpu"))  # FSDP1 asks for an accelerator unless told the device
 
 
@@ -437,7 +439,20 @@ def _engine(plan: FSDP1Plan, world_size: int) -> Engine:
 
     return Engine(name="FullyShardedDataParallel", wrap=lambda replica, mesh: wrap_fsdp1(replica, plan, mesh),
                   optimizer=optimizer, parameters=parameters, watch=watched_fsdp1,
-                  replicate=plan.replicate(world_size), moves_from_host=True, materialises_units=True)
+                  replicate=plan.replicate(world_size), moves_from_host=True, materialises_units=True,
+                  wrap_from_rank0=lambda replica, mesh: _synced(replica, plan, mesh))
+
+
+def _synced(replica: nn.Module, plan: FSDP1Plan, mesh: Any) -> nn.Module:
+    """``replica`` wrapped with ``sync_module_states=True``: FSDP1 broadcasts each unit's parameters and buffers from
+    rank 0 as it wraps the unit (``_init_utils._sync_module_params_and_buffers``: torch's ``_broadcast_coalesced``
+    flattens them into buckets of ``PARAM_BROADCAST_BUCKET_SIZE``, 250 MB, two in flight, and copies them back on the
+    other ranks), traced as torch runs it. FSDP1 refuses states on the CPU there (NCCL cannot broadcast them); the
+    trace's copy is on the CPU whatever the target, so that check is skipped: on the CPU a real job cannot do this."""
+    from torch.distributed.fsdp import _init_utils
+
+    with patched([(_init_utils, "_check_module_states_for_sync_module_states", lambda states: None)]):
+        return wrap_fsdp1(replica, plan, mesh, sync_module_states=True)
 
 
 @contextlib.contextmanager

@@ -79,6 +79,9 @@ class Engine:
             device before it cuts it (FSDP1: ``reset_parameters`` or ``param_init_fn``, then its move to the
             device); a `preflight.Loading` on meta is then traced as one from the host. Otherwise a rank built on
             meta materialises its own shards only (FSDP2's ``to_empty``).
+        wrap_from_rank0: ``wrap`` as the engine does when rank 0 broadcasts its model's states to the other ranks
+            while it wraps them (FSDP1's ``sync_module_states``: accelerate's ``cpu_ram_efficient_loading``, where
+            rank 0 loads the checkpoint and every other rank builds on meta); None: the engine has no such wrap.
     """
 
     name: str
@@ -92,6 +95,7 @@ class Engine:
     around: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
     moves_from_host: bool = False
     materialises_units: bool = False
+    wrap_from_rank0: Callable[[nn.Module, Any], nn.Module] | None = None
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -387,8 +391,11 @@ def trace_rank(
     # start with: nothing to trace apart (`preflight._estimate` counts it).
     if loading is not None and (loading.placement != "meta" or loading.from_rank0 or engine.materialises_units):
         placement, said, bounded = _traced_placement(loading, engine, cpu=cuda is None)
+        broadcast = loading.from_rank0 and engine.wrap_from_rank0 is not None and placement == "host"
+        if broadcast and rank == 0 and cuda is None:  # rank 0's model, loaded on its host, is on the CPU target
+            placement = "device"
         loaded = trace_loading(engine, model, world_size=world_size, rank=rank, placement=placement,
-                               precision=precision, sweep=sweep, host_is_device=cuda is None)
+                               precision=precision, sweep=sweep, host_is_device=cuda is None, broadcast=broadcast)
         loaded.notes.extend(said if loaded.error is None else said[:-1])  # the last one says how it was traced
         loaded.upper_bound = said[0] if bounded else None
     try:
@@ -407,11 +414,18 @@ def _traced_placement(loading: Loading, engine: Engine, *, cpu: bool) -> tuple[s
     the host is the device."""
     whole = "loading: traced as the engine wraps the rank's copy of the whole model"
     moved = f"{whole}, each tensor counted from the moment the engine moves it from the host"
+    if loading.placement == "meta" and engine.materialises_units and loading.from_rank0 and \
+            engine.wrap_from_rank0 is not None:
+        return "host", [f"loading (meta, from rank 0): rank 0 holds the model on its host and {engine.name} moves "
+                        "each of its units to the device; every other rank materialises each unit whole on the "
+                        "device before it cuts it; rank 0 broadcasts each unit's states as it is wrapped "
+                        "(sync_module_states: torch's _broadcast_coalesced, the unit's tensors flattened into buckets "
+                        "of up to 250 MB, two in flight)" + (" (on a CPU target rank 0's whole model is counted from "
+                                                             "the start)" if cpu else ""), moved], False
     if loading.placement == "meta" and engine.materialises_units:
         return "host", [f"loading (meta): {engine.name} materialises each unit whole on the device before it cuts it: "
-                        "each counted from its materialisation" + (" (rank 0's broadcast of sync_module_states not "
-                                                                   "traced)" if loading.from_rank0 else ""),
-                        moved], False
+                        "each counted from its materialisation" + (" (rank 0's broadcast not traced)"
+                                                                   if loading.from_rank0 else ""), moved], False
     if loading.placement == "meta":  # filled from rank 0
         return "rank0", ["loading: traced as the engine wraps the rank's copy built on meta (its shards "
                          "materialised) and torch's set_model_state_dict(broadcast_from_rank0=True) fills them from "
@@ -427,16 +441,18 @@ def _traced_placement(loading: Loading, engine: Engine, *, cpu: bool) -> tuple[s
 
 
 def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: int, placement: str,
-                  precision: str | None, sweep: Sweep, host_is_device: bool = True) -> TraceResult:
+                  precision: str | None, sweep: Sweep, host_is_device: bool = True,
+                  broadcast: bool = False) -> TraceResult:
     """Rank ``rank``'s loading under ``engine``: its fake copy of the whole model wrapped as the engine wraps it,
     in the phase `LOAD_PHASE` (`preflight._loading` says what each placement means). ``"device"``: every parameter
     and buffer (and a quantised weight's state) counted before the wrap, the full tensors the engine replaces freed
     as it drops them; ``"host"``: each counted from the moment the engine moves it to the device (`moved_by_engine`);
     ``"rank0"``: built on meta, the engine's shards counted as it makes them (as ``to_empty`` materialises them),
     then filled from rank 0's full state dict through torch's ``set_model_state_dict`` (`filled_from_rank0`; with
-    ``host_is_device``, rank 0's state dict is counted from the start). The engine's own copies (FSDP2's padded
-    shards, FSDP1's flat parameters) are counted as it makes them. ``error`` in the result is set where the copy could
-    not be wrapped or filled (a note says why)."""
+    ``host_is_device``, rank 0's state dict is counted from the start). With ``broadcast``, the engine wraps as it
+    does when rank 0 broadcasts its states meanwhile (`Engine.wrap_from_rank0`). The engine's own copies (FSDP2's
+    padded shards, FSDP1's flat parameters, the broadcast's buckets) are counted as it makes them. ``error`` in the
+    result is set where the copy could not be wrapped or filled (a note says why)."""
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = StorageTracker(fake_mode, layouts=False)
@@ -481,7 +497,8 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
             else:
                 with handled_fake_tensor_errors(), fake_mode, tracker, \
                         moved_by_engine(tracker, count=placement == "host"):
-                    kept = engine.wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
+                    wrap = engine.wrap_from_rank0 if broadcast and engine.wrap_from_rank0 else engine.wrap
+                    kept = wrap(replica, mesh)  # the rank keeps it: it lives on past `detach`
                     gc.collect()  # what the last unit dropped
     except Exception as err:  # noqa: BLE001 - the phase is then the rank's resident state, labelled
         if is_user_error(err):

@@ -13,6 +13,10 @@ DTensor:
                   the MLP, row-wise outputs reduce-scattered back to sequence shards, the head gathering its input
     tp x fsdp2    the tp plan over the mesh's ``tp`` dim, then ``fully_shard`` on each decoder layer and the root
                   over its ``dp`` dim (mesh ``(world / 2, 2)``, torchtitan's layout)
+    moe (own plan)          a Mixtral of the same sizes (4 experts, 2 per token) laid out by its own plan: the
+                            fused expert weights cut by transformers' styles (``packed_colwise``, ``rowwise``,
+                            ``moe_tp_experts``), the attention as in tp (own plan)
+    moe (own plan) x fsdp2  the same over the ``tp`` dim, then ``fully_shard`` as in tp x fsdp2
 
 Each builds AdamW over the laid-out parameters and runs two real training steps on the same batch (4 x 128 tokens).
 Each rank's measured peak is the profiler's allocator events over the two steps plus the bytes alive before them
@@ -50,17 +54,21 @@ REPEATS = 3
 BATCH, SEQ = 4, 128
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 8192, 256, 688, 4, 8, 4
 # (layout, world size): the tensor-parallel degree is 2 everywhere but "tp" over 4 ranks
-CONFIGS = (("tp", 2), ("tp", 4), ("tp (own plan)", 2), ("sp", 2), ("tp x fsdp2", 4))
+CONFIGS = (("tp", 2), ("tp", 4), ("tp (own plan)", 2), ("sp", 2), ("tp x fsdp2", 4), ("moe (own plan)", 2),
+           ("moe (own plan) x fsdp2", 4))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tensor_parallel.md")
 
 
-def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(layout: str = "tp") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ)
-    model = LlamaForCausalLM(config)
+    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ)
+    if layout.startswith("moe"):
+        model = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
@@ -71,7 +79,7 @@ def styles(layout: str) -> dict[str, Any] | None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
-    if layout == "tp (own plan)":
+    if "own plan" in layout:
         return None
     layer = "model.layers.*."
     plan: dict[str, Any] = {f"{layer}self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
@@ -106,7 +114,7 @@ def lay_out(model: torch.nn.Module, layout: str, world: int) -> torch.nn.Module:
     from preflight.parallel import model_styles
 
     plan = styles(layout) or model_styles(model)
-    if layout != "tp x fsdp2":
+    if not layout.endswith("x fsdp2"):
         return parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], plan)
@@ -122,7 +130,7 @@ def _worker(rank: int, world: int, layout: str, port: int, queue: Any) -> None:
 
     join_gloo(rank, world, port)
     try:
-        model, batch = build()
+        model, batch = build(layout)
         model = lay_out(model, layout, world)
         queue.put((rank, measured_peaks(model, torch.optim.AdamW(model.parameters()), batch)))
     finally:
@@ -140,8 +148,8 @@ def predict(layout: str, world: int) -> Any:
     import preflight
     from preflight.parallel import TPPlan
 
-    model, batch = build()
-    degree = world if layout.startswith("tp") and "fsdp" not in layout else 2
+    model, batch = build(layout)
+    degree = world if "fsdp" not in layout and layout != "sp" else 2
     sharding = "fsdp2" if "fsdp2" in layout else None
     run = preflight.Run(parallel=preflight.ParallelPlan(world, sharding, tp=TPPlan(degree, styles(layout))))
     est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run)
@@ -149,12 +157,12 @@ def predict(layout: str, world: int) -> Any:
     return est
 
 
-def closed_form(layout: str, world: int) -> int:
+def closed_form(layout: str, world: int) -> int | None:
     """Korthikanti et al.'s activation bytes for the run's layers (module docstring), as the estimate's note gives
     them (`preflight.parallel._tensor.closed_form_activations`)."""
     from preflight.parallel._tensor import closed_form_activations
 
-    model, batch = build()
+    model, batch = build(layout)
     return closed_form_activations(model, batch, 2 if "fsdp" in layout else world, sequence_parallel=layout == "sp")
 
 
@@ -179,7 +187,8 @@ def main() -> int:
         print(f"  {layout} x{world}: measured {runs}, predicted {est.per_rank_peak_bytes}", file=sys.stderr)
     lines = [
         f"Real DTensor tensor parallelism on gloo CPU processes: a Llama of {LAYERS} layers, hidden {HIDDEN}, "
-        f"{HEADS} heads ({KV_HEADS} key/value), vocab {VOCAB}, batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs "
+        f"{HEADS} heads ({KV_HEADS} key/value), vocab {VOCAB} (the moe rows: a Mixtral of the same sizes, 4 experts, 2 "
+        f"per token), batch {BATCH} x {SEQ}, AdamW, 2 steps; {REPEATS} runs "
         "per configuration in fresh processes; tensor-parallel degree 2 except tp over 4 ranks. Closed form: "
         "Korthikanti et al.'s activations per layer (16-bit GPT layer with dropout) x layers, beside the traced "
         f"activations category at the peak. Command: `python benchmarks/tensor_parallel.py`. torch "
@@ -192,7 +201,7 @@ def main() -> int:
     for layout, world, rank, low, high, placed, predicted, error, placed_error, acts, formula in rows:
         lines.append(f"| {layout} | {world} | {rank} | {low / mib:.2f} | {high / mib:.2f} | {placed / mib:.2f} | "
                      f"{predicted / mib:.2f} | {error:+.2%} | {placed_error:+.2%} | {acts / mib:.2f} | "
-                     f"{formula / mib:.2f} |")
+                     f"{'n/a' if formula is None else f'{formula / mib:.2f}'} |")
     lines += ["", f"largest |error| vs the largest measurement: {worst:.2%}; vs the call-end figure: "
               f"{worst_placed:.2%} ({time.perf_counter() - start:.0f} s)"]
     from distributed import write_results

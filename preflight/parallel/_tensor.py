@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import math
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -157,14 +158,69 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own (no config."
                          "base_model_tp_plan): give TPPlan(degree, styles={'module.name': ColwiseParallel(), ...}), "
                          "the plan you pass to parallelize_module.")
-    unknown = {k: v for k, v in plan.items() if v not in _HF_WORDS}
+    plan = _with_parameter_entries(model, plan)
+    unknown = {k: v for k, v in plan.items() if not callable(v) and v not in _HF_WORDS}
     if unknown:
         name, word = next(iter(unknown.items()))
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {name!r}: {word!r}, which preflight "
                          f"translates to no DTensor style (it translates {', '.join(_HF_WORDS)}): give "
                          "TPPlan(degree, styles=...) with the styles your script applies.")
-    styles = {name: _hf_style(word) for name, word in plan.items()}
+    styles = {name: word() if callable(word) else _hf_style(word) for name, word in plan.items()}
     return {name: style for name, style in styles.items() if style is not None}
+
+
+# Words transformers applies to a mixture-of-experts block's fused expert weights (entries naming parameters) and to
+# the experts module around them: its own styles do it, through `_TransformersStyle`.
+_HF_EXPERT_WORDS = ("moe_tp_experts",)
+_HF_PARAMETER_WORDS = ("packed_colwise", "packed_rowwise", "colwise", "rowwise")
+
+
+def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` with each experts module's entries (``moe_tp_experts``, and those naming its parameters:
+    ``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``) folded into one entry for the module, a
+    factory of `_TransformersStyle`; the rest as they are. transformers cuts such parameters itself
+    (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module entry's ``install_forward``),
+    which DTensor's module styles cannot say."""
+    names = [name.split(".") for name, _ in model.named_parameters()]
+    out = dict(plan)
+    for key, word in plan.items():
+        if word not in _HF_EXPERT_WORDS:
+            continue
+        inner = {k[len(key) + 1:]: w for k, w in plan.items() if k.startswith(key + ".")
+                 and "." not in k[len(key) + 1:] and w in _HF_PARAMETER_WORDS
+                 and any(_matches(parts, k.split(".")) for parts in names)}
+        for name in inner:
+            del out[f"{key}.{name}"]
+        out[key] = functools.partial(_TransformersStyle, word, inner)
+    return out
+
+
+def _transformers_styles() -> Any:
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    return ALL_PARALLEL_STYLES
+
+
+def _TransformersStyle(module_word: str, parameter_words: dict[str, str]) -> Any:
+    """A DTensor style that lays a module out as transformers' own tensor parallelism does: each named parameter cut
+    by its word's ``shard_param`` (``packed_colwise``: the fused gate and up projections cut as a
+    ``_StridedShard`` so each rank holds its slice of both; ``rowwise``: the last dim), then the module's word's
+    ``install_forward`` (``moe_tp_experts``: the forward on the local shards, its input's and routing weights'
+    gradients all-reduced, its partial output all-reduced)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class TransformersStyle(ParallelStyle):
+        def __init__(self) -> None:
+            self.module_word, self.parameter_words = module_word, dict(parameter_words)
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            styles = _transformers_styles()
+            for name, word in self.parameter_words.items():
+                styles[word].shard_param(module, name, device_mesh)
+            styles[self.module_word].install_forward(module, device_mesh)
+            return module
+
+    return TransformersStyle()
 
 
 def plan_styles(model: nn.Module, plan: TPPlan) -> dict[str, Any]:

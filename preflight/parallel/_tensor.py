@@ -172,18 +172,25 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
 # Words transformers applies to a mixture-of-experts block's fused expert weights (entries naming parameters) and to
 # the experts module around them: its own styles do it, through `_TransformersStyle`.
 _HF_EXPERT_WORDS = ("moe_tp_experts",)
+# Module words whose layout transformers' own style installs as it is (no DTensor module style says it): latent
+# attention's key/value down-projection (DeepSeek-V2: its output's rotary part gets its gradient all-reduced).
+_HF_MODULE_WORDS = ("mla_kv_a_proj",)
 _HF_PARAMETER_WORDS = ("packed_colwise", "packed_rowwise", "colwise", "rowwise")
 
 
 def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """``plan`` with each experts module's entries (``moe_tp_experts``, and those naming its parameters:
-    ``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``) folded into one entry for the module, a
-    factory of `_TransformersStyle`; the rest as they are. transformers cuts such parameters itself
+    """``plan`` with each `_HF_MODULE_WORDS` entry a factory of `_TransformersStyle`, and each experts module's
+    entries (``moe_tp_experts``, and those naming its parameters: ``experts.gate_up_proj: packed_colwise``,
+    ``experts.down_proj: rowwise``) folded into one such entry for the module; the rest as they are. transformers cuts such parameters itself
     (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module entry's ``install_forward``),
     which DTensor's module styles cannot say."""
     names = [name.split(".") for name, _ in model.named_parameters()]
     out = dict(plan)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, word in plan.items():
+        if word in _HF_MODULE_WORDS:
+            out[key] = functools.partial(_TransformersStyle, word, {}, text)
         if word not in _HF_EXPERT_WORDS:
             continue
         inner = {k[len(key) + 1:]: w for k, w in plan.items() if k.startswith(key + ".")
@@ -201,12 +208,13 @@ def _transformers_styles() -> Any:
     return ALL_PARALLEL_STYLES
 
 
-def _TransformersStyle(module_word: str, parameter_words: dict[str, str]) -> Any:
+def _TransformersStyle(module_word: str, parameter_words: dict[str, str], config: Any = None) -> Any:
     """A DTensor style that lays a module out as transformers' own tensor parallelism does: each named parameter cut
     by its word's ``shard_param`` (``packed_colwise``: the fused gate and up projections cut as a
     ``_StridedShard`` so each rank holds its slice of both; ``rowwise``: the last dim), then the module's word's
     ``install_forward`` (``moe_tp_experts``: the forward on the local shards, its input's and routing weights'
-    gradients all-reduced, its partial output all-reduced)."""
+    gradients all-reduced, its partial output all-reduced; ``mla_kv_a_proj``: the output's rotary part's gradient
+    all-reduced, reading ``qk_rope_head_dim`` off ``config``, which transformers hands the module for it)."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class TransformersStyle(ParallelStyle):
@@ -217,6 +225,8 @@ def _TransformersStyle(module_word: str, parameter_words: dict[str, str]) -> Any
             styles = _transformers_styles()
             for name, word in self.parameter_words.items():
                 styles[word].shard_param(module, name, device_mesh)
+            if self.module_word == "mla_kv_a_proj":  # as transformers' apply_tensor_parallelism gives it
+                module.config = config
             styles[self.module_word].install_forward(module, device_mesh)
             return module
 

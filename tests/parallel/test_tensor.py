@@ -191,9 +191,12 @@ def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unkn
     assert (experts.module_word, experts.parameter_words) == ("moe_tp_experts", {"gate_up_proj": "packed_colwise",
                                                                                  "down_proj": "rowwise"})
     assert "model.layers.*.mlp.experts.gate_up_proj" not in styles
+    # DeepSeek-V2's latent attention: transformers' own style, handed the config it reads the rotary width from.
+    mla = model_styles(_family("deepseek_v2")[0])["model.layers.*.self_attn.kv_a_proj_with_mqa"]
+    assert (mla.module_word, mla.parameter_words) == ("mla_kv_a_proj", {})
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "mla_kv_a_proj"})
-    with pytest.raises(ValueError, match="'mla_kv_a_proj', which preflight translates to no DTensor style"):
+    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "embedding_colwise"})
+    with pytest.raises(ValueError, match="'embedding_colwise', which preflight translates to no DTensor style"):
         model_styles(model)
     # A fused weight's word outside an experts module is not folded: refused by name.
     model.config = types.SimpleNamespace(base_model_tp_plan={"0.weight": "packed_colwise"})
@@ -218,6 +221,11 @@ def _family(name: str):
     elif name == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
                                                                            num_experts_per_tok=2))
+    elif name == "deepseek_v2":  # latent attention (mla_kv_a_proj) and fused experts
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            **common, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1,
+            n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=32, n_shared_experts=1))
     elif name == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4,
                                                                              num_experts_per_tok=2,
@@ -273,7 +281,7 @@ def _family_worker(rank: int, world: int, port: int, queue, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe", "deepseek_v2"])
 def test_real_gloo_tensor_parallel_over_the_translated_plans_per_rank_peak_within_3_percent(name):
     """DTensor's program of the translated plan, run for real on 2 gloo processes (the q/k norms' gradients
     all-reduced over gloo; Gemma's head tied to its embedding again after the layout, as transformers ties it),

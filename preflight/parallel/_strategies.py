@@ -144,8 +144,10 @@ class ParallelPlan:
             raise ValueError(f"the {what} ranks are {ranks} but the world size is {self.world_size}: data "
                              "parallelism beside pipeline parallelism is traced with FSDP2 over the other dim; pass "
                              f"sharding='fsdp2', or world_size equal to {ranks}.")
+        # FSDP2 over the ring alone (no data-parallel dim: torchtitan's dp_shard_cp of a world of pp x cp) is allowed
+        # beside a ring; without one it would shard over nothing.
         if self.sharding is not None and (self.sharding != "fsdp2" or self.world_size % ranks
-                                          or self.world_size == ranks):
+                                          or (self.world_size == ranks and self.cp is None)):
             raise ValueError(f"with {ranks} {what} rank(s) in a world of {self.world_size}, `sharding` should be "
                              f"'fsdp2' (FSDP2 over the world_size // {ranks} ranks of each stage, a multiple of "
                              f"them) or None (no data parallelism), got {self.sharding!r}.")

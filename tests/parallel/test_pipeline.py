@@ -480,12 +480,13 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
 
 
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, kind: str,
-                 dp: int = 1, tp: int = 1, cp: int = 1) -> None:
+                 dp: int = 1, tp: int = 1, cp: int = 1, ring_fsdp: bool = False) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
     PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp``, ``cp`` or
     ``tp`` > 1, a ("pp", "dp", "cp", "tp") mesh (the dims of size 1 left out): each stage laid out by
     parallelize_module over tp (the plan `benchmarks/distributed.py` writes), its blocks and the stage wrapped by
-    fully_shard over dp (and cp), the steps inside torch's context_parallel over cp, the stages talking over pp.
+    fully_shard over dp (and cp; with ``ring_fsdp`` and no dp, over cp alone), the steps inside torch's
+    context_parallel over cp, the stages talking over pp.
     Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
     lost frees placed (`conftest.call_end_peak`)."""
     from torch.distributed import pipelining
@@ -513,7 +514,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
             parallelize_module(part, mesh["tp"], megatron_styles(part))
         shards = (mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else mesh["dp"]) if dp > 1 else \
             (mesh["cp"] if cp > 1 else None)
-        for part in parts if dp > 1 else ():
+        for part in parts if dp > 1 or ring_fsdp else ():
             if kind == "decoder":
                 blocks = list(part.layers.values())
             elif kind == "llama":
@@ -623,6 +624,25 @@ def test_real_gloo_pipeline_inside_a_ring_per_rank_peak_within_3_percent():
     assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
     assert any("inside torch's context_parallel over the cp dim" in n for n in est.coverage.notes)
     measured = spawned(_gloo_worker, 4, "1F1B", 4, "llama", 1, 1, 2)
+    for rank in range(4):
+        error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
+        assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
+def test_real_gloo_pipeline_sharded_over_its_ring_alone_per_rank_peak_within_3_percent():
+    """PP 2 x CP 2 with FSDP2 over the ring alone (torchtitan's dp_shard_cp in a world of pp x cp: no data-parallel
+    dim): each stage's blocks and the stage wrapped by fully_shard over cp, every rank against its prediction."""
+    model, batch, loss_fn, split = _setup("llama", _real_seq(1))
+    plan = PPPlan(2, loss_fn, microbatches=4, split=split)
+    ring = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                              preflight.Run(parallel=ParallelPlan(4, None, pp=plan, cp=CPPlan(2))))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             preflight.Run(parallel=ParallelPlan(4, "fsdp2", pp=plan, cp=CPPlan(2))))
+    assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
+    # Sharded over the ring, each rank holds half its stage's parameters, gradients and optimizer state.
+    assert all(s < r for s, r in zip(est.per_rank_peak_bytes, ring.per_rank_peak_bytes))
+    measured = spawned(_gloo_worker, 4, "1F1B", 4, "llama", 1, 1, 2, True)
     for rank in range(4):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)

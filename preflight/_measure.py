@@ -330,15 +330,7 @@ def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int,
         >>> placed_peaks([(0, 10, 1), (1, 20, 2), (5, 30, 3)], [(0, 2)], alive={3})  # 1 and 2: lost in the call
         (60, 30, 30)
     """
-    lost: dict[int, int | None] = {}  # allocation index -> time of the reuse that proves its free, or None
-    live: dict[int, int] = {}  # address -> index of the allocation live there
-    for i, (when, nbytes, ptr) in enumerate(allocations):
-        if nbytes > 0:
-            if ptr in live:
-                lost[live[ptr]] = when
-            live[ptr] = i
-        else:
-            live.pop(ptr, None)
+    lost, live = _reused(allocations)
     for ptr, i in live.items():
         if ptr not in alive:
             lost[i] = None
@@ -355,6 +347,22 @@ def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int,
     dropped = [a for i, a in enumerate(allocations) if i not in lost]
     return tuple(replayed_peak([(nbytes, ptr) for _, nbytes, ptr in replay])  # type: ignore[return-value]
                  for replay in (allocations, placed, dropped))
+
+
+def _reused(allocations: list[tuple[int, int, int]]) -> tuple[dict[int, int | None], dict[int, int]]:
+    """Over ``(time, nbytes, address)`` allocation (> 0) and free (< 0) events in time order: the allocations whose
+    address is allocated again with no free recorded in between (index -> time of that reuse, which proves the free
+    was lost), and the address -> index of each allocation still live at the end."""
+    lost: dict[int, int | None] = {}
+    live: dict[int, int] = {}
+    for i, (when, nbytes, ptr) in enumerate(allocations):
+        if nbytes > 0:
+            if ptr in live:
+                lost[live[ptr]] = when
+            live[ptr] = i
+        else:
+            live.pop(ptr, None)
+    return lost, live
 
 
 def _profiled_allocations(prof: Any, call_prefix: str | None = None) -> tuple[list[tuple[int, int, int]],
@@ -419,15 +427,7 @@ def frees_placed(allocations: list[tuple[int, int, int]], handed: set[int], ends
         >>> frees_placed([(0, 10, 1), (1, 20, 2), (5, 30, 1)], handed={1}, ends=[3], alive=lambda: set())
         [(10, 1), (20, 2), (-20, 2), (-10, 1), (30, 1)]
     """
-    live: dict[int, int] = {}  # address -> index of the allocation live there
-    lost: dict[int, int | None] = {}  # allocation index -> time of the reuse that proves its free, or None
-    for i, (when, nbytes, ptr) in enumerate(allocations):
-        if nbytes > 0:
-            if ptr in live:
-                lost[live[ptr]] = when
-            live[ptr] = i
-        else:
-            live.pop(ptr, None)
+    lost, live = _reused(allocations)
     unheld = [i for i in live.values() if i in handed]
     if unheld:
         held = alive()

@@ -779,6 +779,7 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
             f"{laid}{wrapped}{mesh}{shared_note}; the shapes neighbouring stages exchange come from torch's metadata "
             "inference over all stages" + (" laid out as tensor-parallel rank 0" if tp is not None else "")
             + "; the batch (inputs, target) is held by every rank")
+    note += _pp_closed_form(model, batch, pp, degree, ring, tp)
     if skipped:
         note += (f"; plan entr{'ies' if len(skipped) > 1 else 'y'} {', '.join(map(repr, skipped[:3]))} match no "
                  "module and were skipped, as parallelize_module skips them")
@@ -912,6 +913,36 @@ def _sharing(groups: list[list[int]]) -> str:
     if all(len(g) == 1 for g in groups):
         return "each rank traced"
     return f"ranks at the same place share a trace: {'; '.join(_ranks_text(g) for g in groups)}"
+
+
+def _pp_closed_form(model: nn.Module, batch: Any, pp: PPPlan, degree: int, ring: int, tp: TPPlan | None) -> str:
+    """The closed form of the first stage's activations users compute by hand under pipeline parallelism, as a note
+    (empty where it does not apply): Megatron's theoretical memory report (``compute_activation_memory``) takes
+    Korthikanti et al.'s per-layer activations of one micro-batch (`closed_form_activations`) for the first stage's
+    layers times the micro-batches a 1F1B schedule keeps in flight there (as many as stages: the whole model's
+    layers), times ``min(1, micro-batches / stages)``, or an interleaved schedule's penalty ``1 + (p - 1) / (p *
+    v)`` instead; divided by a ring's ranks as for context parallelism. Other schedules are not in the report."""
+    name = pp.schedule_class.__name__
+    if name not in ("Schedule1F1B", "ScheduleInterleaved1F1B"):
+        return ""
+    ids = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        return ""
+    micro = ids[:max(1, ids.shape[0] // pp.n_microbatches)]
+    sequence = tp is not None and uses_sequence_parallel(model, tp)
+    per_micro = closed_form_activations(model, {"input_ids": micro}, degree, sequence)
+    if per_micro is None:
+        return ""
+    p, v = pp.stages, pp.per_rank
+    factor = (1 + (p - 1) / (p * v)) if v > 1 else min(1.0, pp.n_microbatches / p)
+    formula = int(per_micro * factor) // ring
+    parallel = f", tensor parallelism of degree {degree}" if tp else ""
+    return (f"; the closed form users compute by hand for the first stage (Megatron's theoretical memory report: "
+            f"Korthikanti et al. 2022 per layer and micro-batch{parallel}, the stage's layers times the micro-batches "
+            f"{name} keeps in flight there" + (f", divided by the {ring} ranks of the ring" if ring > 1 else "")
+            + f"; GPT layers in 16-bit with dropout, nothing outside the layers) gives {format_bytes(formula)} of "
+            "activations, where the trace holds this model's layers in their dtypes, the micro-batches the schedule keeps, the logits and the loss as "
+            "they run")
 
 
 def _rank_zero_alone(groups: list[list[int]], options: dict[str, Any]) -> list[list[int]]:

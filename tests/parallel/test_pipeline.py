@@ -779,3 +779,28 @@ def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, cap
     first = next(s for s in suggestions if s["fits"])
     capsys.readouterr()
     assert main(first["command"][1:]) == 0, first
+
+
+def test_beside_pp_x_tp_the_closed_form_of_the_first_stage_is_megatrons():
+    """Megatron's theoretical memory report for 1F1B: Korthikanti et al.'s activations of one micro-batch per layer,
+    for the first stage's layers times the micro-batches in flight there (as many as stages, so the whole model's
+    layers), times min(1, micro-batches / stages); an interleaved schedule's penalty 1 + (p - 1) / (p * v) instead.
+    GPipe is not in the report: no closed form."""
+    from preflight._units import format_bytes
+    from preflight.parallel._tensor import closed_form_activations
+
+    model, batch, loss_fn, split = _setup("llama", _real_seq(1))
+    # (torch's 1F1B needs at least as many micro-batches as stages: the min(1, ...) factor is 1 there)
+    for schedule, microbatches, per_rank, factor in (("1F1B", 4, 1, 1.0), ("Interleaved1F1B", 4, 2, 1 + 1 / 4),
+                                                     ("GPipe", 4, 1, None)):
+        plan = PPPlan(2, loss_fn, schedule=schedule, microbatches=microbatches, split=split,
+                      virtual_stages=per_rank if per_rank > 1 else None)
+        micro = {"input_ids": batch[0][:max(1, batch[0].shape[0] // microbatches)]}
+        per_micro = closed_form_activations(model, micro, 2, False)
+        est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                                 preflight.Run(parallel=ParallelPlan(4, None, pp=plan, tp=TPPlan(2))))
+        [note] = [n for n in est.coverage.notes if n.startswith("pipeline parallelism")]
+        if factor is None:
+            assert "closed form" not in note
+        else:
+            assert f"gives {format_bytes(int(per_micro * factor))} of activations" in note, (schedule, note)

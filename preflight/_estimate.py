@@ -941,8 +941,8 @@ def _pp_closed_form(model: nn.Module, batch: Any, pp: PPPlan, degree: int, ring:
             f"Korthikanti et al. 2022 per layer and micro-batch{parallel}, the stage's layers times the micro-batches "
             f"{name} keeps in flight there" + (f", divided by the {ring} ranks of the ring" if ring > 1 else "")
             + f"; GPT layers in 16-bit with dropout, nothing outside the layers) gives {format_bytes(formula)} of "
-            "activations, where the trace holds this model's layers in their dtypes, the micro-batches the schedule keeps, the logits and the loss as "
-            "they run")
+            "activations, where the trace holds this model's layers in their dtypes, the micro-batches the schedule "
+            "keeps, the logits and the loss as they run")
 
 
 def _rank_zero_alone(groups: list[list[int]], options: dict[str, Any]) -> list[list[int]]:

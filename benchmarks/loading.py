@@ -31,7 +31,6 @@ Writes benchmarks/results/loading.md and prints the same table.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
@@ -83,6 +82,7 @@ def loaded_peak(build_model: Any, engine: str, placement: str, rank: int, unit_t
     from preflight._device import live_storages
     from preflight._measure import collective_calls, lost_free_peaks
     from preflight._quiet import StderrFilter
+    from preflight.parallel._rank import patched
 
     kept = {}
     policy = ModuleWrapPolicy(unit_types or {LlamaDecoderLayer})
@@ -104,14 +104,11 @@ def loaded_peak(build_model: Any, engine: str, placement: str, rank: int, unit_t
         elif placement == "meta-rank0":  # rank 0 on the CPU, the others on meta: FSDP1 broadcasts rank 0's states
             from torch.distributed.fsdp import _init_utils
 
-            check = _init_utils._check_module_states_for_sync_module_states
-            _init_utils._check_module_states_for_sync_module_states = lambda states: None  # NCCL's rule, not gloo's
-            try:
+            # FSDP1's check that refuses CPU states is NCCL's rule, not gloo's
+            with patched([(_init_utils, "_check_module_states_for_sync_module_states", lambda states: None)]):
                 model = FullyShardedDataParallel(model, auto_wrap_policy=policy,
                                                  device_id=torch.device("cpu"), use_orig_params=True,
                                                  param_init_fn=_on_cpu, sync_module_states=True)
-            finally:
-                _init_utils._check_module_states_for_sync_module_states = check
         else:
             model = FullyShardedDataParallel(model, auto_wrap_policy=policy,
                                              device_id=torch.device("cpu"), use_orig_params=True,
@@ -131,7 +128,6 @@ def loaded_peak(build_model: Any, engine: str, placement: str, rank: int, unit_t
     return lost_free_peaks(prof, alive, "## ")[1]  # nothing is alive before: every free is of the session's blocks
 
 
-@contextlib.contextmanager
 def _ranged_sync(prefix: str) -> Any:
     """FSDP1's ``sync_module_states`` broadcasts in torch's C++ ``_broadcast_coalesced``, whose flattened buckets
     gloo's worker may free out of the profiler's sight once the call has waited for them: each call runs in a range
@@ -139,17 +135,15 @@ def _ranged_sync(prefix: str) -> Any:
     from torch.distributed.fsdp import _init_utils
     from torch.profiler import record_function
 
+    from preflight.parallel._rank import patched
+
     original = _init_utils._sync_params_and_buffers
 
     def ranged(*args: Any, **kwargs: Any) -> Any:
         with record_function(prefix + "sync"):
             return original(*args, **kwargs)
 
-    _init_utils._sync_params_and_buffers = ranged
-    try:
-        yield
-    finally:
-        _init_utils._sync_params_and_buffers = original
+    return patched([(_init_utils, "_sync_params_and_buffers", ranged)])
 
 
 def _worker(rank: int, world: int, engine: str, placement: str, port: int, queue: Any) -> None:

@@ -22,7 +22,8 @@ from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "collective_calls", "cpu_profiled_peak", "frees_placed", "freed_addresses", "lost_free_peaks",
-           "placed_peaks", "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak", "step_events"]
+           "placed_peaks", "profiled_memory_peak", "repaired_memory_peak", "replayed_peak", "session_peak",
+           "step_events"]
 
 
 def measure(
@@ -434,9 +435,10 @@ def frees_placed(allocations: list[tuple[int, int, int]], handed: set[int], ends
         if held is not None:
             lost.update((i, None) for i in unheld if allocations[i][2] not in held)
     placed = [(when, 0, nbytes, ptr) for when, nbytes, ptr in allocations]
+    ends = sorted(ends)
     for i, reused in lost.items():
         start, nbytes, ptr = allocations[i]
-        at = next((end for end in sorted(ends) if end >= start), None) if i in handed else None
+        at = next((end for end in ends if end >= start), None) if i in handed else None
         if reused is not None:
             at = reused - 1 if at is None else min(at, reused - 1)
         if at is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -47,19 +48,16 @@ LEAK_TOLERANCE = 0.001
 _PHASE_MARK = "preflight::phase_end"
 
 
-def _alive_addresses(device: torch.device) -> Any:
-    """A function returning the addresses of the storages live tensors on ``device`` hold now (one pass over the
-    garbage collector's objects)."""
-    def alive() -> set[int] | None:
-        import gc
+def _alive_addresses(device: torch.device) -> set[int] | None:
+    """The addresses of the storages live tensors on ``device`` hold now (one pass over the garbage collector's
+    objects); None where the scan fails."""
+    import gc
 
-        try:
-            # type(), not isinstance: a dead weakref proxy raises on __class__ (Lightning keeps such proxies)
-            return set(live_storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)], device))
-        except Exception:  # noqa: BLE001 - unknown: every block counts as held
-            return None
-
-    return alive
+    try:
+        # type(), not isinstance: a dead weakref proxy raises on __class__ (Lightning keeps such proxies)
+        return set(live_storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)], device))
+    except Exception:  # noqa: BLE001 - unknown: every block counts as held
+        return None
 
 
 class StepPeakMeter:
@@ -145,7 +143,8 @@ class StepPeakMeter:
             if also_resident is not None:
                 self._resident.update(live_storages(also_resident, self.device))
             allocations, marks, handed = _walked_profile(profiler, _PHASE_MARK)
-            events = frees_placed(allocations, handed, [start for start, _ in marks], _alive_addresses(self.device))
+            events = frees_placed(allocations, handed, [start for start, _ in marks],
+                                  functools.partial(_alive_addresses, self.device))
             profiled_peak, _ = session_peak(events, self._resident)
             peak = sum(self._resident.values()) + profiled_peak
             retained = self._hold(events)
@@ -193,7 +192,7 @@ class StepPeakMeter:
         forgotten."""
         if not self._held:
             return
-        alive = _alive_addresses(self.device)()
+        alive = _alive_addresses(self.device)
         if alive is None:  # the scan failed: the blocks stay counted, as before this scan existed
             return
         for ptr in [ptr for ptr in self._held if ptr not in alive]:

@@ -181,9 +181,9 @@ _HF_PARAMETER_WORDS = ("packed_colwise", "packed_rowwise", "colwise", "rowwise")
 def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     """``plan`` with each `_HF_MODULE_WORDS` entry a factory of `_TransformersStyle`, and each experts module's
     entries (``moe_tp_experts``, and those naming its parameters: ``experts.gate_up_proj: packed_colwise``,
-    ``experts.down_proj: rowwise``) folded into one such entry for the module; the rest as they are. transformers cuts such parameters itself
-    (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module entry's ``install_forward``),
-    which DTensor's module styles cannot say."""
+    ``experts.down_proj: rowwise``) folded into one such entry for the module; the rest as they are. transformers
+    cuts such parameters itself (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module
+    entry's ``install_forward``), which DTensor's module styles cannot say."""
     names = [name.split(".") for name, _ in model.named_parameters()]
     out = dict(plan)
     config = getattr(model, "config", None)

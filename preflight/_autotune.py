@@ -27,6 +27,7 @@ from preflight._result import Estimate, Event
 from preflight._run import Run, check_run, run_budget
 from preflight._steps import StepFn
 from preflight._units import format_bytes
+from preflight.parallel._pipeline import refuse_job_pipeline
 
 __all__ = [
     "BatchPeakModel",
@@ -282,6 +283,7 @@ def max_batch_size(
           grows, and costs about ``2 * log2(batch_size)`` traces.
     """
     run = check_run(run)
+    refuse_job_pipeline(model, "max_batch_size")
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not callable(make_batch):

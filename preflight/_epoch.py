@@ -38,6 +38,7 @@ from preflight._units import format_bytes
 from preflight.allocator import simulate
 from preflight.cuda import CudaTarget
 from preflight.trace import trace_steps
+from preflight.parallel._pipeline import refuse_job_pipeline
 
 __all__ = ["StepsEstimate", "estimate_steps", "sample_batches"]
 
@@ -106,6 +107,7 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
         >>> series = preflight.estimate_steps(model, opt, sample_batches(loader, 16), run)  # doctest: +SKIP
         >>> series.reserved_after_step, series.stopped_growing_at  # doctest: +SKIP
     """
+    refuse_job_pipeline(model, "estimate_steps")
     run = check_run(run)
     check_step(step)
     batches = list(batches)

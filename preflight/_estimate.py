@@ -35,7 +35,8 @@ from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, ze
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
 from preflight.parallel._expert import EPPlan, check_ep_model, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.parallel._pipeline import PPPlan, stage_rank_groups, trace_pp
+from preflight.parallel._pipeline import (JobPipeline, PPPlan, gather_over, job_stage_metas, read_pp, stage_rank_groups,
+                                         trace_pp, trace_pp_in_job)
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_mesh, tp_rank_groups,
                                         trace_tp, unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
@@ -70,7 +71,10 @@ def estimate(
             ``FullyShardedDataParallel`` (FSDP1; the wrapper, or the module it wraps with its wrapped units) already
             wrapped inside a job has its plan read off it (`preflight.parallel.read_fsdp2` / ``read_fsdp1``) and each
             rank traced on an unsharded fake copy; ``world_size``, ``sharding`` and ``fsdp`` may be left out, and
-            a value that contradicts the read plan is a ValueError.
+            a value that contradicts the read plan is a ValueError. One of torch's pipeline schedules built inside a
+            job (``Schedule1F1B(stage, ...)``) is read as its pipeline (`preflight.parallel._pipeline.read_pp`): call
+            it on every rank at once; each traces its own stages, ``per_rank_peak_bytes`` is gathered from the ranks
+            and ``peak_bytes`` is this rank's (docs/pipeline-parallel.md).
         optimizer: the optimizer instance, not yet stepped (torch.optim, bitsandbytes 8-bit and paged
             variants, or anything implementing the torch Optimizer interface).
         batch: one batch as the dataloader yields it (a tensor or nested dict/list/tuple of tensors). Shapes and
@@ -169,6 +173,13 @@ def _whole_model_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, preci
 
 def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run, *,
                step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
+    # A pipeline schedule built inside a job: each rank holds its own stages, and traces them.
+    job = read_pp(model)
+    if job is not None:
+        if run.parallel is not None:
+            raise ValueError(f"`model` is a {type(model).__name__} running inside this job, which is its own "
+                             "pipeline plan: leave `run.parallel` out.")
+        model = job.modules
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     # A model and optimizer DeepSpeed ZeRO has taken over: its unpartitioned stand-ins are predicted (never the
@@ -241,9 +252,11 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
                    schedule=schedule, record_op=scratch_ops(target), routing=routing,
                    cuda=CudaTarget.of(gpu_info) if target.type == "cuda" else None, checkpoint=run.checkpoint,
                    loading=run.loading)
-    if wrapped is not None or laid_out is not None or ep_read is not None or ddp_note is not None:
+    if any(x is not None for x in (wrapped, laid_out, ep_read, ddp_note, job)):
         options["loading"] = None  # its loading is over: the model is already wrapped or laid out in this job
     tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
+    if job is not None:
+        return _pp_job_estimate(job, optimizer, batch, options, fast=fast, gpu_info=gpu_info, allocator=allocator)
     if pp is not None:
         if laid_out is not None or wrapped is not None:
             raise ValueError("`run.parallel.pp` plans pipeline parallelism for a whole model, but the model is "
@@ -788,6 +801,69 @@ def _pp_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,
                               allocator=allocator, steps=options["steps"], world_size=world_size,
                               sharding=sharding, saves=options["checkpoint"] is not None, loading=options["loading"])
+
+
+def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: Any, options: dict[str, Any], *,
+                     fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None) -> Estimate:
+    """This process's rank of a pipeline read off its job (`preflight.parallel._pipeline.read_pp`): the shapes its
+    neighbours send inferred over the job's ranks as torch's first step infers them, then its own stages traced
+    (`trace_pp_in_job`). Every rank's peak is gathered over the pipeline's group into ``per_rank_peak_bytes``;
+    ``peak_bytes``, ``breakdown`` and ``events`` are this rank's own (each process holds only its own stages).
+    Every rank makes the same exchanges whatever happens on it, so none is left waiting: a rank whose own code
+    raises re-raises after the last one, and a rank that cannot be traced gives the labelled lower bound of its
+    own stages."""
+    if options["step"] is not None:
+        raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
+                         "the last stage's loss from the schedule's `loss_fn`): leave `step` out")
+    target, traced_as = options["target_device"], _rank_options(options)
+    ranks = job.plan.stages
+    sharding = f"pp{ranks}"
+    note = (f"{job.note()}; the shapes neighbouring stages exchange inferred over the job's ranks by torch's own "
+            "metadata inference; each rank's two steps traced through torch's own PipelineStage and schedule under a "
+            f"fake process group of {ranks} ranks, the micro-batches in flight as the schedule keeps them; each "
+            f"rank traces its own stages: peak_bytes, breakdown and events are pipeline rank {job.rank}'s, every "
+            "rank's peak is gathered from the ranks; the batch (inputs, target) is held by every rank")
+    if fast:
+        note += "; fast=True does not apply to the per-rank trace (traced in full)"
+    raised: BaseException | None = None
+    try:
+        stage_metas = job_stage_metas(job, batch, options["precision"])
+    except RuntimeError as err:  # every rank raised it at the same turn
+        stage_metas, failure = None, TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
+                                                 failed_op="torch's metadata inference over the job's stages")
+    est = None
+    if stage_metas is not None:
+        try:
+            result = trace_pp_in_job(job, optimizer, batch, stage_metas=stage_metas, **traced_as)
+        except BaseException as err:  # noqa: BLE001 - raised after the ranks' last exchange, below
+            raised, result = err, None
+        if result is not None and result.error is None:
+            est = _per_rank_estimate([([job.rank], result)], note, target=target, trace_device=options["trace_device"],
+                                     gpu_info=gpu_info, allocator=allocator, steps=options["steps"], world_size=ranks,
+                                     sharding=sharding, saves=options["checkpoint"] is not None)
+        failure = result
+    if est is None and raised is None:  # this rank's own stages hold at least their state
+        est = _fallback(job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
+                        [f"{job.note()}; this rank could not be traced: the lower bound of its own stages"],
+                        gpu=gpu_info, world_size=1, shard_ranks=1, sharding=None,
+                        offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+    mine = None if est is None else (est.peak_bytes, {**est.breakdown, "phase": est.peak_phase})
+    gathered = gather_over(job, mine)
+    if raised is not None:
+        raise raised
+    assert est is not None
+    missing = [rank for rank, figure in enumerate(gathered) if figure is None]
+    per_rank = tuple(0 if figure is None else figure[0] for figure in gathered)
+    events = [()] * ranks
+    events[job.rank] = tuple(est.events)
+    notes = est.coverage.notes
+    if missing:
+        notes = (*notes, f"pipeline rank(s) {_ranks_text(missing)} raised in their own step: counted as 0 here")
+    return dataclasses.replace(
+        est, world_size=ranks, sharding=sharding, per_rank_peak_bytes=per_rank,
+        per_rank_breakdown=tuple({} if figure is None else figure[1] for figure in gathered),
+        peak_rank=per_rank.index(max(per_rank)), rank_events=tuple(events),
+        coverage=dataclasses.replace(est.coverage, notes=notes))
 
 
 def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,

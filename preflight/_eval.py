@@ -30,6 +30,7 @@ from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
 from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
+from preflight.parallel._pipeline import refuse_job_pipeline
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
 
@@ -71,6 +72,7 @@ def estimate_eval(
     Known limitations: as `preflight.estimate`; outputs that an evaluation loop accumulates across batches
     (HF ``prediction_loss_only=False`` gathers logits) are not counted.
     """
+    refuse_job_pipeline(model, "estimate_eval")
     return _estimate_forward(model, batch, check_run(run), step=step, resident=resident, phase="eval/forward")
 
 

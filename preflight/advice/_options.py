@@ -43,6 +43,7 @@ from preflight.advice._setup import (
     offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.trace import NotRestoredError
+from preflight.parallel._pipeline import refuse_job_pipeline
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of", "repeated_blocks"]
 
@@ -139,6 +140,7 @@ def advise(
         - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
     """
     run = check_run(run)
+    refuse_job_pipeline(model, "advise")
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -32,9 +32,15 @@ over ``cp``, which cuts the batch's sequence in place before the first stage cut
 attention of the stage goes through the ring; the stages exchange one place's slice of the sequence, and FSDP2
 shards each stage over the ``dp`` and ``cp`` dims flattened.
 
+A pipeline the job cut itself is read off its schedule (`read_pp`, `JobPipeline`): each rank holds only its own
+stages, so each traces its own (`trace_pp_in_job`), after the ranks answered the shapes they exchange by running
+torch's metadata inference on fake copies of their stages stage by stage over the job's own group
+(`job_stage_metas`).
+
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
 gives a labelled lower bound naming what is missing); pipeline parallelism combined with DDP, FSDP1 or HSDP is
-refused (FSDP2 is traced); a model already cut into stages inside a job is not read (give the plan); under tensor
+refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its stages are plain
+modules over the whole world (`read_pp`); under tensor
 parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the sequence
 by sequence parallelism would differ).
 """
@@ -65,8 +71,9 @@ from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, lai
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["PPPlan", "SCHEDULES", "causal_lm_loss", "split_sequential", "split_transformers", "stage_rank_groups",
-           "trace_pp"]
+__all__ = ["JobPipeline", "PPPlan", "SCHEDULES", "causal_lm_loss", "gather_over", "job_stage_metas", "read_pp",
+           "refuse_job_pipeline",
+           "split_sequential", "split_transformers", "stage_rank_groups", "trace_pp", "trace_pp_in_job"]
 
 # The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
 # torch's class, and how stages map to ranks (None: one stage per rank; "loop": rank r holds r, r + ranks, ...;
@@ -365,17 +372,7 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
         one = plan.per_rank == 1 and SCHEDULES[_schedule_key(plan.schedule)][1] is None
         schedule = plan.schedule_class(stages[0] if one else stages, n_microbatches=plan.n_microbatches,
                                        loss_fn=plan.loss_fn)
-        schedule._warmup_p2p = _vote(all_static)
-        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-        def run(batch: Any) -> None:  # as torchtitan's loop calls it on each rank
-            args, target = _parts(batch)
-            if last:
-                schedule.step(*(args if first else ()), target=target, losses=[])
-            else:
-                schedule.step(*(args if first else ()))
-
-        return run
+        return _stepper(schedule, stages, all_static)
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         return _stage_parts(plan, fsdp, replica, mesh, styles if tp is not None else None)
@@ -393,6 +390,23 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
             + (" + fully_shard" if fsdp else "") + (" + context_parallel" if cp else ""))
     return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
                   drive=drive, mesh=mesh_shape, around=around if cp is not None else None)
+
+
+def _stepper(schedule: Any, stages: list[Any], all_static: bool) -> Callable[[Any], None]:
+    """``run(batch)``: one step of ``schedule`` over the rank's ``stages`` as torchtitan's loop calls it on each rank
+    (the first stage's rank passes the inputs, the last stage's the target), the warm-up vote answered by
+    ``all_static`` (`_vote`)."""
+    schedule._warmup_p2p = _vote(all_static)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def run(batch: Any) -> None:
+        args, target = _parts(batch)
+        if last:
+            schedule.step(*(args if first else ()), target=target, losses=[])
+        else:
+            schedule.step(*(args if first else ()))
+
+    return run
 
 
 def _mesh_shape(plan: PPPlan, fsdp: FSDP2Plan | None, world_size: int | None, tp: TPPlan | None = None,
@@ -647,3 +661,258 @@ def trace_pp(
     return trace_rank(engine, model, optimizer, batch, world_size=ranks, rank=rank, step=None,
                       precision=precision, steps=steps, schedule=schedule, record_op=record_op, routing=routing,
                       cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading)
+
+
+# ---- a pipeline already cut into stages inside a running job ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class JobPipeline:
+    """A pipeline cut into stages inside a running job, read off this rank's schedule (`read_pp`).
+
+    Attributes:
+        schedule: the user's schedule object (only read).
+        stages: its ``PipelineStage`` objects on this rank, in stage order.
+        modules: their modules, as one ``nn.ModuleList`` in the same order (the model this rank traces).
+        plan: the `PPPlan` the schedule runs (ranks, schedule, micro-batches, loss).
+        rank: this rank's place in the pipeline's group.
+        group: the pipeline's process group (None: the default group).
+    """
+
+    schedule: Any
+    stages: tuple[Any, ...]
+    modules: nn.ModuleList
+    plan: PPPlan
+    rank: int
+    group: Any
+
+    @property
+    def indices(self) -> list[int]:
+        return [stage.stage_index for stage in self.stages]
+
+    def note(self) -> str:
+        held = ", ".join(map(str, self.indices))
+        return (f"pipeline read off the job: {type(self.schedule).__name__} over {self.plan.stages} ranks, "
+                f"{self.plan.n_microbatches} micro-batches; this process is pipeline rank {self.rank} and holds "
+                f"stage{'s' if len(self.stages) > 1 else ''} {held} of {self.plan.num_stages}")
+
+
+def read_pp(obj: Any) -> JobPipeline | None:
+    """The pipeline ``obj`` runs, where ``obj`` is one of torch's pipeline schedules (``Schedule1F1B(stage, ...)``,
+    ``ScheduleInterleaved1F1B(stages, ...)``, ...) built inside a job over ``PipelineStage`` objects; None for
+    anything else. Each rank holds only its own stages, so each traces its own (`trace_pp_in_job`).
+
+    Raises:
+        ValueError: a schedule that is not read (one preflight does not trace, stages torch's tracer built, a
+            schedule without a loss, a stage laid out by DTensor, a pipeline group that is not the whole world, a
+            placement of stages on ranks other than torch's own for the schedule), saying what to do instead.
+    """
+    try:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:  # a build of torch without distributed support
+        return None
+    if not isinstance(obj, _PipelineSchedule):
+        return None
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    name = type(obj).__name__
+    stages = tuple(getattr(obj, "_stages", None) or [getattr(obj, "_stage", None)])
+    key = _schedule_key(name)
+    if key not in SCHEDULES:
+        names = ", ".join(cls for cls, _ in SCHEDULES.values())
+        raise ValueError(f"{name} is not one of the schedules preflight traces ({names}); plan the run with "
+                         "`ParallelPlan(..., pp=PPPlan(...))` on the whole model and the nearest schedule instead.")
+    if any(not isinstance(stage, PipelineStage) for stage in stages):
+        raise ValueError(f"{name} runs stages built by torch's tracer (`pipeline()` / `build_stage`), which are not "
+                         "read inside a job; build them with `PipelineStage(module, ...)`, or plan the run with "
+                         "`ParallelPlan(..., pp=PPPlan(...))` on the whole model.")
+    if obj._loss_fn is None:
+        raise ValueError(f"the {name} has no `loss_fn`: it runs forwards only, and preflight plans training steps. "
+                         "Pass the schedule the training loop steps.")
+    for stage in stages:
+        if any(isinstance(p, DTensor) for p in stage.submod.parameters()):
+            raise ValueError(f"stage {stage.stage_index}'s module is laid out by DTensor (fully_shard or tensor "
+                             "parallelism): pipeline stages combined with those inside a job are not read yet. Call "
+                             "preflight before the job cuts the model, with `ParallelPlan(world, 'fsdp2', pp=PPPlan("
+                             "...), tp=...)` saying the layout.")
+    size, rank = stages[0].group_size, stages[0].group_rank
+    if dist.is_initialized() and size != dist.get_world_size():
+        raise ValueError(f"the pipeline's group has {size} of the job's {dist.get_world_size()} ranks: a pipeline "
+                         "beside data, tensor or context parallelism inside a job is not read yet. Call preflight "
+                         "before the job cuts the model, with a `ParallelPlan(world, ..., pp=PPPlan(...))`.")
+    if size < 2:
+        raise ValueError("the pipeline has one rank: estimate its stage's module itself (`stage.submod`).")
+    style = SCHEDULES[key][1]
+    plan = PPPlan(size, obj._loss_fn, schedule=key, microbatches=obj._n_microbatches,
+                  virtual_stages=len(stages) if style is not None else None)
+    indices = [stage.stage_index for stage in stages]
+    if stages[0].num_stages != plan.num_stages or indices != plan.stage_indices(rank):
+        raise ValueError(f"pipeline rank {rank} holds stage(s) {indices} of {stages[0].num_stages}, where {name} "
+                         f"over {size} ranks lays out {plan.stage_indices(rank)} of {plan.num_stages}: another "
+                         "placement is not read.")
+    modules = nn.ModuleList([stage.submod for stage in stages])
+    return JobPipeline(schedule=obj, stages=stages, modules=modules, plan=plan, rank=rank, group=stages[0].group)
+
+
+def gather_over(job: JobPipeline, value: Any) -> list[Any]:
+    """Every pipeline rank's ``value``, in rank order, over the job's own group (`all_gather_object`): every rank must
+    call it at the same point, as every rank calls the schedule's first step."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * job.plan.stages
+    dist.all_gather_object(gathered, value, group=job.group)
+    return gathered
+
+
+def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tuple[dict[int, Any], bool]:
+    """Every stage's metadata (what it receives, sends and gets gradients of) and whether every stage votes STATIC,
+    as torch's first step infers them, stage by stage over the job's ranks: each rank runs torch's own forward
+    inference (stage 0 to the last) and backward inference (back) on a fake copy of its stages, and every stage's
+    result is gathered over the job's group before the next stage's turn, the exchange the schedule's first step
+    makes with its neighbours. The user's stages are only read.
+
+    Raises:
+        RuntimeError: a rank's inference failed (the same error on every rank, so no rank is left waiting)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
+    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
+
+    from preflight.trace._fake_kernels import FakeKernelsMode
+    from preflight.trace._twin import TwinMaker, float_dtype_for
+
+    plan = job.plan
+    votes = gather_over(job, all(not InferenceMode.needs_dynamic(s._user_meta, True) for s in job.stages))
+    args, target = _parts(batch)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
+    stages: dict[int, Any] = {}
+    failure = None
+    try:
+        with fresh_dtensor_caches(), fake_world(1, 0), fake_mode:  # every stage on one rank: metadata as arguments
+            replica = fake_replica(job.modules, twins)
+            for index, part in zip(job.indices, replica):
+                stages[index] = PipelineStage(part.train(), index, plan.num_stages, torch.device("cpu"))
+            first_args = target_chunk = None
+            if 0 in stages:
+                fake_args = tuple(twins.batch(list(args), cast=False))
+                first_args = job.schedule._split_inputs(fake_args, {})[0][0]
+            if plan.num_stages - 1 in stages:
+                target_chunk = next(iter(_split_tensor(twins.batch(target, cast=False), _TARGET_CHUNK_SPEC,
+                                                       plan.n_microbatches)))
+    except Exception as err:  # noqa: BLE001 - said on every rank below
+        failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+    def turn(index: int, infer: Callable[[Any], Any]) -> Any:
+        nonlocal failure
+        mine = None
+        if index in stages and failure is None:
+            try:
+                with fake_mode, FakeKernelsMode(), autocast_for(precision, "cpu"), torch.enable_grad():
+                    mine = ("ok", infer(stages[index]))
+            except Exception as err:  # noqa: BLE001 - said on every rank below
+                failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        if index in stages and mine is None:
+            mine = ("failed", f"pipeline rank {job.rank}, stage {index}: {failure}")
+        said = [m for m in gather_over(job, mine) if m is not None]
+        if not said or said[0][0] != "ok":
+            failure = said[0][1] if said else f"no rank holds stage {index}"
+            raise RuntimeError(f"torch's metadata inference over the job's stages failed ({failure})")
+        return said[0][1]
+
+    outputs: dict[int, Any] = {}
+    input_grads: dict[int, Any] = {}
+    for index in range(plan.num_stages):
+        received = first_args if index == 0 else _StageForwardMeta(forward_metas=outputs[index - 1])
+        outputs[index] = turn(index, lambda stage: stage._forward_metadata_inference(
+            received, {}, has_backward=True).forward_metas)
+    for index in reversed(range(plan.num_stages)):
+        if index == plan.num_stages - 1:
+            input_grads[index] = turn(index, lambda stage: stage._backward_metadata_inference(
+                plan.loss_fn, target_chunk).backward_metas)
+        else:
+            grads = _StageBackwardMeta(backward_metas=input_grads[index + 1])
+            input_grads[index] = turn(index, lambda stage: stage._backward_metadata_inference(
+                received_grad_meta=grads).backward_metas)
+    metas = {i: types.SimpleNamespace(outputs=outputs[i], input_grads=input_grads[i]) for i in outputs}
+    return metas, all(votes)
+
+
+def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> Engine:
+    """The engine of a pipeline read off a job: the fake copy of the rank's stage modules is the model the step runs
+    on (nothing to cut), handed to torch's ``PipelineStage`` at the user's stage indices (each keeping the user's
+    stage's given metadata, so a static pipeline stays static) and to a schedule of the user's class with the user's
+    micro-batches, loss, chunk specs and gradient scaling; the neighbours' metadata comes from `job_stage_metas`."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from preflight.parallel._rank import named_optimizer
+
+    plan, user = job.plan, job.schedule
+
+    def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
+        metas, all_static = stage_metas
+        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu")) for part, i in zip(parts, job.indices)]
+        for stage, theirs in zip(stages, job.stages):
+            stage._user_meta = theirs._user_meta
+            stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
+            stage._send_meta = lambda meta, dst: None
+        schedule = type(user)(stages if hasattr(user, "_stages") else stages[0],
+                              n_microbatches=user._n_microbatches, loss_fn=user._loss_fn,
+                              args_chunk_spec=user._args_chunk_spec, kwargs_chunk_spec=user._kwargs_chunk_spec,
+                              output_merge_spec=user._output_merge_spec, scale_grads=user.scale_grads)
+        return _stepper(schedule, stages, all_static)
+
+    def watch(tracker: Any, *, gloo: bool) -> contextlib.AbstractContextManager[None]:
+        return _held_p2p(tracker, gloo=gloo)
+
+    return Engine(name=f"torch.distributed.pipelining {type(user).__name__} (read off the job)",
+                  wrap=lambda replica, mesh: replica, optimizer=named_optimizer("the pipeline"),
+                  parameters=_local_parameters, watch=watch, drive=drive)
+
+
+@swept
+def trace_pp_in_job(
+    job: JobPipeline,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    stage_metas: tuple[dict[int, Any], bool],
+    step: StepFn | None,
+    precision: str | None,
+    steps: int,
+    schedule: Loop = Loop(),
+    record_op: Callable[[Any, Any], bool] | None = None,
+    routing: str = "balanced",
+    cuda: CudaTarget | None = None,
+    sweep: Sweep,
+    checkpoint: Checkpoint | None = None,
+    loading: Loading | None = None,
+) -> TraceResult:
+    """Trace ``steps`` training steps of this process's pipeline rank of ``job`` (`read_pp`): its own stages, in a fake
+    process group of the pipeline's ranks, as `trace_pp` traces a planned rank; ``stage_metas`` from
+    `job_stage_metas`. The other arguments are `trace_pp`'s; ``loading`` is ignored (the model is loaded already)."""
+    if step is not None:
+        raise ValueError("under pipeline parallelism the schedule runs the step: the last stage's loss is the "
+                         "schedule's `loss_fn`; leave `step` out")
+    return trace_rank(_job_engine(job, stage_metas), job.modules, optimizer, batch, world_size=job.plan.stages,
+                      rank=job.rank, step=None, precision=precision, steps=steps, schedule=schedule,
+                      record_op=record_op, routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
+
+
+def refuse_job_pipeline(obj: Any, what: str) -> None:
+    """Raise a ValueError when ``obj`` is a pipeline schedule of a running job handed to ``what``, an entry point that
+    predicts several times with decisions of its own: under a pipeline read off a job each prediction exchanges
+    shapes with every rank (`job_stage_metas`), so ranks that decided differently would wait on each other."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:
+        return
+    if isinstance(obj, _PipelineSchedule):
+        raise ValueError(f"`{what}` is given a pipeline schedule running in this job: it predicts several times, and "
+                         "under a pipeline read off a job each prediction must run on every rank at once. Pass the "
+                         "schedule to `preflight.estimate` or `preflight.check`, or plan the pipeline on the whole "
+                         "model with `ParallelPlan(..., pp=PPPlan(...))`.")

@@ -96,7 +96,9 @@ def check(
 
     Args:
         model, optimizer, batch, step: as for `preflight.estimate`. A model ``DistributedDataParallel`` wraps (or
-            FSDP, or DeepSpeed) is read as its wrapping runs it: its plan is the run's parallel section.
+            FSDP, or DeepSpeed) is read as its wrapping runs it: its plan is the run's parallel section. A pipeline
+            schedule built in the job is read on every rank (call it on every rank at once): the training step
+            alone is predicted, the largest rank deciding.
         run: how the run trains (`preflight.Run`): precision, loop, target (its ``budget``, or a catalog ``gpu``'s
             memory, is what the verdict compares with) and parallel plan.
         eval_batch, eval_step: an evaluation batch and step, to predict the no-grad eval peak too.

@@ -33,6 +33,7 @@ from preflight.cuda import WORKSPACE_UIDS
 from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
 from preflight.parallel import held_tensors, read_ep, read_tp, stand_in
+from preflight.parallel._pipeline import read_pp
 from preflight.trace import float_dtype_for
 
 from preflight.report._report import Report
@@ -97,6 +98,15 @@ def predict(
         model = wrapper[0]
     elif wrapper is not None:  # a DDP model is its own plan: buckets counted per rank by the estimate
         model, run, ddp_note = read_plan_off_ddp(model, run)
+    # A pipeline schedule built inside the job: `estimate` traces this rank's own stages, exchanging their shapes with
+    # the other ranks, so every estimate of it must run on every rank at once: the training step alone is predicted
+    # (no evaluation, suggestions or re-prediction on one rank).
+    job = read_pp(model)
+    if job is not None:
+        if from_env:
+            raise ValueError("`preflight check` plans the ranks it is asked for, but the model is a pipeline schedule "
+                             "already cut in this job: run the dry run on the script before it cuts the model.")
+        schedule_object, model = model, job.modules
     target = resolve_device(run.target.device, model)
     budget_bytes = run_budget(run, model, required=False)
     usable = usable_bytes(budget_bytes, options.headroom) if budget_bytes is not None else None
@@ -157,6 +167,8 @@ def predict(
                                 keeps_batch=eval_keeps_batch)
 
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer, evaluated: Evaluation | None = None) -> Estimate:
+        if job is not None:
+            return estimate(schedule_object, opt, b, estimate_run, step=step)
         if evaluated is not None:
             return estimate_evaluating(model, opt, b, estimate_run, step=step, evaluation=evaluated)
         return estimate(model, opt, b, estimate_run, step=step)
@@ -185,7 +197,7 @@ def predict(
     ddp_gradient_buckets = ddp_gradient_buckets and estimate_run.parallel is None and sharded is None
     buckets = _gradient_bytes(model, precision) if ddp_gradient_buckets else 0
     total = est.device_total_bytes
-    if schedule.sampled_steps and sample_batches is not None and total is not None:
+    if schedule.sampled_steps and sample_batches is not None and total is not None and job is None:
         total = _over_sampled_steps(model, optimizer, step, estimate_run, est, total, sample_batches(
             schedule.sampled_steps), notes, talk)
     if buckets:
@@ -201,7 +213,12 @@ def predict(
 
     # A model FSDP already wrapped: its evaluation step and the suggestions' options run on its unwrapped meta copy
     # (`preflight.parallel.stand_in`), rescaled to the rank or traced per rank under its own plan.
-    base_model, base_optimizer, unwrapped = model, optimizer, True
+    base_model, base_optimizer, unwrapped = model, optimizer, job is None
+    if job is not None:
+        notes.append("a pipeline read off the job: its training step predicted on every rank at once; "
+                     + ("no evaluation peak, " if options.check_eval and eval_batch is not None else "")
+                     + "no suggestions and no re-prediction after the measured steps (each would have to run on "
+                     "every rank at the same time); plan the pipeline on the whole model (`PPPlan`) for those")
     traced_eval = _rank_evaluation(est, evaluation, schedule, batch, target, notes)
     if laid_out is not None:
         unwrapped = False
@@ -302,7 +319,7 @@ def predict(
         predicted_device_total_bytes=total,
         estimate=est,
         eval_estimate=eval_est,
-        step_predictor=step_predictor,
+        step_predictor=step_predictor if job is None else None,
         eval_predictor=eval_predictor,
     )
     report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets,

@@ -216,6 +216,58 @@ def test_the_schedule_runs_the_step_so_a_step_function_is_refused():
                            step=lambda m, b: m(b[0]).sum())
 
 
+# ---- a pipeline the job cut itself: read off its schedule -----------------------------------------------------------
+
+def _job_schedule(schedule: str = "Interleaved1F1B", loss_fn=_mse, rank: int = 0):
+    """Rank ``rank``'s schedule over 2 ranks of ``_blocks()`` cut into 4 stages, as a job builds it (in a fake world,
+    which stands for the job's group here)."""
+    from torch.distributed import pipelining
+
+    from preflight.parallel._pipeline import SCHEDULES, _schedule_key
+
+    cls, style = SCHEDULES[_schedule_key(schedule)]
+    plan = PPPlan(2, _mse, schedule=schedule)
+    model = _blocks()
+    stages = [pipelining.PipelineStage(split_sequential(model, i, plan.num_stages), i, plan.num_stages,
+                                       torch.device("cpu")) for i in plan.stage_indices(rank)]
+    return getattr(pipelining, cls)(stages if style else stages[0], n_microbatches=4, loss_fn=loss_fn)
+
+
+def test_a_schedule_of_the_job_is_read_as_its_plan():
+    from preflight.parallel import fake_world
+    from preflight.parallel._pipeline import read_pp
+
+    with fake_world(2, 1):
+        job = read_pp(_job_schedule(rank=1))
+        assert (job.plan.stages, job.plan.num_stages, job.plan.n_microbatches, job.rank) == (2, 4, 4, 1)
+        assert job.plan.schedule_class.__name__ == "ScheduleInterleaved1F1B" and job.indices == [1, 3]
+        assert [id(m) for m in job.modules] == [id(s.submod) for s in job.stages]
+        assert "holds stages 1, 3 of 4" in job.note()
+        assert read_pp(_blocks()) is None
+        with pytest.raises(ValueError, match="no `loss_fn`"):
+            read_pp(_job_schedule("1F1B", loss_fn=None))
+        renamed = _job_schedule("1F1B")
+        renamed.__class__ = type("MySchedule", (type(renamed),), {})
+        with pytest.raises(ValueError, match="MySchedule is not one of the schedules"):
+            read_pp(renamed)
+
+
+def test_a_schedule_of_the_job_is_its_own_plan_and_is_refused_where_ranks_would_decide_apart():
+    from preflight.parallel import fake_world
+
+    with fake_world(2, 0):
+        schedule = _job_schedule("1F1B")
+        optimizer = torch.optim.AdamW(schedule._stage.submod.parameters())
+        with pytest.raises(ValueError, match="its own pipeline plan"):
+            preflight.estimate(schedule, optimizer, _batch(), _run(PPPlan(2, _mse)))
+        for call in (lambda: preflight.max_batch_size(schedule, optimizer, lambda b: _batch()),
+                     lambda: preflight.advise(schedule, optimizer, _batch()),
+                     lambda: preflight.estimate_eval(schedule, _batch()),
+                     lambda: preflight.estimate_steps(schedule, optimizer, [_batch()])):
+            with pytest.raises(ValueError, match="must run on every rank at once"):
+                call()
+
+
 def test_the_run_description_says_the_pipeline():
     parallel = _run(PPPlan(4, _mse, schedule="GPipe", microbatches=8)).to_dict()["parallel"]
     assert parallel["pp"] == {"stages": 4, "schedule": "ScheduleGPipe", "microbatches": 8}
@@ -480,7 +532,7 @@ def _setup(kind: str, seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
 
 
 def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microbatches: int, kind: str,
-                 dp: int = 1, tp: int = 1, cp: int = 1, ring_fsdp: bool = False) -> None:
+                 dp: int = 1, tp: int = 1, cp: int = 1, ring_fsdp: bool = False, in_job: bool = False) -> None:
     """One pipeline rank as a torchtitan-style job runs it: its stages cut from the whole model, torch's
     PipelineStage and schedule, AdamW over its stages, two steps; every rank holds the batch. With ``dp``, ``cp`` or
     ``tp`` > 1, a ("pp", "dp", "cp", "tp") mesh (the dims of size 1 left out): each stage laid out by
@@ -488,7 +540,9 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
     fully_shard over dp (and cp; with ``ring_fsdp`` and no dp, over cp alone), the steps inside torch's
     context_parallel over cp, the stages talking over pp.
     Measured: the bytes alive before (the rank's parameters or shards, the batch) plus the profiled rise, gloo's
-    lost frees placed (`conftest.call_end_peak`)."""
+    lost frees placed (`conftest.call_end_peak`). With ``in_job``, every rank first asks preflight about its own
+    schedule, as a training script would before its first step, and puts ``(measured, (its peak_bytes, every
+    rank's peak, the user's parameters before and after))``."""
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -555,9 +609,22 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
                 optimizer.step()
                 optimizer.zero_grad()
 
+        asked = None
+        if in_job:
+            weights = [p.detach().clone() for p in params]
+            est = preflight.estimate(held["runner"], optimizer, (x, y))
+            # The verdict: every rank's figure agreed on, the largest over a budget every rank fits but one.
+            budget = int(min(est.per_rank_peak_bytes) / 0.9) + 1
+            with pytest.warns(RuntimeWarning, match="predicted not to fit|predicted to need"):
+                report = preflight.check(held["runner"], optimizer, (x, y),
+                                         preflight.Run(target=preflight.Target(budget=budget)), on_overflow="warn")
+            verdict = (report.fits, report.predicted_peak_bytes, report.suggestions, report.step_predictor)
+            asked = (est.peak_bytes, est.per_rank_peak_bytes,
+                     all(torch.equal(a, p) for a, p in zip(weights, params)) and not optimizer.state, verdict)
         dist.barrier()
         # The schedule's stages keep the last step's zero-bubble weight-gradient graphs: alive at the end, not lost.
-        queue.put((rank, before + call_end_peak(steps, teardown=held.clear)))
+        measured = before + call_end_peak(steps, teardown=held.clear)
+        queue.put((rank, measured if asked is None else (measured, asked)))
 
 
 @pytest.mark.slow
@@ -590,6 +657,79 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
     for rank in range(world):
         error = (est.per_rank_peak_bytes[rank] - measured[rank]) / measured[rank]
         assert abs(error) <= 0.03, (rank, est.per_rank_peak_bytes, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, kind", [("1F1B", "decoder"), ("Interleaved1F1B", "blocks")])
+def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind):
+    """A job that cut its model into stages itself hands preflight its schedule on every rank: each rank traces its
+    own stages, after the ranks exchanged the stages' shapes as torch's first step does, and gets every rank's
+    figure; each equals the figure planned from the whole model, and the measured peak within 3%. The user's
+    weights and optimizer are untouched."""
+    model, batch, loss_fn, split = _setup(kind, SEQ)
+    plan = PPPlan(2, loss_fn, schedule=schedule, microbatches=4, split=split)
+    optimizer = torch.optim.AdamW(model.parameters())
+    planned = preflight.estimate(model, optimizer, batch, preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
+    results = spawned(_gloo_worker, 2, schedule, 4, kind, 1, 1, 1, False, True)
+    for rank in range(2):
+        measured, (own, per_rank, untouched, verdict) = results[rank]
+        assert untouched
+        assert verdict == (False, max(planned.per_rank_peak_bytes), [], None)  # no suggestion, no re-prediction
+        assert per_rank == planned.per_rank_peak_bytes
+        assert own == planned.per_rank_peak_bytes[rank]
+        assert abs(own - measured) / measured <= 0.03, (rank, own, measured)
+
+
+_CALLS = {"forward": 0}
+
+
+class _RaisesOnItsSecondCall(nn.Module):
+    """A stage whose forward raises the user's own error from its second call on: torch's shape inference runs it
+    once, the traced step again."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CALLS["forward"] += 1
+        if _CALLS["forward"] > 1:
+            raise ValueError("the user's own bug in stage 1")
+        return self.inner(x)
+
+
+def _failing_stage_worker(rank: int, world: int, port: int, queue) -> None:
+    """Rank 1's stage raises in its traced step; the group times out in a minute, should a rank be left waiting."""
+    import datetime
+
+    from torch.distributed import pipelining
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        part = split_sequential(_blocks(), rank, world)
+        part = _RaisesOnItsSecondCall(part) if rank == 1 else part
+        stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
+        schedule = pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse)
+        try:
+            est = preflight.estimate(schedule, torch.optim.AdamW(part.parameters()), _batch())
+            queue.put((rank, ("estimate", est.per_rank_peak_bytes, est.coverage.notes[-1])))
+        except ValueError as err:
+            queue.put((rank, ("raised", str(err))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_own_stage_raises_leaves_no_rank_waiting():
+    """Every rank makes the same exchanges whatever happens on it: the rank whose own code raises re-raises its error
+    after the last one, and the other rank gets its figure with a note that rank 1 has none."""
+    results = spawned(_failing_stage_worker, 2)
+    assert results[1][0] == "raised" and "the user's own bug in stage 1" in results[1][1]
+    kind, per_rank, note = results[0]
+    assert kind == "estimate" and per_rank[0] > 0 and per_rank[1] == 0
+    assert "pipeline rank(s) 1 raised in their own step" in note
 
 
 @pytest.mark.slow

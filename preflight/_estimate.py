@@ -816,13 +816,13 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
         raise ValueError("under pipeline parallelism the schedule runs the step (each stage's forward and backward, "
                          "the last stage's loss from the schedule's `loss_fn`): leave `step` out")
     target, traced_as = options["target_device"], _rank_options(options)
-    ranks = job.plan.stages
-    sharding = f"pp{ranks}"
+    ranks, me = job.world_size, job.global_rank
+    sharding = f"pp{job.plan.stages}" + (f" x fsdp2 {job.dp}" if job.fsdp is not None else "")
     note = (f"{job.note()}; the shapes neighbouring stages exchange inferred over the job's ranks by torch's own "
             "metadata inference; each rank's two steps traced through torch's own PipelineStage and schedule under a "
             f"fake process group of {ranks} ranks, the micro-batches in flight as the schedule keeps them; each "
-            f"rank traces its own stages: peak_bytes, breakdown and events are pipeline rank {job.rank}'s, every "
-            "rank's peak is gathered from the ranks; the batch (inputs, target) is held by every rank")
+            f"rank traces its own stages: peak_bytes, breakdown and events are rank {me}'s, every rank's peak is "
+            "gathered from the ranks; the batch (inputs, target) is held by every rank")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     raised: BaseException | None = None
@@ -838,7 +838,7 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
         except BaseException as err:  # noqa: BLE001 - raised after the ranks' last exchange, below
             raised, result = err, None
         if result is not None and result.error is None:
-            est = _per_rank_estimate([([job.rank], result)], note, target=target, trace_device=options["trace_device"],
+            est = _per_rank_estimate([([me], result)], note, target=target, trace_device=options["trace_device"],
                                      gpu_info=gpu_info, allocator=allocator, steps=options["steps"], world_size=ranks,
                                      sharding=sharding, saves=options["checkpoint"] is not None)
         failure = result
@@ -848,17 +848,17 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
                         gpu=gpu_info, world_size=1, shard_ranks=1, sharding=None,
                         offload={"offload_optimizer": False, "offload_params": False}, ds=None)
     mine = None if est is None else (est.peak_bytes, {**est.breakdown, "phase": est.peak_phase})
-    gathered = gather_over(job, mine)
+    gathered = gather_over(job, mine, world=True)
     if raised is not None:
         raise raised
     assert est is not None
     missing = [rank for rank, figure in enumerate(gathered) if figure is None]
     per_rank = tuple(0 if figure is None else figure[0] for figure in gathered)
     events = [()] * ranks
-    events[job.rank] = tuple(est.events)
+    events[me] = tuple(est.events)
     notes = est.coverage.notes
     if missing:
-        notes = (*notes, f"pipeline rank(s) {_ranks_text(missing)} raised in their own step: counted as 0 here")
+        notes = (*notes, f"rank(s) {_ranks_text(missing)} raised in their own step: counted as 0 here")
     return dataclasses.replace(
         est, world_size=ranks, sharding=sharding, per_rank_peak_bytes=per_rank,
         per_rank_breakdown=tuple({} if figure is None else figure[1] for figure in gathered),

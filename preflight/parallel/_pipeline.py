@@ -40,7 +40,7 @@ torch's metadata inference on fake copies of their stages stage by stage over th
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
 gives a labelled lower bound naming what is missing); pipeline parallelism combined with DDP, FSDP1 or HSDP is
 refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its stages are plain
-modules over the whole world (`read_pp`); under tensor
+modules or wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh (`read_pp`); under tensor
 parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the sequence
 by sequence parallelism would differ).
 """
@@ -684,16 +684,26 @@ class JobPipeline:
     plan: PPPlan
     rank: int
     group: Any
+    fsdp: tuple[FSDP2Plan, ...] | None = None
+    dp: int = 1
+    global_rank: int = 0
 
     @property
     def indices(self) -> list[int]:
         return [stage.stage_index for stage in self.stages]
 
+    @property
+    def world_size(self) -> int:
+        return self.plan.stages * self.dp
+
     def note(self) -> str:
         held = ", ".join(map(str, self.indices))
+        sharded = (f", each stage wrapped by fully_shard over {self.dp} data-parallel ranks (its units read off it; "
+                   f"this process is rank {self.global_rank} of a (pp {self.plan.stages} x dp {self.dp}) mesh)"
+                   if self.fsdp is not None else "")
         return (f"pipeline read off the job: {type(self.schedule).__name__} over {self.plan.stages} ranks, "
                 f"{self.plan.n_microbatches} micro-batches; this process is pipeline rank {self.rank} and holds "
-                f"stage{'s' if len(self.stages) > 1 else ''} {held} of {self.plan.num_stages}")
+                f"stage{'s' if len(self.stages) > 1 else ''} {held} of {self.plan.num_stages}{sharded}")
 
 
 def read_pp(obj: Any) -> JobPipeline | None:
@@ -730,17 +740,32 @@ def read_pp(obj: Any) -> JobPipeline | None:
     if obj._loss_fn is None:
         raise ValueError(f"the {name} has no `loss_fn`: it runs forwards only, and preflight plans training steps. "
                          "Pass the schedule the training loop steps.")
-    for stage in stages:
-        if any(isinstance(p, DTensor) for p in stage.submod.parameters()):
-            raise ValueError(f"stage {stage.stage_index}'s module is laid out by DTensor (fully_shard or tensor "
-                             "parallelism): pipeline stages combined with those inside a job are not read yet. Call "
-                             "preflight before the job cuts the model, with `ParallelPlan(world, 'fsdp2', pp=PPPlan("
-                             "...), tp=...)` saying the layout.")
     size, rank = stages[0].group_size, stages[0].group_rank
-    if dist.is_initialized() and size != dist.get_world_size():
-        raise ValueError(f"the pipeline's group has {size} of the job's {dist.get_world_size()} ranks: a pipeline "
-                         "beside data, tensor or context parallelism inside a job is not read yet. Call preflight "
-                         "before the job cuts the model, with a `ParallelPlan(world, ..., pp=PPPlan(...))`.")
+    wrapped = [_read_stage_fsdp2(stage) for stage in stages]
+    for stage, read in zip(stages, wrapped):
+        if read is None and any(isinstance(p, DTensor) for p in stage.submod.parameters()):
+            raise ValueError(f"stage {stage.stage_index}'s module is laid out by tensor parallelism: pipeline stages "
+                             "with tensor parallelism inside a job are not read yet. Call preflight before the job "
+                             "cuts the model, with `ParallelPlan(world, ..., pp=PPPlan(...), tp=TPPlan(...))`.")
+    dp, dp_rank = (1, 0) if wrapped[0] is None else (wrapped[0].world_size, wrapped[0].rank)
+    if any((w is None) != (wrapped[0] is None) or (w is not None and (w.world_size, w.rank) != (dp, dp_rank))
+           for w in wrapped):
+        raise ValueError("this rank's stages are wrapped by fully_shard differently (some not, or over other "
+                         "meshes): the per-rank trace follows one data-parallel mesh for all of a rank's stages")
+    world = dist.get_world_size() if dist.is_initialized() else size * dp
+    global_rank = dist.get_rank() if dist.is_initialized() else rank * dp + dp_rank
+    beside = "fully_shard's" if wrapped[0] is not None else "no other"
+    if world != size * dp:
+        raise ValueError(f"the pipeline's {size} ranks with {beside} data-parallel dim ({dp}) make {size * dp} of "
+                         f"the job's {world} ranks: a pipeline beside tensor or context parallelism (or DDP) inside "
+                         "a job is not read yet. Call preflight before the job cuts the model, with a "
+                         "`ParallelPlan(world, ..., pp=PPPlan(...))`.")
+    if dist.is_initialized():
+        pp_ranks = dist.get_process_group_ranks(stages[0].group) if stages[0].group is not None else list(range(world))
+        if global_rank != rank * dp + dp_rank or pp_ranks != [i * dp + dp_rank for i in range(size)]:
+            raise ValueError(f"rank {global_rank} is pipeline rank {rank} and data-parallel rank {dp_rank}, not laid "
+                             f"out as a (pp {size}, dp {dp}) mesh lays them (pipeline ranks outermost, as torchtitan "
+                             "and init_device_mesh lay them): another layout is not read.")
     if size < 2:
         raise ValueError("the pipeline has one rank: estimate its stage's module itself (`stage.submod`).")
     style = SCHEDULES[key][1]
@@ -752,16 +777,36 @@ def read_pp(obj: Any) -> JobPipeline | None:
                          f"over {size} ranks lays out {plan.stage_indices(rank)} of {plan.num_stages}: another "
                          "placement is not read.")
     modules = nn.ModuleList([stage.submod for stage in stages])
-    return JobPipeline(schedule=obj, stages=stages, modules=modules, plan=plan, rank=rank, group=stages[0].group)
+    fsdp = None if wrapped[0] is None else tuple(w.plan for w in wrapped)
+    return JobPipeline(schedule=obj, stages=stages, modules=modules, plan=plan, rank=rank, group=stages[0].group,
+                       fsdp=fsdp, dp=dp, global_rank=global_rank)
 
 
-def gather_over(job: JobPipeline, value: Any) -> list[Any]:
-    """Every pipeline rank's ``value``, in rank order, over the job's own group (`all_gather_object`): every rank must
-    call it at the same point, as every rank calls the schedule's first step."""
+def _read_stage_fsdp2(stage: Any) -> Any:
+    """The FSDP2 plan a stage's module was wrapped with (`read_fsdp2`), or None; a wrapping the per-rank trace does not
+    follow (HSDP beside a pipeline, units under no wrapped stage module) is a ValueError saying so."""
+    from preflight.parallel._fsdp2 import read_fsdp2
+
+    read = read_fsdp2(stage.submod)
+    if read is None:
+        return None
+    if read.plan.replicate != 1:
+        raise ValueError(f"stage {stage.stage_index}'s module is wrapped by fully_shard over an HSDP mesh: pipeline "
+                         "parallelism is traced with FSDP2 over one data-parallel dim")
+    if read.plan.root:
+        raise ValueError(f"stage {stage.stage_index}'s module is not itself wrapped by fully_shard (its units are, "
+                         f"under {read.plan.root!r}): wrap the stage module too, as torchtitan does")
+    return read
+
+
+def gather_over(job: JobPipeline, value: Any, *, world: bool = False) -> list[Any]:
+    """Every pipeline rank's ``value``, in rank order, over the pipeline's own group (``world``: every rank's, over
+    the job's default group) with ``all_gather_object``: every rank must call it at the same point, as every rank
+    calls the schedule's first step."""
     import torch.distributed as dist
 
-    gathered: list[Any] = [None] * job.plan.stages
-    dist.all_gather_object(gathered, value, group=job.group)
+    gathered: list[Any] = [None] * (job.world_size if world else job.plan.stages)
+    dist.all_gather_object(gathered, value, group=None if world else job.group)
     return gathered
 
 
@@ -853,9 +898,18 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
 
     plan, user = job.plan, job.schedule
 
+    def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        if job.fsdp is not None:  # each stage wrapped again as it was: its units, then the stage
+            with meshes_outside_modes():
+                for part, fsdp in zip(replica, job.fsdp):
+                    apply_fully_shard(part, data_mesh(mesh), fsdp)
+        return replica
+
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         metas, all_static = stage_metas
-        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu")) for part, i in zip(parts, job.indices)]
+        group = mesh["pp"].get_group() if mesh.ndim > 1 else None
+        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
+                  for part, i in zip(parts, job.indices)]
         for stage, theirs in zip(stages, job.stages):
             stage._user_meta = theirs._user_meta
             stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
@@ -866,12 +920,17 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
                               output_merge_spec=user._output_merge_spec, scale_grads=user.scale_grads)
         return _stepper(schedule, stages, all_static)
 
-    def watch(tracker: Any, *, gloo: bool) -> contextlib.AbstractContextManager[None]:
-        return _held_p2p(tracker, gloo=gloo)
+    @contextlib.contextmanager
+    def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
+        with watched_fsdp2(tracker, gloo=gloo) if job.fsdp is not None else contextlib.nullcontext(), \
+                meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
+            yield
 
-    return Engine(name=f"torch.distributed.pipelining {type(user).__name__} (read off the job)",
-                  wrap=lambda replica, mesh: replica, optimizer=named_optimizer("the pipeline"),
-                  parameters=_local_parameters, watch=watch, drive=drive)
+    mesh = ((plan.stages, job.dp), ("pp", "dp")) if job.fsdp is not None else None
+    return Engine(name=f"torch.distributed.pipelining {type(user).__name__} (read off the job)"
+                       + (" + fully_shard" if job.fsdp is not None else ""),
+                  wrap=wrap, optimizer=named_optimizer("the pipeline"), parameters=_local_parameters, watch=watch,
+                  drive=drive, mesh=mesh)
 
 
 @swept
@@ -898,8 +957,8 @@ def trace_pp_in_job(
     if step is not None:
         raise ValueError("under pipeline parallelism the schedule runs the step: the last stage's loss is the "
                          "schedule's `loss_fn`; leave `step` out")
-    return trace_rank(_job_engine(job, stage_metas), job.modules, optimizer, batch, world_size=job.plan.stages,
-                      rank=job.rank, step=None, precision=precision, steps=steps, schedule=schedule,
+    return trace_rank(_job_engine(job, stage_metas), job.modules, optimizer, batch, world_size=job.world_size,
+                      rank=job.global_rank, step=None, precision=precision, steps=steps, schedule=schedule,
                       record_op=record_op, routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
 
 

@@ -252,6 +252,31 @@ def test_a_schedule_of_the_job_is_read_as_its_plan():
             read_pp(renamed)
 
 
+def test_stages_the_job_wrapped_by_fully_shard_are_read_with_their_units_and_mesh():
+    from torch.distributed import pipelining
+    from torch.distributed.fsdp import fully_shard
+
+    from preflight.parallel import fake_world
+    from preflight.parallel._pipeline import read_pp
+
+    with fake_world(4, 3, mesh=((2, 2), ("pp", "dp"))) as mesh:  # rank 3: pipeline rank 1, data-parallel rank 1
+        part = split_sequential(_blocks(), 1, 2)
+        for name in ("2", "3"):
+            fully_shard(part.get_submodule(name), mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        stage = pipelining.PipelineStage(part, 1, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        job = read_pp(pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse))
+        assert (job.rank, job.dp, job.global_rank, job.world_size) == (1, 2, 3, 4)
+        assert job.fsdp[0].units == ("2", "3") and job.fsdp[0].root == ""
+        assert "wrapped by fully_shard over 2 data-parallel ranks" in job.note()
+        alone = split_sequential(_blocks(), 1, 2)  # its blocks wrapped, the stage module not
+        for name in ("2", "3"):
+            fully_shard(alone.get_submodule(name), mesh=mesh["dp"])
+        stage = pipelining.PipelineStage(alone, 1, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        with pytest.raises(ValueError, match="no wrapped module holding both|wrap the stage module too"):
+            read_pp(pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse))
+
+
 def test_a_schedule_of_the_job_is_its_own_plan_and_is_refused_where_ranks_would_decide_apart():
     from preflight.parallel import fake_world
 
@@ -611,7 +636,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
 
         asked = None
         if in_job:
-            weights = [p.detach().clone() for p in params]
+            weights = [t.detach().clone() for t in local]
             est = preflight.estimate(held["runner"], optimizer, (x, y))
             # The verdict: every rank's figure agreed on, the largest over a budget every rank fits but one.
             budget = int(min(est.per_rank_peak_bytes) / 0.9) + 1
@@ -620,7 +645,7 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
                                          preflight.Run(target=preflight.Target(budget=budget)), on_overflow="warn")
             verdict = (report.fits, report.predicted_peak_bytes, report.suggestions, report.step_predictor)
             asked = (est.peak_bytes, est.per_rank_peak_bytes,
-                     all(torch.equal(a, p) for a, p in zip(weights, params)) and not optimizer.state, verdict)
+                     all(torch.equal(a, t) for a, t in zip(weights, local)) and not optimizer.state, verdict)
         dist.barrier()
         # The schedule's stages keep the last step's zero-bubble weight-gradient graphs: alive at the end, not lost.
         measured = before + call_end_peak(steps, teardown=held.clear)
@@ -660,18 +685,24 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, kind", [("1F1B", "decoder"), ("Interleaved1F1B", "blocks")])
-def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind):
-    """A job that cut its model into stages itself hands preflight its schedule on every rank: each rank traces its
-    own stages, after the ranks exchanged the stages' shapes as torch's first step does, and gets every rank's
-    figure; each equals the figure planned from the whole model, and the measured peak within 3%. The user's
-    weights and optimizer are untouched."""
-    model, batch, loss_fn, split = _setup(kind, SEQ)
-    plan = PPPlan(2, loss_fn, schedule=schedule, microbatches=4, split=split)
+@pytest.mark.parametrize("schedule, kind, world, dp", [("1F1B", "decoder", 2, 1), ("Interleaved1F1B", "blocks", 2, 1),
+                                                      ("1F1B", "blocks", 4, 2)])
+def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind, world, dp):
+    """A job that cut its model into stages itself (and with ``dp``, wrapped each stage's blocks and the stage by
+    fully_shard over a (pp, dp) mesh) hands preflight its schedule on every rank: each rank traces its own stages,
+    after the ranks exchanged the stages' shapes as torch's first step does, and gets every rank's figure; each
+    equals the figure planned from the whole model, and the measured peak within 3%. The user's weights and
+    optimizer are untouched."""
+    from preflight.parallel import FSDP2Plan
+
+    model, batch, loss_fn, split = _setup(kind, _real_seq(dp))
+    plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=4, split=split)
     optimizer = torch.optim.AdamW(model.parameters())
-    planned = preflight.estimate(model, optimizer, batch, preflight.Run(parallel=ParallelPlan(2, None, pp=plan)))
-    results = spawned(_gloo_worker, 2, schedule, 4, kind, 1, 1, 1, False, True)
-    for rank in range(2):
+    parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
+                ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(str(i) for i in range(len(model))))))
+    planned = preflight.estimate(model, optimizer, batch, preflight.Run(parallel=parallel))
+    results = spawned(_gloo_worker, world, schedule, 4, kind, dp, 1, 1, False, True)
+    for rank in range(world):
         measured, (own, per_rank, untouched, verdict) = results[rank]
         assert untouched
         assert verdict == (False, max(planned.per_rank_peak_bytes), [], None)  # no suggestion, no re-prediction
@@ -729,7 +760,7 @@ def test_a_rank_whose_own_stage_raises_leaves_no_rank_waiting():
     assert results[1][0] == "raised" and "the user's own bug in stage 1" in results[1][1]
     kind, per_rank, note = results[0]
     assert kind == "estimate" and per_rank[0] > 0 and per_rank[1] == 0
-    assert "pipeline rank(s) 1 raised in their own step" in note
+    assert "rank(s) 1 raised in their own step" in note
 
 
 @pytest.mark.slow

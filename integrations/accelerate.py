@@ -12,7 +12,7 @@ DeepSpeed or FSDP plugin the prediction is this rank's share (`preflight.paralle
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -130,20 +130,34 @@ class StepVerifier:
         self.session = VerifySession(report, options, accelerator.device,
                                      extra_resident_bytes=ddp_bucket_bytes(model))
         self._open = False
+        self._restore: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
-        """Around one loop iteration (one micro-batch) on ``batch``."""
+        """Around one loop iteration (one micro-batch) on ``batch``. While a window is open, each
+        ``accelerator.backward`` call marks the end of the forward before it and of the backward after it (the
+        meter places a free gloo's threads lose at the end of its phase), as the Lightning callback's hooks do."""
         if not self.session.active:
             yield
             return
         if not self._open:
             self.session.step_started([*training_state(self.model, [self.optimizer]), batch], batch=batch)
             self._open = True
-        yield
+            self._restore = _marked_backward(self.accelerator, self.session)
+        try:
+            yield
+        except BaseException:
+            self._unmark()
+            raise
         if self.accelerator.sync_gradients:
             self._open = False
+            self._unmark()
             self.session.step_ended()  # its finishing work (traces, the printed report) is guarded
+
+    def _unmark(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     @contextlib.contextmanager
     def eval_step(self, batch: Any) -> Iterator[None]:
@@ -162,6 +176,32 @@ class StepVerifier:
     def finish(self) -> Report | None:
         """End verification early (fewer steps than asked); returns the report."""
         return self.session.finish()
+
+
+def _marked_backward(accelerator: accelerate.Accelerator, session: VerifySession) -> Callable[[], None]:
+    """Make ``accelerator.backward`` mark the phases of the measured step around the call (`VerifySession.phase_ended`;
+    accelerate has no hooks of its own there); return what puts the accelerator back as it was. The instance gets
+    an attribute of that name for the window only, and the call itself is accelerate's."""
+    missing = object()
+    own = vars(accelerator).get("backward", missing)
+    backward = accelerator.backward
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        session.phase_ended()  # the forward
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            session.phase_ended()  # the backward
+
+    accelerator.backward = marked
+
+    def restore() -> None:
+        if own is missing:
+            vars(accelerator).pop("backward", None)
+        else:
+            accelerator.backward = own
+
+    return restore
 
 
 def _predict(accelerator: accelerate.Accelerator, model: nn.Module, optimizer: Any, dataloader: Any,

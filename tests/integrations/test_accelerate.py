@@ -26,7 +26,7 @@ class Batches(torch.utils.data.Dataset):
 
 
 @pytest.mark.slow
-def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
+def test_custom_loop_prediction_matches_the_measured_peak(tmp_path, monkeypatch):
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = make_gpt2(n_layer=2, n_embd=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -40,6 +40,9 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
     assert report.eval_predicted_peak_bytes is not None
 
     verifier = StepVerifier(accelerator, model, optimizer, report, steps=2, report_path=str(tmp_path / "r.json"))
+    marks = []
+    phase_ended = type(verifier.session).phase_ended
+    monkeypatch.setattr(type(verifier.session), "phase_ended", lambda self: (marks.append(1), phase_ended(self)))
     for batch in loader:
         with verifier.step(batch), accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)
@@ -47,6 +50,9 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path):
             optimizer.zero_grad()
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["steps_measured"] == 2 and abs(data["relative_error"]) < 0.01
+    # Each measured micro-batch's accelerator.backward marked the end of its forward and of its backward; the
+    # accelerator is as it was once the windows closed.
+    assert len(marks) == 2 * 2 * 2 and "backward" not in vars(accelerator)
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
 __all__ = ["JobPipeline", "PPPlan", "SCHEDULES", "causal_lm_loss", "gather_over", "job_stage_metas", "read_pp",
-           "refuse_job_pipeline",
+           "is_job_pipeline", "refuse_job_pipeline",
            "split_sequential", "split_transformers", "stage_rank_groups", "trace_pp", "trace_pp_in_job"]
 
 # The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
@@ -962,15 +962,20 @@ def trace_pp_in_job(
                       record_op=record_op, routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint)
 
 
+def is_job_pipeline(obj: Any) -> bool:
+    """Whether ``obj`` is one of torch's pipeline schedules (a pipeline a job built, `read_pp`)."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:  # a build of torch without distributed support
+        return False
+    return isinstance(obj, _PipelineSchedule)
+
+
 def refuse_job_pipeline(obj: Any, what: str) -> None:
     """Raise a ValueError when ``obj`` is a pipeline schedule of a running job handed to ``what``, an entry point that
     predicts several times with decisions of its own: under a pipeline read off a job each prediction exchanges
     shapes with every rank (`job_stage_metas`), so ranks that decided differently would wait on each other."""
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:
-        return
-    if isinstance(obj, _PipelineSchedule):
+    if is_job_pipeline(obj):
         raise ValueError(f"`{what}` is given a pipeline schedule running in this job: it predicts several times, and "
                          "under a pipeline read off a job each prediction must run on every rank at once. Pass the "
                          "schedule to `preflight.estimate` or `preflight.check`, or plan the pipeline on the whole "

@@ -55,6 +55,7 @@ from preflight._steps import LossNotFoundError, StepFn, check_step
 from preflight._units import format_bytes
 
 from preflight.report._report import Report
+from preflight.parallel._pipeline import is_job_pipeline
 from preflight.verdict._options import Options
 from preflight.verdict._predict import predict
 from preflight.verdict._ranks import _agree, _rank, internal_failures, is_rank_zero, wait_for_every_rank
@@ -70,6 +71,9 @@ _TOP_SUGGESTIONS = 3  # shown in the table and the error; the JSON keeps all
 # How to have preflight choose the micro-batch, for a loop without a trainer (the adapters name their own way).
 REMEDY_MAX_BATCH_SIZE = ("Or let preflight choose the micro-batch: preflight.max_batch_size(model, optimizer, "
                          "make_batch, budget=...) gives the largest that fits.")
+REMEDY_PIPELINE_JOB = ("To have preflight predict each change, or choose the micro-batch, plan the pipeline on the "
+                       "whole model before the job cuts it: Run(parallel=ParallelPlan(..., pp=PPPlan(...))) with "
+                       "preflight.advise or preflight.max_batch_size.")
 
 
 @untouched()
@@ -127,7 +131,7 @@ def check(
     with internal_failures("the prediction", reraise=(LossNotFoundError,)):
         report = predict(model, optimizer, batch, run, options=options, step=step, eval_batch=eval_batch,
                          eval_step=eval_step)
-    return decide(report, options)
+    return decide(report, options, remedy=REMEDY_PIPELINE_JOB if is_job_pipeline(model) else REMEDY_MAX_BATCH_SIZE)
 
 
 def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None,

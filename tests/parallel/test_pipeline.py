@@ -640,10 +640,13 @@ def _gloo_worker(rank: int, world: int, port: int, queue, schedule: str, microba
             est = preflight.estimate(held["runner"], optimizer, (x, y))
             # The verdict: every rank's figure agreed on, the largest over a budget every rank fits but one.
             budget = int(min(est.per_rank_peak_bytes) / 0.9) + 1
-            with pytest.warns(RuntimeWarning, match="predicted not to fit|predicted to need"):
+            with pytest.warns(RuntimeWarning, match="predicted not to fit|predicted to need") as caught:
                 report = preflight.check(held["runner"], optimizer, (x, y),
                                          preflight.Run(target=preflight.Target(budget=budget)), on_overflow="warn")
-            verdict = (report.fits, report.predicted_peak_bytes, report.suggestions, report.step_predictor)
+            # The rank over its budget says how to have preflight choose: plan the pipeline on the whole model.
+            remedy = any("plan the pipeline on the whole model" in str(w.message) for w in caught)
+            verdict = (report.fits, report.predicted_peak_bytes, report.suggestions, report.step_predictor,
+                       remedy == (est.peak_bytes > report.usable_bytes))
             asked = (est.peak_bytes, est.per_rank_peak_bytes,
                      all(torch.equal(a, t) for a, t in zip(weights, local)) and not optimizer.state, verdict)
         dist.barrier()
@@ -705,7 +708,7 @@ def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind, worl
     for rank in range(world):
         measured, (own, per_rank, untouched, verdict) = results[rank]
         assert untouched
-        assert verdict == (False, max(planned.per_rank_peak_bytes), [], None)  # no suggestion, no re-prediction
+        assert verdict == (False, max(planned.per_rank_peak_bytes), [], None, True)  # no suggestion, no re-prediction
         assert per_rank == planned.per_rank_peak_bytes
         assert own == planned.per_rank_peak_bytes[rank]
         assert abs(own - measured) / measured <= 0.03, (rank, own, measured)
@@ -834,6 +837,18 @@ def test_the_example_plans_each_schedule_per_stage():
     assert all(b < single for figures in stages for b in figures)
     gpipe, one_f_one_b = stages[0], stages[1]
     assert max(one_f_one_b) < min(gpipe)  # 1F1B holds fewer micro-batches than GPipe on every stage
+
+
+@pytest.mark.slow
+def test_the_in_job_example_reads_each_ranks_stage_and_agrees_on_the_verdict():
+    import re
+
+    from conftest import example_output
+
+    stdout = example_output("pipeline_in_job.py", timeout=300)
+    figures = re.search(r"rank 0 ([\d.]+) MiB, rank 1 ([\d.]+) MiB; rank 0 peaks", stdout)
+    assert figures is not None and float(figures.group(1)) > float(figures.group(2)), stdout
+    assert "verdict: fits in 128 MiB per rank" in stdout
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import preflight
 
-WORLD, BLOCKS, MICROBATCHES = 2, 8, 4
+WORLD = 2  # processes, one pipeline stage each
+BLOCKS = 8  # MLP blocks in the whole model, cut in half
+MICROBATCHES = 4  # the schedule cuts each batch into these
 
 
 def mse(output, target):  # the last stage's loss, as the schedule takes it

@@ -143,6 +143,7 @@ class StepVerifier:
         if not self._open:
             self.session.step_started([*training_state(self.model, [self.optimizer]), batch], batch=batch)
             self._open = True
+        if self._restore is None:  # the window's start, or its next micro-batch after one that raised
             self._restore = _marked_backward(self.accelerator, self.session)
         try:
             yield
@@ -175,6 +176,7 @@ class StepVerifier:
     @untouched()
     def finish(self) -> Report | None:
         """End verification early (fewer steps than asked); returns the report."""
+        self._unmark()
         return self.session.finish()
 
 

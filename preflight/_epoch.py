@@ -37,8 +37,8 @@ from preflight._target import add_workspaces, resolve_gpu, round_events
 from preflight._units import format_bytes
 from preflight.allocator import simulate
 from preflight.cuda import CudaTarget
-from preflight.trace import trace_steps
 from preflight.parallel._pipeline import refuse_job_pipeline
+from preflight.trace import trace_steps
 
 __all__ = ["StepsEstimate", "estimate_steps", "sample_batches"]
 

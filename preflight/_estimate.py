@@ -35,8 +35,8 @@ from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, ze
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
 from preflight.parallel._expert import EPPlan, check_ep_model, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
-from preflight.parallel._pipeline import (JobPipeline, PPPlan, gather_over, job_stage_metas, read_pp, stage_rank_groups,
-                                         trace_pp, trace_pp_in_job)
+from preflight.parallel._pipeline import (JobPipeline, PPPlan, StageMetasError, gather_over, job_stage_metas, read_pp,
+                                         stage_rank_groups, trace_pp, trace_pp_in_job)
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_mesh, tp_rank_groups,
                                         trace_tp, unmatched_styles, uses_sequence_parallel)
 from preflight.trace import TraceResult, device_mismatch, float_dtype_for, is_user_error, trace_composed, trace_steps
@@ -219,8 +219,8 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     # A model parallelize_module laid out (then perhaps wrapped by fully_shard over another mesh dim) is traced as
     # its layout says: its FSDP2 plan, where it has one, is read over FSDP2's own dims.
     # A model transformers laid out with expert parallelism (inside its job) is traced as its layout says.
-    ep_read = read_ep(model)
-    laid_out = read_tp(model) if ep_read is None else None
+    ep_read = read_ep(model) if job is None else None  # a job's pipeline stages: `read_pp` read their layout
+    laid_out = read_tp(model) if ep_read is None and job is None else None
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = None
     read_tp_fsdp = None
     if ep_read is not None:
@@ -231,7 +231,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         world_size, sharding = ep_read[1], "fsdp2"
     elif laid_out is not None:
         read_tp_fsdp = read_fsdp2(model, tensor_parallel=True) if laid_out.fsdp_dims is not None else None
-    else:
+    elif job is None:
         wrapped = read_fsdp2(model) or read_fsdp1(model)
     traced_model = model
     if wrapped is not None:
@@ -826,39 +826,50 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     raised: BaseException | None = None
+    est = failure = None
     try:
         stage_metas = job_stage_metas(job, batch, options["precision"])
-    except RuntimeError as err:  # every rank raised it at the same turn
-        stage_metas, failure = None, TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
-                                                 failed_op="torch's metadata inference over the job's stages")
-    est = None
-    if stage_metas is not None:
+    except (StageMetasError, ImportError, AttributeError) as err:  # on every rank alike (`job_stage_metas`)
+        failure = TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, error=err,
+                              failed_op="torch's metadata inference over the job's stages")
+    except BaseException as err:  # noqa: BLE001 - this rank's user's own error: raised after the last exchange
+        raised = err
+    if failure is None and raised is None:
         try:
             result = trace_pp_in_job(job, optimizer, batch, stage_metas=stage_metas, **traced_as)
+            if result.error is None:
+                est = _per_rank_estimate([([me], result)], note, target=target,
+                                         trace_device=options["trace_device"], gpu_info=gpu_info, allocator=allocator,
+                                         steps=options["steps"], world_size=ranks, sharding=sharding,
+                                         saves=options["checkpoint"] is not None)
+            failure = result
         except BaseException as err:  # noqa: BLE001 - raised after the ranks' last exchange, below
-            raised, result = err, None
-        if result is not None and result.error is None:
-            est = _per_rank_estimate([([me], result)], note, target=target, trace_device=options["trace_device"],
-                                     gpu_info=gpu_info, allocator=allocator, steps=options["steps"], world_size=ranks,
-                                     sharding=sharding, saves=options["checkpoint"] is not None)
-        failure = result
-    if est is None and raised is None:  # this rank's own stages hold at least their state
-        est = _fallback(job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
-                        [f"{job.note()}; this rank could not be traced: the lower bound of its own stages"],
-                        gpu=gpu_info, world_size=1, shard_ranks=1, sharding=None,
-                        offload={"offload_optimizer": False, "offload_params": False}, ds=None)
-    mine = None if est is None else (est.peak_bytes, {**est.breakdown, "phase": est.peak_phase})
+            raised = err
+    if est is None and raised is None:  # this rank's own stages hold at least their state (their shards)
+        try:
+            dp = 1 if job.fsdp is None else job.dp  # the lower bound counts whole tensors: this rank's share
+            est = _fallback(job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
+                            [f"{job.note()}; this rank could not be traced: the lower bound of its own stages"],
+                            gpu=gpu_info, world_size=dp, shard_ranks=dp, sharding="fsdp-full" if dp > 1 else None,
+                            offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+        except BaseException as err:  # noqa: BLE001 - raised after the ranks' last exchange, below
+            raised = err
+    mine = None if est is None else (est.peak_bytes, {**est.breakdown, "phase": est.peak_phase},
+                                     est.coverage.lower_bound)
     gathered = gather_over(job, mine, world=True)
     if raised is not None:
         raise raised
     assert est is not None
     missing = [rank for rank, figure in enumerate(gathered) if figure is None]
+    bounded = [rank for rank, figure in enumerate(gathered) if figure is not None and figure[2] and rank != me]
     per_rank = tuple(0 if figure is None else figure[0] for figure in gathered)
     events = [()] * ranks
     events[me] = tuple(est.events)
     notes = est.coverage.notes
     if missing:
         notes = (*notes, f"rank(s) {_ranks_text(missing)} raised in their own step: counted as 0 here")
+    if bounded:
+        notes = (*notes, f"rank(s) {_ranks_text(bounded)} could not be traced: their figures are lower bounds")
     return dataclasses.replace(
         est, world_size=ranks, sharding=sharding, per_rank_peak_bytes=per_rank,
         per_rank_breakdown=tuple({} if figure is None else figure[1] for figure in gathered),

@@ -29,8 +29,8 @@ from preflight._run import Run, check_run
 from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
-from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 from preflight.parallel._pipeline import refuse_job_pipeline
+from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
 

@@ -42,8 +42,8 @@ from preflight.advice._setup import (
     Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move, need,
     offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
-from preflight.trace import NotRestoredError
 from preflight.parallel._pipeline import refuse_job_pipeline
+from preflight.trace import NotRestoredError
 
 __all__ = ["Suggestion", "advise", "resize_batch", "batch_size_of", "repeated_blocks"]
 

@@ -38,7 +38,7 @@ torch's metadata inference on fake copies of their stages stage by stage over th
 (`job_stage_metas`).
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
-gives a labelled lower bound naming what is missing); pipeline parallelism combined with DDP, FSDP1 or HSDP is
+gives a labelled lower bound naming what is missing, planned or read off a job); pipeline parallelism combined with DDP, FSDP1 or HSDP is
 refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its stages are plain
 modules or wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh (`read_pp`); under tensor
 parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the sequence
@@ -71,9 +71,9 @@ from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, lai
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
-__all__ = ["JobPipeline", "PPPlan", "SCHEDULES", "causal_lm_loss", "gather_over", "job_stage_metas", "read_pp",
-           "is_job_pipeline", "refuse_job_pipeline",
-           "split_sequential", "split_transformers", "stage_rank_groups", "trace_pp", "trace_pp_in_job"]
+__all__ = ["JobPipeline", "PPPlan", "SCHEDULES", "StageMetasError", "causal_lm_loss", "gather_over",
+           "is_job_pipeline", "job_stage_metas", "read_pp", "refuse_job_pipeline", "split_sequential",
+           "split_transformers", "stage_rank_groups", "trace_pp", "trace_pp_in_job"]
 
 # The schedules traced, by the names users know them by (case-insensitive, "Schedule" and separators dropped):
 # torch's class, and how stages map to ranks (None: one stage per rank; "loop": rank r holds r, r + ranks, ...;
@@ -676,6 +676,9 @@ class JobPipeline:
         plan: the `PPPlan` the schedule runs (ranks, schedule, micro-batches, loss).
         rank: this rank's place in the pipeline's group.
         group: the pipeline's process group (None: the default group).
+        fsdp: the FSDP2 plan each of the rank's stage modules was wrapped with, read off it (None: not wrapped).
+        dp: the data-parallel ranks each stage is sharded over (1 without FSDP2).
+        global_rank: this process's rank in the job, on the row-major ``(pp, dp)`` mesh.
     """
 
     schedule: Any
@@ -799,6 +802,10 @@ def _read_stage_fsdp2(stage: Any) -> Any:
     return read
 
 
+class StageMetasError(RuntimeError):
+    """Torch's metadata inference over a job's stages failed on a rank (`job_stage_metas`); raised on every rank."""
+
+
 def gather_over(job: JobPipeline, value: Any, *, world: bool = False) -> list[Any]:
     """Every pipeline rank's ``value``, in rank order, over the pipeline's own group (``world``: every rank's, over
     the job's default group) with ``all_gather_object``: every rank must call it at the same point, as every rank
@@ -818,7 +825,11 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
     makes with its neighbours. The user's stages are only read.
 
     Raises:
-        RuntimeError: a rank's inference failed (the same error on every rank, so no rank is left waiting)."""
+        StageMetasError: a rank's inference failed (raised on every rank at the same turn, so none is left waiting).
+        Exception: on the rank whose own stage raised its user's error (`preflight.trace.is_user_error`), that error,
+            at the same turn (every other rank raises a `StageMetasError`).
+        ImportError, AttributeError: this torch lacks the internals used (before any exchange, on every rank)."""
+    import pickle
     import types
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -827,17 +838,18 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
     from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
 
+    from preflight.trace import is_user_error, mark_user_error
     from preflight.trace._fake_kernels import FakeKernelsMode
     from preflight.trace._twin import TwinMaker, float_dtype_for
 
     plan = job.plan
     votes = gather_over(job, all(not InferenceMode.needs_dynamic(s._user_meta, True) for s in job.stages))
-    args, target = _parts(batch)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
     stages: dict[int, Any] = {}
-    failure = None
+    failure, own_error = None, None
     try:
+        args, target = _parts(batch)
         with fresh_dtensor_caches(), fake_world(1, 0), fake_mode:  # every stage on one rank: metadata as arguments
             replica = fake_replica(job.modules, twins)
             for index, part in zip(job.indices, replica):
@@ -849,24 +861,30 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
             if plan.num_stages - 1 in stages:
                 target_chunk = next(iter(_split_tensor(twins.batch(target, cast=False), _TARGET_CHUNK_SPEC,
                                                        plan.n_microbatches)))
-    except Exception as err:  # noqa: BLE001 - said on every rank below
+    except Exception as err:  # noqa: BLE001 - said on every rank at this rank's first turn
         failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        own_error = err if is_user_error(err) else None
 
     def turn(index: int, infer: Callable[[Any], Any]) -> Any:
-        nonlocal failure
+        nonlocal failure, own_error
         mine = None
         if index in stages and failure is None:
             try:
                 with fake_mode, FakeKernelsMode(), autocast_for(precision, "cpu"), torch.enable_grad():
                     mine = ("ok", infer(stages[index]))
+                pickle.dumps(mine)  # what cannot be sent fails here, on this rank's turn, not inside the exchange
             except Exception as err:  # noqa: BLE001 - said on every rank below
                 failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        if index in stages and mine is None:
+                own_error = err if is_user_error(err) else None
+                mine = None
+        if index in job.indices and mine is None:
             mine = ("failed", f"pipeline rank {job.rank}, stage {index}: {failure}")
         said = [m for m in gather_over(job, mine) if m is not None]
         if not said or said[0][0] != "ok":
+            if own_error is not None and index in job.indices:
+                raise mark_user_error(own_error)
             failure = said[0][1] if said else f"no rank holds stage {index}"
-            raise RuntimeError(f"torch's metadata inference over the job's stages failed ({failure})")
+            raise StageMetasError(f"torch's metadata inference over the job's stages failed ({failure})")
         return said[0][1]
 
     outputs: dict[int, Any] = {}
@@ -914,10 +932,7 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
             stage._user_meta = theirs._user_meta
             stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
             stage._send_meta = lambda meta, dst: None
-        schedule = type(user)(stages if hasattr(user, "_stages") else stages[0],
-                              n_microbatches=user._n_microbatches, loss_fn=user._loss_fn,
-                              args_chunk_spec=user._args_chunk_spec, kwargs_chunk_spec=user._kwargs_chunk_spec,
-                              output_merge_spec=user._output_merge_spec, scale_grads=user.scale_grads)
+        schedule = type(user)(stages if hasattr(user, "_stages") else stages[0], **_schedule_options(user))
         return _stepper(schedule, stages, all_static)
 
     @contextlib.contextmanager
@@ -931,6 +946,23 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
                        + (" + fully_shard" if job.fsdp is not None else ""),
                   wrap=wrap, optimizer=named_optimizer("the pipeline"), parameters=_local_parameters, watch=watch,
                   drive=drive, mesh=mesh)
+
+
+# A schedule's constructor arguments -> where the schedule keeps each (torch 2.13; classes take different subsets).
+_SCHEDULE_OPTIONS = {"n_microbatches": "_n_microbatches", "loss_fn": "_loss_fn", "args_chunk_spec": "_args_chunk_spec",
+                     "kwargs_chunk_spec": "_kwargs_chunk_spec", "output_merge_spec": "_output_merge_spec",
+                     "scale_grads": "scale_grads", "backward_requires_autograd": "_backward_requires_autograd",
+                     "defer_pp_recv": "_defer_pp_recv"}
+
+
+def _schedule_options(user: Any) -> dict[str, Any]:
+    """The options the user's schedule was built with, for another of its class: each argument its class's
+    constructor takes, read where the schedule keeps it (`_SCHEDULE_OPTIONS`)."""
+    import inspect
+
+    taken = inspect.signature(type(user).__init__).parameters
+    return {name: getattr(user, kept) for name, kept in _SCHEDULE_OPTIONS.items()
+            if name in taken and hasattr(user, kept)}
 
 
 @swept

@@ -36,6 +36,7 @@ Policies:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -54,8 +55,8 @@ from preflight._run import Run, check_run
 from preflight._steps import LossNotFoundError, StepFn, check_step
 from preflight._units import format_bytes
 
-from preflight.report._report import Report
 from preflight.parallel._pipeline import is_job_pipeline
+from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._predict import predict
 from preflight.verdict._ranks import _agree, _rank, internal_failures, is_rank_zero, wait_for_every_rank
@@ -127,11 +128,18 @@ def check(
     check_step(step)
     check_step(eval_step, "eval_step")
     report = None
-    # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
-    with internal_failures("the prediction", reraise=(LossNotFoundError,)):
-        report = predict(model, optimizer, batch, run, options=options, step=step, eval_batch=eval_batch,
-                         eval_step=eval_step)
-    return decide(report, options, remedy=REMEDY_PIPELINE_JOB if is_job_pipeline(model) else REMEDY_MAX_BATCH_SIZE)
+    pipeline = is_job_pipeline(model)
+    try:
+        # No trainer to protect here: a step that yields no loss is the caller's mistake, and says how to fix it.
+        with internal_failures("the prediction", reraise=(LossNotFoundError,)):
+            report = predict(model, optimizer, batch, run, options=options, step=step, eval_batch=eval_batch,
+                             eval_step=eval_step)
+    except BaseException:
+        if pipeline:  # the other ranks of a job's pipeline agree on the verdict next: this rank joins them, then raises
+            with contextlib.suppress(Exception):
+                _agree(None)
+        raise
+    return decide(report, options, remedy=REMEDY_PIPELINE_JOB if pipeline else REMEDY_MAX_BATCH_SIZE)
 
 
 def decide(report: Report | None, options: Options, *, emit: Callable[[Report], None] | None = None,

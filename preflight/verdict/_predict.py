@@ -61,7 +61,9 @@ def predict(
     eval_keeps_batch: bool = False,
     sample_batches: Callable[[int], list[Any]] | None = None,
 ) -> Report:
-    """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives.
+    """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives, except
+    for a pipeline schedule of a running job, whose estimate exchanges its stages' shapes and figures with every
+    rank (`preflight.parallel._pipeline.read_pp`).
 
     Args:
         model, optimizer, batch, step: as for `preflight.estimate` (``batch`` should be the worst-case batch, see
@@ -126,7 +128,7 @@ def predict(
     # The trainer's replicas (DDP from a strategy) are traced as one device, their buckets added below; a plan asked
     # for through `preflight check` or read off a DDP model is predicted per rank by the estimate.
     estimate_run = run if from_env or ddp_note is not None else run.replace(parallel=None)
-    wrapped = already_sharded(model)
+    wrapped = already_sharded(model) if job is None else None  # a job's pipeline: `estimate` reads its stages
     # A model FSDP already wrapped (fully_shard, or FullyShardedDataParallel: Lightning's FSDPStrategy, accelerate)
     # has its own plan: `estimate` reads it and traces each rank on a copy. A ValueError says what is not followed.
     # A model DTensor's tensor parallelism laid out (alone, or then wrapped by fully_shard): `estimate` reads its layout

@@ -252,6 +252,25 @@ def test_a_schedule_of_the_job_is_read_as_its_plan():
             read_pp(renamed)
 
 
+def test_the_traced_schedule_takes_the_users_options_its_class_takes():
+    """Each class takes its own subset (LoopedBFS no chunk specs; the looped ones `defer_pp_recv`, which decides
+    when receive buffers are made): the trace's schedule is built with the user's values of exactly those."""
+    from torch.distributed import pipelining
+
+    from preflight.parallel import fake_world
+    from preflight.parallel._pipeline import _schedule_options
+
+    with fake_world(2, 0):
+        stages = [pipelining.PipelineStage(nn.Linear(2, 2), i, 4, torch.device("cpu")) for i in (0, 2)]
+        looped = pipelining.ScheduleLoopedBFS(stages, n_microbatches=4, loss_fn=_mse, scale_grads=False)
+        assert sorted(_schedule_options(looped)) == ["backward_requires_autograd", "defer_pp_recv", "loss_fn",
+                                                     "n_microbatches", "output_merge_spec", "scale_grads"]
+        assert _schedule_options(looped)["scale_grads"] is False
+        deferred = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=_mse, defer_pp_recv=True)
+        assert _schedule_options(deferred)["defer_pp_recv"] is True
+        assert "defer_pp_recv" not in _schedule_options(_job_schedule("1F1B"))
+
+
 def test_stages_the_job_wrapped_by_fully_shard_are_read_with_their_units_and_mesh():
     from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
@@ -746,11 +765,20 @@ def _failing_stage_worker(rank: int, world: int, port: int, queue) -> None:
         part = _RaisesOnItsSecondCall(part) if rank == 1 else part
         stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
         schedule = pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse)
-        try:
-            est = preflight.estimate(schedule, torch.optim.AdamW(part.parameters()), _batch())
-            queue.put((rank, ("estimate", est.per_rank_peak_bytes, est.coverage.notes[-1])))
+        optimizer = torch.optim.AdamW(part.parameters())
+        said = []
+        try:  # rank 1's stage raises in the traced step (its second call)
+            est = preflight.estimate(schedule, optimizer, _batch())
+            said.append(("estimate", est.per_rank_peak_bytes, est.coverage.notes[-1]))
         except ValueError as err:
-            queue.put((rank, ("raised", str(err))))
+            said.append(("raised", str(err)))
+        try:  # and now in torch's shape inference (its third), inside check, whose ranks then agree on a verdict
+            report = preflight.check(schedule, optimizer, _batch(), preflight.Run(target=preflight.Target(
+                budget="1GiB")))
+            said.append(("report", report.fits, report.estimate.coverage.lower_bound))
+        except ValueError as err:
+            said.append(("raised", str(err)))
+        queue.put((rank, said))
     finally:
         dist.destroy_process_group()
 
@@ -758,12 +786,15 @@ def _failing_stage_worker(rank: int, world: int, port: int, queue) -> None:
 @pytest.mark.slow
 def test_a_rank_whose_own_stage_raises_leaves_no_rank_waiting():
     """Every rank makes the same exchanges whatever happens on it: the rank whose own code raises re-raises its error
-    after the last one, and the other rank gets its figure with a note that rank 1 has none."""
+    after the last one, and the other rank gets its figure with a note that rank 1 has none; inside check, the
+    raising rank joins the others' agreement on the verdict before it raises."""
     results = spawned(_failing_stage_worker, 2)
-    assert results[1][0] == "raised" and "the user's own bug in stage 1" in results[1][1]
-    kind, per_rank, note = results[0]
+    for kind, message in results[1]:  # the traced step, then torch's shape inference inside check
+        assert kind == "raised" and "the user's own bug in stage 1" in message
+    (kind, per_rank, note), checked = results[0]
     assert kind == "estimate" and per_rank[0] > 0 and per_rank[1] == 0
     assert "rank(s) 1 raised in their own step" in note
+    assert checked == ("report", None, True)  # its own figure a lower bound (the inference stopped): no verdict
 
 
 @pytest.mark.slow

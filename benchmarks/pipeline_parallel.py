@@ -47,6 +47,12 @@ stage's peak are printed beside that count.
 
 Run: python benchmarks/pipeline_parallel.py      (about 8 minutes on 2 CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
+
+With ``--in-job`` each rank of the configurations preflight reads inside a job (no tensor or context parallelism)
+first hands preflight the schedule it built, ``preflight.estimate(schedule, optimizer, (inputs, target))``, as a
+training script would before its first step (`preflight.parallel._pipeline.read_pp`), then trains and is measured
+once; the table sets that figure beside the one planned from the whole model and the measurement. Writes
+benchmarks/results/pipeline_in_job.md.
 """
 
 from __future__ import annotations
@@ -151,7 +157,7 @@ def build(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any,
 
 
 def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, dp: int, tp: int, cp: int,
-            port: int, queue: Any) -> None:
+            port: int, queue: Any, in_job: bool = False) -> None:
     import gc
 
     import torch.distributed as dist
@@ -197,6 +203,11 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
         params = [p for part in parts for p in part.parameters()]
         optimizer = torch.optim.AdamW(params)
         local = [getattr(p, "_local_tensor", p) for p in params]
+        read = None
+        if in_job:  # every rank, before step one, as a training script asks
+            import preflight
+
+            read = preflight.estimate(held["runner"], optimizer, (x, y)).peak_bytes
         before = live_storage_bytes([local, [b for part in parts for b in part.buffers()], [x, y]],
                                     torch.device("cpu"))
         dist.barrier()
@@ -223,7 +234,8 @@ def _worker(rank: int, world: int, kind: str, schedule: str, microbatches: int, 
             held.clear()
             gc.collect()
         peaks = lost_free_peaks(prof, alive | freed_addresses(dropped), _CALL)
-        queue.put((rank, tuple(None if p is None else before + p for p in peaks)))
+        peaks = tuple(None if p is None else before + p for p in peaks)
+        queue.put((rank, peaks if read is None else (peaks, read)))
     finally:
         dist.destroy_process_group()
 
@@ -260,14 +272,15 @@ def units(part: nn.Module) -> list[nn.Module]:
 
 
 def measure(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp: int,
-            cp: int) -> list[tuple[int, ...]]:
-    """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes."""
+            cp: int, in_job: bool = False) -> list[Any]:
+    """Each rank's (repaired, ..., call-end) peaks in one run of ``world`` fresh processes; with ``in_job``, each
+    rank's ``(peaks, the figure preflight read off its schedule)``."""
     queue = mp.get_context("spawn").SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, tp, cp, port, queue), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, kind, schedule, microbatches, dp, tp, cp, port, queue, in_job),
+                       nprocs=world, start_method="spawn")
     peaks = dict(queue.get() for _ in range(world))
     return [peaks[r] for r in range(world)]
 
@@ -297,9 +310,59 @@ def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp
     return est, [est.per_rank_breakdown[rank]["activations"] for rank in range(world)]
 
 
+def in_job_main() -> int:
+    """``--in-job``: each configuration without tensor or context parallelism, read off its schedule by every rank,
+    beside the plan and one measurement (module docstring)."""
+    mib = 1 << 20
+    start, rows, worst, unequal = time.perf_counter(), [], 0.0, []
+    # Also two stages per rank under FSDP2 (the other configurations' FSDP2 runs hold one).
+    for kind, schedule, world, microbatches, dp, tp, cp in [*CONFIGS, ("mlp", "Interleaved1F1B", 4, 8, 2, 1, 1)]:
+        if tp > 1 or cp > 1:
+            continue
+        measured = measure(kind, schedule, world, microbatches, dp, tp, cp, in_job=True)
+        est, _ = predict(kind, schedule, world, microbatches, dp, tp, cp)
+        stages = world // dp
+        layout = f"pp {stages}" + (f" x fsdp2 {dp}" if dp > 1 else "")
+        for rank, (peaks, read) in enumerate(measured):
+            planned, placed = est.per_rank_peak_bytes[rank], peaks[-1]
+            error = (read - placed) / placed
+            worst = max(worst, abs(error))
+            if read != planned:
+                unequal.append(f"{kind} {schedule} {layout} rank {rank} {read - planned:+,} B")
+            rows.append(f"| {kind} | {schedule} | {layout} | {microbatches} | {rank} | {placed / mib:.2f} | "
+                        f"{planned / mib:.2f} | {read / mib:.2f} | {'yes' if read == planned else 'NO'} | "
+                        f"{error:+.2%} |")
+        print(f"  {kind} {schedule} x{world} dp {dp}: measured {measured}, planned {est.per_rank_peak_bytes}",
+              file=sys.stderr)
+    lines = [
+        "Real `torch.distributed.pipelining` on gloo CPU processes, set up as in benchmarks/results/"
+        "pipeline_parallel.md (the configurations without tensor or context parallelism); before its first step "
+        "every rank hands preflight the schedule it built (`preflight.estimate(schedule, optimizer, (inputs, "
+        "target))`), then trains 2 steps and is measured once (lost frees placed at the end of their phase). "
+        f"Planned: the same run planned from the whole model. Command: `python benchmarks/pipeline_parallel.py "
+        f"--in-job`. torch {torch.__version__}.",
+        "",
+        "| model | schedule | layout | micro-batches | rank | measured, lost frees at call end (MiB) | planned (MiB) "
+        "| read off the job (MiB) | equal to planned | error vs measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"read off the job equal to planned on {len(rows) - len(unequal)} of {len(rows)} ranks"
+        + (f" (read minus planned: {'; '.join(unequal)})" if unequal else "")
+        + f"; largest |error| vs the measurement: {worst:.2%} ({time.perf_counter() - start:.0f} s)",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(os.path.dirname(RESULTS), "pipeline_in_job.md"), "w") as f:
+        f.write(text + "\n")
+    return 0 if worst <= 0.03 else 1
+
+
 def main() -> int:
     warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `distributed`'s helpers, in the workers too
+    if "--in-job" in sys.argv[1:]:
+        return in_job_main()
     mib = 1 << 20
     rows, worst, worst_placed = [], 0.0, 0.0
     start = time.perf_counter()

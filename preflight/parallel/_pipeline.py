@@ -38,11 +38,11 @@ torch's metadata inference on fake copies of their stages stage by stage over th
 (`job_stage_metas`).
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
-gives a labelled lower bound naming what is missing, planned or read off a job); pipeline parallelism combined with DDP, FSDP1 or HSDP is
-refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its stages are plain
-modules or wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh (`read_pp`); under tensor
-parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the sequence
-by sequence parallelism would differ).
+gives a labelled lower bound naming what is missing, planned or read off a job); pipeline parallelism combined with
+DDP, FSDP1 or HSDP is refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its
+stages are plain modules or wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh (`read_pp`); under
+tensor parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the
+sequence by sequence parallelism would differ).
 """
 
 from __future__ import annotations
@@ -356,19 +356,11 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
     ``fully_shard`` over the ``dp`` dim where ``fsdp`` is (torchtitan's PP x FSDP2, PP x TP and PP x FSDP2 x TP on a
     ``(pp, dp, tp)`` mesh of ``world_size`` ranks, `_mesh_shape`), the stages talking over the ``pp`` dim; with
     ``cp``, the steps inside torch's ring over a ``cp`` dim."""
-    from torch.distributed.pipelining import PipelineStage
-
     mesh_shape = _mesh_shape(plan, fsdp, world_size, tp, cp)
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         metas, all_static = stage_metas
-        group = mesh["pp"].get_group() if mesh.ndim > 1 else None
-        indices = plan.stage_indices(_pp_rank(mesh))
-        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
-                  for part, i in zip(parts, indices)]
-        for stage in stages:
-            stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
-            stage._send_meta = lambda meta, dst: None
+        stages = _answered_stages(parts, plan.stage_indices(_pp_rank(mesh)), plan.num_stages, mesh, metas)
         one = plan.per_rank == 1 and SCHEDULES[_schedule_key(plan.schedule)][1] is None
         schedule = plan.schedule_class(stages[0] if one else stages, n_microbatches=plan.n_microbatches,
                                        loss_fn=plan.loss_fn)
@@ -390,6 +382,21 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
             + (" + fully_shard" if fsdp else "") + (" + context_parallel" if cp else ""))
     return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
                   drive=drive, mesh=mesh_shape, around=around if cp is not None else None)
+
+
+def _answered_stages(parts: nn.Module, indices: list[int], num_stages: int, mesh: Any,
+                     metas: dict[int, Any] | list[Any]) -> list[Any]:
+    """Torch's ``PipelineStage`` over each of the rank's stage modules, at ``indices`` of ``num_stages``, talking over
+    the fake mesh's ``pp`` dim (the whole fake world on a 1-D mesh), whose neighbours' metadata is answered from
+    ``metas`` (`_received`, by stage index) and whose own is sent nowhere: a rank traced alone has no neighbours."""
+    from torch.distributed.pipelining import PipelineStage
+
+    group = mesh["pp"].get_group() if mesh.ndim > 1 else None
+    stages = [PipelineStage(part, i, num_stages, torch.device("cpu"), group=group) for part, i in zip(parts, indices)]
+    for stage in stages:
+        stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
+        stage._send_meta = lambda meta, dst: None
+    return stages
 
 
 def _stepper(schedule: Any, stages: list[Any], all_static: bool) -> Callable[[Any], None]:
@@ -719,14 +726,10 @@ def read_pp(obj: Any) -> JobPipeline | None:
             schedule without a loss, a stage laid out by DTensor, a pipeline group that is not the whole world, a
             placement of stages on ranks other than torch's own for the schedule), saying what to do instead.
     """
-    try:
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except ImportError:  # a build of torch without distributed support
-        return None
-    if not isinstance(obj, _PipelineSchedule):
+    if not is_job_pipeline(obj):
         return None
     import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor import DTensor
 
     name = type(obj).__name__
@@ -908,10 +911,8 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
 def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> Engine:
     """The engine of a pipeline read off a job: the fake copy of the rank's stage modules is the model the step runs
     on (nothing to cut), handed to torch's ``PipelineStage`` at the user's stage indices (each keeping the user's
-    stage's given metadata, so a static pipeline stays static) and to a schedule of the user's class with the user's
-    micro-batches, loss, chunk specs and gradient scaling; the neighbours' metadata comes from `job_stage_metas`."""
-    from torch.distributed.pipelining import PipelineStage
-
+    stage's given metadata, so a static pipeline stays static) and to a schedule of the user's class built with the
+    user's options its class takes (`_schedule_options`); the neighbours' metadata comes from `job_stage_metas`."""
     from preflight.parallel._rank import named_optimizer
 
     plan, user = job.plan, job.schedule
@@ -925,13 +926,9 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         metas, all_static = stage_metas
-        group = mesh["pp"].get_group() if mesh.ndim > 1 else None
-        stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
-                  for part, i in zip(parts, job.indices)]
+        stages = _answered_stages(parts, job.indices, plan.num_stages, mesh, metas)
         for stage, theirs in zip(stages, job.stages):
             stage._user_meta = theirs._user_meta
-            stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
-            stage._send_meta = lambda meta, dst: None
         schedule = type(user)(stages if hasattr(user, "_stages") else stages[0], **_schedule_options(user))
         return _stepper(schedule, stages, all_static)
 

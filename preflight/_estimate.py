@@ -817,7 +817,8 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
                          "the last stage's loss from the schedule's `loss_fn`): leave `step` out")
     target, traced_as = options["target_device"], _rank_options(options)
     ranks, me = job.world_size, job.global_rank
-    sharding = f"pp{job.plan.stages}" + (f" x fsdp2 {job.dp}" if job.fsdp is not None else "")
+    sharding = (f"pp{job.plan.stages}" + (f" x tp{job.tp}" if job.layout is not None else "")
+                + (f" x fsdp2 {job.dp}" if job.fsdp is not None else ""))
     note = (f"{job.note()}; the shapes neighbouring stages exchange inferred over the job's ranks by torch's own "
             "metadata inference; each rank's two steps traced through torch's own PipelineStage and schedule under a "
             f"fake process group of {ranks} ranks, the micro-batches in flight as the schedule keeps them; each "
@@ -847,7 +848,7 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
             raised = err
     if est is None and raised is None:  # this rank's own stages hold at least their state (their shards)
         try:
-            dp = 1 if job.fsdp is None else job.dp  # the lower bound counts whole tensors: this rank's share
+            dp = (1 if job.fsdp is None else job.dp) * job.tp  # the lower bound counts whole tensors: this rank's
             est = _fallback(job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
                             [f"{job.note()}; this rank could not be traced: the lower bound of its own stages"],
                             gpu=gpu_info, world_size=dp, shard_ranks=dp, sharding="fsdp-full" if dp > 1 else None,

@@ -159,13 +159,14 @@ def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def example_output(name: str, timeout: int = 600) -> str:
-    """What ``examples/<name>`` prints, run as a user runs it (its own process); its exit code must be 0."""
+def example_output(name: str, timeout: int = 600, args: tuple[str, ...] = ()) -> str:
+    """What ``examples/<name>`` prints, run as a user runs it (its own process, with ``args``); its exit code must
+    be 0."""
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[1] / "examples" / name
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroupInUseError", "fake_world"]
+__all__ = ["ProcessGroupInUseError", "fake_world", "jobs_world"]
 
 # c10d's module-level state behind `_World`'s properties (torch 2.4 to 2.13 keep the same names).
 _REGISTRY = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
@@ -111,9 +111,11 @@ def _set_aside() -> Iterator[None]:
         setattr(c10d, name, {})
     c10d._group_count = _NAME_BASE
     c10d._world = c10d._World()
+    _SET_ASIDE.append((saved, global_rank))
     try:
         yield
     finally:
+        _SET_ASIDE.pop()
         made = dict(c10d._world.pg_names)
         for name, value in saved.items():
             setattr(c10d, name, value)
@@ -124,3 +126,34 @@ def _set_aside() -> Iterator[None]:
                 group.shutdown()
         if hasattr(torch._C._distributed_c10d, "_set_global_rank"):  # init_process_group set the fake rank there
             torch._C._distributed_c10d._set_global_rank(global_rank)
+
+
+# The job's registry and global rank while `_set_aside` holds them, innermost last (`jobs_world`).
+_SET_ASIDE: list[tuple[dict[str, Any], int]] = []
+
+
+@contextlib.contextmanager
+def jobs_world() -> Iterator[None]:
+    """Inside a `fake_world` made beside a job, run the block with the job's c10d registry and global rank back, so
+    its collectives go over the job's own groups (a pipeline's ranks exchanging shapes between the turns of a trace
+    that needs its fake groups alive throughout); the fake world is put back afterwards. Elsewhere: the block as
+    it is."""
+    if not _SET_ASIDE:
+        yield
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    saved, global_rank = _SET_ASIDE[-1]
+    fake = {name: getattr(c10d, name) for name in saved}
+    fake_rank = dist.get_rank()
+    for name, value in saved.items():
+        setattr(c10d, name, value)
+    if hasattr(torch._C._distributed_c10d, "_set_global_rank"):
+        torch._C._distributed_c10d._set_global_rank(global_rank)
+    try:
+        yield
+    finally:
+        for name, value in fake.items():
+            setattr(c10d, name, value)
+        if hasattr(torch._C._distributed_c10d, "_set_global_rank"):
+            torch._C._distributed_c10d._set_global_rank(fake_rank)

@@ -35,14 +35,18 @@ shards each stage over the ``dp`` and ``cp`` dims flattened.
 A pipeline the job cut itself is read off its schedule (`read_pp`, `JobPipeline`): each rank holds only its own
 stages, so each traces its own (`trace_pp_in_job`), after the ranks answered the shapes they exchange by running
 torch's metadata inference on fake copies of their stages stage by stage over the job's own group
-(`job_stage_metas`).
+(`job_stage_metas`). Stages the job laid out by tensor parallelism (torchtitan's ``(pp, [dp,] tp)`` mesh) are read
+with their DTensor layout over the job's whole mesh (`preflight.parallel.read_tp`) and the mesh dim the pipeline's
+group runs along; each rank's fake copy is laid out the same way in a fake world of the job's mesh, for the shape
+inference (so each tensor-parallel rank answers its own shapes) and for the trace.
 
 Known limitations: these exchanges use ``torch.distributed.pipelining``'s internals of torch 2.13 (another version
 gives a labelled lower bound naming what is missing, planned or read off a job); pipeline parallelism combined with
 DDP, FSDP1 or HSDP is refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its
-stages are plain modules or wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh (`read_pp`); under
-tensor parallelism every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of the
-sequence by sequence parallelism would differ).
+stages are plain modules, wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh, or laid out by
+tensor parallelism on one named mesh of pipeline, tensor-parallel and fully_shard dims (`read_pp`: not beside
+context parallelism or DDP); planned under tensor parallelism, every tensor-parallel rank is assumed to exchange the
+shapes rank 0 does (an uneven cut of the sequence by sequence parallelism would differ).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -63,11 +68,11 @@ from preflight._loading import Loading
 from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._context import CPPlan, data_mesh, ring_of, sequence_tensors
-from preflight.parallel._fake_group import fake_world
+from preflight.parallel._fake_group import fake_world, jobs_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
-from preflight.parallel._tensor import (TPPlan, _matches, grouped_by_shards, laid_out_locals, lay_out,
-                                        meshes_outside_modes, plan_styles)
+from preflight.parallel._tensor import (TPPlan, WrappedTP, _matches, _read_engine, grouped_by_shards, laid_out_locals,
+                                        lay_out, meshes_outside_modes, plan_styles, read_tp)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -385,13 +390,14 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
 
 
 def _answered_stages(parts: nn.Module, indices: list[int], num_stages: int, mesh: Any,
-                     metas: dict[int, Any] | list[Any]) -> list[Any]:
+                     metas: dict[int, Any] | list[Any], dim: str = "pp") -> list[Any]:
     """Torch's ``PipelineStage`` over each of the rank's stage modules, at ``indices`` of ``num_stages``, talking over
-    the fake mesh's ``pp`` dim (the whole fake world on a 1-D mesh), whose neighbours' metadata is answered from
-    ``metas`` (`_received`, by stage index) and whose own is sent nowhere: a rank traced alone has no neighbours."""
+    the fake mesh's pipeline dim ``dim`` (the whole fake world on a 1-D mesh), whose neighbours' metadata is answered
+    from ``metas`` (`_received`, by stage index) and whose own is sent nowhere: a rank traced alone has no
+    neighbours."""
     from torch.distributed.pipelining import PipelineStage
 
-    group = mesh["pp"].get_group() if mesh.ndim > 1 else None
+    group = mesh[dim].get_group() if mesh.ndim > 1 else None
     stages = [PipelineStage(part, i, num_stages, torch.device("cpu"), group=group) for part, i in zip(parts, indices)]
     for stage in stages:
         stage._recv_meta = functools.partial(_received, metas, stage.stage_index)
@@ -685,7 +691,10 @@ class JobPipeline:
         group: the pipeline's process group (None: the default group).
         fsdp: the FSDP2 plan each of the rank's stage modules was wrapped with, read off it (None: not wrapped).
         dp: the data-parallel ranks each stage is sharded over (1 without FSDP2).
-        global_rank: this process's rank in the job, on the row-major ``(pp, dp)`` mesh.
+        global_rank: this process's rank in the job, on its row-major mesh.
+        layout: where the stages are laid out by tensor parallelism, their DTensor layout read off them
+            (`preflight.parallel.read_tp`, over the job's whole mesh, whose dims it names); None: plain stages.
+        pp_dim: the name of the mesh dim the pipeline's group runs along (with ``layout``).
     """
 
     schedule: Any
@@ -697,6 +706,8 @@ class JobPipeline:
     fsdp: tuple[FSDP2Plan, ...] | None = None
     dp: int = 1
     global_rank: int = 0
+    layout: WrappedTP | None = None
+    pp_dim: str = "pp"
 
     @property
     def indices(self) -> list[int]:
@@ -704,16 +715,44 @@ class JobPipeline:
 
     @property
     def world_size(self) -> int:
-        return self.plan.stages * self.dp
+        return self.layout.world_size if self.layout is not None else self.plan.stages * self.dp
+
+    @property
+    def mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """The job's mesh as ``(shape, dim names)``, which the trace's fake world copies (None: 1-D)."""
+        if self.layout is not None:
+            return self.layout.mesh  # named: `read_pp` refuses a mesh without names
+        return ((self.plan.stages, self.dp), ("pp", "dp")) if self.fsdp is not None else None
+
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The mesh dims ``fully_shard`` shards each stage over."""
+        return self.layout.fsdp_dims if self.layout is not None and self.layout.fsdp_dims else ("dp",)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel ranks each stage is laid out over (1 without tensor parallelism)."""
+        if self.layout is None:
+            return 1
+        shape, names = self.layout.mesh
+        return math.prod(size for size, name in zip(shape, names)
+                         if name != self.pp_dim and name not in (self.layout.fsdp_dims or ()))
 
     def note(self) -> str:
         held = ", ".join(map(str, self.indices))
-        sharded = (f", each stage wrapped by fully_shard over {self.dp} data-parallel ranks (its units read off it; "
-                   f"this process is rank {self.global_rank} of a (pp {self.plan.stages} x dp {self.dp}) mesh)"
-                   if self.fsdp is not None else "")
+        where = ""
+        if self.layout is not None:
+            shape, names = self.layout.mesh
+            mesh = " x ".join(f"{name} {size}" for name, size in zip(names, shape))
+            where = (f", each stage laid out by tensor parallelism over {self.tp} ranks"
+                     + (f" and wrapped by fully_shard over {self.dp}" if self.fsdp is not None else "")
+                     + f" (read off it; this process is rank {self.global_rank} of a ({mesh}) mesh)")
+        elif self.fsdp is not None:
+            where = (f", each stage wrapped by fully_shard over {self.dp} data-parallel ranks (its units read off it; "
+                     f"this process is rank {self.global_rank} of a (pp {self.plan.stages} x dp {self.dp}) mesh)")
         return (f"pipeline read off the job: {type(self.schedule).__name__} over {self.plan.stages} ranks, "
                 f"{self.plan.n_microbatches} micro-batches; this process is pipeline rank {self.rank} and holds "
-                f"stage{'s' if len(self.stages) > 1 else ''} {held} of {self.plan.num_stages}{sharded}")
+                f"stage{'s' if len(self.stages) > 1 else ''} {held} of {self.plan.num_stages}{where}")
 
 
 def read_pp(obj: Any) -> JobPipeline | None:
@@ -723,8 +762,10 @@ def read_pp(obj: Any) -> JobPipeline | None:
 
     Raises:
         ValueError: a schedule that is not read (one preflight does not trace, stages torch's tracer built, a
-            schedule without a loss, a stage laid out by DTensor, a pipeline group that is not the whole world, a
-            placement of stages on ranks other than torch's own for the schedule), saying what to do instead.
+            schedule without a loss, HSDP, stages laid out by DTensor over a mesh without dim names, ranks beyond
+            the pipeline's, tensor-parallel and fully_shard dims (context parallelism, DDP), a layout other than
+            row-major, a placement of stages on ranks other than torch's own for the schedule), saying what to do
+            instead.
     """
     if not is_job_pipeline(obj):
         return None
@@ -747,11 +788,14 @@ def read_pp(obj: Any) -> JobPipeline | None:
         raise ValueError(f"the {name} has no `loss_fn`: it runs forwards only, and preflight plans training steps. "
                          "Pass the schedule the training loop steps.")
     size, rank = stages[0].group_size, stages[0].group_rank
-    wrapped = [_read_stage_fsdp2(stage) for stage in stages]
+    modules = nn.ModuleList([stage.submod for stage in stages])
+    layout = read_tp(modules)
+    wrapped = [_read_stage_fsdp2(stage, tensor_parallel=layout is not None) for stage in stages]
     for stage, read in zip(stages, wrapped):
-        if read is None and any(isinstance(p, DTensor) for p in stage.submod.parameters()):
-            raise ValueError(f"stage {stage.stage_index}'s module is laid out by tensor parallelism: pipeline stages "
-                             "with tensor parallelism inside a job are not read yet. Call preflight before the job "
+        if layout is None and read is None and any(isinstance(p, DTensor) for p in stage.submod.parameters()):
+            raise ValueError(f"stage {stage.stage_index}'s module holds DTensor parameters of a layout that is not "
+                             "read (over a device mesh without dim names, or FSDP2 over one): build the job's mesh "
+                             "with init_device_mesh(..., mesh_dim_names=(...)), or call preflight before the job "
                              "cuts the model, with `ParallelPlan(world, ..., pp=PPPlan(...), tp=TPPlan(...))`.")
     dp, dp_rank = (1, 0) if wrapped[0] is None else (wrapped[0].world_size, wrapped[0].rank)
     if any((w is None) != (wrapped[0] is None) or (w is not None and (w.world_size, w.rank) != (dp, dp_rank))
@@ -759,19 +803,25 @@ def read_pp(obj: Any) -> JobPipeline | None:
         raise ValueError("this rank's stages are wrapped by fully_shard differently (some not, or over other "
                          "meshes): the per-rank trace follows one data-parallel mesh for all of a rank's stages")
     world = dist.get_world_size() if dist.is_initialized() else size * dp
-    global_rank = dist.get_rank() if dist.is_initialized() else rank * dp + dp_rank
-    beside = "fully_shard's" if wrapped[0] is not None else "no other"
-    if world != size * dp:
-        raise ValueError(f"the pipeline's {size} ranks with {beside} data-parallel dim ({dp}) make {size * dp} of "
-                         f"the job's {world} ranks: a pipeline beside tensor or context parallelism (or DDP) inside "
-                         "a job is not read yet. Call preflight before the job cuts the model, with a "
-                         "`ParallelPlan(world, ..., pp=PPPlan(...))`.")
-    if dist.is_initialized():
-        pp_ranks = dist.get_process_group_ranks(stages[0].group) if stages[0].group is not None else list(range(world))
-        if global_rank != rank * dp + dp_rank or pp_ranks != [i * dp + dp_rank for i in range(size)]:
-            raise ValueError(f"rank {global_rank} is pipeline rank {rank} and data-parallel rank {dp_rank}, not laid "
-                             f"out as a (pp {size}, dp {dp}) mesh lays them (pipeline ranks outermost, as torchtitan "
-                             "and init_device_mesh lay them): another layout is not read.")
+    if layout is not None:
+        pp_dim = _read_pp_dim(stages[0], layout, modules, world)
+        global_rank = layout.rank
+    else:
+        pp_dim = "pp"
+        global_rank = dist.get_rank() if dist.is_initialized() else rank * dp + dp_rank
+        beside = "fully_shard's" if wrapped[0] is not None else "no other"
+        if world != size * dp:
+            raise ValueError(f"the pipeline's {size} ranks with {beside} data-parallel dim ({dp}) make {size * dp} "
+                             f"of the job's {world} ranks: a pipeline beside context parallelism or DDP inside a job "
+                             "is not read yet. Call preflight before the job cuts the model, with a "
+                             "`ParallelPlan(world, ..., pp=PPPlan(...))`.")
+        if dist.is_initialized():
+            pp_ranks = (dist.get_process_group_ranks(stages[0].group) if stages[0].group is not None
+                        else list(range(world)))
+            if global_rank != rank * dp + dp_rank or pp_ranks != [i * dp + dp_rank for i in range(size)]:
+                raise ValueError(f"rank {global_rank} is pipeline rank {rank} and data-parallel rank {dp_rank}, not "
+                                 f"laid out as a (pp {size}, dp {dp}) mesh lays them (pipeline ranks outermost, as "
+                                 "torchtitan and init_device_mesh lay them): another layout is not read.")
     if size < 2:
         raise ValueError("the pipeline has one rank: estimate its stage's module itself (`stage.submod`).")
     style = SCHEDULES[key][1]
@@ -782,18 +832,60 @@ def read_pp(obj: Any) -> JobPipeline | None:
         raise ValueError(f"pipeline rank {rank} holds stage(s) {indices} of {stages[0].num_stages}, where {name} "
                          f"over {size} ranks lays out {plan.stage_indices(rank)} of {plan.num_stages}: another "
                          "placement is not read.")
-    modules = nn.ModuleList([stage.submod for stage in stages])
     fsdp = None if wrapped[0] is None else tuple(w.plan for w in wrapped)
     return JobPipeline(schedule=obj, stages=stages, modules=modules, plan=plan, rank=rank, group=stages[0].group,
-                       fsdp=fsdp, dp=dp, global_rank=global_rank)
+                       fsdp=fsdp, dp=dp, global_rank=global_rank, layout=layout, pp_dim=pp_dim)
 
 
-def _read_stage_fsdp2(stage: Any) -> Any:
-    """The FSDP2 plan a stage's module was wrapped with (`read_fsdp2`), or None; a wrapping the per-rank trace does not
-    follow (HSDP beside a pipeline, units under no wrapped stage module) is a ValueError saying so."""
+def _read_pp_dim(stage: Any, layout: WrappedTP, modules: nn.Module, world: int) -> str:
+    """The dim of the job's mesh (the root of the stages' DTensors' meshes, `read_tp`) that the pipeline's group
+    runs along: the stages talk to the ranks that differ from this one on that dim alone. Raises a ValueError where
+    the mesh has no dim names, is not the job's whole world laid out row-major (``init_device_mesh``), has no such
+    dim, or has a dim other than the pipeline's, tensor parallelism's and fully_shard's with more than one rank
+    (context parallelism or DDP beside the pipeline, not read yet)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    shape, names = layout.mesh
+    laid = "the stages are laid out by tensor parallelism over a device mesh"
+    if names is None:
+        raise ValueError(f"{laid} without dim names: build it with init_device_mesh(..., mesh_dim_names=('pp', ..., "
+                         "'tp')) as torchtitan does, so the pipeline's dim can be told from the others.")
+    root = next(t.device_mesh._get_root_mesh() for t in (*modules.parameters(), *modules.buffers())
+                if isinstance(t, DTensor))
+    if math.prod(shape) != world or root.mesh.flatten().tolist() != list(range(world)):
+        raise ValueError(f"{laid} of {math.prod(shape)} ranks ({root.mesh.tolist()}) that is not the job's {world} "
+                         "ranks laid out row-major (as init_device_mesh lays them): another layout is not read.")
+    ranks = (dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world)))
+    coordinate = root.get_coordinate()
+    pp_dim = None
+    for d, name in enumerate(names):
+        along = [int(root.mesh[(*coordinate[:d], i, *coordinate[d + 1:])]) for i in range(shape[d])]
+        if along == ranks:
+            pp_dim = name
+    if pp_dim is None:
+        raise ValueError(f"the pipeline's group (ranks {ranks}) runs along no dim of the mesh {dict(zip(names, shape))} "
+                         "the stages are laid out over: build the pipeline's group as the mesh's pp dim "
+                         "(`mesh['pp'].get_group()`), as torchtitan does.")
+    used = {pp_dim, *(layout.fsdp_dims or ())}
+    for dims, _ in layout.layouts.values():
+        used.update(dims or ())
+    other = [f"{name} ({size})" for name, size in zip(names, shape) if name not in used and size > 1]
+    if other:
+        raise ValueError(f"the mesh dim(s) {', '.join(other)} are neither the pipeline's, tensor parallelism's nor "
+                         "fully_shard's: a pipeline beside context parallelism or DDP inside a job is not read yet. "
+                         "Call preflight before the job cuts the model, with `ParallelPlan(world, ..., "
+                         "pp=PPPlan(...), tp=TPPlan(...), cp=CPPlan(...))`.")
+    return pp_dim
+
+
+def _read_stage_fsdp2(stage: Any, *, tensor_parallel: bool = False) -> Any:
+    """The FSDP2 plan a stage's module was wrapped with (`read_fsdp2`; ``tensor_parallel``: its parameters are laid
+    out by tensor parallelism too, over other dims), or None; a wrapping the per-rank trace does not follow (HSDP
+    beside a pipeline, units under no wrapped stage module) is a ValueError saying so."""
     from preflight.parallel._fsdp2 import read_fsdp2
 
-    read = read_fsdp2(stage.submod)
+    read = read_fsdp2(stage.submod, tensor_parallel=tensor_parallel)
     if read is None:
         return None
     if read.plan.replicate != 1:
@@ -832,17 +924,12 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
         Exception: on the rank whose own stage raised its user's error (`preflight.trace.is_user_error`), that error,
             at the same turn (every other rank raises a `StageMetasError`).
         ImportError, AttributeError: this torch lacks the internals used (before any exchange, on every rank)."""
-    import pickle
-    import types
-
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._utils import InferenceMode
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _split_tensor
-    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
 
-    from preflight.trace import is_user_error, mark_user_error
-    from preflight.trace._fake_kernels import FakeKernelsMode
+    from preflight.trace import is_user_error
     from preflight.trace._twin import TwinMaker, float_dtype_for
 
     plan = job.plan
@@ -851,22 +938,56 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
     twins = TwinMaker(fake_mode, torch.device("cpu"), cast_dtype=float_dtype_for(precision))
     stages: dict[int, Any] = {}
     failure, own_error = None, None
-    try:
-        args, target = _parts(batch)
-        with fresh_dtensor_caches(), fake_world(1, 0), fake_mode:  # every stage on one rank: metadata as arguments
-            replica = fake_replica(job.modules, twins)
-            for index, part in zip(job.indices, replica):
-                stages[index] = PipelineStage(part.train(), index, plan.num_stages, torch.device("cpu"))
-            first_args = target_chunk = None
-            if 0 in stages:
-                fake_args = tuple(twins.batch(list(args), cast=False))
-                first_args = job.schedule._split_inputs(fake_args, {})[0][0]
-            if plan.num_stages - 1 in stages:
-                target_chunk = next(iter(_split_tensor(twins.batch(target, cast=False), _TARGET_CHUNK_SPEC,
-                                                       plan.n_microbatches)))
-    except Exception as err:  # noqa: BLE001 - said on every rank at this rank's first turn
-        failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        own_error = err if is_user_error(err) else None
+    first_args = target_chunk = None
+    with contextlib.ExitStack() as world:
+        try:
+            args, target = _parts(batch)
+            # Plain stages: every stage of the rank in a fake world of one rank, the metadata passed as arguments.
+            # Stages laid out by tensor parallelism: in a fake world of the job's mesh as this rank, laid out as the
+            # job laid them (so sequence parallelism's slices are this rank's), kept alive for every turn.
+            world.enter_context(fresh_dtensor_caches())
+            mesh = world.enter_context(fake_world(job.world_size, job.global_rank, mesh=job.mesh)
+                                       if job.layout is not None else fake_world(1, 0))
+            with fake_mode:
+                replica = fake_replica(job.modules, twins)
+                group = None
+                if job.layout is not None:
+                    replica = _read_engine(job.layout).wrap(replica, mesh)
+                    group = mesh[job.pp_dim].get_group()
+                for index, part in zip(job.indices, replica):
+                    stages[index] = PipelineStage(part.train(), index, plan.num_stages, torch.device("cpu"),
+                                                  group=group)
+                    # Its neighbours' metadata comes as arguments and its own is returned, as between stages of
+                    # one rank: the exchanges are the turns' gathers, not the stage's messages.
+                    stages[index]._is_same_rank = lambda other: True
+                if 0 in stages:
+                    fake_args = tuple(twins.batch(list(args), cast=False))
+                    first_args = job.schedule._split_inputs(fake_args, {})[0][0]
+                if plan.num_stages - 1 in stages:
+                    target_chunk = next(iter(_split_tensor(twins.batch(target, cast=False), _TARGET_CHUNK_SPEC,
+                                                           plan.n_microbatches)))
+        except Exception as err:  # noqa: BLE001 - said on every rank at this rank's first turn
+            failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            own_error = err if is_user_error(err) else None
+        return _metas_by_turns(job, stages, first_args, target_chunk, fake_mode, precision, failure, own_error,
+                               votes)
+
+
+def _metas_by_turns(job: JobPipeline, stages: dict[int, Any], first_args: Any, target_chunk: Any, fake_mode: Any,
+                    precision: str | None, failure: str | None, own_error: BaseException | None,
+                    votes: list[bool]) -> tuple[dict[int, Any], bool]:
+    """`job_stage_metas`' turns: each stage's forward inference in stage order, then its backward inference in
+    reverse, on the rank holding it (``stages``, the rank's fake ones), each result gathered over the pipeline's
+    group in the job's own world (`jobs_world`)."""
+    import pickle
+    import types
+
+    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
+
+    from preflight.trace import is_user_error, mark_user_error
+    from preflight.trace._fake_kernels import FakeKernelsMode
+
+    plan = job.plan
 
     def turn(index: int, infer: Callable[[Any], Any]) -> Any:
         nonlocal failure, own_error
@@ -882,7 +1003,8 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
                 mine = None
         if index in job.indices and mine is None:
             mine = ("failed", f"pipeline rank {job.rank}, stage {index}: {failure}")
-        said = [m for m in gather_over(job, mine) if m is not None]
+        with jobs_world():
+            said = [m for m in gather_over(job, mine) if m is not None]
         if not said or said[0][0] != "ok":
             if own_error is not None and index in job.indices:
                 raise mark_user_error(own_error)
@@ -918,15 +1040,18 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
     plan, user = job.plan, job.schedule
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
+        if job.layout is not None:  # each tensor laid out as the job laid it, the styles' hooks over the fake mesh
+            replica = _read_engine(job.layout).wrap(replica, mesh)
         if job.fsdp is not None:  # each stage wrapped again as it was: its units, then the stage
+            shards = mesh[job.fsdp_dims] if job.layout is not None else data_mesh(mesh)
             with meshes_outside_modes():
                 for part, fsdp in zip(replica, job.fsdp):
-                    apply_fully_shard(part, data_mesh(mesh), fsdp)
+                    apply_fully_shard(part, shards, fsdp)
         return replica
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
         metas, all_static = stage_metas
-        stages = _answered_stages(parts, job.indices, plan.num_stages, mesh, metas)
+        stages = _answered_stages(parts, job.indices, plan.num_stages, mesh, metas, job.pp_dim)
         for stage, theirs in zip(stages, job.stages):
             stage._user_meta = theirs._user_meta
         schedule = type(user)(stages if hasattr(user, "_stages") else stages[0], **_schedule_options(user))
@@ -938,11 +1063,11 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
                 meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
             yield
 
-    mesh = ((plan.stages, job.dp), ("pp", "dp")) if job.fsdp is not None else None
     return Engine(name=f"torch.distributed.pipelining {type(user).__name__} (read off the job)"
+                       + (" + its DTensor layout" if job.layout is not None else "")
                        + (" + fully_shard" if job.fsdp is not None else ""),
                   wrap=wrap, optimizer=named_optimizer("the pipeline"), parameters=_local_parameters, watch=watch,
-                  drive=drive, mesh=mesh)
+                  drive=drive, mesh=job.mesh)
 
 
 # A schedule's constructor arguments -> where the schedule keeps each (torch 2.13; classes take different subsets).

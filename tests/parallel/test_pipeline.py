@@ -296,6 +296,55 @@ def test_stages_the_job_wrapped_by_fully_shard_are_read_with_their_units_and_mes
             read_pp(pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse))
 
 
+def _laid_out_stage(mesh, stage: int, *, fsdp: bool, group=None):
+    """Stage ``stage`` of 2 of ``_blocks()`` as torchtitan builds it on a (pp, dp, tp) mesh: each block's first
+    projection column-wise and second row-wise over tp, then (``fsdp``) each block and the stage wrapped by
+    fully_shard over dp; the stage talks over ``group`` (default: the mesh's pp dim)."""
+    from torch.distributed import pipelining
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    part = split_sequential(_blocks(), stage, 2)
+    names = [name for name, _ in part.named_children()]
+    parallelize_module(part, mesh["tp"], {f"{n}.0": ColwiseParallel() for n in names}
+                       | {f"{n}.2": RowwiseParallel() for n in names})
+    if fsdp:
+        for name in names:
+            fully_shard(part.get_submodule(name), mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+    group = mesh["pp"].get_group() if group is None else group
+    return pipelining.PipelineStage(part, stage, 2, torch.device("cpu"), group=group)
+
+
+def test_stages_laid_out_by_tensor_parallelism_are_read_with_their_layout_and_pipeline_dim():
+    """torchtitan's 3-D layout read off a rank's stage: its DTensor layout over the job's whole mesh, the mesh dim the
+    pipeline's group runs along, fully_shard's dim beside it; a mesh dim none of the three uses (context
+    parallelism beside the pipeline) and a pipeline group along no dim of the mesh are refused by name."""
+    from torch.distributed import pipelining
+
+    from preflight.parallel import fake_world
+    from preflight.parallel._pipeline import read_pp
+    from preflight.parallel._rank import fresh_dtensor_caches
+
+    # rank 6: pipeline rank 1, data-parallel rank 1, tensor-parallel rank 0 (DTensor's caches hold meshes: each world
+    # starts them empty, as a job's one mesh does)
+    with fresh_dtensor_caches(), fake_world(8, 6, mesh=((2, 2, 2), ("pp", "dp", "tp"))) as mesh:
+        job = read_pp(pipelining.Schedule1F1B(_laid_out_stage(mesh, 1, fsdp=True), n_microbatches=4, loss_fn=_mse))
+        assert (job.rank, job.pp_dim, job.dp, job.tp, job.global_rank, job.world_size) == (1, "pp", 2, 2, 6, 8)
+        assert job.mesh == ((2, 2, 2), ("pp", "dp", "tp")) and job.fsdp_dims == ("dp",)
+        assert job.layout.layouts["0.2.0.weight"][0] == ("tp",) and job.fsdp[0].units == ("2", "3")
+        assert "laid out by tensor parallelism over 2 ranks and wrapped by fully_shard over 2" in job.note()
+    with fresh_dtensor_caches(), fake_world(4, 3, mesh=((2, 2), ("pp", "tp"))) as mesh:
+        job = read_pp(pipelining.Schedule1F1B(_laid_out_stage(mesh, 1, fsdp=False), n_microbatches=4, loss_fn=_mse))
+        assert (job.rank, job.dp, job.tp, job.fsdp, job.global_rank) == (1, 1, 2, None, 3)
+        diagonal = _laid_out_stage(mesh, 1, fsdp=False, group=dist.new_group([0, 3]))  # ranks 0 and 3: no dim's
+        with pytest.raises(ValueError, match="runs along no dim of the mesh"):
+            read_pp(pipelining.Schedule1F1B(diagonal, n_microbatches=4, loss_fn=_mse))
+    with fresh_dtensor_caches(), fake_world(8, 4, mesh=((2, 2, 2), ("pp", "cp", "tp"))) as mesh:
+        with pytest.raises(ValueError, match=r"mesh dim\(s\) cp \(2\) are neither"):
+            read_pp(pipelining.Schedule1F1B(_laid_out_stage(mesh, 1, fsdp=False), n_microbatches=4, loss_fn=_mse))
+
+
 def test_a_schedule_of_the_job_is_its_own_plan_and_is_refused_where_ranks_would_decide_apart():
     from preflight.parallel import fake_world
 
@@ -707,23 +756,26 @@ def test_real_gloo_pipeline_per_rank_peak_within_3_percent(schedule, world, kind
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, kind, world, dp", [("1F1B", "decoder", 2, 1), ("Interleaved1F1B", "blocks", 2, 1),
-                                                      ("1F1B", "blocks", 4, 2)])
-def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind, world, dp):
-    """A job that cut its model into stages itself (and with ``dp``, wrapped each stage's blocks and the stage by
-    fully_shard over a (pp, dp) mesh) hands preflight its schedule on every rank: each rank traces its own stages,
-    after the ranks exchanged the stages' shapes as torch's first step does, and gets every rank's figure; each
-    equals the figure planned from the whole model, and the measured peak within 3%. The user's weights and
-    optimizer are untouched."""
+@pytest.mark.parametrize("schedule, kind, world, dp, tp", [("1F1B", "decoder", 2, 1, 1),
+                                                          ("Interleaved1F1B", "blocks", 2, 1, 1),
+                                                          ("1F1B", "blocks", 4, 2, 1), ("1F1B", "llama", 4, 1, 2)])
+def test_a_pipeline_read_off_its_job_is_traced_on_each_rank(schedule, kind, world, dp, tp):
+    """A job that cut its model into stages itself (with ``dp``, wrapped each stage's blocks and the stage by
+    fully_shard over a (pp, dp) mesh; with ``tp``, laid each stage out by parallelize_module over a (pp, tp) mesh)
+    hands preflight its schedule on every rank: each rank traces its own stages, after the ranks exchanged the
+    stages' shapes as torch's first step does, and gets every rank's figure; each equals the figure planned from the
+    whole model, and the measured peak within 3%. The user's weights and optimizer are untouched."""
+    from benchmarks.distributed import megatron_styles
     from preflight.parallel import FSDP2Plan
 
     model, batch, loss_fn, split = _setup(kind, _real_seq(dp))
-    plan = PPPlan(world // dp, loss_fn, schedule=schedule, microbatches=4, split=split)
+    plan = PPPlan(world // (dp * tp), loss_fn, schedule=schedule, microbatches=4, split=split)
     optimizer = torch.optim.AdamW(model.parameters())
-    parallel = (ParallelPlan(world, None, pp=plan) if dp == 1 else
-                ParallelPlan(world, "fsdp2", pp=plan, fsdp=FSDP2Plan(units=tuple(str(i) for i in range(len(model))))))
+    fsdp = None if dp == 1 else FSDP2Plan(units=tuple(str(i) for i in range(len(model))))
+    parallel = ParallelPlan(world, None if dp == 1 else "fsdp2", pp=plan, fsdp=fsdp,
+                            tp=None if tp == 1 else TPPlan(tp, megatron_styles(model)))
     planned = preflight.estimate(model, optimizer, batch, preflight.Run(parallel=parallel))
-    results = spawned(_gloo_worker, world, schedule, 4, kind, dp, 1, 1, False, True)
+    results = spawned(_gloo_worker, world, schedule, 4, kind, dp, tp, 1, False, True)
     for rank in range(world):
         measured, (own, per_rank, untouched, verdict) = results[rank]
         assert untouched
@@ -871,14 +923,20 @@ def test_the_example_plans_each_schedule_per_stage():
 
 
 @pytest.mark.slow
-def test_the_in_job_example_reads_each_ranks_stage_and_agrees_on_the_verdict():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_in_job_example_reads_each_ranks_stage_and_agrees_on_the_verdict(tp):
+    """The example's pipeline (with --tp 2, each stage laid out by tensor parallelism over a (pp 2, tp 2) mesh): the
+    first stage's ranks peak higher than the last's (more micro-batches in flight), tensor-parallel ranks of a stage
+    alike, and every rank agrees on the verdict."""
     import re
 
     from conftest import example_output
 
-    stdout = example_output("pipeline_in_job.py", timeout=300)
-    figures = re.search(r"rank 0 ([\d.]+) MiB, rank 1 ([\d.]+) MiB; rank 0 peaks", stdout)
-    assert figures is not None and float(figures.group(1)) > float(figures.group(2)), stdout
+    stdout = example_output("pipeline_in_job.py", timeout=300, args=("--tp", str(tp)))
+    figures = [float(f) for f in re.findall(r"rank \d+ ([\d.]+) MiB", stdout)]
+    stages = [figures[i * tp:(i + 1) * tp] for i in range(2)]
+    assert len(figures) == 2 * tp and all(len(set(ranks)) == 1 for ranks in stages), stdout
+    assert stages[0][0] > stages[1][0] and "; rank 0 peaks" in stdout, stdout
     assert "verdict: fits in 128 MiB per rank" in stdout
 
 

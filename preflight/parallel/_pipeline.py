@@ -332,14 +332,42 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
     return [s._stage_meta for s in stages], all_static
 
 
+def _fresh_copy_mode(mode: Any) -> Any:
+    """Torch's ``FakeCopyMode`` over ``mode``, but whose deep copy of a tensor is a new storage each time, as a real
+    deep copy's is. Torch's returns the fake mode's memoized twin of its source (``from_tensor``), so two deep copies
+    of one model (two stages a rank holds, each cut by a split that deep-copies) shared their buffers: a Llama's
+    rotary ``inv_freq`` counted once for two stages, 128 B under the real job. Views of one storage within one
+    copy keep sharing their new storage, as a real deep copy's do."""
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    class FreshCopyMode(FakeCopyMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is not torch.Tensor.__deepcopy__:
+                return super().__torch_function__(func, types, args, kwargs)
+            tensor, memo = args
+            if id(tensor) in memo:
+                return memo[id(tensor)]
+            twin = self.fake_mode.from_tensor(tensor, static_shapes=True)
+            key = ("preflight: fresh storage", tensor.untyped_storage()._cdata)  # the source lives through the copy
+            if key not in memo:
+                memo[key] = twin.new_empty((twin.untyped_storage().nbytes(),), dtype=torch.uint8).untyped_storage()
+            out = twin.new_empty((0,)).set_(memo[key], twin.storage_offset(), twin.shape, twin.stride())
+            if isinstance(twin, nn.Parameter):  # a fake parameter, as torch's copy makes it
+                out = nn.Parameter(out, requires_grad=twin.requires_grad)
+            memo[id(tensor)] = out
+            return out
+
+    return FreshCopyMode(mode)
+
+
 def _cut(plan: PPPlan, replica: nn.Module, stage: int) -> nn.Module:
-    """The stage's module cut from the fake copy. A split that deep-copies (torchtitan's does) copies under torch's
-    ``FakeCopyMode``, so the copies are fake tensors of the trace's own fake mode (a plain deep copy of a fake tensor
-    makes one of a new mode, whose views the trace would see as new storages)."""
-    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
+    """The stage's module cut from the fake copy. A split that deep-copies (torchtitan's does) copies under a
+    ``FakeCopyMode`` (`_fresh_copy_mode`), so the copies are fake tensors of the trace's own fake mode (a plain deep
+    copy of a fake tensor makes one of a new mode, whose views the trace would see as new storages)."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
     mode = next((t.fake_mode for t in (*replica.parameters(), *replica.buffers()) if isinstance(t, FakeTensor)), None)
-    with FakeCopyMode(mode) if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
+    with _fresh_copy_mode(mode) if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
         # Copying a fake tensor reads its data pointer, which torch warns about; nothing is read.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         part = plan.stage_module(replica, stage)

@@ -425,6 +425,21 @@ def test_a_users_own_split_is_traced():
     assert len(est.per_rank_peak_bytes) == 2 and not est.coverage.lower_bound, est.coverage.notes
 
 
+def test_stages_a_split_deep_copies_hold_their_own_buffers():
+    """A rank holding two stages, each a deep copy of the model (torchtitan's cut), holds two copies of a buffer
+    every stage keeps (a Llama's rotary frequencies, here a positions table), as in the job; torch's own fake copy
+    handed both stages one (128 B under a real interleaved Llama job)."""
+    model, batch = _decoder_setup()
+    model.register_buffer("positions", torch.arange(4 * SEQ))
+    plan = PPPlan(2, _cross_entropy, schedule="Interleaved1F1B", microbatches=4, split=_split_decoder)
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, _run(plan))
+    assert not est.coverage.lower_bound, est.coverage.notes
+    parts = [[_split_decoder(model, i, plan.num_stages) for i in plan.stage_indices(rank)] for rank in range(2)]
+    real = [sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()  # each storage once
+                 for part in held for b in part.buffers()}.values()) for held in parts]
+    assert [b["buffers"] for b in est.per_rank_breakdown] == real == [2 * 4 * SEQ * 8] * 2
+
+
 # ---- a transformers decoder, cut as transformers' own pipeline parallelism cuts it -----------------------------------
 
 def _llama(layers: int = 4, **extra):

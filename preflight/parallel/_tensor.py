@@ -163,7 +163,7 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
     if unknown:
         name, word = next(iter(unknown.items()))
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {name!r}: {word!r}, which preflight "
-                         f"translates to no DTensor style (it translates {', '.join(_HF_WORDS)}): give "
+                         f"translates to no DTensor style (it translates {', '.join(_KNOWN_WORDS)}): give "
                          "TPPlan(degree, styles=...) with the styles your script applies.")
     styles = {name: word() if callable(word) else _hf_style(word) for name, word in plan.items()}
     return {name: style for name, style in styles.items() if style is not None}
@@ -173,32 +173,36 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
 # the experts module around them: its own styles do it, through `_TransformersStyle`.
 _HF_EXPERT_WORDS = ("moe_tp_experts",)
 # Module words whose layout transformers' own style installs as it is (no DTensor module style says it): latent
-# attention's key/value down-projection (DeepSeek-V2: its output's rotary part gets its gradient all-reduced).
-_HF_MODULE_WORDS = ("mla_kv_a_proj",)
+# attention's key/value down-projection (DeepSeek-V2: its output's rotary part gets its gradient all-reduced), and a
+# module whose forward runs on its own parameters' local shards (``local_params``: attention sinks, a bare
+# parameter cut over the heads by an entry of its own, as GraniteSWA, MiMo-V2-Flash and HunYuan-V4 plan them).
+_HF_MODULE_WORDS = ("mla_kv_a_proj", "local_params")
 _HF_PARAMETER_WORDS = ("packed_colwise", "packed_rowwise", "colwise", "rowwise")
 
 
+_KNOWN_WORDS = (*_HF_WORDS, *_HF_MODULE_WORDS, *_HF_EXPERT_WORDS, "packed_colwise", "packed_rowwise")
+
+
 def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """``plan`` with each `_HF_MODULE_WORDS` entry a factory of `_TransformersStyle`, and each experts module's
-    entries (``moe_tp_experts``, and those naming its parameters: ``experts.gate_up_proj: packed_colwise``,
-    ``experts.down_proj: rowwise``) folded into one such entry for the module; the rest as they are. transformers
-    cuts such parameters itself (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module
-    entry's ``install_forward``), which DTensor's module styles cannot say."""
+    """``plan`` with each `_HF_MODULE_WORDS` and `_HF_EXPERT_WORDS` entry a factory of `_TransformersStyle`, the
+    entries naming the module's own parameters folded into it (an experts module's ``experts.gate_up_proj:
+    packed_colwise``, ``experts.down_proj: rowwise``; attention sinks' ``self_attn.sinks: colwise`` beside
+    ``self_attn: local_params``); the rest as they are. transformers cuts such parameters itself
+    (``apply_tensor_parallelism``: each parameter entry's ``shard_param``, the module entry's ``install_forward``),
+    which DTensor's module styles cannot say."""
     names = [name.split(".") for name, _ in model.named_parameters()]
     out = dict(plan)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, word in plan.items():
-        if word in _HF_MODULE_WORDS:
-            out[key] = functools.partial(_TransformersStyle, word, {}, text)
-        if word not in _HF_EXPERT_WORDS:
+        if word not in _HF_MODULE_WORDS and word not in _HF_EXPERT_WORDS:
             continue
         inner = {k[len(key) + 1:]: w for k, w in plan.items() if k.startswith(key + ".")
                  and "." not in k[len(key) + 1:] and w in _HF_PARAMETER_WORDS
                  and any(_matches(parts, k.split(".")) for parts in names)}
         for name in inner:
             del out[f"{key}.{name}"]
-        out[key] = functools.partial(_TransformersStyle, word, inner)
+        out[key] = functools.partial(_TransformersStyle, word, inner, text)
     return out
 
 
@@ -211,10 +215,12 @@ def _transformers_styles() -> Any:
 def _TransformersStyle(module_word: str, parameter_words: dict[str, str], config: Any = None) -> Any:
     """A DTensor style that lays a module out as transformers' own tensor parallelism does: each named parameter cut
     by its word's ``shard_param`` (``packed_colwise``: the fused gate and up projections cut as a
-    ``_StridedShard`` so each rank holds its slice of both; ``rowwise``: the last dim), then the module's word's
-    ``install_forward`` (``moe_tp_experts``: the forward on the local shards, its input's and routing weights'
-    gradients all-reduced, its partial output all-reduced; ``mla_kv_a_proj``: the output's rotary part's gradient
-    all-reduced, reading ``qk_rope_head_dim`` off ``config``, which transformers hands the module for it)."""
+    ``_StridedShard`` so each rank holds its slice of both; ``rowwise``: the last dim; ``colwise``: a bare
+    parameter's last dim but one, its only dim for a vector), then the module's word's ``install_forward``
+    (``moe_tp_experts``: the forward on the local shards, its input's and routing weights' gradients all-reduced,
+    its partial output all-reduced; ``mla_kv_a_proj``: the output's rotary part's gradient all-reduced, reading
+    ``qk_rope_head_dim`` off ``config``, which transformers hands the module for it; ``local_params``: the forward
+    with the module's own DTensor parameters swapped for their local shards)."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class TransformersStyle(ParallelStyle):

@@ -194,6 +194,13 @@ def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unkn
     # DeepSeek-V2's latent attention: transformers' own style, handed the config it reads the rotary width from.
     mla = model_styles(_family("deepseek_v2")[0])["model.layers.*.self_attn.kv_a_proj_with_mqa"]
     assert (mla.module_word, mla.parameter_words) == ("mla_kv_a_proj", {})
+    # Attention sinks: a bare parameter's entry folded into its module's `local_params`, whose forward runs on the
+    # local shards; the module's projections keep their own DTensor styles.
+    styles = model_styles(_family("granite_swa")[0])
+    attention = styles["model.layers.*.self_attn"]
+    assert (attention.module_word, attention.parameter_words) == ("local_params", {"sinks": "colwise"})
+    assert "model.layers.*.self_attn.sinks" not in styles
+    assert type(styles["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     model.config = types.SimpleNamespace(base_model_tp_plan={"0": "embedding_colwise"})
     with pytest.raises(ValueError, match="'embedding_colwise', which preflight translates to no DTensor style"):
@@ -226,6 +233,9 @@ def _family(name: str):
             **common, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, first_k_dense_replace=1,
             n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
             v_head_dim=32, n_shared_experts=1))
+    elif name == "granite_swa":  # attention sinks cut over the heads (`local_params`); eager attention only
+        model = transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(
+            **{**common, "attn_implementation": "eager"}, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif name == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4,
                                                                              num_experts_per_tok=2,
@@ -281,7 +291,7 @@ def _family_worker(rank: int, world: int, port: int, queue, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe", "deepseek_v2", "granite_swa"])
 def test_real_gloo_tensor_parallel_over_the_translated_plans_per_rank_peak_within_3_percent(name):
     """DTensor's program of the translated plan, run for real on 2 gloo processes (the q/k norms' gradients
     all-reduced over gloo; Gemma's head tied to its embedding again after the layout, as transformers ties it),

@@ -113,11 +113,12 @@ def _hf_style(word: str) -> Any:
             "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
             "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
             "replicate": lambda: None, "replicated_with_grad_allreduce": _grad_all_reduce}[word]()
 
 
 _HF_WORDS = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
-             "embedding_rowwise", "replicate", "replicated_with_grad_allreduce")
+             "embedding_rowwise", "embedding_colwise", "replicate", "replicated_with_grad_allreduce")
 
 
 def _grad_all_reduce() -> Any:

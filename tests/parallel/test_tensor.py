@@ -202,13 +202,31 @@ def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unkn
     assert "model.layers.*.self_attn.sinks" not in styles
     assert type(styles["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "embedding_colwise"})
-    with pytest.raises(ValueError, match="'embedding_colwise', which preflight translates to no DTensor style"):
+    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "moe_identity_expert"})
+    with pytest.raises(ValueError, match="'moe_identity_expert', which preflight translates to no DTensor style"):
         model_styles(model)
     # A fused weight's word outside an experts module is not folded: refused by name.
     model.config = types.SimpleNamespace(base_model_tp_plan={"0.weight": "packed_colwise"})
     with pytest.raises(ValueError, match="packed_colwise"):
         model_styles(model)
+
+
+def test_an_embedding_cut_along_its_width_gathers_its_output():
+    """transformers' ``embedding_colwise`` (each rank looks up a slice of every vector, the slices gathered): DTensor's
+    column-wise style on an embedding, its weight Shard(1), its output whole on every rank."""
+    from torch.distributed.tensor import Shard
+
+    from preflight.parallel import fake_replica, fake_world
+    from preflight.parallel._rank import MetaTwins, fresh_dtensor_caches
+    from preflight.parallel._tensor import lay_out
+
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 8))
+    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "embedding_colwise"})
+    with fresh_dtensor_caches(), fake_world(2, 1) as mesh:
+        copy = fake_replica(model, MetaTwins())
+        lay_out(copy, mesh, model_styles(model))
+        assert copy[0].weight.placements == (Shard(1),) and copy[0].weight.to_local().shape == (64, 16)
+        assert copy[0](torch.zeros(4, 5, dtype=torch.long, device="meta")).shape == (4, 5, 32)
 
 
 def _family(name: str):

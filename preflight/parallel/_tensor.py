@@ -16,8 +16,9 @@ Ranks whose parameters are cut to the same local shapes run the same program and
 (`tp_rank_groups`, which applies the plan to a meta copy as each rank to read its shapes).
 
 Known limitations: transformers' own tensor-parallel engine (``from_pretrained(tp_plan="auto")``) is not DTensor's
-and is not traced; its plan words are translated to DTensor's styles for the same layouts (`model_styles`), and a
-word with no such style is refused with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
+and is not traced; its plan words are translated to DTensor's styles for the same layouts (`model_styles`), a word
+no DTensor style says is laid out by transformers' own style for it inside ``parallelize_module``
+(`_TransformersStyle`), and a word transformers does not register is refused with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
 trace only where the step enters it.
 """
 
@@ -164,28 +165,35 @@ def model_styles(model: nn.Module) -> dict[str, Any]:
     if unknown:
         name, word = next(iter(unknown.items()))
         raise ValueError(f"{type(model).__name__}'s tensor-parallel plan has {name!r}: {word!r}, which preflight "
-                         f"translates to no DTensor style (it translates {', '.join(_KNOWN_WORDS)}): give "
+                         f"translates to no DTensor style (it translates {', '.join(_HF_WORDS)}, and lays "
+                         f"{', '.join(_module_words()) or 'no other word'} out with transformers' own styles): give "
                          "TPPlan(degree, styles=...) with the styles your script applies.")
     styles = {name: word() if callable(word) else _hf_style(word) for name, word in plan.items()}
     return {name: style for name, style in styles.items() if style is not None}
 
 
-# Words transformers applies to a mixture-of-experts block's fused expert weights (entries naming parameters) and to
-# the experts module around them: its own styles do it, through `_TransformersStyle`.
-_HF_EXPERT_WORDS = ("moe_tp_experts",)
-# Module words whose layout transformers' own style installs as it is (no DTensor module style says it): latent
-# attention's key/value down-projection (DeepSeek-V2: its output's rotary part gets its gradient all-reduced), and a
-# module whose forward runs on its own parameters' local shards (``local_params``: attention sinks, a bare
-# parameter cut over the heads by an entry of its own, as GraniteSWA, MiMo-V2-Flash and HunYuan-V4 plan them).
-_HF_MODULE_WORDS = ("mla_kv_a_proj", "local_params")
-_HF_PARAMETER_WORDS = ("packed_colwise", "packed_rowwise", "colwise", "rowwise")
+# Words that name fused weights only (an experts module's entries naming its parameters), never a module.
+_HF_FUSED_WORDS = ("packed_colwise", "packed_rowwise")
+_HF_PARAMETER_WORDS = (*_HF_FUSED_WORDS, "colwise", "rowwise")
 
 
-_KNOWN_WORDS = (*_HF_WORDS, *_HF_MODULE_WORDS, *_HF_EXPERT_WORDS, "packed_colwise", "packed_rowwise")
+def _module_words() -> tuple[str, ...]:
+    """The words transformers registers a style for (``ALL_PARALLEL_STYLES``) that no DTensor module style says, so
+    its own style lays the module out (`_TransformersStyle`): a mixture-of-experts block's experts
+    (``moe_tp_experts``), latent attention's key/value down-projection (``mla_kv_a_proj``: its output's rotary part's
+    gradient all-reduced), a module whose forward runs on its own parameters' local shards (``local_params``:
+    attention sinks), a forward's partial output all-reduced (``all_reduce``), an identity expert's input divided
+    by the ranks (``moe_identity_expert``), a norm over a sequence-sharded input (``sequence_parallel``); none
+    without transformers."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    except ImportError:
+        return ()
+    return tuple(word for word in ALL_PARALLEL_STYLES if word not in _HF_WORDS and word not in _HF_FUSED_WORDS)
 
 
 def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """``plan`` with each `_HF_MODULE_WORDS` and `_HF_EXPERT_WORDS` entry a factory of `_TransformersStyle`, the
+    """``plan`` with each entry whose word is one of `_module_words` a factory of `_TransformersStyle`, the
     entries naming the module's own parameters folded into it (an experts module's ``experts.gate_up_proj:
     packed_colwise``, ``experts.down_proj: rowwise``; attention sinks' ``self_attn.sinks: colwise`` beside
     ``self_attn: local_params``); the rest as they are. transformers cuts such parameters itself
@@ -195,8 +203,9 @@ def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str,
     out = dict(plan)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    own = _module_words()
     for key, word in plan.items():
-        if word not in _HF_MODULE_WORDS and word not in _HF_EXPERT_WORDS:
+        if word not in own:
             continue
         inner = {k[len(key) + 1:]: w for k, w in plan.items() if k.startswith(key + ".")
                  and "." not in k[len(key) + 1:] and w in _HF_PARAMETER_WORDS

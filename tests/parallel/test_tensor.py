@@ -202,9 +202,12 @@ def test_a_transformers_models_own_plan_is_translated_to_dtensor_styles_and_unkn
     assert "model.layers.*.self_attn.sinks" not in styles
     assert type(styles["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "moe_identity_expert"})
-    with pytest.raises(ValueError, match="'moe_identity_expert', which preflight translates to no DTensor style"):
+    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "my_own_word"})
+    with pytest.raises(ValueError, match="'my_own_word', which preflight translates to no DTensor style"):
         model_styles(model)
+    # A word transformers registers and no DTensor style says: its own style lays the module out.
+    model.config = types.SimpleNamespace(base_model_tp_plan={"0": "all_reduce"})
+    assert model_styles(model)["0"].module_word == "all_reduce"
     # A fused weight's word outside an experts module is not folded: refused by name.
     model.config = types.SimpleNamespace(base_model_tp_plan={"0.weight": "packed_colwise"})
     with pytest.raises(ValueError, match="packed_colwise"):
@@ -254,6 +257,11 @@ def _family(name: str):
     elif name == "granite_swa":  # attention sinks cut over the heads (`local_params`); eager attention only
         model = transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(
             **{**common, "attn_implementation": "eager"}, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif name == "longcat_flash":  # zero (identity) experts beside the fused ones: transformers' own styles
+        model = transformers.LongcatFlashForCausalLM(transformers.LongcatFlashConfig(
+            **{k: v for k, v in common.items() if k not in ("num_hidden_layers", "intermediate_size")}, num_layers=2,
+            ffn_hidden_size=256, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            v_head_dim=32, head_dim=16, n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=128))
     elif name == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4,
                                                                              num_experts_per_tok=2,
@@ -309,7 +317,8 @@ def _family_worker(rank: int, world: int, port: int, queue, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe", "deepseek_v2", "granite_swa"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma", "mixtral", "qwen3_moe", "deepseek_v2", "granite_swa",
+                                  "longcat_flash"])
 def test_real_gloo_tensor_parallel_over_the_translated_plans_per_rank_peak_within_3_percent(name):
     """DTensor's program of the translated plan, run for real on 2 gloo processes (the q/k norms' gradients
     all-reduced over gloo; Gemma's head tied to its embedding again after the layout, as transformers ties it),

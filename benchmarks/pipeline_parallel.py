@@ -48,8 +48,8 @@ stage's peak are printed beside that count.
 Run: python benchmarks/pipeline_parallel.py      (about 8 minutes on 2 CPU cores)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 
-With ``--in-job`` each rank of the configurations preflight reads inside a job (no tensor or context parallelism)
-first hands preflight the schedule it built, ``preflight.estimate(schedule, optimizer, (inputs, target))``, as a
+With ``--in-job`` each rank of the configurations preflight reads inside a job (all but those with context
+parallelism) first hands preflight the schedule it built, ``preflight.estimate(schedule, optimizer, (inputs, target))``, as a
 training script would before its first step (`preflight.parallel._pipeline.read_pp`), then trains and is measured
 once; the table sets that figure beside the one planned from the whole model and the measurement. Writes
 benchmarks/results/pipeline_in_job.md.
@@ -311,18 +311,18 @@ def predict(kind: str, schedule: str, world: int, microbatches: int, dp: int, tp
 
 
 def in_job_main() -> int:
-    """``--in-job``: each configuration without tensor or context parallelism, read off its schedule by every rank,
-    beside the plan and one measurement (module docstring)."""
+    """``--in-job``: each configuration without context parallelism, read off its schedule by every rank, beside the
+    plan and one measurement (module docstring)."""
     mib = 1 << 20
     start, rows, worst, unequal = time.perf_counter(), [], 0.0, []
     # Also two stages per rank under FSDP2 (the other configurations' FSDP2 runs hold one).
     for kind, schedule, world, microbatches, dp, tp, cp in [*CONFIGS, ("mlp", "Interleaved1F1B", 4, 8, 2, 1, 1)]:
-        if tp > 1 or cp > 1:
+        if cp > 1:
             continue
         measured = measure(kind, schedule, world, microbatches, dp, tp, cp, in_job=True)
         est, _ = predict(kind, schedule, world, microbatches, dp, tp, cp)
-        stages = world // dp
-        layout = f"pp {stages}" + (f" x fsdp2 {dp}" if dp > 1 else "")
+        stages = world // (dp * tp)
+        layout = f"pp {stages}" + (f" x fsdp2 {dp}" if dp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
         for rank, (peaks, read) in enumerate(measured):
             planned, placed = est.per_rank_peak_bytes[rank], peaks[-1]
             error = (read - placed) / placed
@@ -332,11 +332,11 @@ def in_job_main() -> int:
             rows.append(f"| {kind} | {schedule} | {layout} | {microbatches} | {rank} | {placed / mib:.2f} | "
                         f"{planned / mib:.2f} | {read / mib:.2f} | {'yes' if read == planned else 'NO'} | "
                         f"{error:+.2%} |")
-        print(f"  {kind} {schedule} x{world} dp {dp}: measured {measured}, planned {est.per_rank_peak_bytes}",
+        print(f"  {kind} {schedule} x{world} dp {dp} tp {tp}: measured {measured}, planned {est.per_rank_peak_bytes}",
               file=sys.stderr)
     lines = [
         "Real `torch.distributed.pipelining` on gloo CPU processes, set up as in benchmarks/results/"
-        "pipeline_parallel.md (the configurations without tensor or context parallelism); before its first step "
+        "pipeline_parallel.md (the configurations without context parallelism); before its first step "
         "every rank hands preflight the schedule it built (`preflight.estimate(schedule, optimizer, (inputs, "
         "target))`), then trains 2 steps and is measured once (lost frees placed at the end of their phase). "
         f"Planned: the same run planned from the whole model. Command: `python benchmarks/pipeline_parallel.py "

@@ -45,7 +45,7 @@ Beside it, the rule users reason with: a stage holds the activations of the micr
 under GPipe and at most ``stages - stage`` under 1F1B (the first stage the most). The traced activations at each
 stage's peak are printed beside that count.
 
-Run: python benchmarks/pipeline_parallel.py      (about 8 minutes on 2 CPU cores)
+Run: python benchmarks/pipeline_parallel.py      (about 14 minutes on 2 CPU cores; --in-job about 7)
 Writes benchmarks/results/pipeline_parallel.md and prints the same table.
 
 With ``--in-job`` each rank of the configurations preflight reads inside a job (all but those with context

@@ -143,7 +143,7 @@ def jobs_world() -> Iterator[None]:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    saved, global_rank = _SET_ASIDE[-1]
+    saved, global_rank = _SET_ASIDE[0]  # the job's own: the outermost set aside
     fake = {name: getattr(c10d, name) for name in saved}
     fake_rank = dist.get_rank()
     for name, value in saved.items():
@@ -153,6 +153,7 @@ def jobs_world() -> Iterator[None]:
     try:
         yield
     finally:
+        saved["_group_count"] = c10d._group_count  # groups the block made keep their names taken
         for name, value in fake.items():
             setattr(c10d, name, value)
         if hasattr(torch._C._distributed_c10d, "_set_global_rank"):

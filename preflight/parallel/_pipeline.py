@@ -35,7 +35,7 @@ shards each stage over the ``dp`` and ``cp`` dims flattened.
 A pipeline the job cut itself is read off its schedule (`read_pp`, `JobPipeline`): each rank holds only its own
 stages, so each traces its own (`trace_pp_in_job`), after the ranks answered the shapes they exchange by running
 torch's metadata inference on fake copies of their stages stage by stage over the job's own group
-(`job_stage_metas`). Stages the job laid out by tensor parallelism (torchtitan's ``(pp, [dp,] tp)`` mesh) are read
+(`job_stage_metas`). Stages the job laid out by tensor parallelism on one named ``(pp, [dp,] tp)`` mesh are read
 with their DTensor layout over the job's whole mesh (`preflight.parallel.read_tp`) and the mesh dim the pipeline's
 group runs along; each rank's fake copy is laid out the same way in a fake world of the job's mesh, for the shape
 inference (so each tensor-parallel rank answers its own shapes) and for the trace.
@@ -45,7 +45,7 @@ gives a labelled lower bound naming what is missing, planned or read off a job);
 DDP, FSDP1 or HSDP is refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its
 stages are plain modules, wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh, or laid out by
 tensor parallelism on one named mesh of pipeline, tensor-parallel and fully_shard dims (`read_pp`: not beside
-context parallelism or DDP); planned under tensor parallelism, every tensor-parallel rank is assumed to exchange the
+context parallelism or DDP, nor ``fully_shard`` over a flattened dim such as torchtitan's ``dp_shard_cp``); planned under tensor parallelism, every tensor-parallel rank is assumed to exchange the
 shapes rank 0 does (an uneven cut of the sequence by sequence parallelism would differ).
 """
 
@@ -286,14 +286,32 @@ def _vote(all_static: bool) -> Callable[..., None]:
     return warmup_p2p
 
 
+def _fsdp_computes_in(part: nn.Module, fsdp: FSDP2Plan | None) -> None:
+    """Cast ``part``'s floating parameters to the dtype FSDP2 computes in under ``fsdp``'s mixed-precision policy
+    (``param_dtype``: torchtitan's bf16), as its forward runs on the gathered parameters, so that the shapes and
+    dtypes inferred for the stages' exchanges are those of the job's steps; nothing without one."""
+    policy = getattr(fsdp, "mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    if dtype is None:
+        return
+    for p in part.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    if getattr(policy, "cast_forward_inputs", True):  # FSDP2 casts the wrapped module's floating inputs too
+        part.register_forward_pre_hook(lambda module, args: tuple(
+            a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+
+
 def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | None,
-                 tp: TPPlan | None = None, cp: CPPlan | None = None) -> tuple[list[Any], bool]:
+                 tp: TPPlan | None = None, cp: CPPlan | None = None,
+                 fsdp: FSDP2Plan | None = None) -> tuple[list[Any], bool]:
     """Every stage's ``_StageMeta`` (the shapes and dtypes it receives, sends and gets gradients of) and whether
     every stage votes STATIC, from torch's own metadata inference run over all the stages at once: in a fake process
     group where the pipeline has one rank every stage is on the same rank, so torch passes the metadata from stage to
     stage as arguments. Under ``precision`` as the ranks' steps run: parameters cast (``*-true``), the forward under
     autocast (``*-mixed``); with ``tp``, each stage laid out as tensor-parallel rank 0 lays it out, in a fake
-    ``(pp 1, tp degree)`` world; with ``cp``, on one place's slice of the sequence (`_ring_slice`)."""
+    ``(pp 1, tp degree)`` world; with ``cp``, on one place's slice of the sequence (`_ring_slice`); with ``fsdp``,
+    in the dtype its mixed-precision policy computes in (`_fsdp_computes_in`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     from torch.distributed.pipelining._utils import InferenceMode
@@ -318,6 +336,8 @@ def _stage_metas(model: nn.Module, plan: PPPlan, batch: Any, precision: str | No
                 for part in parts:
                     _lay_out(part, mesh["tp"], styles)
                 group = mesh["pp"].get_group()
+        for part in parts:
+            _fsdp_computes_in(part, fsdp)
         stages = [PipelineStage(part, i, plan.num_stages, torch.device("cpu"), group=group)
                   for i, part in enumerate(parts)]
         all_static = all(not InferenceMode.needs_dynamic(s._user_meta, True) for s in stages)
@@ -354,6 +374,8 @@ def _fresh_copy_mode(mode: Any) -> Any:
             out = twin.new_empty((0,)).set_(memo[key], twin.storage_offset(), twin.shape, twin.stride())
             if isinstance(twin, nn.Parameter):  # a fake parameter, as torch's copy makes it
                 out = nn.Parameter(out, requires_grad=twin.requires_grad)
+            elif twin.requires_grad:  # a leaf that asks for its gradient keeps asking, as a real deep copy's does
+                out.requires_grad_(True)
             memo[id(tensor)] = out
             return out
 
@@ -695,7 +717,7 @@ def trace_pp(
     if cp is not None:
         sequence_tensors(batch, cp)  # a ValueError naming what the ring asks of the batch, before any trace
     if "stage_metas" not in shared:
-        shared["stage_metas"] = _stage_metas(model, plan, batch, precision, tp, cp)
+        shared["stage_metas"] = _stage_metas(model, plan, batch, precision, tp, cp, fsdp)
     styles = None if tp is None else plan_styles(model, tp)
     engine = _engine(plan, shared["stage_metas"], fsdp, world_size, tp, styles, cp)
     ranks = world_size or plan.stages * (1 if tp is None else tp.degree) * (1 if cp is None else cp.degree)
@@ -797,6 +819,49 @@ def read_pp(obj: Any) -> JobPipeline | None:
     """
     if not is_job_pipeline(obj):
         return None
+    try:
+        job, error = _read_job(obj), None
+    except ValueError as err:
+        job, error = None, err
+    _agree_on_reading(job, error)
+    assert job is not None
+    return job
+
+
+def _agree_on_reading(job: JobPipeline | None, error: ValueError | None) -> None:
+    """Every rank of a job learns whether every other rank could read its own schedule, so that none goes on to
+    exchange shapes with a rank that stopped (it would wait for it until the backend's timeout): the ranks' outcomes
+    are gathered over the job's default group (one ``all_gather_object`` of a few bytes each), and where any rank
+    could not read its schedule, or the ranks read different kinds of stages, every rank raises a ValueError (a
+    rank that could not read its own, its own). No exchange outside a job or in a fake process group."""
+    import torch.distributed as dist
+
+    if error is not None and not (dist.is_available() and dist.is_initialized()):
+        raise error
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "fake":
+        if error is not None:
+            raise error
+        return
+    mine = (f"{type(error).__name__}: {error}".splitlines()[0][:300] if error is not None else None,
+            None if job is None else job.layout is not None)
+    said: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, mine)
+    if error is not None:
+        raise error
+    failed = [rank for rank, (text, _) in enumerate(said) if text is not None]
+    if failed:
+        raise ValueError(f"rank(s) {', '.join(map(str, failed))} of the job could not read their pipeline schedule "
+                         f"({said[failed[0]][0]}); every rank stops here rather than wait for them.")
+    if len({laid for _, laid in said}) > 1:
+        laid = [rank for rank, (_, on) in enumerate(said) if on]
+        raise ValueError(f"the stages of rank(s) {', '.join(map(str, laid))} are laid out by tensor parallelism and "
+                         "the others' are not (a stage the plan's entries name nothing of): the per-rank trace reads "
+                         "one layout for the whole job. Give every stage a module the plan lays out, or plan the run "
+                         "on the whole model with `ParallelPlan(world, ..., pp=PPPlan(...), tp=TPPlan(...))`.")
+
+
+def _read_job(obj: Any) -> JobPipeline:
+    """`read_pp`'s reading of one rank's schedule, before the ranks agree on it."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor import DTensor
@@ -895,9 +960,17 @@ def _read_pp_dim(stage: Any, layout: WrappedTP, modules: nn.Module, world: int) 
         raise ValueError(f"the pipeline's group (ranks {ranks}) runs along no dim of the mesh {dict(zip(names, shape))} "
                          "the stages are laid out over: build the pipeline's group as the mesh's pp dim "
                          "(`mesh['pp'].get_group()`), as torchtitan does.")
-    used = {pp_dim, *(layout.fsdp_dims or ())}
-    for dims, _ in layout.layouts.values():
-        used.update(dims or ())
+    flattened = [d for d in layout.fsdp_dims or () if d not in names]
+    if flattened:
+        raise ValueError(f"the stages are wrapped by fully_shard over a flattened mesh dim ({flattened[0]!r}, as "
+                         "torchtitan's dp_shard_cp is), which is not read inside a job yet: wrap them over a dim of the "
+                         "job's mesh (`mesh['dp']`), or plan the run on the whole model with `ParallelPlan(world, "
+                         "'fsdp2', pp=PPPlan(...), tp=TPPlan(...))`.")
+    tp_dims = {d for dims, _ in layout.layouts.values() for d in dims or ()}
+    if pp_dim in tp_dims or pp_dim in (layout.fsdp_dims or ()):
+        raise ValueError(f"the pipeline's group runs along the mesh dim {pp_dim!r}, which the stages are also laid "
+                         "out or sharded over: build the pipeline's group as a dim of its own (`mesh['pp']`).")
+    used = {pp_dim, *(layout.fsdp_dims or ()), *tp_dims}
     other = [f"{name} ({size})" for name, size in zip(names, shape) if name not in used and size > 1]
     if other:
         raise ValueError(f"the mesh dim(s) {', '.join(other)} are neither the pipeline's, tensor parallelism's nor "
@@ -951,7 +1024,8 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
         StageMetasError: a rank's inference failed (raised on every rank at the same turn, so none is left waiting).
         Exception: on the rank whose own stage raised its user's error (`preflight.trace.is_user_error`), that error,
             at the same turn (every other rank raises a `StageMetasError`).
-        ImportError, AttributeError: this torch lacks the internals used (before any exchange, on every rank)."""
+        ImportError, AttributeError: this torch lacks the internals used (on every rank alike, at the same
+            point)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._utils import InferenceMode
@@ -982,6 +1056,8 @@ def job_stage_metas(job: JobPipeline, batch: Any, precision: str | None) -> tupl
                 if job.layout is not None:
                     replica = _read_engine(job.layout).wrap(replica, mesh)
                     group = mesh[job.pp_dim].get_group()
+                for part, fsdp in zip(replica, job.fsdp or [None] * len(replica)):
+                    _fsdp_computes_in(part, fsdp)
                 for index, part in zip(job.indices, replica):
                     stages[index] = PipelineStage(part.train(), index, plan.num_stages, torch.device("cpu"),
                                                   group=group)

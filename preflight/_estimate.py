@@ -418,6 +418,21 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     )
 
 
+def _own_share(est: Estimate, model: nn.Module) -> Estimate:
+    """A lower bound counted over whole tensors (`_fallback`) cut to the share of them this rank holds: its
+    parameters, gradients and optimizer state scaled by the bytes of its parameters' local shards (a DTensor's
+    ``_local_tensor``, laid out by tensor parallelism or sharded by FSDP2) over their whole bytes; nothing added
+    (a sharded engine's gathered units are not counted: a lower bound)."""
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
+    if not whole or local == whole:
+        return est
+    breakdown = dict(est.breakdown)
+    for key in ("parameters", "gradients", "optimizer_state"):
+        breakdown[key] = breakdown.get(key, 0) * local // whole
+    return dataclasses.replace(est, breakdown=breakdown, peak_bytes=sum(breakdown.values()))
+
+
 def _counted_loading(loading: Loading, events: Sequence[Event], whole: Sequence[Event],
                      categories: dict[int, Category], *, sharding: str | None, target: torch.device,
                      gpu_info: GPU | None, allocator: AllocatorConfig | None,
@@ -848,11 +863,12 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
             raised = err
     if est is None and raised is None:  # this rank's own stages hold at least their state (their shards)
         try:
-            dp = (1 if job.fsdp is None else job.dp) * job.tp  # the lower bound counts whole tensors: this rank's
-            est = _fallback(job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
-                            [f"{job.note()}; this rank could not be traced: the lower bound of its own stages"],
-                            gpu=gpu_info, world_size=dp, shard_ranks=dp, sharding="fsdp-full" if dp > 1 else None,
-                            offload={"offload_optimizer": False, "offload_params": False}, ds=None)
+            est = _own_share(_fallback(
+                job.modules, optimizer, batch, target, options["precision"], options["steps"], failure,
+                [f"{job.note()}; this rank could not be traced: the lower bound of its own stages (their local "
+                 "shards' share of the parameters, gradients and optimizer state)"],
+                gpu=gpu_info, world_size=1, shard_ranks=1, sharding=None,
+                offload={"offload_optimizer": False, "offload_params": False}, ds=None), job.modules)
         except BaseException as err:  # noqa: BLE001 - raised after the ranks' last exchange, below
             raised = err
     mine = None if est is None else (est.peak_bytes, {**est.breakdown, "phase": est.peak_phase},

@@ -684,9 +684,10 @@ def closed_form_activations(model: nn.Module, batch: Any, degree: int, sequence_
 
 def uses_sequence_parallel(model: nn.Module, plan: TPPlan | WrappedTP) -> bool:
     """Whether the plan (or the laid-out model's hooks) shards activations along the sequence: a
-    ``SequenceParallel`` style in the plan."""
+    ``SequenceParallel`` style in the plan, or transformers' own ``sequence_parallel`` word (`_TransformersStyle`)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     if isinstance(plan, TPPlan):
-        return any(isinstance(style, SequenceParallel) for style in plan_styles(model, plan).values())
+        return any(isinstance(style, SequenceParallel) or getattr(style, "module_word", None) == "sequence_parallel"
+                   for style in plan_styles(model, plan).values())
     return False  # a laid-out model keeps its hooks, not its styles

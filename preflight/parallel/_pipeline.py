@@ -45,8 +45,9 @@ gives a labelled lower bound naming what is missing, planned or read off a job);
 DDP, FSDP1 or HSDP is refused (FSDP2 is traced); a pipeline cut inside a job is read off its schedule only where its
 stages are plain modules, wrapped by ``fully_shard`` over the other dim of a ``(pp, dp)`` mesh, or laid out by
 tensor parallelism on one named mesh of pipeline, tensor-parallel and fully_shard dims (`read_pp`: not beside
-context parallelism or DDP, nor ``fully_shard`` over a flattened dim such as torchtitan's ``dp_shard_cp``); planned under tensor parallelism, every tensor-parallel rank is assumed to exchange the
-shapes rank 0 does (an uneven cut of the sequence by sequence parallelism would differ).
+context parallelism or DDP, nor ``fully_shard`` over a flattened dim such as torchtitan's ``dp_shard_cp``); planned
+under tensor parallelism, every tensor-parallel rank is assumed to exchange the shapes rank 0 does (an uneven cut of
+the sequence by sequence parallelism would differ).
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ from preflight._steps import Loop, StepFn, autocast_for
 from preflight.cuda import CudaTarget
 from preflight.parallel._context import CPPlan, data_mesh, ring_of, sequence_tensors
 from preflight.parallel._fake_group import fake_world, jobs_world
-from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, watched_fsdp2
+from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard
 from preflight.parallel._rank import Engine, MetaTwins, default_units, fake_replica, fresh_dtensor_caches, trace_rank
-from preflight.parallel._tensor import (TPPlan, WrappedTP, _matches, _read_engine, grouped_by_shards, laid_out_locals,
-                                        lay_out, meshes_outside_modes, plan_styles, read_tp)
+from preflight.parallel._tensor import (TPPlan, WrappedTP, _matches, _read_engine, dtensor_watch, grouped_by_shards,
+                                        laid_out_locals, lay_out, meshes_outside_modes, plan_styles, read_tp)
 from preflight.trace import Sweep, TraceResult, swept
 from preflight.trace._twin import clone_optimizer
 
@@ -424,19 +425,27 @@ def _engine(plan: PPPlan, stage_metas: tuple[list[Any], bool] | None, fsdp: FSDP
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         return _stage_parts(plan, fsdp, replica, mesh, styles if tp is not None else None)
 
-    @contextlib.contextmanager
-    def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
-        with watched_fsdp2(tracker, gloo=gloo) if fsdp is not None else contextlib.nullcontext(), \
-                meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
-            yield
-
     def around(mesh: Any, batch: Any, *, cpu: bool) -> contextlib.AbstractContextManager[None]:
         return ring_of(mesh["cp"], batch, cp, cpu=cpu)
 
     name = (f"torch.distributed.pipelining {plan.schedule_class.__name__}" + (" + parallelize_module" if tp else "")
             + (" + fully_shard" if fsdp else "") + (" + context_parallel" if cp else ""))
-    return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters, watch=watch,
-                  drive=drive, mesh=mesh_shape, around=around if cp is not None else None)
+    return Engine(name=name, wrap=wrap, optimizer=stage_optimizer, parameters=_local_parameters,
+                  watch=_watch(fsdp is not None), drive=drive, mesh=mesh_shape,
+                  around=around if cp is not None else None)
+
+
+def _watch(sharded: bool) -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """A pipeline engine's watch: DTensor's (`dtensor_watch`: FSDP2's own where ``sharded``, meshes built outside the
+    fake mode), and each pending send holding its tensor (`_held_p2p`)."""
+    inner = dtensor_watch(sharded)
+
+    @contextlib.contextmanager
+    def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
+        with inner(tracker, gloo=gloo), _held_p2p(tracker, gloo=gloo):
+            yield
+
+    return watch
 
 
 def _answered_stages(parts: nn.Module, indices: list[int], num_stages: int, mesh: Any,
@@ -836,8 +845,6 @@ def _agree_on_reading(job: JobPipeline | None, error: ValueError | None) -> None
     rank that could not read its own, its own). No exchange outside a job or in a fake process group."""
     import torch.distributed as dist
 
-    if error is not None and not (dist.is_available() and dist.is_initialized()):
-        raise error
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "fake":
         if error is not None:
             raise error
@@ -957,14 +964,14 @@ def _read_pp_dim(stage: Any, layout: WrappedTP, modules: nn.Module, world: int) 
         if along == ranks:
             pp_dim = name
     if pp_dim is None:
-        raise ValueError(f"the pipeline's group (ranks {ranks}) runs along no dim of the mesh {dict(zip(names, shape))} "
-                         "the stages are laid out over: build the pipeline's group as the mesh's pp dim "
-                         "(`mesh['pp'].get_group()`), as torchtitan does.")
+        raise ValueError(f"the pipeline's group (ranks {ranks}) runs along no dim of the mesh "
+                         f"{dict(zip(names, shape))} the stages are laid out over: build the pipeline's group as the "
+                         "mesh's pp dim (`mesh['pp'].get_group()`), as torchtitan does.")
     flattened = [d for d in layout.fsdp_dims or () if d not in names]
     if flattened:
         raise ValueError(f"the stages are wrapped by fully_shard over a flattened mesh dim ({flattened[0]!r}, as "
-                         "torchtitan's dp_shard_cp is), which is not read inside a job yet: wrap them over a dim of the "
-                         "job's mesh (`mesh['dp']`), or plan the run on the whole model with `ParallelPlan(world, "
+                         "torchtitan's dp_shard_cp is), which is not read inside a job yet: wrap them over a dim of "
+                         "the job's mesh (`mesh['dp']`), or plan the run on the whole model with `ParallelPlan(world, "
                          "'fsdp2', pp=PPPlan(...), tp=TPPlan(...))`.")
     tp_dims = {d for dims, _ in layout.layouts.values() for d in dims or ()}
     if pp_dim in tp_dims or pp_dim in (layout.fsdp_dims or ()):
@@ -1147,10 +1154,9 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
         if job.layout is not None:  # each tensor laid out as the job laid it, the styles' hooks over the fake mesh
             replica = _read_engine(job.layout).wrap(replica, mesh)
         if job.fsdp is not None:  # each stage wrapped again as it was: its units, then the stage
-            shards = mesh[job.fsdp_dims] if job.layout is not None else data_mesh(mesh)
             with meshes_outside_modes():
                 for part, fsdp in zip(replica, job.fsdp):
-                    apply_fully_shard(part, shards, fsdp)
+                    apply_fully_shard(part, mesh[job.fsdp_dims], fsdp)
         return replica
 
     def drive(parts: nn.Module, mesh: Any) -> Callable[[Any], None]:
@@ -1161,17 +1167,11 @@ def _job_engine(job: JobPipeline, stage_metas: tuple[dict[int, Any], bool]) -> E
         schedule = type(user)(stages if hasattr(user, "_stages") else stages[0], **_schedule_options(user))
         return _stepper(schedule, stages, all_static)
 
-    @contextlib.contextmanager
-    def watch(tracker: Any, *, gloo: bool) -> Iterator[None]:
-        with watched_fsdp2(tracker, gloo=gloo) if job.fsdp is not None else contextlib.nullcontext(), \
-                meshes_outside_modes(), _held_p2p(tracker, gloo=gloo):
-            yield
-
     return Engine(name=f"torch.distributed.pipelining {type(user).__name__} (read off the job)"
                        + (" + its DTensor layout" if job.layout is not None else "")
                        + (" + fully_shard" if job.fsdp is not None else ""),
-                  wrap=wrap, optimizer=named_optimizer("the pipeline"), parameters=_local_parameters, watch=watch,
-                  drive=drive, mesh=job.mesh)
+                  wrap=wrap, optimizer=named_optimizer("the pipeline"), parameters=_local_parameters,
+                  watch=_watch(job.fsdp is not None), drive=drive, mesh=job.mesh)
 
 
 # A schedule's constructor arguments -> where the schedule keeps each (torch 2.13; classes take different subsets).

@@ -18,8 +18,8 @@ Ranks whose parameters are cut to the same local shapes run the same program and
 Known limitations: transformers' own tensor-parallel engine (``from_pretrained(tp_plan="auto")``) is not DTensor's
 and is not traced; its plan words are translated to DTensor's styles for the same layouts (`model_styles`), a word
 no DTensor style says is laid out by transformers' own style for it inside ``parallelize_module``
-(`_TransformersStyle`), and a word transformers does not register is refused with the entry named. Loss parallelism (``loss_parallel()``) is a context the user's step enters; it runs in the
-trace only where the step enters it.
+(`_TransformersStyle`), and a word transformers does not register is refused with the entry named. Loss parallelism
+(``loss_parallel()``) is a context the user's step enters; it runs in the trace only where the step enters it.
 """
 
 from __future__ import annotations
@@ -186,10 +186,10 @@ def _module_words() -> tuple[str, ...]:
     by the ranks (``moe_identity_expert``), a norm over a sequence-sharded input (``sequence_parallel``); none
     without transformers."""
     try:
-        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+        registered = _transformers_styles()
     except ImportError:
         return ()
-    return tuple(word for word in ALL_PARALLEL_STYLES if word not in _HF_WORDS and word not in _HF_FUSED_WORDS)
+    return tuple(word for word in registered if word not in _HF_WORDS and word not in _HF_FUSED_WORDS)
 
 
 def _with_parameter_entries(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:

@@ -144,15 +144,19 @@ def pad_tokens(samples: list) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+def gloo_rank(rank: int, world_size: int, port: int, timeout_s: float | None = None) -> Iterator[None]:
     """This process as one rank of a real gloo job on localhost (the real-run tests' spawned workers): one thread,
-    since the ranks share the machine's cores; the group is destroyed on the way out."""
+    since the ranks share the machine's cores; the group is destroyed on the way out. ``timeout_s``: the group's
+    timeout (torch's default, 30 minutes, without one), for tests that a rank is never left waiting."""
+    import datetime
+
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
     try:
         yield
     finally:

@@ -825,14 +825,9 @@ class _RaisesOnItsSecondCall(nn.Module):
 
 def _failing_stage_worker(rank: int, world: int, port: int, queue) -> None:
     """Rank 1's stage raises in its traced step; the group times out in a minute, should a rank be left waiting."""
-    import datetime
-
     from torch.distributed import pipelining
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=60):
         part = split_sequential(_blocks(), rank, world)
         part = _RaisesOnItsSecondCall(part) if rank == 1 else part
         stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
@@ -851,8 +846,6 @@ def _failing_stage_worker(rank: int, world: int, port: int, queue) -> None:
         except ValueError as err:
             said.append(("raised", str(err)))
         queue.put((rank, said))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -1144,14 +1137,9 @@ def test_real_gloo_pipeline_inside_fsdp2_computing_in_bf16_per_rank_peak_within_
 
 def _unreadable_rank_worker(rank: int, world: int, port: int, queue) -> None:
     """Rank 1's schedule has no loss (it cannot be read); the group times out in a minute, should rank 0 wait."""
-    import datetime
-
     from torch.distributed import pipelining
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, port, timeout_s=60):
         part = split_sequential(_blocks(), rank, world)
         stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
         schedule = pipelining.Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse if rank == 0 else None)
@@ -1160,8 +1148,6 @@ def _unreadable_rank_worker(rank: int, world: int, port: int, queue) -> None:
             queue.put((rank, "returned"))
         except ValueError as err:
             queue.put((rank, str(err)))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

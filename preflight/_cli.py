@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--replicate", type=int, default=1, metavar="R",
                      help="with --sharding fsdp2: FSDP2's hybrid sharding (HSDP), the model replicated over R groups "
                           "of --world-size/R ranks that shard it (a (R, world/R) mesh; with --tp N the 3-D mesh (R, "
-                          "world/(R*N), N)). Each distinct rank traced")
+                          "world/(R*N), N); with --ep, transformers' dp_replicate_size=R). Each distinct rank traced")
     est.add_argument("--pp", type=int, default=None, metavar="N",
                      help="pipeline parallelism over N stage ranks (causal-lm): the model cut as transformers' own "
                           "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
@@ -169,9 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--ep", type=int, default=None, metavar="N",
                      help="expert parallelism (causal-lm, a mixture-of-experts config): each layer's experts spread "
                           "over N ranks as transformers' DistributedConfig(fsdp_size=W, ep_size=N) lays them out, "
-                          "with its FSDP2 over all W ranks (--world-size, default N); tokens routed evenly over the "
-                          "experts (Run(routing=\"skewed\") in Python for the worst case). Each place on the ep "
-                          "dim traced")
+                          "with its FSDP2 over all W ranks (--world-size, default N); with --tp M (M divides N) the "
+                          "dense layers are laid out by the model's own tensor-parallel plan over M ranks and FSDP2 "
+                          "shards them over W/M; tokens routed evenly over the experts (Run(routing=\"skewed\") in "
+                          "Python for the worst case). Each place on the ep dim traced")
     est.add_argument("--cp-rotate", default="allgather", choices=("allgather", "alltoall"),
                      help="with --cp: how the ring passes keys and values (torch's set_rotate_method; default "
                           "allgather)")
@@ -431,11 +432,13 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
         lora += (f" over {args.quantize}{' double-quantized' if args.double_quant else ''} base weights "
                  "(bitsandbytes, prepared as peft's prepare_model_for_kbit_training)")
     tp, pp, cp, ep = (getattr(args, name, None) for name in ("tp", "pp", "cp", "ep"))
-    degrees = [d for d in (tp, pp, cp, ep) if d]
-    ranks = math.prod(degrees) if degrees and args.world_size == 1 else args.world_size
+    degrees = [d for d in (tp if not ep else None, pp, cp, ep) if d]  # beside ep, tp's ranks are among ep's
+    replicas = getattr(args, "replicate", 1) if ep else 1  # beside ep, HSDP's replicas hold ep's ranks each
+    ranks = math.prod(degrees) * replicas if degrees and args.world_size == 1 else args.world_size
     plan = f"{ranks} rank(s)" + (f", tensor parallel degree {tp}" if tp else "") + \
-        (f", expert parallel degree {ep} (transformers' layout, FSDP2 over every rank, tokens routed evenly)"
-         if ep else "") + \
+        (f", expert parallel degree {ep} (transformers' layout, FSDP2 over every rank" +
+         (f" / {tp} on the dense layers" if tp and tp > 1 else "") +
+         (f" of each of {replicas} replicas" if replicas > 1 else "") + ", tokens routed evenly)" if ep else "") + \
         (f", context parallel degree {cp} ({args.cp_rotate}, each rank {args.seq // cp} tokens of each sequence)"
          if cp else "") + \
         (f", pipeline parallel degree {pp} ({args.schedule}, {_microbatches(args)} micro-batches of "
@@ -472,9 +475,9 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
     parallel = None
     replicate = getattr(args, "replicate", 1)
     if replicate != 1 and (replicate < 2 or sharding != "fsdp2" or any(
-            getattr(args, flag, None) is not None for flag in ("pp", "cp", "ep")) or any(offload.values())):
+            getattr(args, flag, None) is not None for flag in ("pp", "cp")) or any(offload.values())):
         raise UsageError(f"--replicate {replicate}: FSDP2's hybrid sharding replicates over at least 2 groups, with "
-                         "--sharding fsdp2 (alone or with --tp), without --pp, --cp, --ep or offloading.")
+                         "--sharding fsdp2 (alone, with --tp or with --ep), without --pp, --cp or offloading.")
     hsdp = None
     if replicate > 1:
         from preflight.parallel import FSDP2Plan
@@ -487,16 +490,21 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             raise UsageError("--schedule and --microbatches describe a pipeline: pass --pp N (its stage ranks) too.")
         cp, ep = getattr(args, "cp", None), getattr(args, "ep", None)
         if ep is not None:
-            other = _given(args, offload, "--tp", "--pp", "--cp", "--deepspeed-config", "--offload-optimizer",
+            other = _given(args, offload, "--pp", "--cp", "--deepspeed-config", "--offload-optimizer",
                            "--offload-params", "--generate")
             if ep < 2 or args.task != "causal-lm" or other or sharding not in (None, "fsdp2"):
                 raise UsageError(f"--ep {ep}: expert parallelism is planned for a causal-lm over at least 2 ranks, "
                                  "with transformers' FSDP2 (--sharding fsdp2 or none)" +
                                  (f"; not with {', '.join(other)}" if other else "") + ".")
-            from preflight.parallel import EPPlan
+            if tp is not None and (tp < 1 or ep % tp):
+                raise UsageError(f"--tp {tp} beside --ep {ep}: transformers' tensor parallelism of the dense layers "
+                                 "runs over a degree that divides --ep's (DistributedConfig(tp_size=..., "
+                                 "ep_size=...)).")
+            from preflight.parallel import EPPlan, TPPlan
 
-            world = ep if args.world_size == 1 else args.world_size
-            parallel = ParallelPlan(world, "fsdp2", ep=EPPlan(ep), source="the command line")
+            world = ep * replicate if args.world_size == 1 else args.world_size
+            parallel = ParallelPlan(world, "fsdp2", ep=EPPlan(ep), tp=TPPlan(tp) if tp not in (None, 1) else None,
+                                    fsdp=hsdp, source="the command line")
         if cp is None and getattr(args, "cp_rotate", "allgather") != "allgather":
             raise UsageError("--cp-rotate describes context parallelism: pass --cp N (the ranks of the ring) too.")
         if parallel is not None:

@@ -33,7 +33,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
                                 fsdp1_rank_groups, rank_groups, read_fsdp1, read_fsdp2)
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
-from preflight.parallel._expert import EPPlan, check_ep_model, ep_rank_groups, read_ep, trace_ep
+from preflight.parallel._expert import EPLayout, check_ep_model, ep_rank_groups, read_ep, trace_ep
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import (JobPipeline, PPPlan, StageMetasError, gather_over, job_stage_metas, read_pp,
                                          stage_rank_groups, trace_pp, trace_pp_in_job)
@@ -224,11 +224,13 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     wrapped: WrappedFSDP2 | WrappedFSDP1 | None = None
     read_tp_fsdp = None
     if ep_read is not None:
-        given = plan_kwargs.get("ep")
-        if given not in (None, ep_read[0]) or world_size not in (1, ep_read[1]) or sharding not in (None, "fsdp2"):
-            raise ValueError(f"The model is already laid out by transformers' expert parallelism ({ep_read[0].label}"
-                             f" over {ep_read[1]} rank(s)), which is its plan: leave `run.parallel` out.")
-        world_size, sharding = ep_read[1], "fsdp2"
+        given, given_tp = plan_kwargs.get("ep"), plan_kwargs.get("tp")
+        if given not in (None, ep_read.plan) or world_size not in (1, ep_read.world_size) \
+                or sharding not in (None, "fsdp2") or given_tp not in (None, TPPlan(ep_read.tp)) \
+                or getattr(fsdp, "replicate", ep_read.replicate) != ep_read.replicate:
+            raise ValueError(f"The model is already laid out by transformers' expert parallelism "
+                             f"({ep_read.describe()}), which is its plan: leave `run.parallel` out.")
+        world_size, sharding = ep_read.world_size, "fsdp2"
     elif laid_out is not None:
         read_tp_fsdp = read_fsdp2(model, tensor_parallel=True) if laid_out.fsdp_dims is not None else None
     elif job is None:
@@ -268,12 +270,13 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
                              "pass sharding='fsdp2' without hybrid sharding.")
         return _pp_estimate(model, optimizer, batch, pp, fsdp_pp, world_size, options, fast=fast, gpu_info=gpu_info,
                             allocator=allocator, tp=tp, cp=plan_kwargs.get("cp"))
-    ep = plan_kwargs.get("ep") if ep_read is None else ep_read[0]
+    ep = plan_kwargs.get("ep") if ep_read is None else ep_read.plan
     if ep is not None:
         if laid_out is not None or wrapped is not None:
             raise ValueError("`run.parallel.ep` plans transformers' expert parallelism for a whole model, but the "
                              "model is already laid out or wrapped: call preflight on the model before it is.")
-        return _ep_estimate(model, optimizer, batch, ep, world_size, options, fast=fast, gpu_info=gpu_info,
+        layout = ep_read or EPLayout(ep, world_size, tp.degree if tp is not None else 1, getattr(fsdp, "replicate", 1))
+        return _ep_estimate(model, optimizer, batch, layout, options, fast=fast, gpu_info=gpu_info,
                             allocator=allocator, laid_out=ep_read is not None, evaluation=evaluation)
     cp = plan_kwargs.get("cp")
     if cp is not None:
@@ -894,19 +897,22 @@ def _pp_job_estimate(job: JobPipeline, optimizer: torch.optim.Optimizer, batch: 
         coverage=dataclasses.replace(est.coverage, notes=notes))
 
 
-def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ep: EPPlan, world_size: int,
+def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, layout: EPLayout,
                  options: dict[str, Any], *, fast: bool, gpu_info: GPU, allocator: AllocatorConfig | None,
                  laid_out: bool = False, evaluation: Evaluation | None = None) -> Estimate:
     """Each place on the ``ep`` dim of transformers' expert parallelism traced through its own layout and token
-    exchange (`preflight.parallel.trace_ep`); the estimate of the rank that peaks highest. Where a rank cannot be
-    traced, the analytic lower bound with the model's state divided among the ranks, labelled. ``evaluation``:
-    traced on each rank after the steps (the phase ``"evaluation"``)."""
+    exchange (`preflight.parallel.trace_ep`), its dense layers laid out by its tensor parallelism where
+    ``layout.tp`` > 1, in each of ``layout.replicate`` replicas; the estimate of the rank that peaks highest. Where a
+    rank cannot be traced, the analytic lower bound with the model's state divided among the ranks, labelled.
+    ``evaluation``: traced on each rank after the steps (the phase ``"evaluation"``)."""
     target, traced_as = options["target_device"], _rank_options(options)
-    sharding = f"ep{ep.degree} x fsdp2"
+    ep, world_size, tp, replicate = layout
+    sharding = f"ep{ep.degree}" + (f" x tp{tp}" if tp > 1 else "") + " x fsdp2" + (
+        f" x replicate{replicate}" if replicate > 1 else "")
 
     def trace(rank: int) -> TraceResult:
-        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, laid_out=laid_out,
-                        evaluation=evaluation, **traced_as)
+        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, tp=tp,
+                        replicate=replicate, laid_out=laid_out, evaluation=evaluation, **traced_as)
 
     check_ep_model(model, ep)  # a ValueError naming a model transformers cannot lay out: the plan is wrong
     groups, traced, failed = _traced_groups(
@@ -916,14 +922,16 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"expert parallelism ({ep.label}): a rank could not be traced")
-    config = ep.config(world_size)
+    config = ep.config(world_size, tp, replicate)
     note = ("the model was already laid out by transformers' expert parallelism in this job: its plan was read "
             "from its config and each rank traced on a fake copy laid out again; " if laid_out else "")
+    replicas = f"replicate {replicate} x " if replicate > 1 else ""
+    dense = f"{replicas}fsdp {config.fsdp_size}" + (f" x tp {tp}, the model's own tp plan" if tp > 1 else "")
     note += (f"expert parallelism ({ep.label}): each place on the ep dim traced through transformers' own "
-            f"maybe_distribute_model over fake meshes (dense fsdp {config.fsdp_size}, experts efsdp "
+            f"maybe_distribute_model over fake meshes (dense {dense}, experts {replicas}efsdp "
             f"{config.efsdp_size} x ep {ep.degree}) and its token exchange, each rank's tokens routed as "
             f"routing={options['routing']!r} assumes and every rank assumed to route as this one (the counts a rank "
-            "receives from each rank are those it sends to itself); {_sharing(groups)}")
+            f"receives from each rank are those it sends to itself); {_sharing(groups)}")
     if fast:
         note += "; fast=True does not apply to the per-rank trace (traced in full)"
     return _per_rank_estimate(traced, note, target=target, trace_device=options["trace_device"], gpu_info=gpu_info,

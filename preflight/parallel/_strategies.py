@@ -71,7 +71,10 @@ class ParallelPlan:
             ``tp`` degree without sharding, FSDP2 shards over the ``dp`` and ``cp`` dims.
         ep: expert parallelism (a `preflight.parallel.EPPlan`), as transformers lays a mixture-of-experts model out
             with ``DistributedConfig(fsdp_size=world_size, ep_size=degree)``: ``sharding`` is ``"fsdp2"``
-            (transformers' FSDP2 over every rank).
+            (transformers' FSDP2 over every rank). With ``tp`` (a `TPPlan` without styles, whose degree divides
+            ``ep``'s), transformers' tensor parallelism lays the dense layers out with the model's own plan:
+            ``DistributedConfig(tp_size=tp.degree, fsdp_size=world_size // tp.degree, ep_size=degree)``. With
+            ``fsdp=FSDP2Plan(replicate=R)``, R replicas of that layout (``dp_replicate_size=R``, HSDP).
     """
 
     world_size: int
@@ -113,8 +116,8 @@ class ParallelPlan:
 
         if not isinstance(self.tp, TPPlan):
             raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
-        if self.pp is not None or self.cp is not None:  # the world holds their ranks too: `_check_pp`, `_check_cp`
-            return
+        if self.pp is not None or self.cp is not None or self.ep is not None:
+            return  # the world holds their ranks too, or transformers lays it out: `_check_pp`, `_check_cp`, `_ep`
         # A ValueError where the degrees do not divide the world (HSDP's replicate dim included).
         tp_mesh(self.tp, self.world_size, self.fsdp if isinstance(self.fsdp, FSDP2Plan) else None)
         if self.sharding is None and self.tp.degree != self.world_size:
@@ -191,16 +194,37 @@ class ParallelPlan:
 
         if not isinstance(self.ep, EPPlan):
             raise TypeError(f"`ParallelPlan.ep` should be a preflight.parallel.EPPlan or None, got {self.ep!r}.")
+        from preflight.parallel._fsdp2 import FSDP2Plan
+
         if self.world_size % self.ep.degree:
             raise ValueError(f"`ep.degree` ({self.ep.degree}) should divide the world size {self.world_size}.")
         if self.sharding != "fsdp2":
             raise ValueError("transformers' expert parallelism comes with its FSDP2 over every rank: pass "
                              f"sharding='fsdp2', got {self.sharding!r}.")
-        if self.tp is not None or self.pp is not None or self.cp is not None or self.fsdp is not None or any(
+        # Replicas (HSDP) are transformers' dp_replicate_size: an FSDP2Plan that says nothing else.
+        replicas_only = isinstance(self.fsdp, FSDP2Plan) and self.fsdp == FSDP2Plan(replicate=self.fsdp.replicate)
+        if self.pp is not None or self.cp is not None or (self.fsdp is not None and not replicas_only) or any(
                 (self.offload_optimizer, self.offload_params, self.deepspeed, self.gradient_as_bucket_view)):
-            raise ValueError("expert parallelism is traced with transformers' own FSDP2, not yet with tensor, "
-                             "pipeline or context parallelism, an FSDP2Plan of its own, offload or DeepSpeed: leave "
-                             "them out of a plan with `ep`.")
+            raise ValueError("expert parallelism is traced with transformers' own FSDP2 (its replicas: "
+                             "FSDP2Plan(replicate=R)) and tensor parallelism, not yet with pipeline or context "
+                             "parallelism, FSDP2 settings of its own, offload or DeepSpeed: leave them out of a plan "
+                             "with `ep`.")
+        replicate = self.fsdp.replicate if self.fsdp is not None else 1
+        if self.world_size % replicate or (self.world_size // replicate) % self.ep.degree:
+            raise ValueError(f"`ep.degree` ({self.ep.degree}) should divide the ranks of one replica (world size "
+                             f"{self.world_size} / replicate {replicate}), as DistributedConfig(dp_replicate_size=..., "
+                             "ep_size=...) requires.")
+        if self.tp is not None:
+            from preflight.parallel._tensor import TPPlan
+
+            if not isinstance(self.tp, TPPlan):
+                raise TypeError(f"`ParallelPlan.tp` should be a preflight.parallel.TPPlan or None, got {self.tp!r}.")
+            # transformers' DistributedConfig: tp_size divides ep_size, which divides fsdp_size x tp_size (the world).
+            if self.tp.styles is not None or self.ep.degree % self.tp.degree:
+                raise ValueError(f"beside expert parallelism, tensor parallelism is transformers' own (the model's "
+                                 f"base_model_tp_plan: TPPlan(degree) without styles) over a degree that divides "
+                                 f"`ep.degree` ({self.ep.degree}), as DistributedConfig(tp_size=..., ep_size=...) "
+                                 f"requires; got {self.tp!r}.")
 
     @property
     def sharded(self) -> bool:

@@ -228,8 +228,7 @@ def predict(
                                                if traced_eval is not None else "no evaluation peak"))
     if spread is not None:
         unwrapped = False
-        notes.append(f"the model was laid out by transformers' expert parallelism ({spread[0].label} over "
-                     f"{spread[1]} rank(s)); " + ("evaluation traced on each rank after the training steps; "
+        notes.append(f"the model was laid out by transformers' expert parallelism ({spread.describe()}); " + ("evaluation traced on each rank after the training steps; "
                                                   if traced_eval is not None else "no evaluation peak; ")
                      + "suggestions traced on the model as it is laid out")
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):

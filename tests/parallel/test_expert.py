@@ -11,25 +11,32 @@ import torch.distributed as dist
 from conftest import assert_suggested_on_the_layout, call_end_peak, evaluation_peak, gloo_rank, spawned
 
 import preflight
-from preflight.parallel import EPPlan, ep_rank_groups
+from preflight.parallel import EPPlan, FSDP2Plan, TPPlan, ep_rank_groups
 
 EXPERTS, TOP_K = 4, 2
 
 
-def _moe(seed: int = 0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _moe(seed: int = 0, family: str = "qwen3_moe"):
+    """A tiny mixture-of-experts causal LM of ``family`` (Qwen3-MoE, or Mixtral for a second family's own plans)
+    and a batch of 4 x 32 tokens."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=16,
-        max_position_embeddings=64))
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=TOP_K, head_dim=16, max_position_embeddings=64)
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=EXPERTS, **shape))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            moe_intermediate_size=64, num_experts=EXPERTS, **shape))
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
 
-def _run(world: int, degree: int, routing: str = "balanced"):
-    return preflight.Run(routing=routing, parallel=preflight.ParallelPlan(world, "fsdp2", ep=EPPlan(degree)))
+def _run(world: int, degree: int, routing: str = "balanced", tp: int = 1, replicate: int = 1):
+    return preflight.Run(routing=routing, parallel=preflight.ParallelPlan(
+        world, "fsdp2", ep=EPPlan(degree), tp=TPPlan(tp) if tp > 1 else None,
+        fsdp=FSDP2Plan(replicate=replicate) if replicate > 1 else None))
 
 
 def test_plan_options_are_checked():
@@ -45,6 +52,24 @@ def test_plan_options_are_checked():
         preflight.ParallelPlan(2, "fsdp2", ep=2)
     assert ep_rank_groups(EPPlan(2), 4) == [[0, 2], [1, 3]]
     assert EPPlan(2).config(4).efsdp_size == 2  # the experts' FSDP over the copies of each expert group
+    # Beside transformers' tensor parallelism: its own plan, over a degree dividing ep's.
+    config = EPPlan(4).config(4, tp=2)
+    assert (config.tp_size, config.fsdp_size, config.efsdp_size) == (2, 2, 1)
+    with pytest.raises(ValueError, match="divides `ep.degree` \\(2\\)"):
+        preflight.ParallelPlan(4, "fsdp2", ep=EPPlan(2), tp=TPPlan(4))
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(ValueError, match="base_model_tp_plan"):
+        preflight.ParallelPlan(4, "fsdp2", ep=EPPlan(2), tp=TPPlan(2, {"lm_head": ColwiseParallel()}))
+    with pytest.raises(ValueError, match="not yet with pipeline"):
+        preflight.ParallelPlan(4, "fsdp2", ep=EPPlan(2), cp=preflight.parallel.CPPlan(2))
+    # Replicas (HSDP): transformers' dp_replicate_size, the ep dim inside one replica; nothing else of FSDP2's own.
+    config = EPPlan(2).config(8, tp=2, replicate=2)
+    assert (config.dp_replicate_size, config.fsdp_size, config.tp_size) == (2, 2, 2)
+    with pytest.raises(ValueError, match="should divide the ranks of one replica"):
+        preflight.ParallelPlan(4, "fsdp2", ep=EPPlan(4), fsdp=FSDP2Plan(replicate=2))
+    with pytest.raises(ValueError, match="FSDP2 settings of its own"):
+        preflight.ParallelPlan(4, "fsdp2", ep=EPPlan(2), fsdp=FSDP2Plan(reshard_after_forward=False))
 
 
 def test_each_place_holds_its_experts_and_the_routing_decides_what_it_receives():
@@ -65,6 +90,28 @@ def test_each_place_holds_its_experts_and_the_routing_decides_what_it_receives()
     skewed = preflight.estimate(model, optimizer, batch, _run(2, 2, "skewed"))
     assert skewed.per_rank_peak_bytes[0] > balanced.per_rank_peak_bytes[0] > skewed.per_rank_peak_bytes[1]
     assert dict(vars(model.config)) == config  # transformers' layout recorded its config on the copy's, not this
+
+
+def test_a_laid_out_model_is_read_from_its_config_and_what_a_plan_cannot_say_is_refused():
+    from types import SimpleNamespace
+
+    from preflight.parallel import read_ep
+
+    experts = torch.nn.Linear(2, 2)
+    experts._is_expert_parallel = True
+    model = torch.nn.Sequential(experts)
+    model.config = SimpleNamespace(distributed_config=EPPlan(4).config(8, tp=2, replicate=2))
+    layout = read_ep(model)
+    assert (layout.plan, layout.world_size, layout.tp, layout.replicate) == (EPPlan(4), 8, 2, 2)
+    assert layout.describe() == ("expert parallel degree 4, transformers' auto exchange over 8 rank(s), tensor "
+                                 "parallel degree 2, 2 replicas")
+    model.config.distributed_config.tp_plan = {"lm_head": "colwise_gather_output"}
+    with pytest.raises(ValueError, match="tp_plan=.*lm_head.*does not follow yet"):
+        read_ep(model)
+    model.config.distributed_config = EPPlan(2).config(2)
+    model.config.distributed_config.fsdp_mixed_precision = True
+    with pytest.raises(ValueError, match="fsdp_mixed_precision=True"):
+        read_ep(model)
 
 
 def test_a_model_without_transformers_expert_parallelism_is_refused_by_name():
@@ -90,17 +137,18 @@ def _balanced_routers(model: torch.nn.Module) -> None:
             module.register_forward_hook(balanced)
 
 
-def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int) -> None:
-    from transformers import Qwen3MoeForCausalLM
+def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int, tp: int = 1,
+                 replicate: int = 1, family: str = "qwen3_moe") -> None:
 
     from preflight._device import live_storage_bytes
     from preflight._steps import run_steps
 
     with gloo_rank(rank, world, port):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        model = Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=EPPlan(degree).config(world))
+        config = EPPlan(degree).config(world, tp, replicate)
+        whole, batch = _moe(family=family)
+        model = type(whole).from_pretrained(path, distributed_config=config)
         _balanced_routers(model)
-        _, batch = _moe()
         optimizer = torch.optim.AdamW(model.parameters())
         inside = preflight.estimate(model, optimizer, batch).per_rank_peak_bytes  # read off the laid-out model
         from preflight.verdict import Options, predict
@@ -122,13 +170,22 @@ def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_real_gloo_expert_parallel_per_rank_peak_within_3_percent(tmp_path, world):
-    model, batch = _moe()
+@pytest.mark.parametrize(("world", "degree", "tp", "replicate", "family"),
+                         [(2, 2, 1, 1, "qwen3_moe"), (4, 2, 1, 1, "qwen3_moe"), (4, 2, 2, 1, "qwen3_moe"),
+                          (4, 2, 1, 2, "qwen3_moe"), (4, 2, 2, 1, "mixtral")])
+def test_real_gloo_expert_parallel_per_rank_peak_within_3_percent(tmp_path, world, degree, tp, replicate, family):
+    """Expert parallelism with transformers' FSDP2, with its tensor parallelism of the dense layers beside it (tp 2
+    with ep 2: each expert group FSDP-sharded over 2 ranks; ep 4 beside tp 2, each expert on one rank, is in
+    benchmarks/expert_parallel.py), and in 2 replicas (HSDP: dp_replicate_size=2); a second family (Mixtral)
+    under TP x EP with its own plans."""
+    model, batch = _moe(family=family)
     model.save_pretrained(tmp_path / "moe")
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, _run(world, 2))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                             _run(world, degree, tp=tp, replicate=replicate))
     assert est.per_rank_peak_bytes is not None and not est.coverage.lower_bound, est.coverage.notes
-    results = spawned(_gloo_worker, world, str(tmp_path / "moe"), 2)
+    assert est.sharding == f"ep{degree}" + (f" x tp{tp}" if tp > 1 else "") + " x fsdp2" + (
+        f" x replicate{replicate}" if replicate > 1 else "")
+    results = spawned(_gloo_worker, world, str(tmp_path / "moe"), degree, tp, replicate, family)
     for rank in range(world):
         measured, inside, _, _ = results[rank]
         assert inside == est.per_rank_peak_bytes  # inside the job, off the laid-out model: the figure planned
@@ -187,3 +244,23 @@ def test_the_cli_plans_expert_parallelism(tmp_path, capsys):
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--cp",
                  "2"]) == 2
     assert "not with --cp" in capsys.readouterr().err
+    # Beside transformers' tensor parallelism of the dense layers: the world is ep's ranks (tp's are among them).
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "4", "--tp", "2",
+                 "--no-suggest", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 rank(s), tensor parallel degree 2, expert parallel degree 4" in printed, printed
+    assert "dense fsdp 2 x tp 2, the model's own tp plan, experts efsdp 1 x ep 4" in printed, printed
+    with_tp = json.loads(out.read_text())
+    assert len(with_tp["per_rank_peak_bytes"]) == 4 and not with_tp["coverage"]["lower_bound"]
+    # The dense layers' activations are cut among the tensor-parallel ranks: each rank holds less.
+    assert max(with_tp["per_rank_peak_bytes"]) < max(report["per_rank_peak_bytes"])
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--tp",
+                 "4"]) == 2
+    assert "divides --ep's" in capsys.readouterr().err
+    # In replicas (HSDP): the world defaults to ep's ranks times the replicas.
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--replicate",
+                 "2", "--sharding", "fsdp2", "--no-suggest", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 rank(s), expert parallel degree 2" in printed and "of each of 2 replicas" in printed, printed
+    assert "dense replicate 2 x fsdp 2, experts replicate 2 x efsdp 1 x ep 2" in printed, printed
+    assert json.loads(out.read_text())["sharding"] == "ep2 x fsdp2 x replicate2"

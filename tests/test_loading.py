@@ -272,6 +272,7 @@ def test_advice_builds_the_model_on_meta_when_the_whole_model_on_each_rank_does_
     assert not checkpointing.fits and "the run's peak is its loading phase" in checkpointing.description
 
 
+@pytest.mark.slow  # three CLI processes tracing an 8-rank plan: about 100 s on 2 cores
 def test_cli_stops_a_run_whose_loading_does_not_fit_and_names_the_fix(tmp_path):
     from tests.test_cli import run_cli
 

@@ -384,6 +384,7 @@ def test_a_ring_over_the_math_kernel_would_fail_and_says_why():
     assert "flash: sm_75 is outside" in str(err.value) and "efficient: head counts differ" in str(err.value)
 
 
+@pytest.mark.slow  # a search of traced ring plans: about 60 s on 2 cores
 def test_advice_under_a_ring_keeps_the_ring_and_offers_fsdp2_over_every_rank(monkeypatch):
     from conftest import only_options
 

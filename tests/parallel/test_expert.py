@@ -225,17 +225,24 @@ def test_token_counts_exchanged_in_a_fake_group_are_answered_as_if_every_rank_ro
     assert sums == [15, 15]
 
 
+def _moe_config(folder):
+    """The tests' Qwen3-MoE as a config file the CLI reads."""
+    import json
+
+    config = folder / "moe.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64,
+                                  "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": EXPERTS,
+                                  "num_experts_per_tok": TOP_K, "head_dim": 16, "max_position_embeddings": 64}))
+    return config
+
+
 def test_the_cli_plans_expert_parallelism(tmp_path, capsys):
     import json
 
     from preflight._cli import main
 
-    config = tmp_path / "moe.json"
-    config.write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64,
-                                  "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": EXPERTS,
-                                  "num_experts_per_tok": TOP_K, "head_dim": 16, "max_position_embeddings": 64}))
-    out = tmp_path / "ep.json"
+    config, out = _moe_config(tmp_path), tmp_path / "ep.json"
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--world-size",
                  "4", "--no-suggest", "--json", str(out)]) == 0
     assert "expert parallel degree 2" in capsys.readouterr().out
@@ -244,6 +251,22 @@ def test_the_cli_plans_expert_parallelism(tmp_path, capsys):
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--cp",
                  "2"]) == 2
     assert "not with --cp" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--tp",
+                 "4"]) == 2
+    assert "divides --ep's" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # three plans traced per rank from the command line: about 50 s on 2 cores
+def test_the_cli_plans_expert_parallelism_beside_tensor_parallelism_and_in_replicas(tmp_path, capsys):
+    import json
+
+    from preflight._cli import main
+
+    config, out = _moe_config(tmp_path), tmp_path / "ep.json"
+    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--world-size",
+                 "4", "--no-suggest", "--json", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
     # Beside transformers' tensor parallelism of the dense layers: the world is ep's ranks (tp's are among them).
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "4", "--tp", "2",
                  "--no-suggest", "--json", str(out)]) == 0
@@ -254,9 +277,6 @@ def test_the_cli_plans_expert_parallelism(tmp_path, capsys):
     assert len(with_tp["per_rank_peak_bytes"]) == 4 and not with_tp["coverage"]["lower_bound"]
     # The dense layers' activations are cut among the tensor-parallel ranks: each rank holds less.
     assert max(with_tp["per_rank_peak_bytes"]) < max(report["per_rank_peak_bytes"])
-    assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--tp",
-                 "4"]) == 2
-    assert "divides --ep's" in capsys.readouterr().err
     # In replicas (HSDP): the world defaults to ep's ranks times the replicas.
     assert main(["estimate", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--ep", "2", "--replicate",
                  "2", "--sharding", "fsdp2", "--no-suggest", "--json", str(out)]) == 0

@@ -1069,6 +1069,7 @@ def test_advice_cuts_the_pipeline_batch_finer_and_its_command_fits(tmp_path, cap
     assert main(first["command"][1:]) == 0, first
 
 
+@pytest.mark.slow  # every schedule traced beside tensor parallelism: about 60 s on 2 cores
 def test_beside_pp_x_tp_the_closed_form_of_the_first_stage_is_megatrons():
     """Megatron's theoretical memory report for 1F1B: Korthikanti et al.'s activations of one micro-batch per layer,
     for the first stage's layers times the micro-batches in flight there (as many as stages, so the whole model's

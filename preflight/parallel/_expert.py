@@ -192,25 +192,27 @@ def _engine(plan: EPPlan, world_size: int, tp: int = 1, replicate: int = 1, laid
 
 
 def _loaded_blocks(model: nn.Module) -> list[torch.Tensor]:
-    """What ``from_pretrained(distributed_config=...)`` keeps beside each dense parameter's FSDP2 shard. It reads
-    every dense weight whole on each rank and cuts the rank's piece with ``DtensorShardOperation.shard_tensor``
-    (``transformers.distributed.sharding_utils``): a slice of the whole weight, then ``.contiguous()``. Where the
-    piece is a contiguous run of the whole (rows: FSDP2's ``Shard(0)``, a column-wise ``Shard(0)`` beside it), the
-    shard stays a view and the whole weight is kept; where it is not (a row-wise plan's ``Shard(1)``), or is cut
-    from several ranges and concatenated (a ``_StridedShard`` whose piece is not one range), the shard is a copy of
-    its own bytes. Measured on 2
-    and 4 gloo processes with transformers 5.24: the local shard of ``q_proj.weight`` lives in a storage of the
-    whole weight's bytes; under tensor parallelism 2 the row-wise ``o_proj.weight``'s in one of its own size; the
-    experts' shards, laid out by the expert-parallel plan, in their own. So transformers' own cut is run on a meta
-    tensor of the whole weight, and the bytes its result keeps beyond the trace's shard are a block per parameter,
-    made in the trace's fake mode and held as long as the model."""
+    """What ``from_pretrained(distributed_config=...)`` keeps beside each dense parameter's shard (FSDP2's, tensor
+    parallelism's, or both). It reads every dense weight whole on each rank and cuts the rank's piece with
+    ``DtensorShardOperation.shard_tensor`` (``transformers.distributed.sharding_utils``): a slice of the whole
+    weight, then ``.contiguous()``. Where the piece is a contiguous run of the whole (rows: FSDP2's ``Shard(0)``, a
+    column-wise ``Shard(0)`` beside it), the shard stays a view and the whole weight is kept; where it is not (a
+    row-wise plan's ``Shard(1)``), or is cut from several ranges and concatenated (a ``_StridedShard`` whose piece
+    is not one range), the shard is a copy of its own bytes. Measured on 2 and 4 gloo processes with transformers
+    5.24: the local shard of ``q_proj.weight`` lives in a storage of the whole weight's bytes; under tensor
+    parallelism 2 the row-wise ``o_proj.weight``'s in one of its own size; the experts' shards, laid out by the
+    expert-parallel plan, in their own; without FSDP2 (``fsdp_size=1`` beside tensor parallelism) the column-wise
+    shards keep their whole weights the same way. So transformers' own cut is run on a meta tensor of the whole
+    weight, and the bytes its result keeps beyond the trace's shard are a block per parameter, made in the trace's
+    fake mode and held as long as the model."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import _disable_current_modes
     from transformers.distributed.sharding_utils import DtensorShardOperation
 
     blocks = []
     for p in model.parameters():
-        if not isinstance(p, DTensor) or "fsdp" not in (p.device_mesh.mesh_dim_names or ()):
+        # The experts' weights (on the experts' mesh) are laid out by the expert-parallel plan, not cut this way.
+        if not isinstance(p, DTensor) or {"ep", "efsdp"} & set(p.device_mesh.mesh_dim_names or ()):
             continue
         local = p.to_local()
         with _disable_current_modes():

@@ -171,11 +171,11 @@ def _gloo_worker(rank: int, world: int, port: int, queue, path: str, degree: int
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "degree", "tp", "replicate", "family"),
-                         [(2, 2, 1, 1, "qwen3_moe"), (4, 2, 1, 1, "qwen3_moe"), (4, 2, 2, 1, "qwen3_moe"),
-                          (4, 2, 1, 2, "qwen3_moe"), (4, 2, 2, 1, "mixtral")])
+                         [(2, 2, 1, 1, "qwen3_moe"), (4, 2, 1, 1, "qwen3_moe"), (2, 2, 2, 1, "qwen3_moe"),
+                          (4, 2, 2, 1, "qwen3_moe"), (4, 2, 1, 2, "qwen3_moe"), (4, 2, 2, 1, "mixtral")])
 def test_real_gloo_expert_parallel_per_rank_peak_within_3_percent(tmp_path, world, degree, tp, replicate, family):
     """Expert parallelism with transformers' FSDP2, with its tensor parallelism of the dense layers beside it (tp 2
-    with ep 2: each expert group FSDP-sharded over 2 ranks; ep 4 beside tp 2, each expert on one rank, is in
+    with ep 2 over 2 ranks: no FSDP2 at all; over 4: each expert group FSDP-sharded over 2 ranks; ep 4 beside tp 2, each expert on one rank, is in
     benchmarks/expert_parallel.py), and in 2 replicas (HSDP: dp_replicate_size=2); a second family (Mixtral)
     under TP x EP with its own plans."""
     model, batch = _moe(family=family)

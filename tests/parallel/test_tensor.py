@@ -720,37 +720,3 @@ def test_transformers_own_tensor_parallelism_is_read_inside_the_job(tmp_path):
     for rank in range(2):
         measured, inside = results[rank]
         assert abs(inside[rank] - measured) / measured <= 0.03, (rank, inside, measured)
-
-
-def _hf_ep_worker(rank: int, world: int, port: int, queue, path: str) -> None:
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    with gloo_rank(rank, world, port):
-        import os
-
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, ep_size=2))
-        ids = torch.randint(0, model.config.vocab_size, (2, 16))
-        try:
-            preflight.estimate(model, torch.optim.AdamW(model.parameters()), {"input_ids": ids, "labels": ids})
-            queue.put((rank, None))
-        except ValueError as err:
-            queue.put((rank, str(err)))
-
-
-@pytest.mark.slow
-def test_transformers_expert_parallelism_is_refused_by_name(tmp_path):
-    """A MoE laid out by transformers' expert parallelism beside its tensor parallelism is not traced yet: estimate
-    says so by name instead of tracing a layout it does not follow (expert parallelism with FSDP2 is read:
-    tests/parallel/test_expert.py)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       num_experts=4, num_experts_per_tok=2, head_dim=16,
-                                       max_position_embeddings=64)).save_pretrained(tmp_path / "moe")
-    results = spawned(_hf_ep_worker, 2, str(tmp_path / "moe"))
-    for rank in range(2):
-        assert results[rank] is not None and "expert parallelism" in results[rank], results[rank]
-        assert "beside tensor or pipeline parallelism" in results[rank]

@@ -911,8 +911,8 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         f" x replicate{replicate}" if replicate > 1 else "")
 
     def trace(rank: int) -> TraceResult:
-        return trace_ep(model, optimizer, batch, world_size=world_size, rank=rank, plan=ep, tp=tp,
-                        replicate=replicate, laid_out=laid_out, evaluation=evaluation, **traced_as)
+        return trace_ep(model, optimizer, batch, layout=layout, rank=rank, laid_out=laid_out, evaluation=evaluation,
+                        **traced_as)
 
     check_ep_model(model, ep)  # a ValueError naming a model transformers cannot lay out: the plan is wrong
     groups, traced, failed = _traced_groups(
@@ -922,7 +922,7 @@ def _ep_estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
         return _divided_lower_bound(model, optimizer, batch, options, failed, gpu_info=gpu_info,
                                     world_size=world_size, sharding=sharding,
                                     note=f"expert parallelism ({ep.label}): a rank could not be traced")
-    config = ep.config(world_size, tp, replicate)
+    config = layout.config()
     note = ("the model was already laid out by transformers' expert parallelism in this job: its plan was read "
             "from its config and each rank traced on a fake copy laid out again; " if laid_out else "")
     replicas = f"replicate {replicate} x " if replicate > 1 else ""

@@ -110,6 +110,10 @@ class EPLayout(NamedTuple):
     tp: int = 1
     replicate: int = 1
 
+    def config(self) -> Any:
+        """transformers' ``DistributedConfig`` of the layout (`EPPlan.config`)."""
+        return self.plan.config(self.world_size, self.tp, self.replicate)
+
     def describe(self) -> str:
         """For a message: the plan over the world, and what is beside it."""
         return (f"{self.plan.label} over {self.world_size} rank(s)"
@@ -163,8 +167,8 @@ def _as_before_layout(replica: nn.Module) -> None:
             vars(module).pop("forward", None)
 
 
-def _engine(plan: EPPlan, world_size: int, tp: int = 1, replicate: int = 1, laid_out: bool = False) -> Engine:
-    config = plan.config(world_size, tp, replicate)
+def _engine(layout: EPLayout, laid_out: bool = False) -> Engine:
+    config = layout.config()
 
     def wrap(replica: nn.Module, mesh: Any) -> nn.Module:
         if laid_out:
@@ -246,11 +250,8 @@ def trace_ep(
     optimizer: torch.optim.Optimizer,
     batch: Any,
     *,
-    world_size: int,
+    layout: EPLayout,
     rank: int,
-    plan: EPPlan,
-    tp: int = 1,
-    replicate: int = 1,
     laid_out: bool = False,
     step: StepFn | None,
     precision: str | None,
@@ -264,12 +265,11 @@ def trace_ep(
     loading: Loading | None = None,
     evaluation: Evaluation | None = None,
 ) -> TraceResult:
-    """Trace ``steps`` training steps of rank ``rank`` of ``world_size`` under expert parallelism (module
-    docstring), and the trainer's evaluation after them where ``evaluation`` gives one (`trace_rank`); the
-    arguments are `preflight.parallel.trace_cp`'s. ``tp``: the ranks transformers' tensor parallelism lays the
-    dense layers out over (1: none); ``replicate``: the replicas of the whole layout (HSDP; 1: none). ``laid_out``:
-    the model is one transformers already laid out (`read_ep`); its copy is put back as before the layout and laid
-    out again over the fake meshes.
+    """Trace ``steps`` training steps of rank ``rank`` of ``layout.world_size`` under expert parallelism (module
+    docstring) laid out as ``layout`` says (the plan, beside transformers' tensor parallelism and in replicas where
+    it says so), and the trainer's evaluation after them where ``evaluation`` gives one (`trace_rank`); the other
+    arguments are `preflight.parallel.trace_cp`'s. ``laid_out``: the model is one transformers already laid out
+    (`read_ep`); its copy is put back as before the layout and laid out again over the fake meshes.
 
     Raises:
         ValueError: the model is not a transformers mixture-of-experts model.
@@ -277,8 +277,8 @@ def trace_ep(
         LossNotFoundError, StepWouldFailError: as for `preflight.trace.trace_steps`.
         Exception: the user's own exception from their step (`preflight.trace._blame`).
     """
-    check_ep_model(model, plan)
-    return trace_rank(_engine(plan, world_size, tp, replicate, laid_out), model, optimizer, batch,
-                      world_size=world_size, rank=rank, step=step, precision=precision, steps=steps,
-                      schedule=schedule, record_op=record_op, routing=routing, cuda=cuda, sweep=sweep,
-                      checkpoint=checkpoint, loading=loading, evaluation=evaluation)
+    check_ep_model(model, layout.plan)
+    return trace_rank(_engine(layout, laid_out), model, optimizer, batch, world_size=layout.world_size, rank=rank,
+                      step=step, precision=precision, steps=steps, schedule=schedule, record_op=record_op,
+                      routing=routing, cuda=cuda, sweep=sweep, checkpoint=checkpoint, loading=loading,
+                      evaluation=evaluation)

@@ -80,6 +80,11 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
     from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
 
+    import importlib
+
+    # Its shared-memory kernel serves only inference all-reduce, and its just-in-time build can leave a stale lock
+    # that hangs later runs (benchmarks/deepspeed_trainers.py's PROLOGUE): training's collectives are gloo's.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(f"{_CALL}build"):

@@ -17,7 +17,8 @@ each rank's prediction against its own measurement, over 3 fresh 2-process runs 
 
 The model is a GPT-2 (2 layers, hidden 64, vocab 500), batch 2 x 32 tokens (HF) or 4 x 32 (Lightning), AdamW,
 ``reduce_bucket_size`` 1e6. DeepSpeed is a dev dependency (``pip install -e ".[dev]"``); its CPU accelerator talks
-gloo when oneCCL is absent (``DS_ACCELERATOR=cpu``).
+gloo when oneCCL is absent (``DS_ACCELERATOR=cpu``); the runs skip building its shared-memory kernel, which
+serves only inference all-reduce (`PROLOGUE`).
 
 Run: python benchmarks/deepspeed_trainers.py          (about 4 minutes on 2 CPU cores)
 Writes benchmarks/results/deepspeed_trainers.md and prints the same table. ``--runs 1`` for a quick look.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,9 +43,20 @@ ACCELERATE_CONFIGS = [("accelerate", stage, "32-true") for stage in (2, 3)]
 LIGHTNING_CONFIGS = [("lightning", stage, precision) for precision in ("32-true", "bf16-mixed", "16-mixed")
                      for stage in (2, 3)]
 
+PROLOGUE = """
+import os
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import importlib
+# DeepSpeed's shared-memory all-reduce kernel serves only TorchBackend.inference_all_reduce; the training's
+# collectives are torch.distributed's (gloo) with or without it. It is built just in time (minutes on 2 cores)
+# under a file lock in ~/.cache/torch_extensions that a run killed mid-build leaves behind, and every later run
+# then waits on that lock forever: these runs do without it.
+# (deepspeed.comm.torch, written as an attribute, is the torch package that deepspeed.comm re-exports.)
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+"""
+
 HF_SCRIPT = """
 import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, torch.distributed as dist, transformers
 from transformers import Trainer, TrainingArguments
 import preflight
@@ -101,7 +114,6 @@ torch.distributed.destroy_process_group()  # gloo's threads otherwise may abort 
 
 LIGHTNING_SCRIPT = """
 import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import reset_seed
@@ -172,7 +184,6 @@ if torch.distributed.is_initialized():
 
 ACCELERATE_SCRIPT = """
 import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -232,6 +243,21 @@ def unsupported(precision: str) -> str | None:
     return f"DeepSpeed's CPU accelerator does not support {precision} on this CPU (no oneDNN kernels for it)"
 
 
+def _run(args: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True)``, but a run past ``timeout`` is killed with every
+    process it started (torchrun's and Lightning's ranks too), not just the launcher, before TimeoutExpired is
+    raised: a rank left behind would hold its port and CPU through the runs that follow."""
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             **kwargs)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        raise
+    return subprocess.CompletedProcess(args, child.returncode, out, err)
+
+
 def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathLike,
                callback: str = "with") -> list[dict]:
     """One fresh 2-process run of ``trainer`` (``"hf"``, ``"lightning"`` or ``"accelerate"``) at ZeRO ``stage`` and
@@ -241,12 +267,11 @@ def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathL
     for old in workdir.glob("rank*.json"):
         old.unlink()
     script = workdir / f"{trainer}_deepspeed.py"
-    script.write_text(SCRIPTS[trainer])
+    script.write_text(PROLOGUE + SCRIPTS[trainer])
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
               if trainer != "lightning" else [sys.executable])
-    done = subprocess.run([*launch, str(script), str(stage), precision, callback], env=env, capture_output=True,
-                          text=True, timeout=400, cwd=workdir)
+    done = _run([*launch, str(script), str(stage), precision, callback], env=env, timeout=400, cwd=workdir)
     written = all((workdir / f"rank{rank}.json").exists() for rank in (0, 1))
     # DeepSpeed runs on CPU processes sometimes abort at interpreter exit, after training, with or without preflight
     # (Lightning ZeRO-3 16-mixed: 3 of 30 runs without the callback here, 3 of 66 with it): such a run's records

@@ -401,7 +401,8 @@ def _one_rank_warnings(args: argparse.Namespace, sharding: str | None, offload: 
 
 def _config_dtype_warnings(args: argparse.Namespace, config: Any, param_dtype: str, reason: str) -> list[str]:
     """A warning when the config names a dtype other than the one planned with (the config is not obeyed)."""
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers >= 4.56 names it dtype (reading torch_dtype there logs a deprecation); older ones torch_dtype
+    named = getattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", None)
     named = str(named).removeprefix("torch.") if named is not None else None
     if named is None or named == "auto" or named == param_dtype or args.param_dtype is not None:
         return []

@@ -15,10 +15,11 @@ process-wide state as a side effect of something else:
 CPU generator and, where CUDA is initialised, every CUDA device's generator through `CudaRng`, replaceable for
 tests, restored), and on exit puts back torch's grad mode and default dtype, ``warnings.filters``, and for the root
 logger and every logger that existed before: its level, handlers, filters, ``propagate`` and ``disabled``, plus
-``logging.disable``'s level. It guards preflight's work only: the callbacks wrap their own hooks, never the user's
-training step that runs between them. The per-step verification hooks that open and close a measured window are
-not wrapped (the guard's own snapshot would be an allocation inside the window); the work they finish with
-(`preflight.verdict.VerifySession.finish`: traces, the printed report) is.
+``logging.disable``'s level. Each distinct warning raised in the window is shown once (`_each_warning_once`): the
+per-rank traces of one estimate would otherwise repeat it once per rank. It guards preflight's work only: the
+callbacks wrap their own hooks, never the user's training step that runs between them. The per-step verification
+hooks that open and close a measured window are not wrapped (the guard's own snapshot would be an allocation inside
+the window); the work they finish with (`preflight.verdict.VerifySession.finish`: traces, the printed report) is.
 
 Known limitations: loggers first created inside the window (by a library's import) keep the configuration their
 library gave them; "once" warning registries are not restored (a warning preflight triggered may not repeat).
@@ -54,6 +55,7 @@ def untouched() -> Iterator[None]:
     saved_grad, saved_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     saved_filters = list(warnings.filters)
     saved_logging = _logging_state()
+    shown = _each_warning_once()
     try:
         # preflight's work is a training run's, whatever mode the caller is in: tensors made under inference mode
         # could never require grad.
@@ -68,6 +70,32 @@ def untouched() -> Iterator[None]:
             if mutated is not None:
                 mutated()  # drop the decisions cached under the filters preflight's window had
         _restore_logging(saved_logging)
+        shown.close()
+
+
+class _each_warning_once:
+    """While open, each distinct warning (category, text, file, line) is shown once, as it is raised, as Python's
+    "default" action shows a warning once per location. Without it, a warning the traced code raises on every rank's
+    trace (or every candidate set-up's) prints once per trace: each ``catch_warnings`` exit inside the window
+    (preflight's own, a library's) invalidates the registries that keep a shown warning from repeating. Filters
+    apply as before (an ``"error"`` filter raises, ``"ignore"`` drops); a ``catch_warnings(record=True)`` opened
+    inside records every warning as it would."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[type[Warning], str, str, int]] = set()
+        self._previous = warnings.showwarning
+        warnings.showwarning = self._show
+
+    def _show(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              file: Any = None, line: str | None = None) -> None:
+        key = (category, str(message), filename, lineno)
+        if key not in self._seen:
+            self._seen.add(key)
+            self._previous(message, category, filename, lineno, file, line)
+
+    def close(self) -> None:
+        if warnings.showwarning == self._show:  # not if something in the window put its own in place and kept it
+            warnings.showwarning = self._previous
 
 
 def _logging_state() -> tuple[int, dict[str, tuple[logging.Logger, tuple[Any, ...]]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -246,6 +247,26 @@ def test_parameter_dtype_follows_the_precision_not_the_config(fp16_config, tmp_p
     assert f"parameters in {dtype}" in captured.out
     assert ("says dtype float16" in captured.err) == warns
     assert bool(report["warnings"]) == warns
+
+
+def test_a_config_that_names_dtype_is_not_read_through_its_deprecated_torch_dtype():
+    # transformers >= 4.56 logs "`torch_dtype` is deprecated! Use `dtype` instead!" on every read of torch_dtype:
+    # a config with dtype (None: not named) is read through it alone; an older one through torch_dtype.
+    from preflight._cli import _config_dtype_warnings
+
+    class New:
+        dtype = None
+
+        @property
+        def torch_dtype(self):
+            raise AssertionError("torch_dtype read")
+
+    class Old:
+        torch_dtype = "float16"
+
+    args = argparse.Namespace(param_dtype=None, precision=None, hf_config="c.json")
+    assert _config_dtype_warnings(args, New(), "float32", "the default") == []
+    assert "says dtype float16" in _config_dtype_warnings(args, Old(), "float32", "the default")[0]
 
 
 def test_param_dtype_that_contradicts_a_true_precision_is_a_usage_error(config, capsys):

@@ -73,14 +73,14 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import importlib
+
     import deepspeed
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
-
-    import importlib
 
     # Its shared-memory kernel serves only inference all-reduce, and its just-in-time build can leave a stale lock
     # that hangs later runs (benchmarks/deepspeed_trainers.py's PROLOGUE): training's collectives are gloo's.

@@ -55,11 +55,10 @@ def untouched() -> Iterator[None]:
     saved_grad, saved_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     saved_filters = list(warnings.filters)
     saved_logging = _logging_state()
-    shown = _each_warning_once()
     try:
         # preflight's work is a training run's, whatever mode the caller is in: tensors made under inference mode
         # could never require grad.
-        with isolated_rng(cuda=CUDA), torch.inference_mode(False):
+        with isolated_rng(cuda=CUDA), torch.inference_mode(False), _each_warning_once():
             yield
     finally:
         torch.set_grad_enabled(saved_grad)
@@ -70,32 +69,32 @@ def untouched() -> Iterator[None]:
             if mutated is not None:
                 mutated()  # drop the decisions cached under the filters preflight's window had
         _restore_logging(saved_logging)
-        shown.close()
 
 
-class _each_warning_once:
+@contextlib.contextmanager
+def _each_warning_once() -> Iterator[None]:
     """While open, each distinct warning (category, text, file, line) is shown once, as it is raised, as Python's
     "default" action shows a warning once per location. Without it, a warning the traced code raises on every rank's
     trace (or every candidate set-up's) prints once per trace: each ``catch_warnings`` exit inside the window
     (preflight's own, a library's) invalidates the registries that keep a shown warning from repeating. Filters
     apply as before (an ``"error"`` filter raises, ``"ignore"`` drops); a ``catch_warnings(record=True)`` opened
     inside records every warning as it would."""
+    seen: set[tuple[type[Warning], str, str, int]] = set()
+    previous = warnings.showwarning
 
-    def __init__(self) -> None:
-        self._seen: set[tuple[type[Warning], str, str, int]] = set()
-        self._previous = warnings.showwarning
-        warnings.showwarning = self._show
-
-    def _show(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
-              file: Any = None, line: str | None = None) -> None:
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
         key = (category, str(message), filename, lineno)
-        if key not in self._seen:
-            self._seen.add(key)
-            self._previous(message, category, filename, lineno, file, line)
+        if key not in seen:
+            seen.add(key)
+            previous(message, category, filename, lineno, file, line)
 
-    def close(self) -> None:
-        if warnings.showwarning == self._show:  # not if something in the window put its own in place and kept it
-            warnings.showwarning = self._previous
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:  # not if something in the window put its own in place and kept it
+            warnings.showwarning = previous
 
 
 def _logging_state() -> tuple[int, dict[str, tuple[logging.Logger, tuple[Any, ...]]]]:

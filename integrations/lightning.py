@@ -474,7 +474,8 @@ def _checkpoint(trainer: pl.Trainer) -> Checkpoint | None:
     """How the trainer saves: None without a ``ModelCheckpoint`` (``enable_checkpointing=False``); the optimizer's
     state unless every one saves weights only; ``FSDPStrategy``'s ``state_dict_type`` (``"full"`` by default,
     gathered to rank 0's host memory), ``ModelParallelStrategy``'s distributed checkpoint (sharded) unless
-    ``save_distributed_checkpoint=False``."""
+    ``save_distributed_checkpoint=False``, ``DeepSpeedStrategy``'s partitions (``engine.save_checkpoint``: sharded,
+    the model never consolidated)."""
     callbacks = list(getattr(trainer, "checkpoint_callbacks", None) or [])
     if not callbacks:
         return None
@@ -485,6 +486,8 @@ def _checkpoint(trainer: pl.Trainer) -> Checkpoint | None:
         state_dict = getattr(trainer.strategy, "_state_dict_type", "full")
     elif "ModelParallelStrategy" in names:
         state_dict = "sharded" if getattr(trainer.strategy, "_save_distributed_checkpoint", True) else "full"
+    elif "DeepSpeedStrategy" in names:
+        state_dict = "sharded"
     return Checkpoint(optimizer=not weights_only,
                       state_dict=state_dict if state_dict in ("full", "sharded") else "full")
 

@@ -24,6 +24,11 @@ What a save holds on the device, read from the engines' source (torch 2.13):
   (``full_tensor()``), moved to the host with ``cpu_offload`` and then kept by rank 0 alone; without it every rank
   keeps every full tensor. A sharded state dict is each rank's own shards.
 
+- **DeepSpeed** (a ZeRO plan, whose partitioned model is not traced): counted from DeepSpeed's source after the
+  rescaled steps (`preflight.parallel._deepspeed.deepspeed_save`): ``"full"`` is the HF Trainer's ``save_model``
+  (ZeRO-3's 16-bit gather when the config asks for it, ZeRO-1/2's clone of the state dict), ``"sharded"`` each
+  rank's partitions alone (Lightning's ``DeepSpeedStrategy``).
+
 Host memory is not device memory: on a CUDA target the trace runs on CPU tensors, where a copy to the host cannot
 be told from the device, so the entries a save made and moved to the host (``offload_to_cpu``) are taken off the
 device figure (`preflight.trace`'s save phase does it), and the note says so.
@@ -54,8 +59,9 @@ class Checkpoint:
             ``save_only_model``, Lightning's ``save_weights_only``).
         state_dict: under FSDP or tensor parallelism, ``"full"`` (``FULL_STATE_DICT``, ``full_state_dict=True``:
             the whole model gathered, Lightning's ``FSDPStrategy`` default and accelerate's FSDP1 default) or
-            ``"sharded"`` (each rank saves its own shards: ``SHARDED_STATE_DICT``, distributed checkpoint). Ignored on
-            one device.
+            ``"sharded"`` (each rank saves its own shards: ``SHARDED_STATE_DICT``, distributed checkpoint). Under
+            DeepSpeed, ``"full"`` is the HF Trainer's save (the model consolidated as DeepSpeed does it, whatever
+            the two options below say) and ``"sharded"`` the partitions alone. Ignored on one device.
         offload_to_cpu: a full state dict is gathered into host memory (FSDP1's ``offload_to_cpu``, DCP's
             ``cpu_offload``), as accelerate and Lightning save on more than one rank; False keeps it on the device.
         rank0_only: with a full state dict, only rank 0 keeps it (FSDP1's ``rank0_only``; DCP keeps it on rank 0

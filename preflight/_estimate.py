@@ -23,8 +23,8 @@ from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
 from preflight._steps import Evaluation, LossNotFoundError, StepFn, check_step, with_optimizer_impl
-from preflight._target import (add_workspaces, check_sharding, cuda_terms, per_rank_breakdown, resolve_gpu,
-                               round_events, shard_events)
+from preflight._target import (add_workspaces, check_sharding, cuda_terms, deepspeed_save_events, per_rank_breakdown,
+                               resolve_gpu, round_events, shard_events)
 from preflight._units import format_bytes
 from preflight.allocator import AllocatorConfig
 from preflight.cuda import CudaTarget, cudnn_workspace_note
@@ -34,7 +34,7 @@ from preflight.parallel import (FSDP1Plan, FSDP2Plan, ProcessGroupInUseError, Wr
 from preflight.parallel import read_ddp, read_zero, trace_fsdp1, trace_fsdp2, zero_plan
 from preflight.parallel._context import CPPlan, cp_rank_groups, sequence_tensors, trace_cp
 from preflight.parallel._expert import EPLayout, check_ep_model, ep_rank_groups, read_ep, trace_ep
-from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_settings, deepspeed_terms
+from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_save, deepspeed_settings, deepspeed_terms
 from preflight.parallel._pipeline import (JobPipeline, PPPlan, StageMetasError, gather_over, job_stage_metas, read_pp,
                                          stage_rank_groups, trace_pp, trace_pp_in_job)
 from preflight.parallel._tensor import (TPPlan, WrappedTP, closed_form_activations, read_tp, tp_mesh, tp_rank_groups,
@@ -373,6 +373,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         notes.append(note)
     unsharded = None
     whole = events  # the model as one device holds it, before a sharding rescales it
+    others = None  # the other ranks' events, where a save under DeepSpeed makes rank 0's differ
     if sharding is not None:
         unsharded = summarize_events(round_events(events) if target.type == "cuda" else events, categories)[0]
         terms, terms_notes = deepspeed_terms(model, sharding, ds, precision, shard_ranks, offload)
@@ -380,12 +381,28 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
                                                 dtype=float_dtype_for(precision), **offload, **terms,
                                                 gradient_as_bucket_view=gradient_as_bucket_view)
         notes.extend([note, *terms_notes])
+        saved = None if run.checkpoint is None else deepspeed_save(
+            model, sharding, ds, precision, shard_ranks, state_dict=run.checkpoint.state_dict,
+            host_is_device=target.type == "cpu")
+        if saved is not None:  # DeepSpeed's own save: counted from its source after the rescaled steps
+            notes.append(saved.note())
+            if saved.rank0 != saved.others and world_size > 1:
+                others = deepspeed_save_events(events, categories, saved, terms["zero3"], rank0=False)[0]
+            events, categories = deepspeed_save_events(events, categories, saved, terms["zero3"], rank0=True)
     reserved = total = None
     if target.type == "cuda":
         events = round_events(events)
+        others = None if others is None else round_events(others)
     nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
+    if others is not None and saving is not None:
+        other = _saving(others, categories, saves=True, target=target, gpu_info=gpu_info, allocator=allocator,
+                        nccl=nccl, notes=notes)[1]
+        saving = dataclasses.replace(saving, per_rank_peak_bytes=(saving.peak_bytes,) + (other.peak_bytes,) * (
+            world_size - 1), peak_rank=0 if saving.peak_bytes >= other.peak_bytes else 1)
+        if other.peak_bytes > saving.peak_bytes:
+            saving = dataclasses.replace(other, per_rank_peak_bytes=saving.per_rank_peak_bytes, peak_rank=1)
     loading = None
     if options["loading"] is not None:
         loading, note = _counted_loading(options["loading"], events,

@@ -186,14 +186,22 @@ def repaired_memory_peak(prof: Any) -> int:
     return replayed_peak([(nbytes, ptr) for _, nbytes, ptr in allocations])
 
 
-def lost_free_peaks(prof: Any, alive: set[int], call_prefix: str) -> tuple[int, int, int]:
+def lost_free_peaks(prof: Any, alive: set[int], call_prefix: str, *,
+                    within: str | None = None) -> tuple[int, int, int]:
     """The peak of a profiled session three ways, for runs whose collectives free blocks on gloo's worker threads,
     where the profiler loses the free (`repaired_memory_peak`): ``(repaired, lost frees at call end, lost frees
     dropped)``, from `placed_peaks` over the session's CPU allocations and its ranges named with ``call_prefix``
     (``record_function(call_prefix + "forward")``, ...). ``alive``: the storage addresses of the tensors alive at
-    the end (e.g. from ``gc.get_objects()``)."""
+    the end (e.g. from ``gc.get_objects()``). ``within``: the peak inside the range named ``call_prefix +
+    within`` alone (e.g. ``"save"``), what was alive when it began counted."""
     allocations, calls = _profiled_allocations(prof, call_prefix)
-    return placed_peaks(allocations, calls, alive)
+    window = None
+    if within is not None:
+        spans = _profiled_allocations(prof, call_prefix + within)[1]
+        if len(spans) != 1:
+            raise ValueError(f"{len(spans)} ranges are named {call_prefix + within!r} in the profile, not one.")
+        window = spans[0]
+    return placed_peaks(allocations, calls, alive, window=window)
 
 
 @contextlib.contextmanager
@@ -314,7 +322,7 @@ def freed_addresses(prof: Any) -> set[int]:
 
 
 def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int, int]],
-                 alive: set[int]) -> tuple[int, int, int]:
+                 alive: set[int], *, window: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """``(repaired, lost frees at call end, lost frees dropped)`` peaks of ``(time, nbytes, address)`` allocation
     (> 0) and free (< 0) events in time order, with ``calls`` the ``(start, end)`` times of the profiled phases.
 
@@ -326,6 +334,7 @@ def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int,
     when that comes first: gloo's worker loop drops a finished collective right after running it, and the engines
     wait for each collective inside the phase that issued it, so this is the latest such a free can happen;
     ``dropped`` leaves lost blocks out (a lower bound). Where the last two agree, no lost block is alive at the peak.
+    ``window``: ``(start, end)`` times; the peak between them alone, what was alive at ``start`` counted.
 
     Example:
         >>> placed_peaks([(0, 10, 1), (1, 20, 2), (5, 30, 3)], [(0, 2)], alive={3})  # 1 and 2: lost in the call
@@ -346,7 +355,15 @@ def placed_peaks(allocations: list[tuple[int, int, int]], calls: list[tuple[int,
             placed.append((at, -nbytes, ptr))
     placed.sort(key=lambda a: a[0])
     dropped = [a for i, a in enumerate(allocations) if i not in lost]
-    return tuple(replayed_peak([(nbytes, ptr) for _, nbytes, ptr in replay])  # type: ignore[return-value]
+    def counted(replay: list[tuple[int, int, int]]) -> list[bool] | None:
+        if window is None:
+            return None
+        before = [i for i, (when, _, _) in enumerate(replay) if when < window[0]]
+        return [window[0] <= when <= window[1] or (bool(before) and i == before[-1])
+                for i, (when, _, _) in enumerate(replay)]
+
+    return tuple(replayed_peak([(nbytes, ptr) for _, nbytes, ptr in replay],  # type: ignore[return-value]
+                               counted=counted(replay))
                  for replay in (allocations, placed, dropped))
 
 
@@ -447,18 +464,20 @@ def frees_placed(allocations: list[tuple[int, int, int]], handed: set[int], ends
     return [(nbytes, ptr) for _, _, nbytes, ptr in placed]
 
 
-def replayed_peak(events: list[tuple[int, int]]) -> int:
+def replayed_peak(events: list[tuple[int, int]], counted: list[bool] | None = None) -> int:
     """The peak of live bytes over ``(nbytes, address)`` allocation (> 0) and free (< 0) events in time order, where
-    an allocation at an address still live frees the block there first (its free was not recorded)."""
+    an allocation at an address still live frees the block there first (its free was not recorded). ``counted``:
+    the events after which the live bytes count toward the peak (all of them by default)."""
     live = peak = 0
     sizes: dict[int, int] = {}  # address -> bytes of the block live there
-    for nbytes, ptr in events:
+    for i, (nbytes, ptr) in enumerate(events):
         if nbytes > 0:
             live += nbytes - sizes.get(ptr, 0)
             sizes[ptr] = nbytes
         else:
             live -= sizes.pop(ptr, -nbytes)  # a block allocated before the session: its size as recorded
-        peak = max(peak, live)
+        if counted is None or counted[i]:
+            peak = max(peak, live)
     return peak
 
 

@@ -49,7 +49,8 @@ import os
 from typing import Any
 
 __all__ = ["SHARDED_STATES", "SHARDING_CHOICES", "ShardedState", "Zero3Terms", "ZeroBuffers", "hf_hidden_size",
-           "model_state_bytes", "read_deepspeed_config", "shard_breakdown", "zero3_terms", "zero_buffers"]
+           "model_state_bytes", "read_deepspeed_config", "shard_breakdown", "zero3_consolidation", "zero3_terms",
+           "zero_buffers"]
 
 SHARDING_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad-op", "fsdp2")
 
@@ -312,6 +313,7 @@ _DS_DEFAULTS: dict[str, Any] = {
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_model_persistence_threshold": 2**63 - 1,  # sys.maxsize: no cap on the persistent parameters together
     "sub_group_size": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
 }
 _DS_ELEMENT_COUNTS = (
     "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
@@ -373,8 +375,9 @@ def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | N
         ``"nvme"``), ``overlap_comm`` (DeepSpeed: True for stage 3, else False), ``contiguous_gradients``,
         ``reduce_scatter``, the element counts ``reduce_bucket_size``, ``allgather_bucket_size``,
         ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``,
-        ``stage3_max_reuse_distance``, ``stage3_model_persistence_threshold``, ``sub_group_size``, and ``bf16`` /
-        ``fp16`` (None when ``"auto"``).
+        ``stage3_max_reuse_distance``, ``stage3_model_persistence_threshold``, ``sub_group_size``,
+        ``stage3_gather_16bit_weights_on_model_save`` (None when ``"auto"``, which accelerate fills from its
+        plugin), and ``bf16`` / ``fp16`` (None when ``"auto"``).
 
     Raises:
         ValueError: the stage is not 0-3, an offload device is unknown, or ``obj`` is not a config.
@@ -426,6 +429,8 @@ def read_deepspeed_config(obj: dict | str | os.PathLike, *, hidden_size: int | N
     }
     for key, default in _DS_DEFAULTS.items():
         value = zero.get(key, default)
+        if key == "stage3_gather_16bit_weights_on_model_save" and key not in zero:  # DeepSpeed's deprecated name
+            value = zero.get("stage3_gather_fp16_weights_on_model_save", default)
         if value == "auto":
             value = auto_values.get(key)
         elif key in _DS_ELEMENT_COUNTS:
@@ -653,6 +658,68 @@ def zero3_terms(ds: dict[str, Any], params: list[tuple[int, int, bool]], modules
            f"order); fp32 gradient of the largest sub-group {terms['step_grad_bytes']:,} B in each optimizer step and "
            "until the first")
     return Zero3Terms(**terms, how=how)
+
+
+def zero3_consolidation(params: list[tuple[int, int]], walk: list[list[int]], *, world_size: int, itemsize: int,
+                        keep: bool, staged: bool = False) -> list[tuple[int, int]]:
+    """The device allocations and frees of ZeRO-3's 16-bit consolidation of the model, in order, counted from
+    DeepSpeed 0.19.8's source: what ``save_16bit_model`` and accelerate's ``get_state_dict`` (the HF Trainer's
+    ``save_model``) run when ``stage3_gather_16bit_weights_on_model_save`` is on.
+
+    Args:
+        params: every parameter once, as ``(id, numel)``.
+        walk: the parameters each module owns directly (``recurse=False``), modules in the order
+            ``_zero3_consolidated_16bit_state_dict`` visits them (``named_children``, depth first, the module
+            before its children; a module reached twice is visited twice).
+        world_size: ranks the parameters are partitioned over.
+        itemsize: bytes per element of the parameters as DeepSpeed holds them (2 with bf16 / fp16 enabled).
+        keep: the rank keeps what it gathers (rank 0 when the device is the host: ``param.detach().cpu()`` is the
+            gathered tensor itself on a CPU); False on the other ranks, and on rank 0 when ``.cpu()`` copies to the
+            host.
+        staged: the process group stages each all-gather's output in a tensor of its own, freed when the
+            collective ends: gloo does (a CPU run; measured here, torch 2.13: ``all_gather_into_tensor`` into an
+            8 MiB output allocates an 8 MiB block for the collective), NCCL writes into the output. The stages
+            of one module's parameters are counted alive together (its gathers are launched before any is
+            waited on; gloo may run them one after the other, so this is an upper bound by all but the largest).
+
+    Returns:
+        ``(key, nbytes)`` in order: an allocation (``nbytes > 0``) or the free of the allocation with that key
+        (``nbytes < 0``). Keys are indices into ``params``' gathered copies, unique per allocation.
+
+    From the source (``engine.py _zero3_consolidated_16bit_state_dict``, ``partition_parameters.py``): each module's
+    own parameters are gathered together (``GatheredParameters(module_params, modifier_rank=0)`` ->
+    ``_allgather_params_coalesced``), each into a flat tensor of its padded size, ``ceil(numel / world_size) *
+    world_size`` elements, that the parameter then views; on leaving the context rank 0 broadcasts them in place
+    and every rank partitions them again, freeing the flat tensors (``free_param``), except what a reference still
+    holds: rank 0's state dict entry (``.cpu()`` of the view). A parameter shared with a module visited earlier
+    (tied weights, the same ``ds_id``) is gathered again and not kept twice. The caller places the prologue and the
+    epilogue around these (`preflight._target.zero3_save_events`): ``checkpoint_event_prologue`` partitions every
+    parameter first, the persistent ones too, and ``checkpoint_event_epilogue`` gathers the persistent ones again.
+
+    Example:
+        >>> zero3_consolidation([(1, 10), (2, 3)], [[1], [2, 1]], world_size=2, itemsize=4, keep=True)
+        [(0, 40), (1, 16), (2, 40), (2, -40)]
+    """
+    _check_int("world_size", world_size, 1)
+    numel = dict(params)
+    out: list[tuple[int, int]] = []
+    kept: set[int] = set()
+    for module in walk:
+        transient, stages = [], []
+        for pid in sorted(set(module), key=module.index):  # GatheredParameters: each parameter once
+            key, nbytes = len(out), itemsize * world_size * _ceil_div(numel[pid], world_size)
+            out.append((key, nbytes))
+            if keep and pid not in kept:
+                kept.add(pid)
+            else:
+                transient.append((key, -nbytes))
+            if staged:
+                stages.append(nbytes)
+        first = len(out)
+        out.extend((first + i, nbytes) for i, nbytes in enumerate(stages))
+        out.extend((first + i, -nbytes) for i, nbytes in enumerate(stages))
+        out.extend(transient)
+    return [(key, nbytes) for key, nbytes in out if nbytes]
 
 
 def hf_hidden_size(model: Any) -> int | None:

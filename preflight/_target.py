@@ -55,9 +55,10 @@ from preflight._result import Category, Event
 from preflight.cuda import WORKSPACE_UIDS, cublas_workspace_bytes, with_workspaces
 from preflight._sharding import SHARDED_STATES, SHARDING_CHOICES, Zero3Terms, ZeroBuffers, shard_breakdown
 from preflight.allocator import AllocatorConfig, simulate
+from preflight.parallel._deepspeed import DeepSpeedSave
 
-__all__ = ["CudaTerms", "add_workspaces", "check_sharding", "cuda_terms", "per_rank_breakdown", "resolve_gpu",
-           "round_events", "shard_events"]
+__all__ = ["CudaTerms", "add_workspaces", "check_sharding", "cuda_terms", "deepspeed_save_events", "per_rank_breakdown",
+           "resolve_gpu", "round_events", "shard_events"]
 
 _BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
@@ -187,6 +188,8 @@ _GATHERED_UID, _DDP_BUCKETS_UID, _ZERO_BUFFERS_UID = -(2**62), -(2**62) + 1, -(2
 # persistent and gathered parameters from the second step, the initial fp32 gradient, each step's fp32 gradient.
 _Z3_MASTER, _Z3_GRADS, _Z3_FIRST, _Z3_STEADY, _Z3_INIT_GRAD, _Z3_STEP_GRAD = (-(2**62) + 3 + i for i in range(6))
 _Z12_MASTER = -(2**62) + 9  # stages 1 and 2: the fp32 partition copy
+_Z3_REGATHERED = -(2**62) + 10  # ZeRO-3's persistent parameters gathered again after a save
+_DS_SAVE_UID = -(2**61)  # a DeepSpeed save's allocations: this minus their key
 
 
 def zero12_master_bytes(model: nn.Module, world_size: int) -> int:
@@ -289,6 +292,40 @@ def shard_events(events: Sequence[Event], categories: dict[int, Category], model
             gradients = {uid for uid, c in categories.items() if c is Category.GRADIENTS}
             out = _during_backward(out, Event(_ZERO_BUFFERS_UID, zero_buffers.nbytes, -1, ""), gradients)
     return extra + out, categories, note
+
+
+def deepspeed_save_events(events: Sequence[Event], categories: dict[int, Category], save: DeepSpeedSave,
+                          z: Zero3Terms | None, *, rank0: bool) -> tuple[list[Event], dict[int, Category]]:
+    """One rank's ``events`` (`shard_events`' output, ending with the training steps) followed by a checkpoint save
+    under DeepSpeed (`preflight.parallel._deepspeed.deepspeed_save`), in the phase ``"save"``, and their categories.
+    ``rank0``: rank 0's save, else another rank's. ``z``: the ZeRO-3 terms the events hold (None at stages 1 and
+    2). At stage 3 the save starts from the state the step leaves: the non-persistent parameters released after
+    their last use in the backward (``partitioned_param_coordinator.py __params_to_release``: their next use is
+    past the recorded trace) and the persistent ones gathered (``stage3.py _post_step``), where the steps' events
+    keep the gathered parameters of the step (`_with_zero3`) to its end; a consolidation partitions the persistent
+    ones first and gathers them again after it (``checkpoint_event_prologue`` / ``_epilogue``)."""
+    at = events[-1] if events else Event(0, 0, -1, "setup")
+
+    def event(uid: int, nbytes: int) -> Event:
+        return Event(uid, nbytes, at.op, "save")
+
+    out = list(events)
+    categories = dict(categories)
+    persistent = z.persistent_bytes if z is not None else 0
+    if z is not None:
+        alive: dict[int, int] = {}
+        for e in events:
+            if e.uid in (_Z3_FIRST, _Z3_STEADY):
+                alive[e.uid] = alive.get(e.uid, 0) + e.nbytes
+        out += [event(uid, -n) for uid, n in alive.items() if n > 0]
+        out.append(event(_Z3_REGATHERED, persistent))
+        categories[_Z3_REGATHERED] = Category.COMMUNICATION
+    if save.consolidates:
+        out.append(event(_Z3_REGATHERED, -persistent))
+    out += [event(_DS_SAVE_UID - key, nbytes) for key, nbytes in (save.rank0 if rank0 else save.others)]
+    if save.consolidates:
+        out.append(event(_Z3_REGATHERED, persistent))
+    return [e for e in out if e.nbytes], categories
 
 
 def _with_zero3(events: list[Event], z: Zero3Terms) -> list[Event]:

@@ -4,9 +4,11 @@ the trainers and the CLI say that a run saves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -231,6 +233,11 @@ def test_the_hf_trainer_says_how_it_saves():
     fsdp.state_dict_type = types.SimpleNamespace(name="FULL_STATE_DICT")
     fsdp.state_dict_config = types.SimpleNamespace(offload_to_cpu=False, rank0_only=False)
     assert _checkpoint(trainer, args) == Checkpoint(optimizer=False, offload_to_cpu=False, rank0_only=False)
+    # Under DeepSpeed the Trainer's save_model consolidates the model (accelerate's get_state_dict), then
+    # save_checkpoint writes the partitions: a full state dict as DeepSpeed makes it.
+    deepspeed = types.SimpleNamespace(accelerator=types.SimpleNamespace(state=types.SimpleNamespace(
+        distributed_type=types.SimpleNamespace(value="DEEPSPEED"))))
+    assert _checkpoint(deepspeed, args) == Checkpoint(optimizer=False, state_dict="full")
 
 
 @pytest.mark.parametrize("enable, weights_only, expected", [
@@ -244,6 +251,11 @@ def test_lightning_says_how_it_saves(tmp_path, enable, weights_only, expected):
     trainer = pl.Trainer(default_root_dir=tmp_path, enable_checkpointing=enable, callbacks=callbacks,
                          logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
     assert _checkpoint(trainer) == expected
+    if enable:  # DeepSpeedStrategy saves each rank's partitions (engine.save_checkpoint), never a full model
+        ds = type("DeepSpeedStrategy", (), {})
+        sharded = None if expected is None else dataclasses.replace(expected, state_dict="sharded")
+        with mock.patch.object(type(trainer), "strategy", new=ds()):
+            assert _checkpoint(trainer) == sharded
 
 
 def test_categories_of_a_save_event_list_are_read_at_its_peak():

@@ -184,6 +184,7 @@ def test_deepspeed_defaults():
         "stage3_max_reuse_distance": 1_000_000_000,
         "stage3_model_persistence_threshold": 2**63 - 1,
         "sub_group_size": 1_000_000_000,
+        "stage3_gather_16bit_weights_on_model_save": False,
         "bf16": False,
         "fp16": False,
     }
@@ -239,6 +240,9 @@ def test_deepspeed_deprecated_spellings():
     assert read_deepspeed_config({"zero_optimization": True})["stage"] == 1
     cfg = read_deepspeed_config({"zero_optimization": {"stage": 2, "cpu_offload": True}})
     assert cfg["offload_optimizer"] and cfg["offload_optimizer_device"] == "cpu"
+    gather = "stage3_gather_16bit_weights_on_model_save"
+    assert read_deepspeed_config({"zero_optimization": {"stage": 3, gather.replace("16bit", "fp16"): True}})[gather]
+    assert read_deepspeed_config({"zero_optimization": {"stage": 3, gather: "auto"}})[gather] is None
 
 
 def test_deepspeed_errors(tmp_path):

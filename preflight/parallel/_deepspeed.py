@@ -3,7 +3,8 @@
 
 ZeRO's gradient reduction buffers (`zero_buffers_for`), ZeRO-3's fp32 partition copy, gradient partitions and
 gathered / persistent parameters (`zero3_terms_for`), the fp32 optimizer state DeepSpeed steps for a 16-bit model
-(`deepspeed_terms`' ``state_scale``), and the precision DeepSpeed casts the model to (`deepspeed_precision`). The
+(`deepspeed_terms`' ``state_scale``), what a checkpoint save adds (`deepspeed_save`), and the precision DeepSpeed
+casts the model to (`deepspeed_precision`). The
 formulas are `preflight._sharding`'s, from DeepSpeed's source; this module applies them to a model and a config
 read by `preflight._sharding.read_deepspeed_config`.
 """
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._sharding import Zero3Terms, ZeroBuffers, read_deepspeed_config, zero3_terms, zero_buffers
+from preflight._sharding import (Zero3Terms, ZeroBuffers, read_deepspeed_config, zero3_consolidation, zero3_terms,
+                                 zero_buffers)
 from preflight._steps import half_dtype
 from preflight.trace import float_dtype_for
 
-__all__ = ["deepspeed_precision", "deepspeed_settings", "deepspeed_terms", "zero3_terms_for", "zero_buffers_for"]
+__all__ = ["DeepSpeedSave", "deepspeed_precision", "deepspeed_save", "deepspeed_settings", "deepspeed_terms",
+           "zero3_terms_for", "zero_buffers_for"]
 
 
 def deepspeed_settings(ds: dict[str, Any], sharding: str | None,
@@ -137,3 +140,102 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
                      "prefetched up to stage3_max_live_parameters) and the persistent ones stay on the device, as "
                      "DeepSpeed's stage3.py and partitioned_param_coordinator.py keep them; not measured on a GPU")
     return terms, "; ".join(notes) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedSave:
+    """What a checkpoint save under DeepSpeed adds on a rank's device, after the training state (`deepspeed_save`).
+
+    Attributes:
+        rank0: rank 0's allocations and frees in order, ``(key, nbytes)`` as `preflight._sharding.zero3_consolidation`
+            gives them (``nbytes < 0``: the free of that key's allocation).
+        others: the same on every other rank.
+        consolidates: ZeRO-3's 16-bit consolidation, between ``checkpoint_event_prologue`` (every gathered
+            parameter, the persistent ones too, partitioned first) and ``_epilogue`` (the persistent ones gathered
+            again).
+        how: what was counted, for the coverage note.
+    """
+
+    rank0: tuple[tuple[int, int], ...]
+    others: tuple[tuple[int, int], ...]
+    consolidates: bool
+    how: str
+
+    def note(self) -> str:
+        return f"the checkpoint save under DeepSpeed: {self.how}"
+
+
+def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | None, precision: str | None,
+                   world_size: int, *, state_dict: str, host_is_device: bool) -> DeepSpeedSave | None:
+    """What a checkpoint save adds on the device under a ZeRO ``sharding`` of ``model`` (DeepSpeed 0.19.8,
+    accelerate 1.15, transformers 5.24 read), beside each rank's partitioned checkpoint (``save_checkpoint``,
+    which writes the partitions and the optimizer's state as they are, copying nothing on the device); None for
+    other shardings, and at stages 1 and 2 where the save adds nothing. At stage 3 every save starts from the state
+    the step leaves (`preflight._target.deepspeed_save_events`).
+
+    ``state_dict="full"``: the HF Trainer's ``save_model`` also consolidates the model through accelerate's
+    ``get_state_dict`` on every rank:
+
+    * ZeRO-1 and 2: ``clone_tensors_for_torch_save(model.state_dict())`` copies every entry (a tied weight once per
+      key) to the host: nothing on the device on a GPU, a whole copy of the model's state on every rank where the
+      host is the device (``.clone()``).
+    * ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save``: the 16-bit consolidation
+      (`preflight._sharding.zero3_consolidation`), which rank 0 keeps whole where the host is the device. Without
+      that option accelerate raises, and the Trainer saves the partitions alone.
+
+    ``state_dict="sharded"`` (Lightning's ``DeepSpeedStrategy``, accelerate's ``save_state``): the partitions alone.
+    """
+    if sharding not in ("zero1", "zero2", "zero3") or (state_dict != "full" and sharding != "zero3"):
+        return None
+    if state_dict != "full":
+        return DeepSpeedSave((), (), False, "each rank's partitions (save_checkpoint), from the state the step "
+                             "leaves (the non-persistent parameters released)")
+    given = ds is not None
+    if ds is None:
+        ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
+    half = _half_dtype(ds, precision, given)
+    if sharding != "zero3":
+        if not host_is_device:
+            return None
+        sizes = [t.numel() * (half.itemsize if half is not None and t.is_floating_point() else t.element_size())
+                 for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+        copy = tuple((i, n) for i, n in enumerate(sizes) if n)
+        return DeepSpeedSave(copy, copy, False,
+                             f"the HF Trainer's save_model clones the model's state dict on every rank "
+                             f"(accelerate's get_state_dict, clone_tensors_for_torch_save: {len(sizes)} entries, "
+                             f"{sum(sizes):,} B), on the device where the host is the device")
+    gather = ds["stage3_gather_16bit_weights_on_model_save"]
+    if not gather:
+        return DeepSpeedSave((), (), False, "stage3_gather_16bit_weights_on_model_save is "
+                             f"{'off' if gather is not None else 'auto (taken as off)'}: the model is not "
+                             "consolidated, the HF Trainer saves the partitions alone, from the state the step "
+                             "leaves (the non-persistent parameters released)")
+    dtype = half or _traced_dtype(model, precision)
+    itemsize = dtype.itemsize if dtype is not None else 4
+    params = [(id(p), p.numel()) for p in model.parameters()]
+    walk = [[id(p) for p in m.parameters(recurse=False)] for m in _visited(model)]
+    # Where the host is the device the run's process group is gloo's, which stages each all-gather's output.
+    kept = zero3_consolidation(params, walk, world_size=world_size, itemsize=itemsize, keep=host_is_device,
+                               staged=host_is_device)
+    passing = zero3_consolidation(params, walk, world_size=world_size, itemsize=itemsize, keep=False,
+                                  staged=host_is_device)
+    largest = max(sum(itemsize * world_size * -(-p.numel() // world_size)
+                      for p in {id(p): p for p in m.parameters(recurse=False)}.values()) for m in _visited(model))
+    how = ("ZeRO-3's 16-bit consolidation (stage3_gather_16bit_weights_on_model_save; engine.py "
+           "_zero3_consolidated_16bit_state_dict): every parameter partitioned first, each module's own gathered "
+           f"in turn at its padded size (largest {largest:,} B) and partitioned again, the persistent ones gathered "
+           "again after it; " + ("gloo stages each all-gather's output in a block of its own; " if host_is_device
+                                 else ""))
+    how += ("rank 0 keeps every gathered parameter until the save ends (.cpu() is the tensor itself where the host "
+            "is the device)" if host_is_device else "rank 0 copies each to the host")
+    return DeepSpeedSave(tuple(kept), tuple(passing), True, how)
+
+
+def _visited(module: nn.Module) -> list[nn.Module]:
+    """The modules ``_zero3_consolidated_16bit_state_dict`` visits, in its order: ``named_children`` depth first,
+    the module before its children (a module reached twice is visited twice)."""
+    out = [module]
+    for _, child in module.named_children():
+        if child is not None:
+            out.extend(_visited(child))
+    return out

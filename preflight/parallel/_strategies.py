@@ -357,12 +357,14 @@ def accelerate_checkpoint(state: Any, *, weights_only: bool) -> Checkpoint:
     """How accelerate saves under the plugin it applied (the HF Trainer's ``_save_checkpoint`` calls it), as a
     `preflight.Checkpoint`: under FSDP, the plugin's ``state_dict_type`` (accelerate's default: a full state dict for
     FSDP1, a sharded one for FSDP2) and its ``state_dict_config`` (``offload_to_cpu``, ``rank0_only``: both True by
-    default); under DeepSpeed, each rank's own partitions (``save_checkpoint``); else the model's and optimizer's
-    state dicts. ``weights_only``: the optimizer's state is not saved (``save_only_model``)."""
+    default); under DeepSpeed, the model consolidated through accelerate's ``get_state_dict`` (the Trainer's
+    ``save_model``) and each rank's own partitions (``save_checkpoint``): a full state dict, as DeepSpeed makes it
+    (`preflight.parallel._deepspeed.deepspeed_save`); else the model's and optimizer's state dicts.
+    ``weights_only``: the optimizer's state is not saved (``save_only_model``)."""
     kind = getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
     if kind == "DEEPSPEED":
-        return Checkpoint(optimizer=not weights_only, state_dict="sharded")
+        return Checkpoint(optimizer=not weights_only, state_dict="full")
     fsdp = getattr(state, "fsdp_plugin", None) if kind == "FSDP" else None
     if fsdp is None:
         return Checkpoint(optimizer=not weights_only)

@@ -243,7 +243,7 @@ def unsupported(precision: str) -> str | None:
     return f"DeepSpeed's CPU accelerator does not support {precision} on this CPU (no oneDNN kernels for it)"
 
 
-def _run(args: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+def run_killing_group(args: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(args, capture_output=True, text=True)``, but a run past ``timeout`` is killed with every
     process it started (torchrun's and Lightning's ranks too), not just the launcher, before TimeoutExpired is
     raised: a rank left behind would hold its port and CPU through the runs that follow."""
@@ -271,7 +271,7 @@ def run_config(trainer: str, stage: int, precision: str, workdir: str | os.PathL
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
               if trainer != "lightning" else [sys.executable])
-    done = _run([*launch, str(script), str(stage), precision, callback], env=env, timeout=400, cwd=workdir)
+    done = run_killing_group([*launch, str(script), str(stage), precision, callback], env=env, timeout=400, cwd=workdir)
     written = all((workdir / f"rank{rank}.json").exists() for rank in (0, 1))
     # DeepSpeed runs on CPU processes sometimes abort at interpreter exit, after training, with or without preflight
     # (Lightning ZeRO-3 16-mixed: 3 of 30 runs without the callback here, 3 of 66 with it): such a run's records

@@ -163,6 +163,19 @@ def gloo_rank(rank: int, world_size: int, port: int, timeout_s: float | None = N
         dist.destroy_process_group()
 
 
+def run_processes(args: list[str], *, timeout: float, **kwargs):
+    """``subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)`` for a launch that starts
+    processes of its own (torchrun's ranks, Lightning's DDP launcher): past ``timeout`` every process it started is
+    killed, not only the launcher (`benchmarks/deepspeed_trainers.py`'s ``run_killing_group``), so a hung rank does
+    not hold its port and CPU through the tests that follow."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from deepspeed_trainers import run_killing_group
+
+    return run_killing_group(args, timeout=timeout, **kwargs)
+
+
 def example_output(name: str, timeout: int = 600, args: tuple[str, ...] = ()) -> str:
     """What ``examples/<name>`` prints, run as a user runs it (its own process, with ``args``); its exit code must
     be 0."""

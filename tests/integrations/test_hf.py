@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import VariableTokens, make_gpt2, pad_tokens  # noqa: E402
+from conftest import VariableTokens, make_gpt2, pad_tokens, run_processes  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -305,8 +305,8 @@ def test_fsdp_asked_for_on_cpu_processes_runs_ddp_and_is_predicted_as_it_runs(tm
     script = tmp_path / "fsdp_cpu.py"
     script.write_text(FSDP_ON_CPU_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-                          env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    done = run_processes([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script)], env=env, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VariableTokens, make_gpt2, pad_tokens  # noqa: E402
+from conftest import VariableTokens, make_gpt2, pad_tokens, run_processes  # noqa: E402
 
 # Lightning 2 ships as `lightning` (lightning.pytorch) and as the standalone `pytorch-lightning`: the callback must
 # work in a Trainer of either, with modules, loggers and utilities of the same package.
@@ -393,8 +393,7 @@ def test_ddp_ranks_agree_and_all_raise(tmp_path, pl):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent), package=pl.name))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
-                          cwd=tmp_path)
+    done = run_processes([sys.executable, str(script)], env=env, timeout=400, cwd=tmp_path)
     out = done.stdout
     assert "RANK 0 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
     assert "RANK 1 RAISED steps=0 world=2" in out, (out, done.stderr[-3000:])
@@ -451,8 +450,7 @@ def test_ddp_a_rank_whose_prediction_fails_is_a_lower_bound_and_each_rank_checks
     script = tmp_path / "ddp_failing.py"
     script.write_text(DDP_FAILING_RANK_SCRIPT.format(tests=str(REPO / "tests"), here=str(Path(__file__).parent)))
     env = {k: v for k, v in os.environ.items() if k not in ("PREFLIGHT_DRY_RUN", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400,
-                          cwd=tmp_path)
+    done = run_processes([sys.executable, str(script)], env=env, timeout=400, cwd=tmp_path)
     rows = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)
             if (tmp_path / f"rank{rank}.json").exists()}
     assert set(rows) == {0, 1}, (done.stdout, done.stderr[-3000:])
@@ -706,7 +704,7 @@ def test_model_parallel_strategy_tp_x_fsdp2_is_predicted_per_rank_and_verified(t
     script = tmp_path / "train.py"
     report = tmp_path / "r.json"
     script.write_text(MODEL_PARALLEL_SCRIPT.format(report=str(report)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    done = run_processes([sys.executable, str(script)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["fits"] is True and data["steps_measured"] == 3

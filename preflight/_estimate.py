@@ -396,13 +396,11 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     nccl = nccl_term(gpu_info, world_size, sharding) if target.type == "cuda" else None
     events, saving = _saving(events, categories, saves=run.checkpoint is not None, target=target, gpu_info=gpu_info,
                              allocator=allocator, nccl=nccl, notes=notes)
-    if others is not None and saving is not None:
+    if others is not None and saving is not None:  # rank 0 keeps what it gathers, the others what rank 0 does not
         other = _saving(others, categories, saves=True, target=target, gpu_info=gpu_info, allocator=allocator,
                         nccl=nccl, notes=notes)[1]
         saving = dataclasses.replace(saving, per_rank_peak_bytes=(saving.peak_bytes,) + (other.peak_bytes,) * (
-            world_size - 1), peak_rank=0 if saving.peak_bytes >= other.peak_bytes else 1)
-        if other.peak_bytes > saving.peak_bytes:
-            saving = dataclasses.replace(other, per_rank_peak_bytes=saving.per_rank_peak_bytes, peak_rank=1)
+            world_size - 1), peak_rank=0)
     loading = None
     if options["loading"] is not None:
         loading, note = _counted_loading(options["loading"], events,

@@ -683,8 +683,8 @@ def zero3_consolidation(params: list[tuple[int, int]], walk: list[list[int]], *,
             waited on; gloo may run them one after the other, so this is an upper bound by all but the largest).
 
     Returns:
-        ``(key, nbytes)`` in order: an allocation (``nbytes > 0``) or the free of the allocation with that key
-        (``nbytes < 0``). Keys are indices into ``params``' gathered copies, unique per allocation.
+        ``(key, nbytes)`` in order: an allocation (``nbytes > 0``, a key of its own) or the free of the
+        allocation with that key (``nbytes < 0``).
 
     From the source (``engine.py _zero3_consolidated_16bit_state_dict``, ``partition_parameters.py``): each module's
     own parameters are gathered together (``GatheredParameters(module_params, modifier_rank=0)`` ->
@@ -693,7 +693,7 @@ def zero3_consolidation(params: list[tuple[int, int]], walk: list[list[int]], *,
     and every rank partitions them again, freeing the flat tensors (``free_param``), except what a reference still
     holds: rank 0's state dict entry (``.cpu()`` of the view). A parameter shared with a module visited earlier
     (tied weights, the same ``ds_id``) is gathered again and not kept twice. The caller places the prologue and the
-    epilogue around these (`preflight._target.zero3_save_events`): ``checkpoint_event_prologue`` partitions every
+    epilogue around these (`preflight._target.deepspeed_save_events`): ``checkpoint_event_prologue`` partitions every
     parameter first, the persistent ones too, and ``checkpoint_event_epilogue`` gathers the persistent ones again.
 
     Example:

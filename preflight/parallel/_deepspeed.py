@@ -4,9 +4,8 @@
 ZeRO's gradient reduction buffers (`zero_buffers_for`), ZeRO-3's fp32 partition copy, gradient partitions and
 gathered / persistent parameters (`zero3_terms_for`), the fp32 optimizer state DeepSpeed steps for a 16-bit model
 (`deepspeed_terms`' ``state_scale``), what a checkpoint save adds (`deepspeed_save`), and the precision DeepSpeed
-casts the model to (`deepspeed_precision`). The
-formulas are `preflight._sharding`'s, from DeepSpeed's source; this module applies them to a model and a config
-read by `preflight._sharding.read_deepspeed_config`.
+casts the model to (`deepspeed_precision`). The formulas are `preflight._sharding`'s, from DeepSpeed's source; this
+module applies them to a model and a config read by `preflight._sharding.read_deepspeed_config`.
 """
 
 from __future__ import annotations
@@ -170,8 +169,8 @@ def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | 
     """What a checkpoint save adds on the device under a ZeRO ``sharding`` of ``model`` (DeepSpeed 0.19.8,
     accelerate 1.15, transformers 5.24 read), beside each rank's partitioned checkpoint (``save_checkpoint``,
     which writes the partitions and the optimizer's state as they are, copying nothing on the device); None for
-    other shardings, and at stages 1 and 2 where the save adds nothing. At stage 3 every save starts from the state
-    the step leaves (`preflight._target.deepspeed_save_events`).
+    other shardings, and for a sharded save at stages 1 and 2, which adds nothing. At stage 3 every save starts from
+    the state the step leaves (`preflight._target.deepspeed_save_events`).
 
     ``state_dict="full"``: the HF Trainer's ``save_model`` also consolidates the model through accelerate's
     ``get_state_dict`` on every rank:
@@ -196,7 +195,9 @@ def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | 
     half = _half_dtype(ds, precision, given)
     if sharding != "zero3":
         if not host_is_device:
-            return None
+            return DeepSpeedSave((), (), False, "the HF Trainer's save_model clones the model's state dict to the "
+                                 "host (accelerate's get_state_dict, clone_tensors_for_torch_save): nothing on the "
+                                 "device")
         sizes = [t.numel() * (half.itemsize if half is not None and t.is_floating_point() else t.element_size())
                  for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
         copy = tuple((i, n) for i, n in enumerate(sizes) if n)

@@ -31,7 +31,7 @@ for 2 GPUs on 1 node without offload (``estimate_zero3_model_states_mem_needs`` 
 ``estimate_zero2_model_states_mem_needs``; it has none for stage 1): parameters, gradients and optimizer states
 only, sized for 16-bit parameters.
 
-Run: python benchmarks/deepspeed_cpu.py     (about 12 minutes on 2 CPU cores)
+Run: python benchmarks/deepspeed_cpu.py     (about 5 minutes on 2 CPU cores)
 Writes benchmarks/results/deepspeed_cpu.md and prints the same table.
 """
 
@@ -43,6 +43,8 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -68,7 +70,12 @@ def ds_config(stage: int, bucket: int, overlap: bool | None) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "zero_optimization": zero}
 
 
-def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> None:
+def profiled_run(rank: int, world: int, port: int, config: dict, then: Callable[[Any], None] | None = None
+                 ) -> tuple[Any, set[int]]:
+    """Rank ``rank`` of a fresh ``world``-process DeepSpeed run under ``config``: the model built, ``initialize``
+    and two training steps in one profiled session, each in a range named `_CALL` + its name; ``then(engine)``
+    after the steps, inside the session, in the range ``_CALL + "then"``. The profile and the storage addresses of
+    the tensors alive at the end (`preflight._measure.lost_free_peaks`' ``alive``)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -79,7 +86,6 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from preflight._measure import lost_free_peaks
     from preflight._quiet import StderrFilter
 
     # Its shared-memory kernel serves only inference all-reduce, and its just-in-time build can leave a stale lock
@@ -98,21 +104,34 @@ def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> No
                 engine.backward(loss)
             with record_function(f"{_CALL}step"):
                 engine.step()
+        del loss
+        if then is not None:
+            with record_function(f"{_CALL}then"):
+                then(engine)
     gc.collect()
     alive = {obj.untyped_storage().data_ptr() for obj in gc.get_objects() if isinstance(obj, torch.Tensor)}
-    queue.put((rank, lost_free_peaks(prof, alive, _CALL)))
     del engine
+    return prof, alive
+
+
+def _worker(rank: int, world: int, port: int, config: dict, queue: object) -> None:
+    from preflight._measure import lost_free_peaks
+
+    prof, alive = profiled_run(rank, world, port, config)
+    queue.put((rank, lost_free_peaks(prof, alive, _CALL)))
 
 
 _CALL = "## "  # names the profiled calls (build, initialize, forward, backward, step)
 
 
-def measure(config: dict) -> list[int]:
+def measure(config: dict, worker: Callable[..., None] = _worker, *args: Any) -> list[Any]:
+    """Each rank's result of ``worker(rank, WORLD, port, config, *args, queue)`` in WORLD fresh processes on a free
+    localhost port (each puts ``(rank, result)``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(WORLD, port, config, queue), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(worker, args=(WORLD, port, config, *args, queue), nprocs=WORLD, start_method="spawn")
     got = dict(queue.get() for _ in range(WORLD))
     return [got[r] for r in range(WORLD)]
 
@@ -176,10 +195,7 @@ def main() -> int:
               f"{worst['call end']:.1%}; lost frees dropped: {worst['dropped']:.1%}; repaired only: "
               f"{worst['repaired']:.1%}."]
     lines += ["", f"({time.perf_counter() - start:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    with open(RESULTS, "w") as f:
-        f.write(text + "\n")
+    distributed.write_results("\n".join(lines), RESULTS)
     return 0
 
 

@@ -28,9 +28,7 @@ Writes benchmarks/results/deepspeed_save.md and prints the same table.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -39,18 +37,17 @@ import warnings
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deepspeed_cpu  # noqa: E402  (its profiled run, and its reading of frees lost on gloo's threads)
 import distributed  # noqa: E402  (the same model and batch)
 
-WORLD = 2
 BUCKET = 5_000_000
 # (stage, stage3_gather_16bit_weights_on_model_save, what is saved)
 CONFIGS = ((3, True, "full"), (3, False, "full"), (3, True, "sharded"), (2, None, "full"), (1, None, "full"),
            (2, None, "sharded"))
+WORLD = deepspeed_cpu.WORLD
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "deepspeed_save.md")
-_CALL = "## "  # names the profiled calls (build, initialize, forward, backward, step, save)
 
 
 def ds_config(stage: int, gather: bool | None) -> dict:
@@ -63,66 +60,31 @@ def ds_config(stage: int, gather: bool | None) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, config: dict, saved: str, directory: str, queue: object) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import importlib
-
-    import deepspeed
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from preflight._measure import lost_free_peaks
-    from preflight._quiet import StderrFilter
 
-    # benchmarks/deepspeed_trainers.py's PROLOGUE says why: its shared-memory kernel serves inference only.
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
-    stage = config["zero_optimization"]["stage"]
-    with StderrFilter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(f"{_CALL}build"):
-            model, batch = distributed.build("gpt2")
-        with record_function(f"{_CALL}initialize"):
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        for _ in range(2):
-            with record_function(f"{_CALL}forward"):
-                loss = engine(**batch).loss
-            with record_function(f"{_CALL}backward"):
-                engine.backward(loss)
-            with record_function(f"{_CALL}step"):
-                engine.step()
-        del loss
-        with record_function(f"{_CALL}save"):
-            if saved == "full":  # transformers' Trainer.save_model under DeepSpeed
-                state = None
-                if stage < 3:
-                    state = clone_tensors_for_torch_save(engine.module.state_dict())
-                elif engine.zero_gather_16bit_weights_on_model_save():
-                    state = engine._zero3_consolidated_16bit_state_dict()
-                if rank == 0 and state is not None:
-                    torch.save(state, os.path.join(directory, "model.bin"))
-                del state
-            engine.save_checkpoint(directory)
-    gc.collect()
-    alive = {obj.untyped_storage().data_ptr() for obj in gc.get_objects() if isinstance(obj, torch.Tensor)}
-    run = lost_free_peaks(prof, alive, _CALL)[1]
-    save = lost_free_peaks(prof, alive, _CALL, within="save")[1]
-    queue.put((rank, (save, run)))
-    del engine
+    def save(engine: object) -> None:
+        if saved == "full":  # transformers' Trainer.save_model under DeepSpeed
+            state = None
+            if config["zero_optimization"]["stage"] < 3:
+                state = clone_tensors_for_torch_save(engine.module.state_dict())
+            elif engine.zero_gather_16bit_weights_on_model_save():
+                state = engine._zero3_consolidated_16bit_state_dict()
+            if rank == 0 and state is not None:
+                torch.save(state, os.path.join(directory, "model.bin"))
+            del state
+        engine.save_checkpoint(directory)
+
+    prof, alive = deepspeed_cpu.profiled_run(rank, world, port, config, then=save)
+    queue.put((rank, (lost_free_peaks(prof, alive, deepspeed_cpu._CALL, within="then")[1],
+                      lost_free_peaks(prof, alive, deepspeed_cpu._CALL)[1])))
 
 
 def measure(config: dict, saved: str) -> list[tuple[int, int]]:
     """Each rank's ``(save peak, whole run's peak)`` in one run of WORLD fresh processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as directory:
-        mp.start_processes(_worker, args=(WORLD, port, config, saved, directory, queue), nprocs=WORLD,
-                           start_method="spawn")
-        got = dict(queue.get() for _ in range(WORLD))
-    return [got[r] for r in range(WORLD)]
+        return deepspeed_cpu.measure(config, _worker, saved, directory)
 
 
 def predict(config: dict, saved: str) -> tuple[list[int], int, str]:
@@ -173,10 +135,7 @@ def main() -> int:
               f"{note}", file=sys.stderr)
     lines += ["", f"Largest |error| against a rank's largest measurement: {worst:.2%}.",
               "", f"({time.perf_counter() - start:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    with open(RESULTS, "w") as f:
-        f.write(text + "\n")
+    distributed.write_results("\n".join(lines), RESULTS)
     return 0
 
 

@@ -11,6 +11,7 @@ module applies them to a model and a config read by `preflight._sharding.read_de
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -46,13 +47,26 @@ def zero_buffers_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] 
     16-bit one). None for other shardings."""
     if sharding is None or not sharding.startswith("zero"):
         return None
-    given = ds is not None
-    if ds is None:
-        ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
+    ds, given = _config_or_defaults(ds, sharding)
     low = _half_dtype(ds, precision, given)
     dtypes = {low if low is not None and p.is_floating_point() else p.dtype
               for p in model.parameters() if p.requires_grad}
     return zero_buffers(ds, sorted(d.itemsize for d in dtypes), given=given)
+
+
+def _config_or_defaults(ds: dict[str, Any] | None, sharding: str) -> tuple[dict[str, Any], bool]:
+    """``ds``, or DeepSpeed's defaults at the stage of a ``zero*`` ``sharding`` where no config was given; and
+    whether one was."""
+    if ds is not None:
+        return ds, True
+    return read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}}), False
+
+
+def _param_itemsize(model: nn.Module, ds: dict[str, Any], precision: str | None, given: bool) -> int:
+    """Bytes per element of ``model``'s parameters as DeepSpeed holds them: its 16-bit dtype first, else the traced
+    one (4 for a model without floating parameters)."""
+    dtype = _half_dtype(ds, precision, given) or _traced_dtype(model, precision)
+    return dtype.itemsize if dtype is not None else 4
 
 
 def _half_dtype(ds: dict[str, Any], precision: str | None, given: bool) -> torch.dtype | None:
@@ -117,13 +131,10 @@ def zero3_terms_for(model: nn.Module, sharding: str | None, ds: dict[str, Any] |
     defaults without one), and a note where they are not counted; (None, None) for other shardings."""
     if sharding != "zero3":
         return None, None
-    given = ds is not None
-    if ds is None:
-        ds = read_deepspeed_config({"zero_optimization": {"stage": 3}})
+    ds, given = _config_or_defaults(ds, sharding)
     params = [(id(p), p.numel(), p.requires_grad) for p in model.parameters()]  # shared parameters once
     modules = [[id(p) for p in m.parameters(recurse=False)] for m in model.modules()]
-    dtype = _half_dtype(ds, precision, given) or _traced_dtype(model, precision)  # DeepSpeed's 16-bit dtype first
-    itemsize = dtype.itemsize if dtype is not None else 4
+    itemsize = _param_itemsize(model, ds, precision, given)
     terms = zero3_terms(ds, params, modules, world_size=world_size, param_itemsize=itemsize, grad_itemsize=itemsize)
     notes = [] if given else ["zero3: DeepSpeed's defaults size its own terms; pass the run's DeepSpeed config"]
     if offload["offload_optimizer"]:
@@ -189,15 +200,13 @@ def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | 
     if state_dict != "full":
         return DeepSpeedSave((), (), False, "each rank's partitions (save_checkpoint), from the state the step "
                              "leaves (the non-persistent parameters released)")
-    given = ds is not None
-    if ds is None:
-        ds = read_deepspeed_config({"zero_optimization": {"stage": int(sharding[-1])}})
-    half = _half_dtype(ds, precision, given)
+    ds, given = _config_or_defaults(ds, sharding)
     if sharding != "zero3":
         if not host_is_device:
             return DeepSpeedSave((), (), False, "the HF Trainer's save_model clones the model's state dict to the "
                                  "host (accelerate's get_state_dict, clone_tensors_for_torch_save): nothing on the "
                                  "device")
+        half = _half_dtype(ds, precision, given)
         sizes = [t.numel() * (half.itemsize if half is not None and t.is_floating_point() else t.element_size())
                  for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
         copy = tuple((i, n) for i, n in enumerate(sizes) if n)
@@ -211,8 +220,7 @@ def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | 
                              f"{'off' if gather is not None else 'auto (taken as off)'}: the model is not "
                              "consolidated, the HF Trainer saves the partitions alone, from the state the step "
                              "leaves (the non-persistent parameters released)")
-    dtype = half or _traced_dtype(model, precision)
-    itemsize = dtype.itemsize if dtype is not None else 4
+    itemsize = _param_itemsize(model, ds, precision, given)
     params = [(id(p), p.numel()) for p in model.parameters()]
     walk = [[id(p) for p in m.parameters(recurse=False)] for m in _visited(model)]
     # Where the host is the device the run's process group is gloo's, which stages each all-gather's output.
@@ -220,8 +228,10 @@ def deepspeed_save(model: nn.Module, sharding: str | None, ds: dict[str, Any] | 
                                staged=host_is_device)
     passing = zero3_consolidation(params, walk, world_size=world_size, itemsize=itemsize, keep=False,
                                   staged=host_is_device)
-    largest = max(sum(itemsize * world_size * -(-p.numel() // world_size)
-                      for p in {id(p): p for p in m.parameters(recurse=False)}.values()) for m in _visited(model))
+    # the largest module gathered: the peak of a walk that neither keeps nor stages
+    largest = max(itertools.accumulate(n for _, n in zero3_consolidation(params, walk, world_size=world_size,
+                                                                          itemsize=itemsize, keep=False)),
+                  default=0)
     how = ("ZeRO-3's 16-bit consolidation (stage3_gather_16bit_weights_on_model_save; engine.py "
            "_zero3_consolidated_16bit_state_dict): every parameter partitioned first, each module's own gathered "
            f"in turn at its padded size (largest {largest:,} B) and partitioned again, the persistent ones gathered "

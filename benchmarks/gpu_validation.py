@@ -47,6 +47,7 @@ import io
 import os
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +167,42 @@ def _lora(model: nn.Module) -> nn.Module:
                                                                                            "c_fc"]))
 
 
+# ---- quantized base weights (QLoRA, LLM.int8), loaded as users load them --------------------------------------
+
+_CHECKPOINT: list[str] = []  # a small Llama saved once per process (random weights), read back quantized
+
+
+def _llama_checkpoint() -> str:
+    if not _CHECKPOINT:
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="gpu_validation_llama_")
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8,
+                                       num_attention_heads=16, num_key_value_heads=8, vocab_size=VOCAB,
+                                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+        _CHECKPOINT.append(folder)
+    return _CHECKPOINT[0]
+
+
+def _quantized_lora(device: str, quantization: dict[str, Any], checkpointing: bool
+                    ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """from_pretrained with a BitsAndBytesConfig on ``device``, prepare_model_for_kbit_training, LoRA r=16."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        _llama_checkpoint(), quantization_config=transformers.BitsAndBytesConfig(**quantization),
+        device_map={"": device}, attn_implementation="sdpa")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=targets, task_type="CAUSAL_LM"))
+    return model, _adamw(model), _lm_batch(device)
+
+
+_NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+
 ZOO = [
     Case("GPT-2 fp32 AdamW", lambda d: (m := _gpt2(d), _adamw(m), _lm_batch(d))),
     Case("GPT-2 bf16-mixed AdamW", lambda d: (m := _gpt2(d), _adamw(m), _lm_batch(d)), "bf16-mixed"),
@@ -180,6 +217,11 @@ ZOO = [
     Case("BERT eager 16-mixed GradScaler", lambda d: _with_adamw(*_bert(d)), "16-mixed", {"grad_scaler": True}),
     Case("ViT fp32", lambda d: _with_adamw(*_vit(d))),
     Case("ResNet-18 bf16-mixed", lambda d: _with_adamw(*_resnet(d)), "bf16-mixed"),
+    Case("Llama QLoRA nf4 double-quant", lambda d: _quantized_lora(d, _NF4, False)),
+    Case("Llama QLoRA nf4 double-quant checkpointing", lambda d: _quantized_lora(d, _NF4, True)),
+    Case("Llama QLoRA fp4, fp32 compute", lambda d: _quantized_lora(d, dict(load_in_4bit=True,
+                                                                            bnb_4bit_quant_type="fp4"), False)),
+    Case("Llama LLM.int8 LoRA", lambda d: _quantized_lora(d, dict(load_in_8bit=True), False)),
 ]
 QUICK = ("GPT-2 fp32 AdamW", "BERT eager 16-mixed GradScaler")
 
@@ -236,24 +278,108 @@ def _mib(n: float | None) -> str:
 
 
 def run_zoo(cases: list[Case], gpu: str, on_gpu: bool) -> list[str]:
-    head = ("| case | planned allocated MiB | planned reserved MiB | planned device total MiB | plan s |"
-            + (" on-device allocated MiB | measured max allocated MiB | error | measured max reserved MiB | error |"
-               " used before / after MiB |" if on_gpu else ""))
+    head = ("| case | planned peak MiB | planned max allocated MiB | planned reserved MiB | planned device total MiB |"
+            " plan s |" + (" on-device peak MiB | measured max allocated MiB | error | measured max reserved MiB |"
+                           " error | used before / after MiB |" if on_gpu else ""))
     lines = [head, "|" + "---|" * head.count(" |")]
     print("\n".join(lines), flush=True)
     for case in cases:
-        start = time.perf_counter()
-        est = _plan(case, gpu)
-        seconds = time.perf_counter() - start
-        row = (f"| {case.name} | {_mib(est.peak_bytes)} | {_mib(est.peak_reserved_bytes)} | "
-               f"{_mib(est.device_total_bytes)} | {seconds:.1f} |")
-        if est.coverage.lower_bound:
-            row += f" lower bound: {est.coverage.failed_op} |"
-        if on_gpu:  # pragma: no cover - needs a GPU
-            got = _measure_on_gpu(case, gpu)
-            row += (f" {_mib(got['on_device'])} | {_mib(got['allocated'])} | {_err(est.peak_bytes, got['allocated'])}"
-                    f" | {_mib(got['reserved'])} | {_err(est.peak_reserved_bytes or 0, got['reserved'])} | "
-                    f"{_mib(got['used_before'])} / {_mib(got['used_after'])} |")
+        row = f"| {case.name} |"
+        try:
+            start = time.perf_counter()
+            est = _plan(case, gpu)
+            seconds = time.perf_counter() - start
+            row += (f" {_mib(est.peak_bytes)} | {_mib(est.peak_allocated_bytes)} | {_mib(est.peak_reserved_bytes)} | "
+                    f"{_mib(est.device_total_bytes)} | {seconds:.1f} |")
+            if est.coverage.lower_bound:
+                row += f" lower bound: {est.coverage.failed_op} |"
+            if on_gpu:  # pragma: no cover - needs a GPU
+                got = _measure_on_gpu(case, gpu)
+                row += (f" {_mib(got['on_device'])} | {_mib(got['allocated'])} | "
+                        f"{_err(est.peak_allocated_bytes or 0, got['allocated'])} | {_mib(got['reserved'])} | "
+                        f"{_err(est.peak_reserved_bytes or 0, got['reserved'])} | "
+                        f"{_mib(got['used_before'])} / {_mib(got['used_after'])} |")
+        except Exception as exc:  # a case that cannot run here (a missing library, a failure) says why
+            traceback.print_exc()
+            row += f" not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''} |"
+        lines.append(row)
+        print(row, flush=True)
+    return lines
+
+
+# ---- generation ---------------------------------------------------------------------------------------------------
+
+# (label, model builder, generate's arguments): bf16 weights, 16 prompts x 224 tokens, 32 new tokens, every
+# sequence generated to its last token (an end-of-sequence id outside the vocabulary, the trace's assumption)
+GENERATION = [
+    ("GPT-2 greedy", _gpt2, {}),
+    ("GPT-2 4 beams", _gpt2, {"num_beams": 4}),
+    ("Llama greedy", _llama, {}),
+    ("Llama static cache greedy", _llama, {"cache_implementation": "static"}),
+    ("Llama static cache greedy, no compile", _llama, {"cache_implementation": "static", "disable_compile": True}),
+]
+GEN_PROMPTS, GEN_PROMPT, GEN_NEW = 16, 224, 32
+
+
+def _prompts(device: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (GEN_PROMPTS, GEN_PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _generate_on_gpu(label: str) -> dict[str, int]:  # pragma: no cover - needs a GPU
+    """Measure one generation in a fresh process: a process that trained first would still hold the autograd
+    thread's cuBLAS workspace, which ``generate`` alone never allocates."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-generation", label],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _measure_generation_here(label: str) -> dict[str, int]:  # pragma: no cover - needs a GPU
+    build, extra = next((b, e) for name, b, e in GENERATION if name == label)
+    generation = {"max_new_tokens": GEN_NEW, "min_new_tokens": GEN_NEW, "pad_token_id": 0, **extra}
+    free0, total = torch.cuda.mem_get_info()
+    model = build("cuda").to(torch.bfloat16).eval()
+    prompts = _prompts("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model.generate(**prompts, **generation, eos_token_id=VOCAB + 5)
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+            "used_before": total - free0, "used_after": total - free1}
+
+
+def run_generation(gpu: str, on_gpu: bool) -> list[str]:
+    head = ("| generation | planned peak MiB | planned max allocated MiB | planned reserved MiB | plan s |"
+            + (" measured max allocated MiB | error | measured max reserved MiB | error | used before / after MiB |"
+               if on_gpu else ""))
+    lines = [head, "|" + "---|" * head.count(" |")]
+    print("\n".join(lines), flush=True)
+    for label, build, extra in GENERATION:
+        generation = {"max_new_tokens": GEN_NEW, "min_new_tokens": GEN_NEW, "pad_token_id": 0, **extra}
+        row = f"| {label} |"
+        try:
+            model = build("cpu").to(torch.bfloat16).eval()
+            run = preflight.Run(precision="bf16-true", target=preflight.Target(gpu=gpu), generation=generation)
+            start = time.perf_counter()
+            with _planned_on_cpu():
+                est = _quiet(lambda: preflight.estimate_generation(model, _prompts("cpu"), run))
+            row += (f" {_mib(est.peak_bytes)} | {_mib(est.peak_allocated_bytes)} | {_mib(est.peak_reserved_bytes)} | "
+                    f"{time.perf_counter() - start:.1f} |")
+            if est.coverage.lower_bound:
+                row += f" lower bound: {est.coverage.failed_op} |"
+            if on_gpu:  # pragma: no cover - needs a GPU
+                got = _generate_on_gpu(label)
+                row += (f" {_mib(got['allocated'])} | {_err(est.peak_allocated_bytes or 0, got['allocated'])} | "
+                        f"{_mib(got['reserved'])} | {_err(est.peak_reserved_bytes or 0, got['reserved'])} | "
+                        f"{_mib(got['used_before'])} / {_mib(got['used_after'])} |")
+        except Exception as exc:  # a case that cannot run here says why
+            traceback.print_exc()
+            row += f" not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''} |"
         lines.append(row)
         print(row, flush=True)
     return lines
@@ -460,10 +586,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", help="catalog GPU to plan for (default: the CUDA device present, else H100-80GB)")
     parser.add_argument("--quick", action="store_true", help="two zoo cases, no published series")
-    parser.add_argument("--part", choices=("all", "zoo", "hf", "peft"), default="all",
-                        help="run only the zoo or one published series (default: all)")
+    parser.add_argument("--part", default="all", help="comma-separated parts to run, of zoo, generation, hf and "
+                        "peft (default: all; on a GPU `zoo,generation` are the measured ones)")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/gpu_validation.md")
+    parser.add_argument("--out", default=RESULTS, help="where to write the tables (default: %(default)s)")
+    parser.add_argument("--measure-generation", metavar="LABEL", help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args(argv)
+    if args.measure_generation:  # pragma: no cover - needs a GPU
+        import json
+
+        print(json.dumps(_measure_generation_here(args.measure_generation)))
+        return 0
+    parts = {"zoo", "generation", "hf", "peft"} if args.part == "all" else set(args.part.split(","))
+    if parts - {"zoo", "generation", "hf", "peft"}:
+        parser.error(f"--part: unknown {sorted(parts - {'zoo', 'generation', 'hf', 'peft'})}; "
+                     "choose from zoo, generation, hf, peft")
     on_gpu = torch.cuda.is_available()
     gpu = args.gpu
     if gpu is None:
@@ -475,21 +612,27 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA device here: only the CPU-host predictions are computed; the on-device trace and the "
               "measurements need a GPU (run this same command on one).", flush=True)
     cases = [c for c in ZOO if c.name in QUICK] if args.quick else ZOO
-    out = [f"Command: `python benchmarks/gpu_validation.py` ({versions}; planned for {gpu})", ""]
-    if args.part in ("all", "zoo"):
+    command = "python benchmarks/gpu_validation.py" + ("" if args.part == "all" else f" --part {args.part}")
+    out = [f"Command: `{command}` ({versions}; planned for {gpu})", ""]
+    if "zoo" in parts:
         out += run_zoo(cases, gpu, on_gpu)
-    if not args.quick and args.part in ("all", "hf"):
+    if not args.quick and "generation" in parts:
+        title = (f"Generation (`model.generate`, no gradients): bf16 weights, {GEN_PROMPTS} prompts x {GEN_PROMPT} "
+                 f"tokens, {GEN_NEW} new tokens each")
+        print("\n" + title, flush=True)
+        out += ["", title, ""] + run_generation(gpu, on_gpu)
+    if not args.quick and "hf" in parts:
         print("\nPublished series 1: bert-large-uncased on a V100 16 GB (HF docs v4.21), nvidia-smi after training",
               flush=True)
         out += ["", "Published series 1: HF \"Efficient Training on a Single GPU\" (v4.21), bert-large-uncased, "
                 "V100-SXM2 16 GB, nvidia-smi after training", ""] + run_hf_series()
-    if not args.quick and args.part in ("all", "peft"):
+    if not args.quick and "peft" in parts:
         print("\nPublished series 2: PEFT README, A100 80GB, peak max_memory_allocated", flush=True)
         out += ["", "Published series 2: PEFT README, A100 80GB, peak torch.cuda.max_memory_allocated", ""]
         out += run_peft_series()
     if not args.no_write:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
             f.write("\n".join(out) + "\n")
     return 0
 

@@ -151,7 +151,7 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
             span = max(span, live)
         peaks.append(span)
         start = end + 1
-    reserved = reserved_peak = grew = total = None
+    reserved = reserved_peak = grew = total = sim = None
     if target.type == "cuda":
         sim = simulate(events, _allocator_config(run.target.allocator), report_after=ends,
                        empty_cache_after=ends if empty_cache else ())
@@ -165,6 +165,7 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
                    coverage=_traced_coverage(result, calibrator.skipped, calibrator.calibrated, notes),
                    timeline=timeline, steps=len(batches), trace_seconds=result.seconds, num_ops=result.num_ops,
                    peak_reserved_bytes=reserved_peak, device_total_bytes=total,
+                   peak_allocated_bytes=None if sim is None else sim.peak_allocated_bytes,
                    gpu=None if gpu_info is None else gpu_info.name, events=tuple(events), categories=categories)
     return StepsEstimate(est, tuple(peaks), reserved, reserved_peak, grew, empty_cache)
 

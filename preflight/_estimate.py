@@ -389,7 +389,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
             if saved.rank0 != saved.others and world_size > 1:
                 others = deepspeed_save_events(events, categories, saved, terms["zero3"], rank0=False)[0]
             events, categories = deepspeed_save_events(events, categories, saved, terms["zero3"], rank0=True)
-    reserved = total = None
+    reserved = total = allocated = None
     if target.type == "cuda":
         events = round_events(events)
         others = None if others is None else round_events(others)
@@ -411,6 +411,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     if target.type == "cuda":
         terms = cuda_terms(events, gpu_info, allocator, nccl)
         reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
+        allocated = terms.peak_allocated_bytes
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     return Estimate(
@@ -425,6 +426,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         num_ops=result.num_ops,
         managed_bytes=managed,
         peak_reserved_bytes=reserved,
+        peak_allocated_bytes=allocated,
         device_total_bytes=total,
         gpu=None if gpu_info is None else gpu_info.name,
         world_size=world_size,
@@ -1187,7 +1189,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
         notes.extend(_uncalibrated_notes(scratch.skipped, target))
         events = scratch.events
-        reserved = total = None
+        reserved = total = allocated = None
         if target.type == "cuda":
             events, workspace_note = add_workspaces(events, gpu_info)
             notes.append(workspace_note)
@@ -1203,9 +1205,11 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         if target.type == "cuda":
             terms = cuda_terms(events, gpu_info, allocator, nccl)
             reserved, total = terms.peak_reserved_bytes, terms.device_total_bytes
+            allocated = terms.peak_allocated_bytes
             notes.extend(terms.notes)
         peak, breakdown, phase, timeline = summarize_events(events, result.categories)
-        figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes))
+        figures.append((peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes,
+                        allocated))
         savings.append((group, saving))
         if loading is not None:
             loadings.append((group, _rank_loading(loading, result, events, target=target, gpu_info=gpu_info,
@@ -1219,7 +1223,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
             rank_breakdown[rank] = {**figure[5], "phase": figure[6]}
     # The traced rank (first of its group) of the largest figure; of equal figures, the lowest rank's.
     highest = max(f[0] for f in figures)
-    peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes = min(
+    peak, group, result, scratch, events, breakdown, phase, timeline, reserved, total, notes, allocated = min(
         (f for f in figures if f[0] == highest), key=lambda f: f[1][0])
     peak_rank = group[0]
     if target != trace_device or trace_device.type != "cpu":
@@ -1235,6 +1239,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         trace_seconds=sum(f[2].seconds for f in figures),
         num_ops=result.num_ops,
         peak_reserved_bytes=reserved,
+        peak_allocated_bytes=allocated,
         device_total_bytes=total,
         gpu=None if gpu_info is None else gpu_info.name,
         world_size=world_size,

@@ -88,7 +88,11 @@ _CONTEXT_BYTES = {
     # 426 MiB in nvidia-smi after torch.cuda.mem_get_info on an RTX 6000 Ada, torch 2.10.0+cu130
     # (unslothai/unsloth-zoo#1053).
     "ada": 426 * _MiB,
-    # Unverified: no Hopper measurement found. The upper end of the 300-500 MiB range measured elsewhere.
+    # The upper end of the 300-500 MiB range measured elsewhere. Measured here since on an H200 (torch
+    # 2.11.0+cu130, driver 580.159.04, benchmarks/results/gpu_validation_h200.md): 526.8 MiB in use after the
+    # first torch.cuda.mem_get_info, and 750.8 MiB outside the caching allocator after two training steps of a
+    # fresh process (kernels loaded lazily, cuBLAS's handles). Not yet the figure used: the device totals the docs
+    # quote for Hopper targets were computed with this one (docs/cuda-target.md says so).
     "hopper": 500 * _MiB,
 }
 

@@ -139,6 +139,9 @@ class Estimate:
         managed_bytes: optimizer state in CUDA managed memory (bitsandbytes paged optimizers), outside
             ``peak_bytes``.
         peak_reserved_bytes: the CUDA caching allocator's predicted reserved peak, when simulated.
+        peak_allocated_bytes: what ``torch.cuda.max_memory_allocated()`` will read, when simulated: the allocator
+            counts the blocks it hands out, so ``peak_bytes`` plus each request's rounding to 512 B and the
+            remainder of a cached block it did not split (up to 1 MiB per large block), at their own peak.
         device_total_bytes: reserved plus CUDA context and library workspaces (what ``nvidia-smi`` shows),
             when known.
         gpu: the catalog GPU planned for, if any.
@@ -173,6 +176,7 @@ class Estimate:
     num_ops: int = 0
     managed_bytes: int = 0
     peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
     device_total_bytes: int | None = None
     gpu: str | None = None
     world_size: int = 1
@@ -237,6 +241,7 @@ class Estimate:
             "num_ops": self.num_ops,
             "managed_bytes": self.managed_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
             "device_total_bytes": self.device_total_bytes,
             "required_bytes": self.required_bytes,
             "run_required_bytes": self.run_required_bytes,
@@ -291,6 +296,8 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"  {name:<{width}}  {format_bytes(nbytes):>12}  {share:6.1%}")
     if est.managed_bytes:
         lines.append(f"  + paged optimizer state in managed memory: {format_bytes(est.managed_bytes)}")
+    if est.peak_allocated_bytes is not None:
+        lines.append(f"  max_memory_allocated (the allocator's blocks): {format_bytes(est.peak_allocated_bytes)}")
     if est.peak_reserved_bytes is not None:
         lines.append(f"  reserved by the CUDA allocator: {format_bytes(est.peak_reserved_bytes)}")
     if est.device_total_bytes is not None:

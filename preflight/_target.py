@@ -86,11 +86,14 @@ def add_workspaces(events: Sequence[Event], gpu: GPU | None) -> tuple[list[Event
     cc = gpu.compute_capability if gpu is not None else (8, 0)  # preflight.cuda's assumption for an unnamed GPU
     nbytes = cublas_workspace_bytes(cc)
     out = with_workspaces(events, nbytes)
-    if sum(e.uid in WORKSPACE_UIDS for e in out) == 2:
+    added = sum(e.uid in WORKSPACE_UIDS for e in out)
+    if added == 2:
         return out, (f"two cuBLAS workspaces of {nbytes:,} B (forward and autograd threads) counted as allocated, "
                      "as the caching allocator holds them")
-    return out, (f"one cuBLAS workspace of {nbytes:,} B (the forward thread's) counted as allocated, as the "
-                 "caching allocator holds it")
+    if added == 1:
+        return out, (f"one cuBLAS workspace of {nbytes:,} B (the forward thread's) counted as allocated, as the "
+                     "caching allocator holds it")
+    return out, "no cuBLAS workspace counted: no operator was traced"
 
 
 def _round(nbytes: int) -> int:
@@ -101,6 +104,7 @@ def _round(nbytes: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class CudaTerms:
     peak_reserved_bytes: int
+    peak_allocated_bytes: int
     device_total_bytes: int | None
     fragmentation: float
     notes: tuple[str, ...]
@@ -123,7 +127,7 @@ def cuda_terms(events: Sequence[Event], gpu: GPU | None, allocator: AllocatorCon
         if nccl is not None:
             total += nccl[0]
             notes.append(nccl[1])
-    return CudaTerms(sim.peak_reserved_bytes, total, sim.fragmentation, tuple(notes))
+    return CudaTerms(sim.peak_reserved_bytes, sim.peak_allocated_bytes, total, sim.fragmentation, tuple(notes))
 
 
 def check_sharding(world_size: int, sharding: str | None) -> str | None:

@@ -134,7 +134,9 @@ def test_prediction_matches_the_cuda_allocator():  # pragma: no cover - needs a 
     batch = {k: v.cuda() for k, v in lm_batch().items()}
     est = preflight.estimate(model, opt, batch)
     measured = preflight.measure(model, opt, batch)
-    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < 0.01
+    # max_memory_allocated counts the allocator's blocks: peak_allocated_bytes (on an H200 the storage peak alone
+    # read under by more than 1% here; benchmarks/results/gpu_validation_h200.md has the same effect per model)
+    assert abs(est.peak_allocated_bytes - measured.peak_bytes) / measured.peak_bytes < 0.01
     assert abs(est.peak_reserved_bytes - measured.peak_reserved_bytes) / measured.peak_reserved_bytes < 0.05
 
 
@@ -281,3 +283,24 @@ def test_a_measured_cuda_context_replaces_the_catalogs_in_the_device_total():
     assert run.cli_flags()[-2:] == ["--cuda-context", "1343MB"]
     with pytest.raises(ValueError, match="cuda_context"):
         preflight.Target(gpu="V100-32GB", cuda_context="1343")  # no unit: bytes or megabytes?
+
+
+def test_a_cuda_target_predicts_max_memory_allocated_with_the_allocators_block_rounding(capsys):
+    # The caching allocator counts the blocks it hands out: each request rounded to 512 B, and a large cached block
+    # it does not split keeps its remainder (up to 1 MiB). On an H200 (benchmarks/gpu_validation.py) the measured
+    # max_memory_allocated sat 0.3% to 2.3% above peak_bytes; this is that figure, from the same simulation as the
+    # reserved one.
+    from preflight.allocator import simulate
+
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    est = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="H200")))
+    assert est.peak_allocated_bytes == simulate(est.events).peak_allocated_bytes
+    assert est.peak_allocated_bytes >= est.peak_bytes  # equal here: every block this small model asks for is split
+    assert est.to_dict()["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert "max_memory_allocated (the allocator's blocks)" in str(est)
+    assert preflight.estimate(model, opt, lm_batch()).peak_allocated_bytes is None  # a CPU target: no allocator
+    report = preflight.check(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="H200")))
+    assert report.predicted_allocated_bytes == est.peak_allocated_bytes
+    assert report.to_dict()["predicted_allocated_bytes"] == est.peak_allocated_bytes
+    assert "max allocated" in capsys.readouterr().out

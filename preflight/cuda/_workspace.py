@@ -62,11 +62,14 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str
 
 
 def with_workspaces(events: Sequence[Event], nbytes: int) -> list[Event]:
-    """``events`` with one workspace allocated where the first forward phase starts and one where the first backward
-    phase starts (both held to the end: the allocator keeps them for the life of the handle)."""
+    """``events`` with one workspace allocated at the first traced operator the calling thread runs (a step's
+    forward, or ``generate``'s first operator) and one where the first backward phase starts (both held to the
+    end: the allocator keeps them for the life of the handle)."""
     out = list(events)
-    for uid, suffix in zip(WORKSPACE_UIDS, ("/forward", "/backward")):
-        at = next((i for i, e in enumerate(out) if e.phase.endswith(suffix) and e.op >= 0), None)
+    firsts = (lambda e: e.op >= 0 and e.phase != "setup" and not e.phase.endswith("/backward"),
+              lambda e: e.op >= 0 and e.phase.endswith("/backward"))
+    for uid, first in zip(WORKSPACE_UIDS, firsts):
+        at = next((i for i, e in enumerate(out) if first(e)), None)
         if at is None:
             continue
         out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))

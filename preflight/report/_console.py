@@ -179,6 +179,13 @@ def _rows(r: Report) -> list[tuple[str, str]]:
     for name, nbytes in r.predicted_breakdown.items():
         if nbytes:
             rows.append((f"  {name}", f"{format_bytes(nbytes):>11}  {nbytes / total:6.1%}"))
+    if r.predicted_allocated_bytes is not None:
+        rows.append(("max allocated", f"{format_bytes(r.predicted_allocated_bytes)} (the allocator's blocks, as "
+                                      "torch.cuda.max_memory_allocated counts)"))
+    if r.predicted_reserved_bytes is not None:
+        rows.append(("reserved", format_bytes(r.predicted_reserved_bytes)))
+    if r.predicted_device_total_bytes is not None:
+        rows.append(("device total", f"{format_bytes(r.predicted_device_total_bytes)} (reserved + CUDA context)"))
     if r.eval_predicted_peak_bytes is not None:
         rows.append(("eval peak", f"{format_bytes(r.eval_predicted_peak_bytes)} (no grad, batch {r.eval_batch_shape})"))
         if r.eval_predicted_device_total_bytes is not None:

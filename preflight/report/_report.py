@@ -20,11 +20,13 @@ class Report:
     """What preflight predicted (and, after verification, measured) for a training run; ``to_dict()`` is the JSON.
 
     Byte counts are per device (per rank under data parallelism). ``predicted_peak_bytes`` is the training
-    step's peak of tensor bytes (``torch.cuda.max_memory_allocated``; the maximum over ranks when distributed).
-    ``fits`` compares the larger of it and ``eval_predicted_peak_bytes`` (``predicted_required_bytes`` in the
-    JSON) with ``usable_bytes``; it is None when there is no budget, or when a lower bound is under the budget.
-    For a CUDA target, ``predicted_reserved_bytes`` and ``predicted_device_total_bytes`` add the caching
-    allocator's reserve and the CUDA context: what the headroom is there to cover. ``phases`` lists every phase of
+    step's peak of tensor bytes (the maximum over ranks when distributed). ``fits`` compares the larger of it and
+    ``eval_predicted_peak_bytes`` (``predicted_required_bytes`` in the JSON) with ``usable_bytes``; it is None
+    when there is no budget, or when a lower bound is under the budget. For a CUDA target,
+    ``predicted_allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` will read (the caching allocator
+    counts its blocks: the tensor bytes plus each block's rounding), and ``predicted_reserved_bytes`` and
+    ``predicted_device_total_bytes`` add the allocator's reserve and the CUDA context: what the headroom is there
+    to cover. ``phases`` lists every phase of
     the run that was predicted (training, evaluation, saving), each with its peak, what the verdict compares for it
     (``required_bytes``) and how it was obtained; the verdict takes the largest (``run_peak_phase``).
     """
@@ -49,6 +51,7 @@ class Report:
     # The run's description as predicted (`preflight.Run.to_dict`): precision, loop, target, parallel plan.
     run: dict[str, Any] | None = None
     predicted_reserved_bytes: int | None = None
+    predicted_allocated_bytes: int | None = None
     predicted_device_total_bytes: int | None = None
     eval_predicted_device_total_bytes: int | None = None
     world_size: int = 1

@@ -317,6 +317,7 @@ def predict(
         schedule=schedule.to_dict(),
         run=run.to_dict(),
         predicted_reserved_bytes=est.peak_reserved_bytes,
+        predicted_allocated_bytes=est.peak_allocated_bytes,
         predicted_device_total_bytes=total,
         estimate=est,
         eval_estimate=eval_est,

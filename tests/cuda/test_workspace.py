@@ -55,3 +55,26 @@ def test_cudnn_convolution_workspace_is_a_stated_assumption_on_a_cuda_target(mon
     assert any("at most 256 MiB per call (CUDNN_CONV_WSCAP_DBG)" in n for n in est.coverage.notes)
     cpu = preflight.estimate(model, torch.optim.SGD(model.parameters()), batch)
     assert not any("cuDNN" in n for n in cpu.coverage.notes)
+
+
+def test_generation_on_a_cuda_target_holds_the_forward_threads_workspace(monkeypatch):
+    # generate runs no backward: one workspace, from its first operator (measured on an H200: a fresh process's
+    # generate held its 32 MiB beside the model; benchmarks/gpu_validation.py --part generation)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    model = make_gpt2(n_layer=1).eval()
+    ids = torch.randint(3, 1000, (2, 8))
+    run = preflight.Run(target=preflight.Target(gpu="H200"), generation={"max_new_tokens": 2, "pad_token_id": 0})
+    est = preflight.estimate_generation(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, run)
+    ws = [e for e in est.events if e.uid in WORKSPACE_UIDS]
+    assert [(e.nbytes, e.phase) for e in ws] == [(32 * 2**20, "generate")]
+    assert any(n.startswith("one cuBLAS workspace of 33,554,432 B") for n in est.coverage.notes)
+    assert est.peak_bytes >= 32 * 2**20
+
+
+def test_no_workspace_and_a_note_that_says_so_when_nothing_ran():
+    from preflight._result import Event
+    from preflight._target import add_workspaces
+
+    events, note = add_workspaces([Event(1, 512, -1, "setup")], None)
+    assert not any(e.uid in WORKSPACE_UIDS for e in events)
+    assert note == "no cuBLAS workspace counted: no operator was traced"

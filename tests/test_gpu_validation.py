@@ -30,8 +30,9 @@ def test_quick_cpu_mode_prints_the_planned_column_and_says_measurements_need_a_g
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        allocated, reserved, total = (float(c.replace(",", "")) for c in cells[1:4])
-        assert 0 < allocated <= reserved < total  # reserved from the allocator simulation, total adds the context
+        peak, allocated, reserved, total = (float(c.replace(",", "")) for c in cells[1:5])
+        # the allocator's blocks hold the peak's tensors, reserved holds the blocks, the total adds the context
+        assert 0 < peak <= allocated <= reserved < total
         assert not re.search("lower bound", row)
 
 
@@ -71,3 +72,38 @@ def test_their_torch_softmax_keeps_one_fp32_score_tensor_more_per_layer(precisio
     x2 = x.detach().requires_grad_()
     (expected,) = torch.autograd.grad((torch.softmax(x2, -1) * torch.arange(5.0)).sum(), x2)
     torch.testing.assert_close(grad, expected)
+
+
+def test_a_part_it_does_not_have_is_a_usage_error():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_validation.py"), "--part",
+                           "zoo,bogus", "--no-write"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 2 and "--part: unknown ['bogus']; choose from zoo, generation, hf, peft" in proc.stderr
+
+
+def test_the_snapshot_reader_replays_the_allocators_trace_to_its_peak(tmp_path, capsys):
+    """benchmarks/gpu_snapshot.py --read: the blocks live at the peak of a recorded history, with where each was
+    allocated (a frame outside torch's own files), from a snapshot in torch.cuda.memory._snapshot's layout."""
+    import gzip
+    import pickle
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_snapshot
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": "/y/model.py", "line": 7, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 4096, "frames": frames},
+             {"action": "alloc", "addr": 2, "size": 1024, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 4096},
+             {"action": "free_completed", "addr": 1, "size": 4096},
+             {"action": "alloc", "addr": 3, "size": 512, "frames": frames}]
+    snapshot = {"device_traces": [trace], "segments": []}
+    assert gpu_snapshot.peak_blocks(snapshot) == (5120, [(4096, "model.py:7 forward"), (1024, "?")])
+    path = tmp_path / "s.pickle.gz"
+    with gzip.open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    assert gpu_snapshot.main(["--read", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak of the recorded trace: 5,120 B" in out and "model.py:7 forward" in out

@@ -8,7 +8,9 @@ frames) through two measured training steps or the ``generate`` call; the snapsh
 https://pytorch.org/memory_viz, or read it with ``--read``), and the blocks live at the peak of allocated bytes
 are printed, largest first, with the Python line that allocated each. A training case also prints the coverage of
 the estimate traced on the device. ``python benchmarks/gpu_snapshot.py --read FILE`` prints a saved snapshot's
-peak blocks on any machine (a gzipped one too).
+peak blocks on any machine (a gzipped one too), and ``--replay FILE`` feeds the recorded allocations and frees to
+`preflight.allocator.simulate` and sets its reserved and allocated peaks beside the segments the device recorded:
+the check that the allocator model, given the device's own sequence, reserves what the device reserved.
 """
 
 from __future__ import annotations
@@ -54,6 +56,32 @@ def peak_blocks(snapshot: dict[str, Any], device: int = 0) -> tuple[int, list[tu
         elif e["action"] == "free_completed" and e["addr"] in live:
             current -= live.pop(e["addr"])[0]
     return peak, sorted(at_peak, reverse=True)
+
+
+def replay(snapshot: dict[str, Any], device: int = 0) -> dict[str, int]:
+    """The recorded sequence through `preflight.allocator.simulate`, beside the recorded segments' peak."""
+    from preflight._result import Event
+    from preflight.allocator import simulate
+
+    live: dict[int, tuple[int, int]] = {}
+    events: list[Event] = []
+    segments = recorded_peak = count = 0
+    for e in snapshot["device_traces"][device]:
+        if e["action"] == "alloc":
+            count += 1
+            live[e["addr"]] = (count, e["size"])
+            events.append(Event(count, e["size"], 0, "recorded"))
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            uid, size = live.pop(e["addr"])
+            events.append(Event(uid, -size, 0, "recorded"))
+        elif e["action"] == "segment_alloc":
+            segments += e["size"]
+            recorded_peak = max(recorded_peak, segments)
+        elif e["action"] == "segment_free":
+            segments -= e["size"]
+    sim = simulate(events)
+    return {"recorded_reserved": recorded_peak, "simulated_reserved": sim.peak_reserved_bytes,
+            "simulated_allocated": sim.peak_allocated_bytes, "simulated_segments": sim.num_segments}
 
 
 def print_peak(snapshot: dict[str, Any], top: int = 40) -> None:
@@ -109,12 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cases", nargs="*", help="zoo or generation case names of gpu_validation.py")
     parser.add_argument("--out", default=".", help="folder for the snapshots")
     parser.add_argument("--read", help="print the peak blocks of a saved snapshot instead")
+    parser.add_argument("--replay", help="replay a saved snapshot's allocations through preflight's allocator model")
     args = parser.parse_args(argv)
-    if args.read:
+    if args.read or args.replay:
         import gzip
 
-        with (gzip.open if args.read.endswith(".gz") else open)(args.read, "rb") as f:
-            print_peak(pickle.load(f))
+        path = args.read or args.replay
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            snapshot = pickle.load(f)
+        if args.read:
+            print_peak(snapshot)
+        else:
+            got = replay(snapshot)
+            print(f"recorded segments' peak {got['recorded_reserved']:,} B; simulated on the recorded sequence: "
+                  f"reserved {got['simulated_reserved']:,} B in {got['simulated_segments']} segments, allocated "
+                  f"{got['simulated_allocated']:,} B")
         return 0
     if not torch.cuda.is_available():
         print("gpu_snapshot records the CUDA allocator: it needs a GPU (use --read FILE to read a snapshot)")

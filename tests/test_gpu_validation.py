@@ -107,3 +107,39 @@ def test_the_snapshot_reader_replays_the_allocators_trace_to_its_peak(tmp_path, 
     assert gpu_snapshot.main(["--read", str(path)]) == 0
     out = capsys.readouterr().out
     assert "peak of the recorded trace: 5,120 B" in out and "model.py:7 forward" in out
+
+
+def test_the_snapshot_replay_feeds_the_recorded_sequence_to_the_allocator_model():
+    """--replay: the recorded allocations through preflight.allocator.simulate, beside the recorded segments."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_snapshot
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    mib = 2**20
+    trace = [{"action": "segment_alloc", "addr": 0, "size": 20 * mib},
+             {"action": "alloc", "addr": 0, "size": 3 * mib},
+             {"action": "alloc", "addr": 3 * mib, "size": 5 * mib},
+             {"action": "free_completed", "addr": 0, "size": 3 * mib},
+             {"action": "alloc", "addr": 0, "size": int(2.5 * mib)}]  # reuses the 3 MiB block unsplit
+    got = gpu_snapshot.replay({"device_traces": [trace]})
+    assert got == {"recorded_reserved": 20 * mib, "simulated_reserved": 20 * mib, "simulated_allocated": 8 * mib,
+                   "simulated_segments": 1}
+
+
+def test_the_recorded_h200_snapshots_replay_to_their_measured_reserved_peak():
+    """The allocator model given the H200's own sequence reserves what the H200 reserved (docs/cuda-target.md)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gzip
+        import pickle
+
+        import gpu_snapshot
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    folder = os.path.join(ROOT, "benchmarks", "results", "snapshots")
+    measured = {"GPT_2_fp32_AdamW": 1_371_537_408, "BERT_eager_16_mixed_GradScaler": 1_136_656_384}
+    for name, reserved in measured.items():
+        with gzip.open(os.path.join(folder, name + ".pickle.gz"), "rb") as f:
+            got = gpu_snapshot.replay(pickle.load(f))
+        assert got["recorded_reserved"] == got["simulated_reserved"] == reserved

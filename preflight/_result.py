@@ -220,6 +220,28 @@ class Estimate:
                 peaks[step] = max(peaks.get(step, 0), live)
         return peaks
 
+    def step_allocated_peaks(self, rank: int | None = None, config: Any = None) -> dict[int, int] | None:
+        """On a CUDA target, what ``torch.cuda.max_memory_allocated()`` reads over each simulated step when the peak
+        stats are reset at its start (``{1: ..., 2: ...}``): ``events`` replayed through the caching allocator's
+        model (``config``: a `preflight.allocator.AllocatorConfig`, default PyTorch's), its blocks counted whole.
+        None where the allocator was not simulated (a CPU target)."""
+        if self.peak_allocated_bytes is None:
+            return None
+        from preflight.allocator import simulate
+
+        events = self.events if rank is None or self.rank_events is None else self.rank_events[rank]
+        spans: dict[int, tuple[int, int]] = {}  # step -> (its first event, its last)
+        for i, e in enumerate(events):
+            head = e.phase.split("/", 1)[0]
+            if head.startswith("step") and head[4:].isdigit():
+                step = int(head[4:])
+                spans[step] = (spans.get(step, (i, i))[0], i)
+        if not spans:
+            return {}
+        ends = sorted({first - 1 for first, _ in spans.values() if first} | {last for _, last in spans.values()})
+        peaks = dict(zip(ends, simulate(events, config, report_after=ends).peak_allocated_between))
+        return {step: peaks[last] for step, (_, last) in spans.items()}
+
     def resident_bytes(self, category: Category | str) -> int | None:
         """Live bytes of ``category`` when the traced steps have ended (what stays from one step to the next: the
         optimizer state after its creation in step 1), replaying ``events``; None without events."""

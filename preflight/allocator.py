@@ -188,6 +188,9 @@ class AllocatorResult:
             ``empty_cache`` there), in that order.
         peak_reserved_between: the reserved peak within each span of events those indices close (the first from
             the start), in the same order.
+        peak_allocated_between: the allocated peak within each such span, counted from the bytes allocated when
+            the span began, as ``torch.cuda.reset_peak_memory_stats()`` at its start and
+            ``max_memory_allocated()`` at its end read it.
     """
 
     peak_allocated_bytes: int
@@ -201,6 +204,7 @@ class AllocatorResult:
     oom_op: int | None = None
     reserved_after: tuple[int, ...] = ()
     peak_reserved_between: tuple[int, ...] = ()
+    peak_allocated_between: tuple[int, ...] = ()
 
 
 def simulate(
@@ -245,7 +249,8 @@ def simulate(
     emptied, reported = set(empty_cache_after), set(report_after)
     reserved_after: list[int] = []
     peaks: list[int] = []
-    span_peak = 0
+    allocated_peaks: list[int] = []
+    span_peak = span_allocated = 0
     for index, event in enumerate(events):
         try:
             uid, nbytes = event if type(event) is tuple else (event.uid, event.nbytes)
@@ -266,14 +271,16 @@ def simulate(
             sim.free(uid)
         if reported or emptied:
             span_peak = max(span_peak, sim.reserved)
+            span_allocated = max(span_allocated, sim.allocated)
             if index in reported:
                 reserved_after.append(sim.reserved)
                 peaks.append(span_peak)
-                span_peak = 0
+                allocated_peaks.append(span_allocated)
+                span_peak, span_allocated = 0, sim.allocated
             if index in emptied:
                 sim._release_cached_blocks()
     return dataclasses.replace(sim.result(), reserved_after=tuple(reserved_after),
-                               peak_reserved_between=tuple(peaks))
+                               peak_reserved_between=tuple(peaks), peak_allocated_between=tuple(allocated_peaks))
 
 
 class _Block:

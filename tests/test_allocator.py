@@ -345,3 +345,12 @@ def test_from_env_errors(value, message):
 def test_config_checks_values_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AllocatorConfig(**kwargs)
+
+
+def test_allocated_peak_between_reports_starts_from_what_is_allocated_when_the_span_begins():
+    # As reset_peak_memory_stats() then max_memory_allocated() read it: the second span begins with 1 MiB
+    # allocated and frees it at once, so its peak is that 1 MiB, not the 512 B allocated afterwards.
+    MiB = 2**20
+    events = [(1, MiB), (2, 3 * MiB), (2, -3 * MiB), (1, -MiB), (3, 512)]
+    r = simulate(events, report_after=[2, 4])
+    assert r.peak_allocated_between == (4 * MiB, MiB)

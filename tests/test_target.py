@@ -304,3 +304,16 @@ def test_a_cuda_target_predicts_max_memory_allocated_with_the_allocators_block_r
     assert report.predicted_allocated_bytes == est.peak_allocated_bytes
     assert report.to_dict()["predicted_allocated_bytes"] == est.peak_allocated_bytes
     assert "max allocated" in capsys.readouterr().out
+
+
+def test_each_steps_max_memory_allocated_on_a_cuda_target_from_the_allocator_simulation():
+    # The callbacks reset the peak stats at each measured step's start and read max_memory_allocated at its end;
+    # on a CUDA target their per-step predictions are the simulated allocator's blocks over the same spans.
+    model = make_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    est = preflight.estimate(model, opt, lm_batch(), run=preflight.Run(target=preflight.Target(gpu="A100-80GB")))
+    allocated, live = est.step_allocated_peaks(), est.step_peaks()
+    assert set(allocated) == set(live) == {1, 2}
+    assert all(allocated[k] >= live[k] for k in live)
+    assert max(allocated.values()) == est.peak_allocated_bytes
+    assert preflight.estimate(model, opt, lm_batch()).step_allocated_peaks() is None  # a CPU target

@@ -20,7 +20,7 @@ from preflight.report._console import progress
 from preflight._device import live_storage_bytes, resolve_device
 from preflight._dryrun import settings_from_env
 from preflight._analytic import optimizer_state_bytes
-from preflight._estimate import estimate, estimate_evaluating, read_plan_off_ddp
+from preflight._estimate import _allocator_config, estimate, estimate_evaluating, read_plan_off_ddp
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_terms
 from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._eval import EvalStepFn, estimate_eval
@@ -179,7 +179,10 @@ def predict(
         # After the measured steps the optimizer has state; the measured run's first step had none.
         # Under a per-rank trace inside a job, this rank's own steps (its shards may differ from the peak rank's).
         one = run_estimate(b, _without_state(optimizer))
-        return {k: v + buckets for k, v in one.step_peaks(_traced_rank(one.per_rank_peak_bytes)).items()}
+        rank = _traced_rank(one.per_rank_peak_bytes)
+        # On a CUDA target, what max_memory_allocated will read: the allocator's blocks, not the tensors' bytes.
+        peaks = one.step_allocated_peaks(rank, _allocator_config(estimate_run.target.allocator))
+        return {k: v + buckets for k, v in (one.step_peaks(rank) if peaks is None else peaks).items()}
 
     talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
     with progress("tracing the training step on fake tensors" + (" and the evaluation after it" if evaluation

@@ -158,7 +158,7 @@ class VerifySession:
         if report is not None and local is not None:
             with internal_failures("comparing with the measurement"):
                 peaks, reserved, own, retained, evals = local
-                predicted = self._own_prediction(report)
+                predicted = self._own_prediction(report, self.method)
                 result = compare(predicted, peaks, method=self.method, reserved_peaks=reserved,
                                  predicted_step_peaks=own, step_retained=retained)
                 mine = (result, evals, bool(report.coverage.get("lower_bound")), predicted)
@@ -198,10 +198,13 @@ class VerifySession:
         return report
 
     @staticmethod
-    def _own_prediction(report: Report) -> int:
-        """This rank's own predicted peak (the report's headline is the maximum over ranks)."""
+    def _own_prediction(report: Report, method: str | None = None) -> int:
+        """This rank's own predicted peak (the report's headline is the maximum over ranks); measured by the CUDA
+        allocator, what its ``max_memory_allocated`` was predicted to read, where the allocator was simulated."""
         peaks = report.rank_predicted_peak_bytes
         own = peaks[_rank()] if peaks and len(peaks) == _world_size() else None
+        if own is None and method == "cuda-allocator" and report.predicted_allocated_bytes is not None:
+            return report.predicted_allocated_bytes  # pragma: no cover - needs a GPU
         return report.predicted_peak_bytes if own is None else own
 
     def eval_started(self, resident: Any, batch: Any) -> None:

@@ -275,8 +275,9 @@ def max_batch_size(
         (48, 3)
 
     Known limitations:
-        - Budget and peaks are tensor-storage bytes (``torch.cuda.max_memory_allocated``); the allocator's
-          cached blocks, the CUDA context and library workspaces are outside them: keep them in ``headroom``.
+        - Budget and peaks are tensor-storage bytes (``torch.cuda.max_memory_allocated`` reads up to about 2%
+          more: the allocator's blocks); the allocator's cached blocks, the CUDA context and library workspaces
+          are outside them: keep them in ``headroom``.
         - Each trace is ``steps=2`` training steps of the default (or given) step; the blind spots of
           `preflight.estimate` apply (unseen kernel scratch, CPU kernels traced for a CUDA target).
         - The trace search used when the traces do not line up assumes the peak never shrinks as the batch

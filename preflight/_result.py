@@ -126,8 +126,8 @@ class Estimate:
 
     Attributes:
         peak_bytes: the maximum, over the simulated steps, of the bytes of all live tensor storages on the
-            device, including those alive before the step (parameters, buffers, the batch). On CUDA this is
-            what ``torch.cuda.max_memory_allocated()`` reports over the same steps.
+            device, including those alive before the step (parameters, buffers, the batch). On CUDA,
+            ``torch.cuda.max_memory_allocated()`` reads ``peak_allocated_bytes`` (its blocks, a little more).
         breakdown: bytes at the peak per `Category` value; sums to ``peak_bytes``.
         peak_phase: where the peak happens, e.g. ``"step2/backward"``.
         device: the device planned for.

@@ -11,8 +11,9 @@ down); each carries its source. A figure marked *nominal* was not measured.
 
 Known limitations:
     * One board per name: ``H100-80GB`` is the SXM5 HBM3 board; the PCIe H100 and the 94 GB NVL differ.
-    * ``context_bytes`` is approximate (see `_CONTEXT_BYTES`); the CUDA context also grows as kernels are
-      loaded lazily during the run, and NCCL adds its own buffers under distributed training.
+    * ``context_bytes`` is approximate (see `_CONTEXT_BYTES`): Hopper's was measured after two training steps;
+      the others are bare contexts from published reports, and a context grows as kernels are loaded lazily
+      during the run (by 224 MiB on the H200 measured); NCCL adds its own buffers under distributed training.
     * ECC, MIG partitions, and other processes on the card reduce what is available further.
 """
 
@@ -88,12 +89,12 @@ _CONTEXT_BYTES = {
     # 426 MiB in nvidia-smi after torch.cuda.mem_get_info on an RTX 6000 Ada, torch 2.10.0+cu130
     # (unslothai/unsloth-zoo#1053).
     "ada": 426 * _MiB,
-    # The upper end of the 300-500 MiB range measured elsewhere. Measured here since on an H200 (torch
-    # 2.11.0+cu130, driver 580.159.04, benchmarks/results/gpu_validation_h200.md): 526.8 MiB in use after the
-    # first torch.cuda.mem_get_info, and 750.8 MiB outside the caching allocator after two training steps of a
-    # fresh process (kernels loaded lazily, cuBLAS's handles). Not yet the figure used: the device totals the docs
-    # quote for Hopper targets were computed with this one (docs/cuda-target.md says so).
-    "hopper": 500 * _MiB,
+    # Measured on an H200 (torch 2.11.0+cu130, driver 580.159.04, benchmarks/results/gpu_validation_h200.md):
+    # 526.8 MiB in use after the first torch.cuda.mem_get_info (the bare context), and 750.8 MiB outside the
+    # caching allocator (in use minus reserved) after two training steps of a fresh process: the kernels loaded
+    # lazily and cuBLAS's handles. The device total is read at the step's peak, so the figure after the steps is
+    # the one used (it was 500 MiB, unmeasured, before).
+    "hopper": 751 * _MiB,
 }
 
 

@@ -64,15 +64,19 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str
 def with_workspaces(events: Sequence[Event], nbytes: int) -> list[Event]:
     """``events`` with one workspace allocated at the first traced operator the calling thread runs (a step's
     forward, or ``generate``'s first operator) and one where the first backward phase starts (both held to the
-    end: the allocator keeps them for the life of the handle)."""
+    end: the allocator keeps them for the life of the handle). A pipeline schedule runs its backwards inside its
+    step (phase ``stepN/pipeline``), on the autograd thread too: that workspace is placed where the step starts,
+    an upper bound for the moments before its first backward."""
     out = list(events)
-    firsts = (lambda e: e.op >= 0 and e.phase != "setup" and not e.phase.endswith("/backward"),
-              lambda e: e.op >= 0 and e.phase.endswith("/backward"))
-    for uid, first in zip(WORKSPACE_UIDS, firsts):
-        at = next((i for i, e in enumerate(out) if first(e)), None)
-        if at is None:
-            continue
-        out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
+    backward = next((i for i, e in enumerate(out) if e.op >= 0 and e.phase.endswith("/backward")), None)
+    if backward is None:
+        backward = next((i for i, e in enumerate(out) if e.op >= 0 and e.phase.endswith("/pipeline")), None)
+    forward = next((i for i, e in enumerate(out) if e.op >= 0 and e.phase != "setup"
+                    and not e.phase.endswith("/backward")), None)
+    for uid, at in sorted(zip(WORKSPACE_UIDS, (forward, backward)), key=lambda pair: -1 if pair[1] is None
+                          else pair[1], reverse=True):
+        if at is not None:
+            out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
     return out
 
 

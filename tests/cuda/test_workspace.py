@@ -78,3 +78,16 @@ def test_no_workspace_and_a_note_that_says_so_when_nothing_ran():
     events, note = add_workspaces([Event(1, 512, -1, "setup")], None)
     assert not any(e.uid in WORKSPACE_UIDS for e in events)
     assert note == "no cuBLAS workspace counted: no operator was traced"
+
+
+def test_a_pipeline_step_holds_both_threads_workspaces_from_its_start():
+    # A pipeline schedule runs forwards and backwards inside one phase (stepN/pipeline); its backwards run on the
+    # autograd thread, whose handle gets a workspace too: both are placed where the step starts.
+    from preflight._result import Event
+    from preflight.cuda import with_workspaces
+
+    events = [Event(1, 512, -1, "setup"), Event(2, 1024, 0, "step1/pipeline"), Event(2, -1024, 1, "step1/pipeline")]
+    out = with_workspaces(events, 4096)
+    assert sorted((e.uid, e.phase) for e in out if e.uid in WORKSPACE_UIDS) == [
+        (WORKSPACE_UIDS[0], "step1/pipeline"), (WORKSPACE_UIDS[1], "step1/pipeline")]
+    assert [e.uid for e in out][:1] == [1] and [e.uid for e in out][-2:] == [2, 2]

@@ -482,7 +482,7 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if expandable >= reserved:
         return []
     # The context and workspaces stay; the training phase's reserve shrinks, the other phases are kept as they are.
-    figure = max(base.required_bytes - reserved + expandable, *(p.required_bytes for p in base.phases))
+    figure = max([base.required_bytes - reserved + expandable, *(p.required_bytes for p in base.phases)])
     text = (f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the simulated reserved peak goes from "
             f"{format_bytes(reserved)} to {format_bytes(expandable)} (allocated peak {format_bytes(base.peak_bytes)}, "
             f"unchanged); {setup.versus(figure)}")

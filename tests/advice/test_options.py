@@ -550,3 +550,23 @@ def test_eight_bit_adamw_is_not_offered_for_dtensor_parameters(monkeypatch):
         assert not [w for w in caught if "left out" in str(w.message)], [str(w.message) for w in caught]
         offered[sharding] = [s.change.get("optimizer") for s in found if "optimizer" in s.change]
     assert offered == {"ddp": ["bitsandbytes.optim.AdamW8bit"], "fsdp2": []}
+
+
+def test_the_allocator_option_on_a_run_with_no_other_phase(monkeypatch):
+    # With no phase beside training, the figure is the training need with the expandable reserve: max() of one
+    # number (it raised "'int' object is not iterable" and advise left the option out with a warning).
+    import types
+
+    import preflight.allocator
+    from preflight._result import Coverage, Estimate
+    from preflight.advice import _options
+
+    base = Estimate(peak_bytes=100, breakdown={"activations": 100}, peak_phase="step2/backward", device="cuda",
+                    coverage=Coverage(traced=True), peak_reserved_bytes=1000, device_total_bytes=1500)
+    monkeypatch.setattr(preflight.allocator, "simulate", lambda events, config: types.SimpleNamespace(
+        peak_reserved_bytes=400))
+    setup = types.SimpleNamespace(baseline=base, limit=1200, versus=lambda figure: f"{figure} B",
+                                  run=preflight.Run(target=preflight.Target(gpu="H100-80GB")))
+    [(kind, suggestion)] = _options._allocator(setup)
+    assert kind == "allocator" and suggestion.fits
+    assert "900 B" in suggestion.description

@@ -214,9 +214,8 @@ class Estimate:
         live = 0
         for e in events:
             live += e.nbytes
-            head = e.phase.split("/", 1)[0]
-            if head.startswith("step") and head[4:].isdigit():
-                step = int(head[4:])
+            step = _step_of(e.phase)
+            if step is not None:
                 peaks[step] = max(peaks.get(step, 0), live)
         return peaks
 
@@ -232,9 +231,8 @@ class Estimate:
         events = self.events if rank is None or self.rank_events is None else self.rank_events[rank]
         spans: dict[int, tuple[int, int]] = {}  # step -> (its first event, its last)
         for i, e in enumerate(events):
-            head = e.phase.split("/", 1)[0]
-            if head.startswith("step") and head[4:].isdigit():
-                step = int(head[4:])
+            step = _step_of(e.phase)
+            if step is not None:
                 spans[step] = (spans.get(step, (i, i))[0], i)
         if not spans:
             return {}
@@ -306,6 +304,12 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _step_of(phase: str) -> int | None:
+    """The training step a phase belongs to (``"step2/backward"`` -> 2), or None outside the steps."""
+    head = phase.split("/", 1)[0]
+    return int(head[4:]) if head.startswith("step") and head[4:].isdigit() else None
 
 
 def format_estimate(est: Estimate) -> str:

@@ -73,10 +73,9 @@ def with_workspaces(events: Sequence[Event], nbytes: int) -> list[Event]:
         backward = next((i for i, e in enumerate(out) if e.op >= 0 and e.phase.endswith("/pipeline")), None)
     forward = next((i for i, e in enumerate(out) if e.op >= 0 and e.phase != "setup"
                     and not e.phase.endswith("/backward")), None)
-    for uid, at in sorted(zip(WORKSPACE_UIDS, (forward, backward)), key=lambda pair: -1 if pair[1] is None
-                          else pair[1], reverse=True):
-        if at is not None:
-            out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
+    placed = [(at, uid) for uid, at in zip(WORKSPACE_UIDS, (forward, backward)) if at is not None]
+    for at, uid in sorted(placed, reverse=True):  # the later position first: the earlier one stays valid
+        out.insert(at, Event(uid, nbytes, out[at].op, out[at].phase))
     return out
 
 

@@ -11,6 +11,8 @@ the estimate traced on the device. ``python benchmarks/gpu_snapshot.py --read FI
 peak blocks on any machine (a gzipped one too), and ``--replay FILE`` feeds the recorded allocations and frees to
 `preflight.allocator.simulate` and sets its reserved and allocated peaks beside the segments the device recorded:
 the check that the allocator model, given the device's own sequence, reserves what the device reserved.
+``--plan FILE...`` plans each saved snapshot's case on this machine (any machine: traced on the CPU for the GPU
+that recorded it) and sets its peaks and allocation sizes beside the recording's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gc
 import os
 import pickle
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -84,6 +87,60 @@ def replay(snapshot: dict[str, Any], device: int = 0) -> dict[str, int]:
             "simulated_allocated": sim.peak_allocated_bytes, "simulated_segments": sim.num_segments}
 
 
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+def _load(path: str) -> dict[str, Any]:
+    import gzip
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        return pickle.load(f)
+
+
+def compare_plan(path: str, gpu: str = "H200") -> tuple[str, list[str]]:
+    """Plan a recorded zoo case on this machine (traced on the CPU for ``gpu``) and set it beside the recording: the
+    peaks, and every allocation size of 1 MiB or more whose count differs. Returns a table row and those lines.
+
+    The recording holds what happened after it started: a cuBLAS workspace made by an earlier case of the same
+    process (the handles outlive ``empty_cache``) is not in it. Those are counted (32 MiB blocks the recording
+    never frees, against the plan's two) and added to the recorded reserved peak in its own column."""
+    snapshot = _load(path)
+    name = next((c.name for c in gv.ZOO if _slug(c.name) == os.path.basename(path).split(".")[0]), None)
+    if name is None:
+        raise SystemExit(f"{path}: no zoo case of gpu_validation.py has this name")
+    case = next(c for c in gv.ZOO if c.name == name)
+    t0 = time.perf_counter()
+    est = gv._plan(case, gpu)
+    seconds = time.perf_counter() - t0
+    recorded_peak, _ = peak_blocks(snapshot)
+    reserved = replay(snapshot)["recorded_reserved"]
+    workspace = gv.get_gpu(gpu).cublas_workspace_bytes
+    live: dict[int, int] = {}
+    for e in snapshot["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    recorded_workspaces = sum(1 for size in live.values() if size == workspace)
+    missing = max(0, 2 - recorded_workspaces) * workspace
+    planned = Counter(-(-e.nbytes // 512) * 512 for e in est.events if e.nbytes >= MiB)
+    recorded = Counter(-(-e["size"] // 512) * 512 for e in snapshot["device_traces"][0]
+                       if e["action"] == "alloc" and e["size"] >= MiB)
+    differ = [f"  {size:>13,} B: planned {planned[size]}, recorded {recorded[size]}"
+              for size in sorted(set(planned) | set(recorded), reverse=True) if planned[size] != recorded[size]]
+    a, r = est.peak_allocated_bytes, est.peak_reserved_bytes or 0
+    row = (f"| {name} | {recorded_peak / MiB:,.1f} | {a / MiB:,.1f} | {(a - recorded_peak) / recorded_peak:+.1%} | "
+           f"{reserved / MiB:,.1f} | {missing / MiB:,.0f} | {r / MiB:,.1f} | "
+           f"{(r - reserved - missing) / (reserved + missing):+.1%} | {len(differ)} | {seconds:.1f} |")
+    return row, differ
+
+
+PLAN_HEAD = ("| recorded case | recorded allocated peak MiB | planned max allocated MiB | error | recorded reserved "
+             "peak MiB | workspaces before the recording MiB | planned reserved MiB | error (with them) | sizes "
+             "differing | plan s |")
+
+
 def print_peak(snapshot: dict[str, Any], top: int = 40) -> None:
     peak, blocks = peak_blocks(snapshot)
     print(f"peak of the recorded trace: {peak:,} B ({peak / MiB:,.2f} MiB) in {len(blocks)} blocks")
@@ -117,7 +174,7 @@ def record(name: str, out: str) -> None:  # pragma: no cover - needs a GPU
         print(f"{name}: max_memory_allocated {torch.cuda.max_memory_allocated():,} B")
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    path = os.path.join(out, "".join(ch if ch.isalnum() else "_" for ch in name) + ".pickle")
+    path = os.path.join(out, _slug(name) + ".pickle")
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)
     print_peak(snapshot)
@@ -138,13 +195,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=".", help="folder for the snapshots")
     parser.add_argument("--read", help="print the peak blocks of a saved snapshot instead")
     parser.add_argument("--replay", help="replay a saved snapshot's allocations through preflight's allocator model")
+    parser.add_argument("--plan", nargs="+", metavar="FILE",
+                        help="plan each saved snapshot's case on this machine and compare with the recording")
+    parser.add_argument("--gpu", default="H200", help="the GPU the snapshots were recorded on (for --plan)")
     args = parser.parse_args(argv)
+    if args.plan:
+        print(f"Command: `python benchmarks/gpu_snapshot.py --plan {' '.join(args.plan)}` (torch "
+              f"{torch.__version__}, planned on this machine for {args.gpu})\n")
+        print(PLAN_HEAD)
+        print("|" + "---|" * PLAN_HEAD.count(" |"))
+        details = []
+        for path in args.plan:
+            row, differ = compare_plan(path, args.gpu)
+            print(row, flush=True)
+            details.append((row.split(" | ")[0].strip("| "), differ))
+        for name, differ in details:
+            if differ:
+                print(f"\n{name}: allocation sizes of 1 MiB or more whose counts differ")
+                print("\n".join(differ))
+        return 0
     if args.read or args.replay:
-        import gzip
-
-        path = args.read or args.replay
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            snapshot = pickle.load(f)
+        snapshot = _load(args.read or args.replay)
         if args.read:
             print_peak(snapshot)
         else:

@@ -4,6 +4,8 @@ One command:
 
     python benchmarks/gpu_validation.py            # every zoo case and both published series
     python benchmarks/gpu_validation.py --quick    # two zoo cases, no published series (the CPU-mode test)
+    python benchmarks/gpu_validation.py --against benchmarks/results/gpu_validation_h200.md
+                                                   # re-plan a GPU run's zoo here, beside its measurements
 
 For each configuration of a zoo built from transformers configs (random weights, nothing downloaded):
     planned    preflight.estimate(..., gpu=<the GPU>) traced on the CPU host with the CUDA target's semantics
@@ -258,6 +260,10 @@ def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover
     free0, total = torch.cuda.mem_get_info()
     model, opt, batch = case.build("cuda")
     on_device = _quiet(lambda: preflight.estimate(model, opt, batch, case.run(gpu)))
+    # The steps start from an empty cache, so that the reserved peak is theirs, as gpu_snapshot.py records it; the
+    # H200 run of 2026-11-29 measured without this (docs/cuda-target.md).
+    gc.collect()
+    torch.cuda.empty_cache()
     m = _quiet(lambda: preflight.measure(model, opt, batch, case.run()))
     free1, _ = torch.cuda.mem_get_info()
     out = {"on_device": on_device.peak_bytes, "on_device_reserved": on_device.peak_reserved_bytes or 0,
@@ -582,6 +588,41 @@ def run_peft_series() -> list[str]:
     return lines
 
 
+def run_against(path: str) -> list[str]:
+    """Re-plan, on this machine, every zoo case of a saved table of GPU measurements (``--out`` of a run on a GPU) for
+    the GPU it names, and set the new plan beside those measurements: what a change to the CUDA target does to the
+    errors, without a GPU."""
+    text = open(path).read()
+    named = next((line for line in text.splitlines() if line.startswith("Command:")), "")
+    gpu = named.rsplit("planned for ", 1)[-1].rstrip(")").strip() if "planned for " in named else "H100-80GB"
+    measured: dict[str, tuple[float, float]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[0] in {c.name for c in ZOO}:  # the zoo table measured on a GPU
+            measured[cells[0]] = (float(cells[7].replace(",", "")), float(cells[9].replace(",", "")))
+    if not measured:
+        raise SystemExit(f"{path}: no zoo table measured on a GPU in it")
+    head = ("| case | planned max allocated MiB | measured max allocated MiB | error | planned reserved MiB | "
+            "measured max reserved MiB | error | plan s |")
+    lines = [f"Measured: `{path}` ({named.split('(', 1)[-1].rstrip(')') if '(' in named else gpu}); planned here "
+             f"for {gpu} (torch {torch.__version__}, transformers {transformers.__version__})", "", head,
+             "|" + "---|" * head.count(" |")]
+    print("\n".join(lines), flush=True)
+    for case in ZOO:
+        if case.name not in measured:
+            continue
+        t0 = time.perf_counter()
+        est = _plan(case, gpu)
+        seconds = time.perf_counter() - t0
+        allocated, reserved = est.peak_allocated_bytes / MiB, (est.peak_reserved_bytes or 0) / MiB
+        got_allocated, got_reserved = measured[case.name]
+        lines.append(f"| {case.name} | {allocated:,.1f} | {got_allocated:,.1f} | "
+                     f"{_err(allocated, got_allocated)} | {reserved:,.1f} | {got_reserved:,.1f} | "
+                     f"{_err(reserved, got_reserved)} | {seconds:.1f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", help="catalog GPU to plan for (default: the CUDA device present, else H100-80GB)")
@@ -591,7 +632,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/gpu_validation.md")
     parser.add_argument("--out", default=RESULTS, help="where to write the tables (default: %(default)s)")
     parser.add_argument("--measure-generation", metavar="LABEL", help=argparse.SUPPRESS)  # the fresh process
+    parser.add_argument("--against", metavar="TABLE", help="re-plan the zoo cases of a table measured on a GPU and "
+                        "compare with its measurements (no GPU needed); prints, writes nothing")
     args = parser.parse_args(argv)
+    if args.against:
+        run_against(args.against)
+        return 0
     if args.measure_generation:  # pragma: no cover - needs a GPU
         import json
 

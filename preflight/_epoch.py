@@ -134,9 +134,10 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
     notes = list(result.notes) + unmodelled_device_note(target)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
-    calibrator = Calibrator(target, can_run=(trace_device == target))
+    calibrator = Calibrator(target, can_run=(trace_device == target), gpu=gpu_info)
     scratch = calibrator(result.events, result.op_log)
     notes.extend(_uncalibrated_notes(calibrator.skipped, target))
+    notes.extend(n for n in [calibrator.reduction_note()] if n)
     events, categories = scratch.events, {**result.categories, **scratch.categories}
     if target.type == "cuda":
         events, note = add_workspaces(events, gpu_info)

@@ -19,7 +19,7 @@ from preflight._guard import untouched
 from preflight._loading import LOAD_PHASE, Loading
 from preflight._result import Category, Coverage, Estimate, Event, PhaseEstimate, TimelinePoint
 from preflight._warnings import warn
-from preflight._scratch import KERNEL_OPS, Calibrator, calibrate, scratch_ops
+from preflight._scratch import KERNEL_OPS, Calibrator, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
 from preflight._steps import Evaluation, LossNotFoundError, StepFn, check_step, with_optimizer_impl
@@ -332,7 +332,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         return _per_rank_estimate(ranks, rank_note, target=target, trace_device=trace_device, gpu_info=gpu_info,
                                   allocator=allocator, steps=steps, world_size=world_size, sharding=sharding,
                                   saves=run.checkpoint is not None, loading=options["loading"])
-    calibrator = Calibrator(target, can_run=(trace_device == target))
+    calibrator = Calibrator(target, can_run=(trace_device == target), gpu=gpu_info)
     traced = {k: v for k, v in options.items() if k != "loading"}  # one device's loading is counted, not traced
     if fast:  # the shallow traces are calibrated before they are composed
         result, composed_note = trace_composed(model, optimizer, batch, scratch=calibrator.apply, **traced)
@@ -360,6 +360,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
 
     scratch = calibrator(result.events, result.op_log)
     notes.extend(_uncalibrated_notes(calibrator.skipped, target))
+    notes.extend(n for n in [calibrator.reduction_note()] if n)
     categories = {**result.categories, **scratch.categories}
     events = scratch.events
     managed = 0
@@ -1186,8 +1187,10 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
     evaluations: list[tuple[list[int], PhaseEstimate | None]] = []
     for group, result in ranks:
         notes = list(result.notes)
-        scratch = calibrate(result.events, result.op_log, target, can_run=(trace_device == target))
+        calibrator = Calibrator(target, can_run=(trace_device == target), gpu=gpu_info)
+        scratch = calibrator(result.events, result.op_log)
         notes.extend(_uncalibrated_notes(scratch.skipped, target))
+        notes.extend(n for n in [calibrator.reduction_note()] if n)
         events = scratch.events
         reserved = total = allocated = None
         if target.type == "cuda":

@@ -46,6 +46,8 @@ class GPU:
             only by nvidia-smi), or the size the user gave (``context_given``, `with_context`).
         nccl_buffers: NCCL's buffers per communicator as the user measured them (`preflight.Target.nccl_buffers`,
             `with_context`); None: modelled (`preflight.cuda._nccl`).
+        sm_count: streaming multiprocessors (``multiProcessorCount``), from NVIDIA's datasheets; CUDA reductions
+            size their staging buffers by it (`preflight.cuda._reduce`). None where not known.
 
     Example:
         >>> get_gpu("h100_80gb").compute_capability
@@ -61,6 +63,17 @@ class GPU:
     context_bytes: int
     context_given: bool = False  # context_bytes is the user's (Target.cuda_context), not the catalog's figure
     nccl_buffers: int | None = None
+    sm_count: int | None = None
+
+    @property
+    def threads_per_sm(self) -> int:
+        """Resident threads per multiprocessor (``maxThreadsPerMultiProcessor``) for the compute capability: the CUDA
+        C++ Programming Guide's table of technical specifications (2048 on sm_70, sm_80 and sm_90; 1024 on sm_75;
+        1536 on sm_86 and sm_89)."""
+        return _THREADS_PER_SM.get(self.compute_capability, 2048)
+
+
+_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536}
 
 
 # torch's default cuBLAS workspace size, parseChosenWorkspaceSize() in
@@ -98,7 +111,7 @@ _CONTEXT_BYTES = {
 }
 
 
-def _gpu(name: str, memory_bytes: int, arch: str, cc: tuple[int, int]) -> GPU:
+def _gpu(name: str, memory_bytes: int, arch: str, cc: tuple[int, int], sm_count: int) -> GPU:
     return GPU(
         name=name,
         memory_bytes=memory_bytes,
@@ -107,46 +120,49 @@ def _gpu(name: str, memory_bytes: int, arch: str, cc: tuple[int, int]) -> GPU:
         bf16=cc >= (8, 0),
         cublas_workspace_bytes=_CUBLAS_HOPPER if cc[0] >= 9 else _CUBLAS_DEFAULT,
         context_bytes=_CONTEXT_BYTES[arch],
+        sm_count=sm_count,
     )
 
 
-# nvidia-smi totals quoted for comparison come from modal-labs/modal-client#2797.
+# nvidia-smi totals quoted for comparison come from modal-labs/modal-client#2797. Multiprocessor counts (the last
+# figure) from NVIDIA's datasheets and architecture whitepapers: A100 108, H100 SXM5 and H200 132, L4 58, L40S 142,
+# A10G 80, RTX 3090 82, RTX 4090 128, V100 80, T4 40.
 _CATALOG: tuple[GPU, ...] = (
     # deviceQuery, "NVIDIA A100-SXM4-40GB", driver CUDA 12.2 (bottlerocket-os/bottlerocket#3873).
     # nvidia-smi: 40,960 MiB.
-    _gpu("A100-40GB", 42_298_834_944, "ampere", (8, 0)),
+    _gpu("A100-40GB", 42_298_834_944, "ampere", (8, 0), 108),
     # torch total_memory on "NVIDIA A100-SXM4-80GB" in several public run logs (torch 2.7.1+cu126 and others);
     # an A100 80GB PCIe read the same after a driver restart, 85,097,971,712 B before it. nvidia-smi: 81,920 MiB.
-    _gpu("A100-80GB", 85_094_825_984, "ampere", (8, 0)),
+    _gpu("A100-80GB", 85_094_825_984, "ampere", (8, 0), 108),
     # deviceQuery, "NVIDIA H100 80GB HBM3" (SXM5), driver CUDA 12.8 (public podman/CDI walkthrough);
     # 85,045,477,376 B under driver 12.7, 85,017,755,648 B under 13.0; torch repr 81,089 MiB
     # (stas00/ml-engineering, torch 2.7 / CUDA 12.8). nvidia-smi: 81,559 MiB.
-    _gpu("H100-80GB", 85_028_896_768, "hopper", (9, 0)),
+    _gpu("H100-80GB", 85_028_896_768, "hopper", (9, 0), 132),
     # torch repr "NVIDIA H200 ... total_memory=143156MB" in a public vLLM-on-Modal example: whole MiB,
     # so exact to within 1 MiB (rounded down). Nominal 141 GB.
-    _gpu("H200", 143_156 * _MiB, "hopper", (9, 0)),
+    _gpu("H200", 143_156 * _MiB, "hopper", (9, 0), 132),
     # deviceQuery, "NVIDIA L4", driver CUDA 12.0 (public setup guide). nvidia-smi: 23,034 MiB.
-    _gpu("L4", 23_612_293_120, "ada", (8, 9)),
+    _gpu("L4", 23_612_293_120, "ada", (8, 9), 58),
     # deviceQuery, "NVIDIA L40S", driver CUDA 12.4, ECC on (alvarobartt/cuda-device-query README).
     # nvidia-smi: 46,068 MiB.
-    _gpu("L40S", 47_576_711_168, "ada", (8, 9)),
+    _gpu("L40S", 47_576_711_168, "ada", (8, 9), 142),
     # torch repr "NVIDIA A10G ... total_memory=22723MB" in a public YOLOv3 training log: whole MiB, rounded
     # down. (nvidia-smi shows 23,028 MiB for the A10, a different board.)
-    _gpu("A10G", 22_723 * _MiB, "ampere", (8, 6)),
+    _gpu("A10G", 22_723 * _MiB, "ampere", (8, 6), 80),
     # deviceQuery, "NVIDIA GeForce RTX 3090", two public Linux reports (drivers CUDA 11.3 and 11.8);
     # 25,206,325,248 B was seen on an eGPU that also drives displays.
-    _gpu("RTX-3090", 25_447_170_048, "ampere", (8, 6)),
+    _gpu("RTX-3090", 25_447_170_048, "ampere", (8, 6), 82),
     # deviceQuery, "NVIDIA GeForce RTX 4090", 8-GPU Linux server, driver CUDA 12.4; 25,250,627,584 B under
     # driver 13.0; 24,146,083,840 B on Windows (WDDM keeps more).
-    _gpu("RTX-4090", 25_386_352_640, "ada", (8, 9)),
+    _gpu("RTX-4090", 25_386_352_640, "ada", (8, 9), 128),
     # deviceQuery, "Tesla V100-SXM2-16GB", driver CUDA 12.4; 16,911,433,728 B under driver 11.0 (Marconi-100).
-    _gpu("V100-16GB", 16_928_342_016, "volta", (7, 0)),
+    _gpu("V100-16GB", 16_928_342_016, "volta", (7, 0), 80),
     # deviceQuery, "Tesla V100-SXM2-32GB", SDSC Expanse, drivers CUDA 11.6 and 13.0; 34,072,559,616 B
     # under 12.9.
-    _gpu("V100-32GB", 34_089_926_656, "volta", (7, 0)),
+    _gpu("V100-32GB", 34_089_926_656, "volta", (7, 0), 80),
     # deviceQuery, "Tesla T4", drivers CUDA 12.4 and 12.5 (two public reports). Varies more than most:
     # 15,835,660,288 B on Colab (driver 12.2). nvidia-smi: 15,360 MiB.
-    _gpu("T4", 15_642_329_088, "turing", (7, 5)),
+    _gpu("T4", 15_642_329_088, "turing", (7, 5), 40),
 )
 
 _BY_NAME = {gpu.name: gpu for gpu in _CATALOG}

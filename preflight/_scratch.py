@@ -31,6 +31,11 @@ operator larger than that is listed as not calibrated), and the bytes it held be
 into the event list as a transient allocation at that operator. On the CPU all configurations run in one profiler
 session, each in a `torch.profiler.record_function` window of its own.
 
+On a CUDA target, what reductions (``sum``, ``mean``: a staging buffer and its semaphores) and softmax's backward
+(a product of its inputs) allocate inside the kernel is not measured but modelled from ATen's source for the target
+GPU (`preflight.cuda.kernel_temporaries`), on a CPU host and on a GPU alike: inserted after the operator's outputs
+and freed in the reverse order.
+
 Known limitations: random operators (dropout's mask) are never run here (running them would draw from the
 user's generator); in-place operators and views are not run (their outputs are not fresh allocations); on a
 CUDA target only convolutions are calibrated.
@@ -48,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Category, Event
+from preflight.cuda import MODELLED_OPS, ReduceDevice, kernel_temporaries, reduce_device
 
 __all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "KERNEL_OPS", "scratch_ops", "calibrate", "Calibrator",
            "ScratchResult"]
@@ -87,7 +93,7 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
     if func in SCRATCH_OPS or func in KERNEL_OPS:
         return True
     if device.type != "cpu":
-        return False
+        return device.type == "cuda" and func in MODELLED_OPS
     if func in ATTENTION_OPS:
         return True
     tensors = [a for a in tree_flatten(args)[0] if hasattr(a, "shape") and hasattr(a, "dtype")]
@@ -146,15 +152,16 @@ class ScratchResult:
 
 
 def calibrate(events: list[Event], op_log: list[tuple[int, int, Any, Any, Any]], device: torch.device,
-              can_run: bool) -> ScratchResult:
-    """Insert each logged operator's measured scratch into ``events``.
+              can_run: bool, gpu: Any = None) -> ScratchResult:
+    """Insert each logged operator's measured (or, for CUDA reductions, modelled) scratch into ``events``.
 
     Args:
         op_log: ``(op_index, event_index, func, args, kwargs)`` with tensors as `TensorSpec`.
         device: the target device.
         can_run: whether real kernels can run on ``device`` here (False: planning for CUDA without a GPU).
+        gpu: the target's catalog `preflight._gpus.GPU` (None: unnamed), whose multiprocessors size reductions.
     """
-    return Calibrator(device, can_run)(events, op_log)
+    return Calibrator(device, can_run, gpu)(events, op_log)
 
 
 class Calibrator:
@@ -163,13 +170,30 @@ class Calibrator:
 
     Attributes:
         calibrated, skipped: labels of the configurations measured and not measurable here, over all calls.
+        reductions: ``(label, blocks)`` of the CUDA kernels whose temporaries were modelled (reductions' staging
+            buffers, softmax's backward product), over all calls.
     """
 
-    def __init__(self, device: torch.device, can_run: bool) -> None:
+    def __init__(self, device: torch.device, can_run: bool, gpu: Any = None) -> None:
         self.device = device
         self.can_run = can_run
-        self._measured: dict[Any, int | None] = {}
+        self.reduce: ReduceDevice | None = reduce_device(gpu, device) if device.type == "cuda" else None
+        self._measured: dict[Any, int | tuple[int, ...] | None] = {}
         self._labels: dict[str, bool] = {}  # label -> calibrated (True) or skipped (False), in first-seen order
+        self._reductions: dict[str, tuple[int, ...]] = {}  # label -> modelled blocks, where there are any
+
+    @property
+    def reductions(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self._reductions.items())
+
+    def reduction_note(self) -> str | None:
+        """What the modelled kernel temporaries added, for the coverage notes (None: none held any)."""
+        if not self._reductions or self.reduce is None:
+            return None
+        largest = max(sum(blocks) for blocks in self._reductions.values())
+        return (f"temporaries of {len(self._reductions)} CUDA kernel configuration(s) counted as transient "
+                f"allocations (reductions' staging buffers, softmax's backward product; largest {largest:,} B), "
+                f"modelled from ATen's source for {self.reduce.source}")
 
     @property
     def calibrated(self) -> list[str]:
@@ -185,6 +209,13 @@ class Calibrator:
             if _needs_calibration(func, args, self.device):
                 configs.setdefault((func, _freeze(args), _freeze(kwargs)), (func, args, kwargs))
         new = [key for key in configs if key not in self._measured]
+        for key in [k for k in new if k[0] in MODELLED_OPS and self.reduce is not None]:
+            func, args, kwargs = configs[key]
+            blocks = kernel_temporaries(func, args, kwargs, self.reduce)
+            self._measured[key] = blocks or None
+            if blocks:
+                self._reductions[self._label_of(configs[key])] = blocks
+        new = [key for key in new if key not in self._measured]
         measured = (_measure_all([configs[key] for key in new], self.device) if self.can_run
                     else [None] * len(new))
         for key, extra in zip(new, measured):
@@ -194,25 +225,27 @@ class Calibrator:
                 self._labels.setdefault(label, False)
             elif extra or func in SCRATCH_OPS or func in MATMUL_OPS or func in ATTENTION_OPS or func in KERNEL_OPS:
                 self._labels[label] = True  # the non-contiguous-input family is listed only where it held something
-        inserts: list[tuple[int, int, int]] = []  # (event_index, op_index, bytes)
+        inserts: list[tuple[int, int, tuple[int, ...]]] = []  # (event_index, op_index, blocks)
         for op_index, event_index, func, args, kwargs in op_log:
             extra = self._measured.get((func, _freeze(args), _freeze(kwargs)))
             if extra:
-                inserts.append((event_index, op_index, extra))
+                inserts.append((event_index, op_index, extra if isinstance(extra, tuple) else (extra,)))
         labels = dict.fromkeys(self._label_of(config) for config in configs.values())
         calibrated = [label for label in labels if self._labels.get(label) is True]
         skipped = [label for label in labels if self._labels.get(label) is False]
         out: list[Event] = []
+        uids: list[int] = []
         position = 0
-        for n, (event_index, op_index, extra) in enumerate(inserts):
+        for event_index, op_index, blocks in inserts:
             out.extend(events[position:event_index])
             position = event_index
             phase = events[event_index - 1].phase if event_index else "setup"
-            uid = -1 - n  # negative uids: never collide with storages
-            out.append(Event(uid, extra, op_index, phase))
-            out.append(Event(uid, -extra, op_index, phase))
+            mine = [-1 - len(uids) - i for i in range(len(blocks))]  # negative uids: never collide with storages
+            uids.extend(mine)
+            out.extend(Event(uid, nbytes, op_index, phase) for uid, nbytes in zip(mine, blocks))
+            out.extend(Event(uid, -nbytes, op_index, phase) for uid, nbytes in reversed(list(zip(mine, blocks))))
         out.extend(events[position:])
-        return ScratchResult(out, calibrated, skipped, {-1 - n: Category.TEMPORARIES for n in range(len(inserts))})
+        return ScratchResult(out, calibrated, skipped, dict.fromkeys(uids, Category.TEMPORARIES))
 
     def apply(self, result: Any) -> Any:
         """A `preflight.trace.TraceResult` with its logged operators' scratch inserted (and its log emptied)."""

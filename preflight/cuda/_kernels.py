@@ -1,4 +1,4 @@
-"""The kernels a CUDA device picks where CPU kernels would differ: attention and dropout.
+"""The kernels a CUDA device picks where CPU kernels would differ: attention, softmax and dropout.
 
 **Attention.** ``scaled_dot_product_attention`` is a composite that asks ``_fused_sdp_choice`` for a backend and
 calls it. On CUDA the choice follows ``select_sdp_backend`` (``aten/src/ATen/native/transformers/cuda/
@@ -21,16 +21,39 @@ log-sum-exp padded to a multiple of 32 queries, and a float bias made from a boo
 cuDNN an fp32 log-sum-exp (B, H, L, 1); math decomposes into matmul, softmax (in fp32: it upcasts 16-bit inputs)
 and dropout, saving the (B, H, L, S) probabilities.
 
+**Memory-efficient attention's backward.** Besides its gradients, the CUDA kernel (``_efficient_attention_backward``
+in ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``) allocates and frees inside the call, which its
+fake implementation does not: a contiguous copy of the output gradient when its (B, L, H, D) view is not contiguous;
+the ``delta`` term, an fp32 (B, H, L) tensor that fp32 kernels compute as ``(grad_out.float() *
+out.float()).sum(-1)`` (a full-size fp32 product, its sum and a transposed copy) and 16-bit kernels fill in the
+kernel (only the fp32 tensor; on sm_70 only those that hold dK and dV in registers); and an fp32 workspace for the
+query gradient's partial tiles (and the key and value gradients' when a 16-bit kernel cannot hold them in
+registers), sized by ``Params::workspace_size`` in ``mem_eff_attention/kernel_backward.h`` for the kernel that
+``dispatch_cutlassB`` (``kernels/cutlassB.h``, whose lists are read from the headers torch 2.13's wheel installs)
+takes first for the head dim, dtype and dropout (`efficient_backward_workspace`). The kernel's shared-memory limit,
+which can pass a kernel over on GPUs with less shared memory, is not modelled: the first kernel of the list is
+assumed. Where another runs, the workspace differs by the query tiles' padding, and on sm_86 / sm_89 with 16-bit
+head dims over 96 by the key and value gradients' fp32 tiles if the 64 x 64 kernel runs instead of the 128 x 128 one
+(64 keys x the head dim, per key split, batch and head). Measured on an H200 (torch 2.11): 4,198,400 B for GPT-2's
+(8, 8, 256, 64) fp32 attention and 12,595,200 B for a ViT's (32, 6, 197, 64), as computed.
+
+**Softmax of fp16 into fp32.** CUDA autocast asks ``softmax`` and ``log_softmax`` for an fp32 result; for an fp16
+CUDA input ATen then runs the kernel with ``half_to_float`` (``SoftMax.cpp``), where a CPU tensor is first copied to
+fp32: the CUDA path holds no fp32 copy of the scores, and its backward hands back fp16 gradients. Only fp16: a bf16
+input is copied on CUDA too.
+
 **Dropout.** ``torch.dropout`` runs the fused ``native_dropout`` on CUDA tensors (``is_fused_kernel_acceptable``
 in ``aten/src/ATen/native/Dropout.cpp``), which keeps a boolean mask (1 byte per element) for the backward; on
 CPU it draws a mask of the input's dtype (2 or 4 bytes per element).
 
-`cuda_kernels` registers, for one trace, ``AutogradCPU`` kernels for ``scaled_dot_product_attention`` and
-``dropout`` that do what CUDA would, on the CPU fake tensors that stand for CUDA ones. `choose_sdpa_backend` is
-the choice alone, for tests and reports.
+`cuda_kernels` registers, for one trace, ``AutogradCPU`` kernels for ``scaled_dot_product_attention``, the
+memory-efficient kernel's backward, ``softmax``, ``log_softmax`` and ``dropout`` that do what CUDA would, on the CPU
+fake tensors that stand for CUDA ones. `choose_sdpa_backend` is the choice alone, for tests and reports.
 
 Known limitations: the runtime cuDNN version is not known on a CPU host (cuDNN is assumed not preferred unless
-``cudnn_version`` says otherwise: its saved tensors have the sizes of flash's); nested tensors are not handled.
+``cudnn_version`` says otherwise: its saved tensors have the sizes of flash's); nested tensors are not handled; the
+flash and cuDNN kernels' backward scratch is not modelled (on the H200, Llama's bf16 attention backward held one
+8,454,400-byte block per layer beside its gradients).
 """
 
 from __future__ import annotations
@@ -43,7 +66,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SDPA_BACKENDS", "SdpaChoices", "choose_sdpa_backend", "cuda_kernels"]
+__all__ = ["SDPA_BACKENDS", "SdpaChoices", "choose_sdpa_backend", "cuda_kernels", "efficient_backward_workspace"]
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 _DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # Context.h sdp_priority_order
@@ -309,6 +332,19 @@ def _ring_refuses_math(cc: tuple[int, int], query: torch.Tensor, choice: SdpaCho
         "memory was predicted: a step that fails has no peak.")
 
 
+def _softmax_factory(fused: Any) -> Any:
+    """``softmax.int`` / ``log_softmax.int`` as ATen runs them for a CUDA tensor (``SoftMax.cpp``): an fp16 input asked
+    for an fp32 result (what CUDA autocast asks) goes to the kernel with ``half_to_float``, without the fp32 copy of
+    the input the CPU path makes; its backward returns the fp16 gradient directly."""
+
+    def softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if input.dtype == torch.float16 and dtype == torch.float32:
+            return fused(input, dim, True)
+        return fused(input.to(dtype) if dtype is not None else input, dim, False)
+
+    return softmax
+
+
 def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """``at::dropout`` for a CUDA tensor (Dropout.cpp): the fused kernel, else ``_dropout<false>``."""
     if train and 0 < p < 1 and input.numel() > 0:
@@ -316,6 +352,119 @@ def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     if p == 0 or not train or input.numel() == 0:
         return input
     return input * torch.zeros((), dtype=input.dtype, device=input.device)  # p == 1
+
+
+# The memory-efficient backward kernels of ``dispatch_cutlassB`` (kernels/cutlassB.h of torch 2.13, read from the
+# headers its wheel installs) as (block size I, block size J, largest head dim), in dispatch order: the first whose
+# head dim fits runs. The "seqaligned" and unaligned variants have the same blocks and are left out.
+_FP32 = ((64, 64, 32), (64, 64, 64), (64, 64, 128), (64, 64, 65536))  # sm50, sm70, sm75
+_FP32_SM80 = ((64, 64, 32), (64, 64, 64), (128, 64, 128), (64, 64, 128), (128, 64, 65536), (64, 64, 65536))
+_16BIT_SM70 = _FP32_SM80  # the fp16 lists of sm70 and sm75 (sm50's is _FP32)
+_16BIT_SM80 = ((64, 64, 32), (64, 64, 64), (128, 128, 128), (64, 64, 128), (128, 64, 65536), (64, 64, 65536))
+_16BIT_K96 = (128, 64, 96)  # before the 128x128 kernel on sm_86 and sm_89, without dropout only
+
+
+@dataclasses.dataclass(frozen=True)
+class _EfficientKernel:
+    """The template parameters of the backward kernel that runs, and what they decide (kernel_backward.h)."""
+
+    arch: int  # ArchTag::kMinComputeCapability: 50, 70, 75 or 80
+    half: bool  # kIsHalf
+    block_i: int
+    block_j: int
+    max_k: int
+
+    @property
+    def output_in_registers(self) -> bool:  # kOutputInRF: dK and dV stay in registers
+        return self.half and self.max_k <= self.block_i
+
+    @property
+    def computes_delta(self) -> bool:  # kKernelComputesDelta
+        return self.half and (self.output_in_registers or self.arch != 70)
+
+
+def _efficient_kernel(cc: tuple[int, int], dtype: torch.dtype, head_dim: int, dropout: bool) -> _EfficientKernel:
+    """The backward kernel ``dispatch_cutlassB`` launches on sm_``cc`` for ``dtype`` and the larger head dim."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    sm = cc[0] * 10 + cc[1]
+    arch = 80 if sm >= 80 else 75 if sm >= 75 else 70 if sm >= 70 else 50
+    if arch == 80:
+        kernels = _16BIT_SM80 if half else _FP32_SM80
+        if half and not dropout and sm in (86, 89):
+            kernels = kernels[:2] + (_16BIT_K96,) + kernels[2:]
+    else:
+        kernels = _16BIT_SM70 if half and arch >= 70 else _FP32
+    block_i, block_j, max_k = next(k for k in kernels if k[2] >= head_dim)
+    return _EfficientKernel(arch, half, block_i, block_j, max_k)
+
+
+def efficient_backward_workspace(compute_capability: tuple[int, int], dtype: torch.dtype, batch: int, heads: int,
+                                 queries: int, keys: int, head_dim: int, value_dim: int, *, dropout: bool = False,
+                                 deterministic: bool = False) -> int:
+    """Bytes of the fp32 workspace the memory-efficient attention backward allocates on a GPU of
+    ``compute_capability`` (``Params::workspace_size`` in kernel_backward.h, with the key-split heuristic of
+    ``_efficient_attention_backward``), for the kernel ``dispatch_cutlassB`` picks first (module docstring).
+
+    Example:
+        >>> efficient_backward_workspace((9, 0), torch.float32, 8, 8, 256, 256, 64, 64)  # measured on an H200
+        4198400
+    """
+    k = _efficient_kernel(tuple(compute_capability), dtype, max(head_dim, value_dim), dropout)
+    split_keys = k.arch >= 70  # kEnableSplitKeys
+    accum_q = split_keys or k.half  # kNeedsAccumGradQ (the accumulator is fp32)
+    accum_kv = k.half and not k.output_in_registers  # kNeedsAccumGradK / V
+    splits = -(-keys // k.block_j)
+    if heads * batch >= 256 and keys <= 2 * k.block_j:  # enough parallelism without splitting short keys
+        splits = 1
+    if accum_kv:
+        splits = min(splits, 200 // (batch * heads))
+    if not split_keys or splits < 1 or deterministic:
+        splits = 1
+
+    def align(n: int, to: int) -> int:
+        return -(-n // to) * to
+
+    gk = splits * k.block_j * align(head_dim, k.block_i) if accum_kv else 0
+    gv = splits * k.block_j * align(value_dim, k.block_i) if accum_kv else 0
+    # GradQTempStorage: lock, counter and 2 pad ints, then a block_i x block_j fp32 tile, per query block and column.
+    gq = -(-queries // k.block_i) * -(-head_dim // k.block_j) * (4 + k.block_i * k.block_j) if accum_q else 0
+    return batch * heads * align(gk + gv + gq, 4) * 4
+
+
+def _efficient_backward_factory(cc: tuple[int, int]) -> Any:
+    """The ``AutogradCPU`` kernel of ``_scaled_dot_product_efficient_attention_backward`` for a CUDA target: the
+    gradients from the fake kernel, with the scratch the CUDA kernel allocates and frees around them (module
+    docstring), in its order: the output gradient's contiguous copy, the gradients, delta, the workspace."""
+    aten = torch.ops.aten
+
+    def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_bias: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor, philox_seed: torch.Tensor,
+                 philox_offset: torch.Tensor, dropout_p: float, grad_input_mask: list[bool], is_causal: bool = False,
+                 *, scale: float | None = None) -> tuple[torch.Tensor, ...]:
+        with torch._C._AutoDispatchBelowAutograd():
+            # The CUDA wrapper hands the kernel (B, L, H, D) views; it copies the gradient if that is not contiguous.
+            grad_copy = grad_out.transpose(1, 2).contiguous()
+            grads = aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+                grad_input_mask, is_causal, scale=scale)
+            if grad_out.numel() and query.numel():
+                batch, heads, queries, head_dim = query.shape
+                kernel = _efficient_kernel(cc, query.dtype, max(head_dim, value.size(-1)), dropout_p != 0)
+                if kernel.computes_delta:  # the kernel fills it: only the tensor
+                    delta = torch.empty((batch, heads, queries), dtype=torch.float32, device=query.device)
+                else:
+                    delta = (grad_copy.float() * out.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
+                nbytes = efficient_backward_workspace(
+                    cc, query.dtype, batch, heads, queries, key.size(2), head_dim, value.size(-1),
+                    dropout=dropout_p != 0, deterministic=torch.are_deterministic_algorithms_enabled())
+                held = [delta, torch.empty((nbytes,), dtype=torch.uint8, device=query.device) if nbytes else None]
+                del delta
+                while held:  # delta (a local of the launching lambda) is freed first, then the workspace
+                    held.pop(0)
+            del grad_copy
+        return grads
+
+    return backward
 
 
 @contextlib.contextmanager
@@ -326,7 +475,11 @@ def cuda_kernels(compute_capability: tuple[int, int], *, cudnn_version: int | No
     lib = torch.library.Library("aten", "IMPL")
     try:
         lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+        lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward_factory(sdpa.cc),
+                 "AutogradCPU")
         lib.impl("dropout", _cuda_dropout, "AutogradCPU")
+        lib.impl("softmax.int", _softmax_factory(torch.ops.aten._softmax), "AutogradCPU")
+        lib.impl("log_softmax.int", _softmax_factory(torch.ops.aten._log_softmax), "AutogradCPU")
         yield sdpa
     finally:
         lib._destroy()

@@ -57,16 +57,17 @@ SAVE_NOT_TRACED = "checkpoint save: not traced, its figure is the training state
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """Shape, stride and dtype of a tensor seen in the trace."""
+    """Shape, stride, dtype and storage offset (in elements) of a tensor seen in the trace."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    storage_offset: int = 0
 
     @staticmethod
     def of(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
+            return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset())
         return x
 
 

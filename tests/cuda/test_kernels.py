@@ -128,3 +128,66 @@ def test_kernels_are_unregistered_afterwards():
         x = torch.empty(16, 32)
         F.dropout(x, 0.1, training=True)
     assert all(name != "native_dropout.default" for name, _, _ in saved.out)
+
+
+def _backward(cc, dtype, masked=False):
+    """The storages the backward of GPT-2-shaped attention creates under `cuda_kernels`: (batch 8, 256 tokens, 8 heads,
+    head dim 64) projections, viewed as (B, H, L, D) as models do, the output transposed back."""
+    with FakeTensorMode(), cuda_kernels(cc):
+        leaf = torch.empty(8, 256, 8, 64, dtype=dtype, requires_grad=True)
+        query = leaf.transpose(1, 2)
+        mask = torch.ones(256, 256, dtype=torch.bool) if masked else None
+        out = F.scaled_dot_product_attention(query, query, query, attn_mask=mask)
+        loss = (out.transpose(1, 2) * torch.ones(8, 256, 8, 64, dtype=dtype)).sum()
+        with _Saved() as saved:
+            loss.backward()
+    return saved.out
+
+
+def test_efficient_backward_holds_delta_and_its_workspace():
+    # GPT-2's attention on an H200 in fp32: the device recorded, inside the backward, the fp32 product grad_out * out
+    # (4 MiB), its sum over the head dim and that sum's transposed copy (64 KiB each), and a 4,198,400-byte workspace,
+    # freed when the kernel returns (benchmarks/results/snapshots/GPT_2_fp32_AdamW.pickle.gz).
+    made = _backward((9, 0), torch.float32, masked=True)
+    assert ("_scaled_dot_product_efficient_attention_backward.default", torch.float32, 8 * 8 * 256 * 64 * 4) in made
+    assert ("mul.Tensor", torch.float32, 8 * 256 * 8 * 64 * 4) in made
+    assert ("sum.dim_IntList", torch.float32, 8 * 8 * 256 * 4) in made  # delta, then its (B, H, L) copy
+    assert any(name in ("contiguous.default", "clone.default") and n == 8 * 8 * 256 * 4 for name, _, n in made)
+    assert ("empty.memory_format", torch.uint8, 4_198_400) in made
+    # 16-bit kernels compute delta themselves: only the fp32 (B, H, L) tensor, and no product; their workspace holds
+    # the query gradient's fp32 tiles (4 blocks of 64 queries x (4 + 64 x 64) floats per batch and head).
+    made16 = _backward((8, 0), torch.float16, masked=True)
+    assert ("empty.memory_format", torch.float32, 8 * 8 * 256 * 4) in made16
+    assert ("empty.memory_format", torch.uint8, 8 * 8 * 4 * (4 + 64 * 64) * 4) in made16
+    assert not any(name == "mul.Tensor" and n == 8 * 256 * 8 * 64 * 4 for name, _, n in made16)
+
+
+def test_efficient_backward_workspace_follows_the_kernel_table():
+    from preflight.cuda import efficient_backward_workspace
+
+    # Measured on an H200: GPT-2 (8, 8, 256, 64) and a ViT (32, 6, 197, 64), fp32.
+    assert efficient_backward_workspace((9, 0), torch.float32, 8, 8, 256, 256, 64, 64) == 4_198_400
+    assert efficient_backward_workspace((9, 0), torch.float32, 32, 6, 197, 197, 64, 64) == 12_595_200
+    # Head dim 128 in fp16: the 128 x 128 kernel holds dK and dV in registers; the query tiles' workspace only:
+    # 16 query blocks x 1 column x (4 + 128 x 128) floats per (batch, head).
+    assert efficient_backward_workspace((8, 0), torch.float16, 4, 32, 2048, 2048, 128, 128) == 4 * 32 * 16 * (
+        4 + 128 * 128) * 4
+    # Head dim 256 in fp16 takes the 128 x 64 kernel for any head dim, which accumulates dK and dV in fp32 too.
+    big = efficient_backward_workspace((8, 0), torch.float16, 1, 1, 512, 512, 256, 256)
+    assert big == (8 * 64 * 256 * 2 + 4 * 4 * (4 + 128 * 64)) * 4  # 8 key splits x 64 x 256, twice; then dQ's tiles
+
+
+def test_fp16_softmax_into_fp32_makes_no_fp32_copy_of_its_input():
+    # CUDA autocast asks softmax for fp32; ATen then runs the fp16 input through the kernel with half_to_float.
+    for dtype, copies in ((torch.float16, 0), (torch.bfloat16, 1)):
+        with FakeTensorMode(), cuda_kernels((8, 0)):
+            x = torch.empty(4, 8, 64, 64, dtype=dtype, requires_grad=True)
+            with _Saved() as saved:
+                y = torch.softmax(x, -1, dtype=torch.float32)
+                y.sum().backward()
+        assert y.dtype == torch.float32
+        casts = [s for s in saved.out if s[0] == "_to_copy.default" and s[1] == torch.float32]
+        assert len(casts) == copies, dtype
+        # fp16: the backward hands back fp16 gradients itself; bf16: fp32 ones, cast back by the copy's backward.
+        backward = next(s for s in saved.out if s[0] == "_softmax_backward_data.default")
+        assert backward[1] == (torch.float16 if dtype == torch.float16 else torch.float32)

@@ -57,10 +57,11 @@ def test_on_a_cuda_target_the_saved_tensors_leave_the_device_and_come_back_one_n
     assert f"moved {steps * len(saved)} saved tensor(s) of the traced steps ({steps * sum(saved):,} B in all)" in note
     assert f"({steps * len(saved)} copies)" in note
     # Without offloading the peak holds the forward's activations (each ReLU's 1 MiB output, saved by it and by the
-    # next Linear); with it, none of them.
-    assert plain.breakdown["activations"] >= 6 * 2**20
+    # next Linear): the peak is in the backward, at a bias gradient's reduction (its 2 MiB staging buffer,
+    # preflight.cuda._reduce), with five of the six still held; with offloading, none of them.
+    assert plain.breakdown["activations"] >= 5 * 2**20
     assert offloaded.breakdown["activations"] < 2**20
-    assert offloaded.peak_bytes < plain.peak_bytes - 3 * 2**20  # traced: 31,227,904 B -> 27,561,984 B
+    assert offloaded.peak_bytes < plain.peak_bytes - 3 * 2**20  # traced: 32,540,160 B -> 28,349,952 B
     # No pinned memory, no copy: `.cpu()` of a device tensor is a copy on a GPU; the same figure.
     assert _estimate(_offloaded(False), "cuda").peak_bytes == offloaded.peak_bytes
     assert not any(n.startswith("saved-tensor hooks") for n in plain.coverage.notes)

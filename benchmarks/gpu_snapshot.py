@@ -100,7 +100,8 @@ def _load(path: str) -> dict[str, Any]:
 
 def compare_plan(path: str, gpu: str = "H200") -> tuple[str, list[str]]:
     """Plan a recorded zoo case on this machine (traced on the CPU for ``gpu``) and set it beside the recording: the
-    peaks, and every allocation size of 1 MiB or more whose count differs. Returns a table row and those lines.
+    peak of live bytes (512-byte blocks) against the plan's ``peak_bytes``, the reserved peaks, and every allocation
+    size of 1 MiB or more whose count differs. Returns a table row and those lines.
 
     The recording holds what happened after it started: a cuBLAS workspace made by an earlier case of the same
     process (the handles outlive ``empty_cache``) is not in it. Those are counted (32 MiB blocks the recording
@@ -113,7 +114,7 @@ def compare_plan(path: str, gpu: str = "H200") -> tuple[str, list[str]]:
     t0 = time.perf_counter()
     est = gv._plan(case, gpu)
     seconds = time.perf_counter() - t0
-    recorded_peak, _ = peak_blocks(snapshot)
+    recorded_peak = _rounded_peak(snapshot)
     reserved = replay(snapshot)["recorded_reserved"]
     workspace = gv.get_gpu(gpu).cublas_workspace_bytes
     live: dict[int, int] = {}
@@ -129,16 +130,31 @@ def compare_plan(path: str, gpu: str = "H200") -> tuple[str, list[str]]:
                        if e["action"] == "alloc" and e["size"] >= MiB)
     differ = [f"  {size:>13,} B: planned {planned[size]}, recorded {recorded[size]}"
               for size in sorted(set(planned) | set(recorded), reverse=True) if planned[size] != recorded[size]]
-    a, r = est.peak_allocated_bytes, est.peak_reserved_bytes or 0
-    row = (f"| {name} | {recorded_peak / MiB:,.1f} | {a / MiB:,.1f} | {(a - recorded_peak) / recorded_peak:+.1%} | "
-           f"{reserved / MiB:,.1f} | {missing / MiB:,.0f} | {r / MiB:,.1f} | "
+    p, r = est.peak_bytes, est.peak_reserved_bytes or 0
+    row = (f"| {name} | {recorded_peak / MiB:,.1f} | {reserved / MiB:,.1f} | {missing / MiB:,.0f} | "
+           f"{p / MiB:,.1f} | {(p - recorded_peak - missing) / (recorded_peak + missing):+.1%} | {r / MiB:,.1f} | "
            f"{(r - reserved - missing) / (reserved + missing):+.1%} | {len(differ)} | {seconds:.1f} |")
     return row, differ
 
 
-PLAN_HEAD = ("| recorded case | recorded allocated peak MiB | planned max allocated MiB | error | recorded reserved "
-             "peak MiB | workspaces before the recording MiB | planned reserved MiB | error (with them) | sizes "
-             "differing | plan s |")
+def _rounded_peak(snapshot: dict[str, Any], device: int = 0) -> int:
+    """The peak of the recorded trace's live bytes, each allocation rounded up to the allocator's 512-byte blocks (as
+    the plan's ``peak_bytes`` counts them)."""
+    live: dict[int, int] = {}
+    current = peak = 0
+    for e in snapshot["device_traces"][device]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = -(-e["size"] // 512) * 512
+            current += live[e["addr"]]
+            peak = max(peak, current)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            current -= live.pop(e["addr"])
+    return peak
+
+
+PLAN_HEAD = ("| recorded case | recorded peak MiB | recorded reserved MiB | workspaces made before the recording MiB | "
+             "planned peak MiB | error (with them) | planned reserved MiB | error (with them) | sizes differing | "
+             "plan s |")
 
 
 def print_peak(snapshot: dict[str, Any], top: int = 40) -> None:

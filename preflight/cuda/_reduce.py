@@ -35,7 +35,7 @@ import torch
 __all__ = ["REDUCE_OPS", "ReduceDevice", "reduce_device", "reduce_scratch"]
 
 _aten = torch.ops.aten
-# The reductions modelled, and whether the reduced dims are all of them (no ``dim`` argument).
+# The reductions modelled (their CUDA kernels are ``gpu_reduce_kernel`` instantiations).
 REDUCE_OPS = frozenset({_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
                         _aten.nansum.default})
 _WARP = 32
@@ -243,8 +243,8 @@ def _accumulator_size(dtype: torch.dtype) -> int:
 
 
 def _reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: int) -> set[int] | None:
-    if func in (_aten.sum.default, _aten.mean.default, _aten.nansum.default):
-        return set(range(ndim))
+    if func in (_aten.sum.default, _aten.mean.default):
+        return set(range(ndim))  # nansum.default takes an optional ``dim``, as the dim_IntList overloads do
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
         return set(range(ndim))  # sum(dim=[]) reduces every dim

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from preflight._gpus import get_gpu
@@ -65,3 +66,19 @@ def test_real_tensors_are_read_like_specs():
     offset = torch.empty(2049, 1536)[1:, 1:]
     assert reduce_scratch(SUM, [offset, [0]], {}, H200) == ()
     assert reduce_scratch(SUM, [torch.empty(2048, 1535), [0]], {}, H200) == ()
+
+
+@pytest.mark.requires_cuda
+def test_the_model_matches_the_device():  # pragma: no cover - needs a GPU
+    device = torch.device("cuda")
+    gpu = reduce_device(None, device)
+    for features in (512, 1536, 8000):
+        x = torch.randn(2048, features, device=device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = x.sum(0)
+        torch.cuda.synchronize()
+        held = torch.cuda.max_memory_allocated() - base - out.untyped_storage().nbytes()
+        blocks = reduce_scratch(SUM, [x, [0]], {}, gpu)
+        assert held == sum(-(-b // 512) * 512 for b in blocks), features

@@ -19,9 +19,17 @@ Read from the headers torch 2.13's wheel installs (``torch/include/ATen/native/c
 16-bit inputs loads 8 values per vector, ``ReduceSumProdKernel.cu``), and checked against the allocator history
 recorded on an H200 (``benchmarks/results/snapshots``; tests/cuda/test_reduce.py).
 
-Known limitations: a reduction over 2**31 elements or more (which the kernel splits into 32-bit-indexable parts) is
-not modelled; other reductions (``amax``, ``norm``, ``var``, ``argmax``) and kernels with buffers of their own
-(LayerNorm's and embedding's backward) are not counted.
+An input of another dtype than the kernel reads (an integer sum, ``dtype=`` other than a 16-bit input's fp32) is
+first cast inside the operator (``make_reduction_from_out_ty``): the copy is counted too, before the buffer, in the
+input's layout where that is dense and contiguous otherwise. Besides the H200's own recordings, a review session
+recorded these cases on an H200 (torch 2.11) and the model matched each: casts to fp64 and from int32, a non-dense
+int32 input, a storage offset, complex128, an expanded input with and without ``keepdim``, reductions over the last
+dim, over several dims and of transposed inputs; tests/cuda/test_reduce.py holds the recorded figures of the casts,
+the layouts, complex128 and ``keepdim``.
+
+Known limitations: a reduction whose operands reach 2**31 bytes (which the kernel splits into 32-bit-indexable
+parts, each with buffers of its own) is not modelled; other reductions (``amax``, ``norm``, ``var``, ``argmax``)
+and kernels with buffers of their own (LayerNorm's and embedding's backward) are not counted.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ _aten = torch.ops.aten
 REDUCE_OPS = frozenset({_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
                         _aten.nansum.default})
 _WARP = 32
-_MAX_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS (256 only for complex double, not modelled)
+_MAX_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS (256 for complex double)
 _MIN_VALUES_PER_THREAD = 16  # CUDA's; ROCm's is 128
 _MAX_VALUES_PER_THREAD = 256
 _INT32_MAX = 2**31 - 1
@@ -70,9 +78,10 @@ class _Config:
     block_width: int = 1
     block_height: int = 1
     output_vec_size: int = 1
+    max_threads: int = _MAX_THREADS  # mnt_wrapper<scalar_t>::MAX_NUM_THREADS
 
     def set_block_dimension(self, dim0: int, dim1: int) -> None:
-        most = _MAX_THREADS // self.output_vec_size
+        most = self.max_threads // self.output_vec_size
         dim0_pow2 = _last_pow2(dim0) if dim0 < most else most
         dim1_pow2 = _last_pow2(dim1) if dim1 < most else most
         self.block_width = min(dim0_pow2, _WARP)
@@ -185,7 +194,7 @@ def _output_vec_size(sizes: list[int], in_strides: list[int], num_reduce_dims: i
 
 
 def _config(sizes: list[int], in_strides: list[int], out_strides: list[int], itemsize: int, acc_size: int,
-            input_vec_size: int, storage_offset: int, device: ReduceDevice) -> _Config:
+            input_vec_size: int, storage_offset: int, device: ReduceDevice, max_threads: int = 512) -> _Config:
     """``setReduceConfig`` (Reduce.cuh) for a TensorIterator of ``sizes`` and byte strides."""
     ndim = len(sizes)
     numel = 1
@@ -196,7 +205,7 @@ def _config(sizes: list[int], in_strides: list[int], out_strides: list[int], ite
     for size, stride in zip(sizes, out_strides):
         if stride != 0:
             num_outputs *= size
-    config = _Config(acc_size, num_outputs, numel // num_outputs)
+    config = _Config(acc_size, num_outputs, numel // num_outputs, max_threads=max_threads)
     if ndim > 0:
         fastest = num_reduce_dims == ndim or in_strides[0] < in_strides[num_reduce_dims]
         if fastest:
@@ -235,8 +244,13 @@ def _config(sizes: list[int], in_strides: list[int], out_strides: list[int], ite
 
 
 def _accumulator_size(dtype: torch.dtype) -> int:
+    """sizeof(arg_t) of the kernel reducing ``dtype`` (the input as cast for the kernel)."""
     if dtype in (torch.float16, torch.bfloat16, torch.float32):
         return 4  # at::opmath_type: fp32
+    if dtype == torch.complex64:
+        return 8
+    if dtype == torch.complex128:
+        return 16
     if dtype == torch.float64 or not dtype.is_floating_point:
         return 8  # fp64, or int64 for integers and booleans
     return dtype.itemsize
@@ -250,8 +264,51 @@ def _reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: 
         return set(range(ndim))  # sum(dim=[]) reduces every dim
     dims = [dim] if isinstance(dim, int) else list(dim)
     if ndim == 0:
-        return set()
+        return set() if all(d in (0, -1) for d in dims) else None
+    if any(not -ndim <= d < ndim for d in dims):
+        return None  # the operator raises
     return {d % ndim for d in dims}
+
+
+def _keepdim(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    if func in (_aten.sum.default, _aten.mean.default):
+        return False
+    return bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+
+
+def _dtypes(func: Any, dtype: torch.dtype, asked: torch.dtype | None) -> tuple[torch.dtype, torch.dtype] | None:
+    """(the output's dtype, the dtype the kernel reads) as ``make_reduction_from_out_ty`` sets them: the input is
+    cast to the output's dtype first, except a 16-bit input summed into fp32, which the kernel reads as it is. None:
+    the operator raises (``mean`` of an integer tensor)."""
+    integral = not dtype.is_floating_point and not dtype.is_complex
+    if func in (_aten.mean.default, _aten.mean.dim) and integral and asked is None:
+        return None
+    out = asked or (torch.int64 if integral else dtype)
+    read = dtype if dtype in (torch.float16, torch.bfloat16) and out == torch.float32 else out
+    return out, read
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous (``.to`` then keeps the layout)."""
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
+    expected = 1
+    for step, size in dims:
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _fits_32bit_indexing(shape: Sequence[int], *strides_bytes: Sequence[int]) -> bool:
+    """``TensorIteratorBase::can_use_32bit_indexing``: the element count and every operand's furthest byte offset
+    fit an int32."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel > _INT32_MAX:
+        return False
+    return all(1 + sum((size - 1) * step for size, step in zip(shape, strides)) <= _INT32_MAX
+               for strides in strides_bytes)
 
 
 def reduce_device(gpu: Any, device: torch.device | None = None) -> ReduceDevice:
@@ -276,8 +333,9 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 def reduce_scratch(func: Any, args: Sequence[Any], kwargs: dict[str, Any], device: ReduceDevice
                    ) -> tuple[int, ...] | None:
-    """The blocks a `REDUCE_OPS` call allocates inside its CUDA kernel, in allocation order (the staging buffer,
-    then its semaphores; freed in the reverse order after the kernel), or ``()`` when it reduces within blocks.
+    """The blocks a `REDUCE_OPS` call allocates inside its CUDA operator after its output, in allocation order (the
+    cast copy of its input where there is one, the staging buffer, then its semaphores; freed in the reverse order),
+    or ``()`` when it needs none.
     ``args`` hold tensors or `preflight.trace.TensorSpec`s (shape, stride, dtype, storage offset). None: not
     modelled (see the module docstring).
 
@@ -291,28 +349,38 @@ def reduce_scratch(func: Any, args: Sequence[Any], kwargs: dict[str, Any], devic
         return None
     x = args[0]
     shape = tuple(x.shape)
-    stride = x.stride() if callable(getattr(x, "stride", None)) else tuple(x.stride)
+    stride = tuple(x.stride() if callable(getattr(x, "stride", None)) else x.stride)
     offset = x.storage_offset() if callable(getattr(x, "storage_offset", None)) else getattr(x, "storage_offset", 0)
     numel = 1
     for size in shape:
         numel *= size
-    if numel == 0 or numel > _INT32_MAX:
-        return None if numel else ()
     reduced = _reduced_dims(func, args, kwargs, len(shape))
-    if reduced is None:
+    dtypes = _dtypes(func, x.dtype, kwargs.get("dtype"))
+    if reduced is None or dtypes is None:
         return None
-    itemsize = x.dtype.itemsize
-    keep = [1 if d in reduced else size for d, size in enumerate(shape)]
-    out_elem = _contiguous_strides(keep)
-    out_dtype = kwargs.get("dtype") or x.dtype
-    out_itemsize = out_dtype.itemsize if x.dtype.is_floating_point or out_dtype != x.dtype else 8
-    out_strides = [0 if (d in reduced and shape[d] != 1) else out_elem[d] * out_itemsize
+    if numel == 0:
+        return ()
+    out_dtype, read = dtypes
+    blocks: tuple[int, ...] = ()
+    if read != x.dtype:  # self.to(in_dtype) inside the operator: a copy the kernel reads, freed when it returns
+        blocks = (numel * read.itemsize,)
+        if not _dense(shape, stride):
+            stride = tuple(_contiguous_strides(shape))
+        offset = 0
+    itemsize = read.itemsize
+    keepdim = _keepdim(func, args, kwargs)
+    out_elem = _contiguous_strides([1 if d in reduced else size for d, size in enumerate(shape)])
+    # Reduced dims have output stride 0 (review_reduce_result); with keepdim a reduced dim of size 1 keeps its own.
+    out_strides = [0 if d in reduced and (not keepdim or shape[d] != 1) else out_elem[d] * out_dtype.itemsize
                    for d in range(len(shape))]
     in_strides = [s * itemsize for s in stride]
     sizes, out_s, in_s = _geometry(shape, in_strides, out_strides)
+    if not _fits_32bit_indexing(sizes, out_s, in_s):
+        return None  # split into 32-bit-indexable parts, each with a config and buffers of its own: not modelled
     is_sum = func in (_aten.sum.default, _aten.sum.dim_IntList)
     input_vec_size = 8 if is_sum and itemsize == 2 else 4  # sum_functor: vt0 4, and 8 values per load for 16 bits
-    config = _config(sizes, in_s, out_s, itemsize, _accumulator_size(x.dtype), input_vec_size, offset, device)
+    most = 256 if read == torch.complex128 else _MAX_THREADS  # mnt_wrapper<c10::complex<double>>
+    config = _config(sizes, in_s, out_s, itemsize, _accumulator_size(read), input_vec_size, offset, device, most)
     if not config.global_reduce:
-        return ()
-    return config.global_memory_size(), config.semaphore_size()
+        return blocks
+    return (*blocks, config.global_memory_size(), config.semaphore_size())

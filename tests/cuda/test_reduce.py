@@ -47,15 +47,35 @@ def test_reductions_within_a_block_allocate_nothing():
     assert reduce_scratch(torch.ops.aten.sum.default, [_rows(2048, 1536)], {}, H200) == (384 * 4, 4)
 
 
-def test_16_bit_inputs_accumulate_in_fp32_and_integers_in_int64():
+def test_casts_accumulators_and_layouts_as_recorded_on_an_h200():
+    # Each recorded on an H200 (torch 2.11) as the blocks the operator allocated after its output.
+    x = _rows(2048, 1536)
     assert reduce_scratch(SUM, [_rows(2048, 1536, torch.bfloat16), [0]], {}, H200) == (25_165_824, 48)
-    assert reduce_scratch(SUM, [_rows(2048, 1536, torch.int32), [0]], {}, H200)[0] == 2 * 25_165_824
+    # The input is first cast to the output's dtype (make_reduction_from_out_ty): a copy the kernel reads, freed
+    # when the operator returns, and the accumulator of that dtype: fp64 (8 bytes), int64 for an int32 sum.
+    assert reduce_scratch(SUM, [x, [0]], {"dtype": torch.float64}, H200) == (25_165_824, 50_331_648, 48)
+    assert reduce_scratch(SUM, [_rows(2048, 1536, torch.int32), [0]], {}, H200) == (25_165_824, 50_331_648, 48)
+    assert reduce_scratch(SUM, [_rows(2048, 1536, torch.int32), [0]], {"dtype": torch.float32}, H200) == (
+        12_582_912, 25_165_824, 48)
+    # A non-dense input's copy is contiguous, so the kernel vectorizes over it where the view would not.
+    sliced = TensorSpec((2048, 512), (513, 1), torch.int32, 1)
+    assert reduce_scratch(SUM, [sliced, [0]], {}, H200) == (8_388_608, 16_777_216, 16)
+    # A storage offset of 2 floats loads two outputs at a time; complex128 accumulates 16 bytes in 256-thread blocks.
+    assert reduce_scratch(SUM, [TensorSpec((2048, 1536), (1536, 1), torch.float32, 2), [0]], {}, H200) == (
+        6_291_456, 96)
+    assert reduce_scratch(SUM, [_rows(2048, 1536, torch.complex128), [0]], {}, H200) == (201_326_592, 48)
+    # Without keepdim every reduced dim has output stride 0, a size-1 one too, which reorders an expanded input.
+    expanded = TensorSpec((7, 1, 512, 2048), (1, 1, 0, 7), torch.float32)
+    assert reduce_scratch(SUM, [expanded, [1, 2, 3]], {}, H200) == (2_128, 28)
+    assert reduce_scratch(SUM, [expanded, [1, 2, 3], True], {}, H200) == (29_568, 8)
 
 
 def test_not_modelled():
     assert reduce_scratch(torch.ops.aten.amax.default, [_rows(2048, 1536), [0]], {}, H200) is None
-    huge = TensorSpec((2**16, 2**16), (2**16, 1), torch.float32)  # 2**32 elements: split into 32-bit parts
-    assert reduce_scratch(SUM, [huge, [0]], {}, H200) is None
+    # 2**31 bytes or more in an operand: the kernel splits it into 32-bit-indexable parts, each with its own buffers.
+    assert reduce_scratch(SUM, [_rows(2**20, 640), [0]], {}, H200) is None
+    assert reduce_scratch(torch.ops.aten.mean.dim, [_rows(64, 64, torch.int32), [0]], {}, H200) is None  # raises
+    assert reduce_scratch(SUM, [_rows(64, 64), [2]], {}, H200) is None  # raises
 
 
 def test_real_tensors_are_read_like_specs():

@@ -260,8 +260,8 @@ def _measure_on_gpu(case: Case, gpu: str) -> dict[str, int]:  # pragma: no cover
     free0, total = torch.cuda.mem_get_info()
     model, opt, batch = case.build("cuda")
     on_device = _quiet(lambda: preflight.estimate(model, opt, batch, case.run(gpu)))
-    # The steps start from an empty cache, so that the reserved peak is theirs, as gpu_snapshot.py records it; the
-    # H200 run of 2026-11-29 measured without this (docs/cuda-target.md).
+    # The steps start from an empty cache, so that the reserved peak is theirs (the first H200 run measured without
+    # this; the second, with it, read the same reserved peaks but ViT's: docs/cuda-target.md).
     gc.collect()
     torch.cuda.empty_cache()
     m = _quiet(lambda: preflight.measure(model, opt, batch, case.run()))

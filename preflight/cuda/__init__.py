@@ -13,12 +13,12 @@ modelled too, for the estimate to insert: reductions' staging buffers (`_reduce`
 from preflight.cuda._autocast import CUDA_POLICIES, cuda_autocast
 from preflight.cuda._emulate import CudaTarget, Emulation, emulate_cuda
 from preflight.cuda._kernels import (SDPA_BACKENDS, SdpaChoices, choose_sdpa_backend, cuda_kernels,
-                                     efficient_backward_workspace)
+                                     device_backward_scratch, efficient_backward_workspace)
 from preflight.cuda._reduce import REDUCE_OPS, ReduceDevice, reduce_device, reduce_scratch
 from preflight.cuda._temporaries import MODELLED_OPS, kernel_temporaries
 from preflight.cuda._workspace import WORKSPACE_UIDS, cublas_workspace_bytes, cudnn_workspace_note, with_workspaces
 
 __all__ = ["CUDA_POLICIES", "MODELLED_OPS", "REDUCE_OPS", "SDPA_BACKENDS", "WORKSPACE_UIDS", "CudaTarget", "Emulation",
            "ReduceDevice", "SdpaChoices", "choose_sdpa_backend", "cublas_workspace_bytes", "cuda_autocast",
-           "cuda_kernels", "cudnn_workspace_note", "efficient_backward_workspace", "emulate_cuda", "kernel_temporaries",
-           "reduce_device", "reduce_scratch", "with_workspaces"]
+           "cuda_kernels", "cudnn_workspace_note", "device_backward_scratch", "efficient_backward_workspace",
+           "emulate_cuda", "kernel_temporaries", "reduce_device", "reduce_scratch", "with_workspaces"]

@@ -66,7 +66,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SDPA_BACKENDS", "SdpaChoices", "choose_sdpa_backend", "cuda_kernels", "efficient_backward_workspace"]
+__all__ = ["SDPA_BACKENDS", "SdpaChoices", "choose_sdpa_backend", "cuda_kernels", "device_backward_scratch",
+           "efficient_backward_workspace"]
 
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 _DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # Context.h sdp_priority_order
@@ -465,6 +466,21 @@ def _efficient_backward_factory(cc: tuple[int, int]) -> Any:
         return grads
 
     return backward
+
+
+@contextlib.contextmanager
+def device_backward_scratch(device: torch.device) -> Iterator[None]:
+    """While the block runs, fake tensors on the CUDA ``device`` itself (a trace on the GPU) allocate the scratch
+    of the memory-efficient attention's backward that its fake kernel does not (module docstring); every other
+    choice is the device's own there."""
+    cc = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (8, 0)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward_factory(tuple(cc)),
+                 "AutogradCUDA")
+        yield
+    finally:
+        lib._destroy()
 
 
 @contextlib.contextmanager

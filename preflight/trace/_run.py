@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from preflight.cuda import CudaTarget, emulate_cuda
+from preflight.cuda import CudaTarget, device_backward_scratch, emulate_cuda
 from preflight.trace._compat import real_run_paths
 from preflight._checkpoint import Checkpoint
 from preflight._device import iter_tensors, named_tensors, planned_fill
@@ -348,6 +348,7 @@ class FakeRun:
         self.batch = self.twins.batch(batch, cast=float_dtype_for(precision) is not None)
         self.notes: list[str] = layer_notes(model, cuda is not None)
         self.cuda = cuda
+        self.trace_device = trace_device
         self.what = "the training step"  # what the user's code runs, for the note on an error of theirs
         self.error: BaseException | None = None
         self.failed_op: str | None = None
@@ -393,7 +394,12 @@ class FakeRun:
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run the user's code with its module reparametrized to the twins, under fake mode and the tracker (and
         the CUDA target's semantics when ``cuda`` is set)."""
-        emulation = emulate_cuda(self.cuda, self.tracker) if self.cuda is not None else contextlib.nullcontext()
+        if self.cuda is not None:
+            emulation = emulate_cuda(self.cuda, self.tracker)
+        elif self.trace_device.type == "cuda":  # pragma: no cover - needs a GPU
+            emulation = device_backward_scratch(self.trace_device)
+        else:
+            emulation = contextlib.nullcontext()
         emulated = user_error = None
         # Once the user's code has returned or is unwinding, a Ctrl-C waits until the model is put back. Dynamo is
         # kept out before anything else and restored last: no frame of the user's is seen by it under the tracker.

@@ -191,3 +191,32 @@ def test_fp16_softmax_into_fp32_makes_no_fp32_copy_of_its_input():
         # fp16: the backward hands back fp16 gradients itself; bf16: fp32 ones, cast back by the copy's backward.
         backward = next(s for s in saved.out if s[0] == "_softmax_backward_data.default")
         assert backward[1] == (torch.float16 if dtype == torch.float16 else torch.float32)
+
+
+def test_the_device_trace_registers_the_backward_scratch_and_takes_it_back():
+    # On a GPU host the trace runs on the device's own fake tensors: only the efficient backward's scratch is
+    # registered (for AutogradCUDA), and unregistered after; CPU tensors are untouched meanwhile.
+    from preflight.cuda import device_backward_scratch
+
+    with device_backward_scratch(torch.device("cuda")):
+        made = _backward((9, 0), torch.float32, masked=True)
+    assert ("empty.memory_format", torch.uint8, 4_198_400) in made  # the CPU emulation's, inside cuda_kernels
+    with FakeTensorMode(), device_backward_scratch(torch.device("cuda")):
+        q = torch.empty(2, 4, 64, 32, requires_grad=True)
+        out = F.scaled_dot_product_attention(q, q, q)
+        with _Saved() as saved:
+            out.sum().backward()
+    assert not any(s[1] == torch.uint8 for s in saved.out)  # CPU tensors take CPU's kernels: no workspace
+
+
+@pytest.mark.requires_cuda
+def test_the_device_trace_holds_the_efficient_backward_scratch():  # pragma: no cover - needs a GPU
+    from preflight.cuda import device_backward_scratch
+
+    with FakeTensorMode(), device_backward_scratch(torch.device("cuda")):
+        leaf = torch.empty(8, 256, 8, 64, device="cuda", requires_grad=True)
+        q = leaf.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(256, 256, dtype=torch.bool, device="cuda"))
+        with _Saved() as saved:
+            (out.transpose(1, 2) * torch.ones(8, 256, 8, 64, device="cuda")).sum().backward()
+    assert ("empty.memory_format", torch.uint8, 4_198_400) in saved.out  # the H200's workspace for this shape

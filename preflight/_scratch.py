@@ -170,8 +170,6 @@ class Calibrator:
 
     Attributes:
         calibrated, skipped: labels of the configurations measured and not measurable here, over all calls.
-        reductions: ``(label, blocks)`` of the CUDA kernels whose temporaries were modelled (reductions' staging
-            buffers, softmax's backward product), over all calls.
     """
 
     def __init__(self, device: torch.device, can_run: bool, gpu: Any = None) -> None:
@@ -181,10 +179,6 @@ class Calibrator:
         self._measured: dict[Any, int | tuple[int, ...] | None] = {}
         self._labels: dict[str, bool] = {}  # label -> calibrated (True) or skipped (False), in first-seen order
         self._reductions: dict[str, tuple[int, ...]] = {}  # label -> modelled blocks, where there are any
-
-    @property
-    def reductions(self) -> list[tuple[str, tuple[int, ...]]]:
-        return list(self._reductions.items())
 
     def reduction_note(self) -> str | None:
         """What the modelled kernel temporaries added, for the coverage notes (None: none held any)."""

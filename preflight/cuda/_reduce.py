@@ -35,6 +35,7 @@ and kernels with buffers of their own (LayerNorm's and embedding's backward) are
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,9 +198,7 @@ def _config(sizes: list[int], in_strides: list[int], out_strides: list[int], ite
             input_vec_size: int, storage_offset: int, device: ReduceDevice, max_threads: int = 512) -> _Config:
     """``setReduceConfig`` (Reduce.cuh) for a TensorIterator of ``sizes`` and byte strides."""
     ndim = len(sizes)
-    numel = 1
-    for s in sizes:
-        numel *= s
+    numel = math.prod(sizes)
     num_reduce_dims = sum(1 for s in out_strides if s == 0)
     num_outputs = 1
     for size, stride in zip(sizes, out_strides):
@@ -302,10 +301,7 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 def _fits_32bit_indexing(shape: Sequence[int], *strides_bytes: Sequence[int]) -> bool:
     """``TensorIteratorBase::can_use_32bit_indexing``: the element count and every operand's furthest byte offset
     fit an int32."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel > _INT32_MAX:
+    if math.prod(shape) > _INT32_MAX:
         return False
     return all(1 + sum((size - 1) * step for size, step in zip(shape, strides)) <= _INT32_MAX
                for strides in strides_bytes)
@@ -351,9 +347,7 @@ def reduce_scratch(func: Any, args: Sequence[Any], kwargs: dict[str, Any], devic
     shape = tuple(x.shape)
     stride = tuple(x.stride() if callable(getattr(x, "stride", None)) else x.stride)
     offset = x.storage_offset() if callable(getattr(x, "storage_offset", None)) else getattr(x, "storage_offset", 0)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     reduced = _reduced_dims(func, args, kwargs, len(shape))
     dtypes = _dtypes(func, x.dtype, kwargs.get("dtype"))
     if reduced is None or dtypes is None:

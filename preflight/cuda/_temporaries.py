@@ -19,6 +19,7 @@ _kernels`). Read from ATen's source (torch 2.13); checked against the allocator 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,13 +32,6 @@ __all__ = ["MODELLED_OPS", "kernel_temporaries"]
 _aten = torch.ops.aten
 _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
 MODELLED_OPS = REDUCE_OPS | {_SOFTMAX_BACKWARD}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def kernel_temporaries(func: Any, args: Sequence[Any], kwargs: dict[str, Any], device: ReduceDevice
@@ -57,5 +51,6 @@ def kernel_temporaries(func: Any, args: Sequence[Any], kwargs: dict[str, Any], d
     if func is _SOFTMAX_BACKWARD and len(args) >= 2:
         grad, output = args[0], args[1]
         dtype = torch.promote_types(grad.dtype, output.dtype)
-        return (_numel(grad.shape) * dtype.itemsize,) if _numel(grad.shape) else ()
+        numel = math.prod(grad.shape)
+        return (numel * dtype.itemsize,) if numel else ()
     return None

@@ -16,7 +16,8 @@ then calls ``linear``), and the fake implementation hides it.
   (`_CPU_KERNELS`): bitsandbytes' optimizer updates (``backends/cpu/ops.py``: the 8-bit update dequantizes both
   states into fp32 tensors of the parameter's size, computes in fp32 and quantizes back; the 32-bit update
   holds the gradient and the update in fp32), run as they are, their own (de)quantize operators left to their
-  fake implementations.
+  fake implementations. A default composite that reads a value the trace does not have is run as written but for
+  that read (`_DEFAULT_MODELS`: ``int8_vectorwise_quant``'s outlier test, what an 8-bit layer in eval mode runs).
 - **CUDA target** (traced on CPU fake tensors). The CUDA kernels call C functions that cannot run on fake
   tensors; each modelled operator follows its CUDA kernel's source. bitsandbytes' ``gemm_4bit``
   (``backends/cuda/ops.py``): for ``M = A.numel() // K`` rows at most 4 (``_GEMM_4BIT_CUSTOM_FLOOR_M``) the fused
@@ -27,21 +28,36 @@ then calls ``linear``), and the fake implementation hides it.
   the fallback, the larger of the two by the dequantized weight, and says so.
 
 bitsandbytes also chooses in Python by the tensors' device: its 8-bit ``matmul`` trains through ``MatMul8bitFp``
-(dequantize the int8 weight, then ``linear``) on CPU and through ``MatMul8bitLt`` (quantize the input to int8, an
-int8 product, outlier columns in 16-bit) on CUDA. A CUDA target is traced on CPU tensors, so it follows the CPU
-path: `layer_notes` says so for a model with 8-bit layers. The backward dequantizes the weight on both paths; the
-forward's temporaries differ (the dequantized weight against the int8 input and the product).
+(dequantize the int8 weight, then ``linear``) on CPU and through ``MatMul8bitLt`` on CUDA. A CUDA target is traced
+on CPU tensors, so `cuda_training_paths` makes ``bitsandbytes.matmul`` take the CUDA branch while the tracker runs
+(only on the tracing thread; everywhere else it is bitsandbytes' own function), and ``MatMul8bitLt``'s Python runs
+as it does on a GPU: the input cast to fp16, quantized row-wise to int8 (``int8_vectorwise_quant``), the int8
+product and its dequantization, the input (and any outlier columns) kept for the backward, which dequantizes the
+weight as on CPU. Its CUDA operators follow ``backends/cuda/ops.py`` (bitsandbytes 0.45 to 0.50):
+
+- ``int8_vectorwise_quant``: the int8 copy and fp32 row scales; with a threshold, ``A.abs() >= threshold`` (an
+  fp16 temporary, then a bool mask held to the end) and ``outliers.any()``, whose value is the activations': the
+  trace takes no outlier column and says so (`_bnb_outlier_note`: what each column would add).
+- ``int8_double_quant`` (the backward of a trained 8-bit weight): the row quantization above, then torch code
+  (column absmax, masked fill, the column-quantized copy), run as written.
+- ``int8_linear_matmul``: the int32 output (cuBLASLt's ``cigemmlt_32`` takes no workspace from the allocator); an
+  inner size not a multiple of 4 falls back to an fp32 ``matmul`` of both operands.
+- ``int8_mm_dequant``: an fp16 output, the bias added in place when it is not fp16, cast to the compute dtype.
+- ``int8_scaled_mm`` and ``int8_mixed_scaled_mm`` have no CUDA kernel: their default composites run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["composite_kernel", "layer_notes"]
+__all__ = ["composite_kernel", "cuda_training_paths", "layer_notes"]
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "c10d_functional",
                                "_dtensor", "higher_order", "profiler", "inductor", "quantized", "_quantized"})
@@ -57,20 +73,28 @@ def composite_kernel(func: Any, cuda: bool) -> tuple[Callable[..., Any], Callabl
     namespace = getattr(func, "namespace", None)
     if namespace is None or namespace in _TORCH_NAMESPACES or not isinstance(func, torch._ops.OpOverload):
         return None
-    if cuda:
-        return _CUDA_MODELS.get(func.name())
     name = func.name()
+    if cuda:
+        if name in _CUDA_COMPOSITES:  # no CUDA kernel: the default composite runs on the device too
+            return _run_composite(func), _no_note
+        return _CUDA_MODELS.get(name)
     cpu_kernel = _cpu_kernel(name)
     if cpu_kernel is not None:
         return cpu_kernel, _no_note
+    if name in _DEFAULT_MODELS and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"):
+        return _DEFAULT_MODELS[name]
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     if has(name, "CPU") or not has(name, "CompositeExplicitAutograd"):
         return None
 
+    return _run_composite(func), _no_note
+
+
+def _run_composite(func: Any) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
 
-    return run, _no_note
+    return run
 
 
 def _no_note(*args: Any, **kwargs: Any) -> None:
@@ -122,19 +146,142 @@ def _bnb_gemm_4bit_cuda_note(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absm
     return None
 
 
+# bitsandbytes' operators that backends/cuda/ops.py gives no CUDA kernel: their default composite runs on CUDA.
+_CUDA_COMPOSITES = frozenset({"bitsandbytes::int8_scaled_mm", "bitsandbytes::int8_mixed_scaled_mm"})
+
+
+def _bnb_int8_vectorwise_quant_cuda(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
+    rows = A.numel() // A.shape[-1]
+    row_stats = torch.empty(rows, device=A.device, dtype=torch.float32)
+    out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    outlier_cols = None
+    if threshold > 0.0:
+        outliers = A.abs() >= threshold
+        outliers.any()  # read by the kernel; in a trace no column is taken to hold an outlier (the note says so)
+        outlier_cols = torch.empty(0, device=A.device, dtype=torch.int64)
+    # cint8_vector_quant fills out_row and row_stats; then the outlier columns are zeroed across the rows.
+    if rows > 1 and outlier_cols is not None:
+        out_row[:, outlier_cols] = 0
+    return out_row, row_stats, outlier_cols
+
+
+def _bnb_outlier_note(A: torch.Tensor, threshold: float = 0.0) -> str | None:
+    if threshold <= 0.0:
+        return None
+    rows = A.numel() // A.shape[-1]
+    return (f"assumption: bitsandbytes' LLM.int8 quantization (threshold {threshold:g}) found no outlier column: "
+            "which input columns hold |x| >= threshold depends on the activations, which a trace does not have; "
+            f"each such column would keep its {rows} input values for the backward and dequantize one weight "
+            "column for the product")
+
+
+def _bnb_int8_double_quant_cuda(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
+    quant_row, row_stats, outlier_cols = torch.ops.bitsandbytes.int8_vectorwise_quant.default(A, threshold=threshold)
+    absA = A.abs().view(-1, A.shape[-1])  # _get_col_absmax
+    outlier_mask = None
+    if threshold > 0.0:
+        outlier_mask = absA >= threshold
+        absA.masked_fill_(outlier_mask, 0.0)
+    col_stats = absA.amax(dim=0, keepdim=False).float()
+    del absA
+    if outlier_mask is not None:
+        A = A.masked_fill(outlier_mask, 0.0)
+    quant_col = torch.round(A.mul(127.0) / col_stats.unsqueeze(0)).to(torch.int8)
+    return quant_row, quant_col, row_stats, col_stats.flatten().float(), outlier_cols
+
+
+def _bnb_int8_linear_matmul_cuda(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*A.shape[:-1], B.shape[0]), device=A.device, dtype=torch.int32)
+    if A.shape[-1] % 4 != 0:  # cuBLASLt's int8 product needs an inner size divisible by 4
+        out.copy_(torch.matmul(A.float(), B.float().t()).to(torch.int32))
+    return out
+
+
+def _bnb_int8_mm_dequant_cuda(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor,
+                              dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty_like(A, dtype=torch.float16)  # cdequant_mm_int32_fp16 writes fp16 (a fp16 bias fused)
+    if bias is not None and bias.dtype != torch.float16:
+        out.add_(bias)
+    return out.to(dtype or torch.float16)
+
+
+def _bnb_int8_vectorwise_quant_default(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """backends/default/ops.py, what the CPU runs: as written, but for the outlier read (assumed none)."""
+    rows = A.numel() // A.shape[-1]
+    outlier_cols = None
+    if threshold > 0.0:
+        outliers = A.abs() >= threshold
+        outliers.any()  # read by the kernel; in a trace no column is taken to hold an outlier (the note says so)
+        outlier_cols = torch.empty(0, device=A.device, dtype=torch.int64)
+    row_stats = torch.max(A.abs(), dim=1).values.float()
+    out_row = torch.round(A * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
+    if rows > 1 and outlier_cols is not None:
+        out_row[:, outlier_cols] = 0
+    return out_row, row_stats, outlier_cols
+
+
+# Library operators whose default (CPU) composite reads a value a trace does not have: run as written but for it.
+_DEFAULT_MODELS: dict[str, tuple[Callable[..., Any], Callable[..., str | None]]] = {
+    "bitsandbytes::int8_vectorwise_quant": (_bnb_int8_vectorwise_quant_default, _bnb_outlier_note),
+}
+
 _CUDA_MODELS: dict[str, tuple[Callable[..., Any], Callable[..., str | None]]] = {
     "bitsandbytes::gemm_4bit": (_bnb_gemm_4bit_cuda, _bnb_gemm_4bit_cuda_note),
+    "bitsandbytes::int8_vectorwise_quant": (_bnb_int8_vectorwise_quant_cuda, _bnb_outlier_note),
+    "bitsandbytes::int8_double_quant": (_bnb_int8_double_quant_cuda, _no_note),
+    "bitsandbytes::int8_linear_matmul": (_bnb_int8_linear_matmul_cuda, _no_note),
+    "bitsandbytes::int8_mm_dequant": (_bnb_int8_mm_dequant_cuda, _no_note),
 }
+
+# MatMul8bitLt logs this for every product whose input is not fp16; in a CPU-host trace it is preflight's doing.
+_CAST_WARNING = "MatMul8bitLt: inputs will be cast from %s to float16 during quantization"
+
+
+def _not_the_cast_warning(record: logging.LogRecord) -> bool:
+    return record.msg != _CAST_WARNING
+
+
+@contextlib.contextmanager
+def cuda_training_paths(tracker: Any, cuda: bool) -> Iterator[None]:
+    """While ``tracker`` traces a CUDA target on the host, bitsandbytes' 8-bit ``matmul`` takes its CUDA training
+    path (``MatMul8bitLt``) on the tracing thread, as a GPU runs it; its cast warning, which a plain run on this
+    host would not log, is held back. Nothing changes without a CUDA target or when bitsandbytes is not imported."""
+    functions = sys.modules.get("bitsandbytes.autograd._functions")
+    package = sys.modules.get("bitsandbytes")
+    if not cuda or functions is None or package is None or not hasattr(functions, "MatMul8bitLt"):
+        yield
+        return
+    real = functions.matmul
+
+    def matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, state: Any = None,
+               threshold: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if tracker not in _get_current_dispatch_mode_stack() or A.device.type != "cpu":
+            return real(A, B, out, state, threshold, bias)
+        state = state or functions.MatmulLtState()
+        if threshold > 0.0:
+            state.threshold = threshold
+        logger = logging.getLogger(functions.__name__)
+        logger.addFilter(_not_the_cast_warning)
+        try:
+            return functions.MatMul8bitLt.apply(A, B, out, bias, state)
+        finally:
+            logger.removeFilter(_not_the_cast_warning)
+
+    replaced = [(module, real) for module in (functions, package) if getattr(module, "matmul", None) is real]
+    for module, _ in replaced:
+        module.matmul = matmul
+    try:
+        yield
+    finally:
+        for module, original in replaced:
+            module.matmul = original
 
 
 def layer_notes(model: torch.nn.Module, cuda: bool) -> list[str]:
     """Notes on layers whose library picks its training path by the tensors' device, for a CUDA target."""
-    if not cuda:
+    if not cuda or not any(type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")
+                           for m in model.modules()):
         return []
-    int8 = sum(1 for m in model.modules() if type(m).__name__ == "Linear8bitLt"
-               and type(m).__module__.startswith("bitsandbytes"))
-    if not int8:
-        return []
-    return [f"assumption: {int8} bitsandbytes 8-bit layer(s) (LLM.int8) traced through bitsandbytes' CPU training "
-            "path (MatMul8bitFp: the int8 weight dequantized for each product); on CUDA it trains through "
-            "MatMul8bitLt, whose forward holds the int8 input and its product instead of the dequantized weight"]
+    return ["bitsandbytes' 8-bit layers (LLM.int8) traced through bitsandbytes' CUDA training path (MatMul8bitLt: "
+            "the input quantized to int8, an int32 product dequantized to fp16, then cast to the compute dtype), "
+            "its CUDA operators modelled from bitsandbytes' backends/cuda/ops.py"]

@@ -34,7 +34,7 @@ from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partition
 from preflight.trace._generation import longest_generation
 from preflight.trace._step_checks import kernel_dtype_error, mixed_dtensor_failure
 from preflight.trace._leftovers import Sweep, swept
-from preflight.trace._library_kernels import layer_notes
+from preflight.trace._library_kernels import cuda_training_paths, layer_notes
 from preflight.trace._process import isolated_process, isolated_rng
 from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
@@ -338,8 +338,9 @@ class FakeRun:
                  sweep: Sweep, on_op: Callable[..., None] | None = None, routing: str = "balanced",
                  layouts: bool = False, cuda: CudaTarget | None = None) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # Library operators run as CUDA kernels compose them for a CUDA target and on a GPU host alike.
         self.tracker = StorageTracker(self.fake_mode, on_op=on_op, routing=routing, layouts=layouts,
-                                      cuda=cuda is not None)
+                                      cuda=cuda is not None or trace_device.type == "cuda")
         sweep.watch(self.tracker.tensors)
         self.tracker.on_adopt = sweep.remember
         self.twins = TwinMaker(self.fake_mode, trace_device, cast_dtype=float_dtype_for(precision))
@@ -408,6 +409,7 @@ class FakeRun:
                 longest_generation(self.tracker, self.notes), handled_fake_tensor_errors(), \
                 emulation as emulated, self.fake_mode, self.tracker, \
                 counted_rng_snapshots(self.tracker, host=self.cuda is None), \
+                cuda_training_paths(self.tracker, self.cuda is not None), \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \
                 partitioned_forwards(compiled, self.tracker):
             try:

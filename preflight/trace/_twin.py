@@ -31,12 +31,17 @@ class TwinMaker:
         self.cast_dtype = cast_dtype
         self._memo: dict[int, torch.Tensor] = {}
         self._keep: list[torch.Tensor] = []  # keep originals alive so ids stay unique while memoised
+        # storage -> (the first tensor twinned on it, its twin): what a parameter subclass holds on its parameter's
+        # storage is twinned on its twin's
+        self._storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Tensors carried by a parameter subclass's attributes (a 4-bit weight's quantisation state): memory the
         # weight holds on the device, (description, twin) in the order made.
         self.carried: list[tuple[str, torch.Tensor]] = []
 
-    def tensor(self, t: torch.Tensor, *, cast: bool = True, requires_grad: bool | None = None) -> torch.Tensor:
-        """A fake twin of ``t`` (the same twin for the same ``t``)."""
+    def tensor(self, t: torch.Tensor, *, cast: bool = True, requires_grad: bool | None = None,
+               _held: bool = False) -> torch.Tensor:
+        """A fake twin of ``t`` (the same twin for the same ``t``). ``_held``: ``t`` is held by a parameter
+        subclass, and shares its twin's storage where it shares the parameter's."""
         key = id(t)
         if key in self._memo:
             return self._memo[key]
@@ -47,8 +52,13 @@ class TwinMaker:
         dtype = t.dtype
         if cast and self.cast_dtype is not None and t.is_floating_point():
             dtype = self.cast_dtype
-        with self.fake_mode:
-            twin = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=self.device)
+        twin = self._alias(t, dtype) if _held else None
+        if twin is None:
+            with self.fake_mode:
+                twin = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device=self.device)
+            storage = _storage_key(t)
+            if storage is not None:
+                self._storages.setdefault(storage, (t, twin))
         wants_grad = t.requires_grad if requires_grad is None else requires_grad
         if wants_grad and (twin.is_floating_point() or twin.is_complex()):
             twin.requires_grad_(True)
@@ -58,12 +68,30 @@ class TwinMaker:
             setattr(twin, name, value)
         return twin
 
+    def _alias(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """A twin of ``t`` on the storage of the twin already made for another tensor of ``t``'s storage, where it
+        fits there with the same element type: one block, as on the device (bitsandbytes' ``Int8Params`` is its
+        ``CB``: ``_quantize`` sets ``self.data = CB``). None otherwise."""
+        known = self._storages.get(_storage_key(t) or 0)
+        if known is None:
+            return None
+        real, base = known
+        if base.dtype != dtype or real.dtype != t.dtype:
+            return None
+        offset = t.storage_offset() - real.storage_offset() + base.storage_offset()
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        if offset < 0 or (offset + span) * base.element_size() > base.untyped_storage().nbytes():
+            return None
+        with self.fake_mode:
+            return torch.empty(0, dtype=dtype, device=self.device).set_(base.untyped_storage(), offset,
+                                                                        tuple(t.shape), tuple(t.stride()))
+
     def _carry(self, path: str, t: torch.Tensor) -> torch.Tensor:
         """The twin of a tensor a parameter subclass holds (`preflight._device.map_held_tensors`)."""
         known = self.existing(t)
         if known is not None:
             return known
-        twin = self.tensor(t, cast=False, requires_grad=False)
+        twin = self.tensor(t, cast=False, requires_grad=False, _held=True)
         self.carried.append((path, twin))
         return twin
 
@@ -73,6 +101,7 @@ class TwinMaker:
         for t in iter_tensors(tensors):
             if self._memo.pop(id(t), None) is not None:
                 self._keep = [k for k in self._keep if k is not t]
+                self._storages = {k: v for k, v in self._storages.items() if v[0] is not t}
 
     def existing(self, t: torch.Tensor) -> torch.Tensor | None:
         """The twin already made for ``t``, or None."""
@@ -91,6 +120,14 @@ class TwinMaker:
         """Twin a nested batch; floating tensors are cast only when ``cast`` (the ``*-true`` precisions)."""
         return map_tensors(lambda t: self.tensor(t, cast=cast, requires_grad=t.requires_grad), batch)
 
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage (its ``StorageImpl``), valid while ``t`` is kept alive; None without one."""
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError, TypeError):  # sparse, nested or other storage-less tensors
+        return None
 
 
 def cuda_default_impl(optimizer: torch.optim.Optimizer) -> None:

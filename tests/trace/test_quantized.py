@@ -4,13 +4,19 @@ target's kernels compose them, and activation checkpointing's RNG snapshots are 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import preflight
 from preflight._device import held_tensors
+from preflight._result import Category
 from preflight.trace._library_kernels import composite_kernel
 
 
@@ -42,8 +48,8 @@ def _linear4bit(bnb, quant_type: str, double: bool) -> nn.Module:
     return layer
 
 
-def _linear8bit(bnb) -> nn.Module:
-    layer = bnb.nn.Linear8bitLt(64, 128, bias=True, has_fp16_weights=False)
+def _linear8bit(bnb, threshold: float = 0.0) -> nn.Module:
+    layer = bnb.nn.Linear8bitLt(64, 128, bias=True, has_fp16_weights=False, threshold=threshold)
     return layer.to("cpu")  # quantizes the weight to int8 (CB, SCB) as transformers' load_in_8bit does
 
 
@@ -76,6 +82,20 @@ def test_8bit_weights_are_traced_not_blamed_on_the_user():
     est, measured = _estimate_and_measure(model)
     assert est.coverage.traced and not est.coverage.lower_bound
     assert abs(est.peak_bytes - measured.peak_bytes) <= 64, (est.peak_bytes, measured.peak_bytes)
+
+
+def test_an_8bit_weight_and_the_cb_it_holds_are_one_block():
+    # Int8Params keeps CB on its own storage; its twins share one block, as on the device, from the trace's start
+    # (not only once the layer's first forward re-points the weight).
+    bnb = pytest.importorskip("bitsandbytes")
+    model = _Head(_linear8bit(bnb))
+    weight = model.q.weight
+    assert weight.untyped_storage().data_ptr() == weight.CB.untyped_storage().data_ptr()
+    est = preflight.estimate(model, torch.optim.AdamW(model.inp.parameters()), torch.randn(32, 64), step=_step)
+    setup = sum(e.nbytes for e in est.events if e.phase == "setup" and est.categories[e.uid] is Category.PARAMETERS)
+    held = [t for p in model.parameters() for _, t in held_tensors(p)]
+    blocks = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *held]}
+    assert setup == sum(blocks.values()) == 16384 + 256 + 8192 + 512 + 512  # inp, q's int8 weight, bias and SCB
 
 
 def test_the_users_quantized_model_trains_as_without_preflight():
@@ -132,9 +152,131 @@ def test_a_cuda_target_says_what_it_assumed_for_quantized_layers():
     model = _Head(_linear4bit(bnb, "nf4", True))
     est = preflight.estimate(model, optimizer_for(model), batch, run, step=_step)
     assert est.coverage.traced and any("4-bit matmul with 32 rows" in n for n in est.coverage.notes)
-    model = _Head(_linear8bit(bnb))
+    model = _Head(_linear8bit(bnb, threshold=6.0))
     est = preflight.estimate(model, optimizer_for(model), batch, run, step=_step)
-    assert any("MatMul8bitLt" in n for n in est.coverage.notes)
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert any("CUDA training path (MatMul8bitLt" in n for n in est.coverage.notes)
+    outliers = "assumption: bitsandbytes' LLM.int8 quantization (threshold 6) found no outlier column"
+    assert any(n.startswith(outliers) and "keep its 32 input values" in n and n.endswith("(2 call(s))")  # 2 steps
+               for n in est.coverage.notes)
+
+
+def test_8bit_layers_take_bitsandbytes_cuda_path_for_a_cuda_target_and_nothing_else_changes(caplog):
+    # On this host bitsandbytes trains 8-bit layers through MatMul8bitFp; for a CUDA target the trace takes
+    # MatMul8bitLt, as a GPU does, without its cast warning, and leaves bitsandbytes and the layer as they were.
+    bnb = pytest.importorskip("bitsandbytes")
+    model = _Head(_linear8bit(bnb, threshold=6.0))
+    matmul, state = bnb.matmul, model.q.state
+    before = dict(vars(state))
+    taken = []
+    real_apply = bnb.autograd._functions.MatMul8bitLt.apply
+
+    def apply(*args):
+        taken.append(args[0].shape)
+        return real_apply(*args)
+
+    bnb.autograd._functions.MatMul8bitLt.apply = apply
+    try:
+        with caplog.at_level(logging.WARNING, logger="bitsandbytes"):
+            run = preflight.Run(target=preflight.Target(gpu="H100-80GB"))
+            preflight.estimate(model, torch.optim.AdamW(model.inp.parameters()), torch.randn(32, 64), run,
+                               step=_step)
+            preflight.estimate(model, torch.optim.AdamW(model.inp.parameters()), torch.randn(32, 64), step=_step)
+    finally:
+        del bnb.autograd._functions.MatMul8bitLt.apply
+    assert taken == [torch.Size([32, 64])] * 2  # the CUDA target's two steps; the CPU target's never
+    assert not [r for r in caplog.records if "MatMul8bitLt" in r.getMessage()]
+    assert bnb.matmul is matmul and bnb.autograd._functions.matmul is matmul
+    assert model.q.state is state and vars(state) == before
+
+
+class _Allocations(TorchDispatchMode):
+    """Each new storage an operator makes (dtype, shape), library operators run as a CUDA target composes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._held: list[torch.Tensor] = []  # kept alive: a freed storage's address may come back
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        composite = composite_kernel(func, cuda=True)
+        if composite is not None:
+            with self:
+                return composite[0](*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage()._cdata for t in self._held}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                self._held.append(t)
+                self.made.append((t.dtype, tuple(t.shape)))
+        return out
+
+
+def test_bitsandbytes_int8_cuda_operators_allocate_what_their_cuda_source_does():
+    pytest.importorskip("bitsandbytes")
+    ops = torch.ops.bitsandbytes
+    f16, i8, i32, f32, b = torch.float16, torch.int8, torch.int32, torch.float32, torch.bool
+
+    def made(op, *args, **kwargs):
+        with FakeTensorMode():
+            args = [torch.empty(a[1], dtype=a[0]) if isinstance(a, tuple) else a for a in args]
+            record = _Allocations()
+            with record:
+                op(*args, **kwargs)
+        return record.made
+
+    # backends/cuda/ops.py int8_vectorwise_quant: row scales, the int8 copy; with a threshold |A| >= t (the fp16
+    # abs, the mask), any(), no outlier column (an empty index), then out_row[:, cols] = 0 (its scalar value).
+    assert made(ops.int8_vectorwise_quant.default, (f16, (32, 64)), threshold=6.0) == [
+        (f32, (32,)), (i8, (32, 64)), (f16, (32, 64)), (b, (32, 64)), (b, ()), (torch.int64, (0,)), (i8, ())]
+    assert made(ops.int8_vectorwise_quant.default, (f16, (32, 64))) == [(f32, (32,)), (i8, (32, 64))]
+    # int8_double_quant: the row quantization, then _get_col_absmax (abs, mask, amax, float), the masked copy,
+    # round(A * 127 / col_stats) (fp16 product, fp32 quotient and its rounding), the int8 column copy.
+    assert made(ops.int8_double_quant.default, (f16, (32, 64)), threshold=6.0)[7:] == [
+        (f16, (32, 64)), (b, (32, 64)), (f16, (64,)), (f32, (64,)), (f16, (32, 64)), (f16, (32, 64)),
+        (f32, (32, 64)), (f32, (32, 64)), (i8, (32, 64))]
+    # int8_linear_matmul: the int32 output; an inner size that is not a multiple of 4 goes through fp32.
+    assert made(ops.int8_linear_matmul.default, (i8, (32, 64)), (i8, (128, 64))) == [(i32, (32, 128))]
+    assert made(ops.int8_linear_matmul.default, (i8, (32, 62)), (i8, (128, 62))) == [
+        (i32, (32, 128)), (f32, (32, 62)), (f32, (128, 62)), (f32, (32, 128)), (i32, (32, 128))]
+    # int8_mixed_scaled_mm (no CUDA kernel: its composite): the empty subA, the int32 product, the fp16
+    # dequantized output (bias added in place), its bf16 cast.
+    assert made(ops.int8_mixed_scaled_mm.default, (torch.bfloat16, (32, 64)), (i8, (32, 64)), (i8, (128, 64)),
+                (f32, (32,)), (f32, (128,)), (torch.int64, (0,)), (torch.bfloat16, (128,))) == [
+        (torch.bfloat16, (0,)), (i32, (32, 128)), (f16, (32, 128)), (torch.bfloat16, (32, 128))]
+
+
+class _LtProduct(nn.Module):
+    """An 8-bit layer whose product is bitsandbytes' ``MatMul8bitLt`` (the path its ``matmul`` takes on CUDA, and
+    on CPU outside training), called as ``Linear8bitLt.forward`` calls it."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        from bitsandbytes.autograd._functions import MatMul8bitLt
+
+        if self.layer.weight.CB is not None:
+            self.layer.init_8bit_state()
+        return MatMul8bitLt.apply(x, self.layer.weight, None, self.layer.bias, self.layer.state)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 6.0], ids=["no-threshold", "threshold-6"])
+def test_bitsandbytes_cuda_training_path_traces_to_the_measured_byte_where_it_runs_on_cpu(threshold):
+    # MatMul8bitLt's Python (the tensors it keeps on ctx, the state it sets) with bitsandbytes' CPU kernels,
+    # against the measured step; with a threshold, on activations without outliers (the trace's assumption).
+    bnb = pytest.importorskip("bitsandbytes")
+    model = _Head(_LtProduct(_linear8bit(bnb, threshold=threshold)))
+    optimizer = torch.optim.AdamW(model.inp.parameters(), lr=1e-3)
+    batch = torch.randn(32, 64) * 0.01
+    with torch.no_grad():
+        assert model.inp(batch).abs().max() < threshold or not threshold
+    est = preflight.estimate(model, optimizer, batch, step=_step)
+    measured = preflight.measure(model, optimizer, batch, step=_step)
+    assert est.coverage.traced and not est.coverage.lower_bound
+    assert est.peak_bytes == measured.peak_bytes
+    assert any("found no outlier column" in n for n in est.coverage.notes) == bool(threshold)
 
 
 @pytest.mark.slow
@@ -167,3 +309,7 @@ def test_a_transformers_model_loaded_for_qlora_or_llm_int8_is_traced_within_1_pe
     assert est.coverage.traced and not est.coverage.lower_bound
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (est.peak_bytes,
                                                                                        measured.peak_bytes)
+    if quantization == "int8":  # a CUDA target takes bitsandbytes' CUDA path, traced with transformers' threshold
+        cuda = preflight.estimate(model, optimizer, batch, preflight.Run(target=preflight.Target(gpu="H100-80GB")))
+        assert cuda.coverage.traced and not cuda.coverage.lower_bound
+        assert any("found no outlier column" in n for n in cuda.coverage.notes)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from preflight._device import iter_tensors
+from preflight.trace._library_kernels import PAGED_MIN_NUMEL
 
 __all__ = ["ModelState", "model_state", "optimizer_state_bytes"]
 
@@ -61,7 +62,8 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
     inputs = _batch_bytes(batch)
     managed = 0
     if state is not None and getattr(optimizer, "is_paged", False) and device.type == "cuda":
-        managed, state = state, 0
+        managed = optimizer_state_bytes(optimizer, param_dtype=param_dtype, paged_only=True) or 0
+        state -= managed
     return ModelState(param_bytes, buffer_bytes, grad_bytes, state, inputs, managed)
 
 
@@ -69,8 +71,10 @@ def _batch_bytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(batch))
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None) -> int | None:
-    """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None, *,
+                          paged_only: bool = False) -> int | None:
+    """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know.
+    ``paged_only``: of a bitsandbytes optimizer, only the states it pages on CUDA (`PAGED_MIN_NUMEL`)."""
     name = type(optimizer).__name__
     # bitsandbytes optimizers are known by their configuration (``args.optim_bits``, resolved per parameter by
     # ``get_config`` with any ``GlobalOptimManager`` override), not by class name: HF's "adamw_bnb_8bit" is
@@ -84,7 +88,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.d
                 continue
             item = param_dtype.itemsize if param_dtype is not None and p.is_floating_point() else p.element_size()
             if bnb_config is not None:
-                per = _bnb_bytes(optimizer, bnb_config(gindex, pindex, group), p)
+                per = _bnb_bytes(optimizer, bnb_config(gindex, pindex, group), p, paged_only=paged_only)
                 if per is None:
                     return None
                 total += per
@@ -116,7 +120,7 @@ def _adafactor_bytes(p: torch.Tensor, item: int) -> int:
     return p.numel() * item + 4
 
 
-def _bnb_bytes(optimizer: Any, config: dict, p: torch.Tensor) -> int | None:
+def _bnb_bytes(optimizer: Any, config: dict, p: torch.Tensor, *, paged_only: bool = False) -> int | None:
     # Follows Optimizer1State/Optimizer2State.init_state; AdEMAMix keeps a double-size state1 (two EMAs) and a
     # (2, blocks) absmax1. ``step`` is a Python int there, so it has no tensor bytes.
     from bitsandbytes.optim.optimizer import Optimizer1State, Optimizer2State  # loaded: optimizer is one of its
@@ -132,7 +136,10 @@ def _bnb_bytes(optimizer: Any, config: dict, p: torch.Tensor) -> int | None:
     double = isinstance(optimizer, AdEMAMix)
     n = p.numel()
     unorm = 4 if config.get("max_unorm", 0.0) > 0.0 and not double else 0
-    if config["optim_bits"] == 8 and n >= config["min_8bit_size"]:
+    eight = config["optim_bits"] == 8 and n >= config["min_8bit_size"]
+    if paged_only:  # state1 and state2 themselves, of a parameter large enough to be paged
+        return (states + double) * n * (1 if eight else 4) if n >= PAGED_MIN_NUMEL else 0
+    if eight:
         blocks = -(-n // _BNB_BLOCK)
         return (states + double) * (n + 4 * blocks) + unorm
     return (states + double) * 4 * n + unorm

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from preflight._analytic import model_state
+from preflight.trace._library_kernels import PAGED_MIN_NUMEL
 from preflight._device import held_tensors, model_device, resolve_device, trace_device_for, unmodelled_device_note
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
@@ -365,10 +366,12 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     events = scratch.events
     managed = 0
     if paged:  # paged state lives in CUDA managed memory, outside the caching allocator
-        managed_uids = {uid for uid, cat in categories.items() if cat is Category.OPTIMIZER_STATE}
+        managed_uids = result.paged
         managed = sum(e.nbytes for e in events if e.uid in managed_uids and e.nbytes > 0 and e.op >= -1)
         events = [e for e in events if e.uid not in managed_uids]
-        notes.append(f"paged optimizer state ({managed} bytes) is in CUDA managed memory, outside peak_bytes")
+        notes.append(f"paged optimizer state ({managed} bytes: state1 and state2 of the parameters of "
+                     f"{PAGED_MIN_NUMEL:,} elements or more, as bitsandbytes pages them) is in CUDA managed memory, "
+                     "outside peak_bytes; the rest of the optimizer state is in the allocator")
     if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)

@@ -952,9 +952,9 @@ def test_generate_plans_model_generate_as_the_real_run_measures_it(config, tmp_p
 def test_bitsandbytes_optimizers_by_name(config, tmp_path):
     pytest.importorskip("bitsandbytes")
     state = {}
-    for name in ("adamw", "lion", "lion8bit", "paged-adamw8bit"):
+    for name in ("adamw", "lion", "lion8bit", "adamw8bit", "paged-adamw8bit"):
         out = tmp_path / f"{name}.json"
-        gpu = ["--gpu", "H100-80GB"] if name.startswith("paged") else []
+        gpu = ["--gpu", "H100-80GB"] if "adamw8bit" in name else []
         assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--optimizer", name,
                      "--no-suggest", *gpu, "--json", str(out)]) == 0
         report = json.loads(out.read_text())
@@ -962,5 +962,6 @@ def test_bitsandbytes_optimizers_by_name(config, tmp_path):
     # One fp32 state per parameter against AdamW's two, which also keeps a 4-byte step per tensor (21 tensors here).
     assert state["adamw"][0] - 2 * state["lion"][0] == 4 * 21
     assert state["lion8bit"][0] < state["lion"][0]
-    # Paged state is in CUDA unified memory on a GPU: outside the allocator's peak, reported apart.
-    assert state["paged-adamw8bit"][0] == 0 and state["paged-adamw8bit"][1] > 0
+    # On a GPU bitsandbytes pages the states of parameters of 1e5 elements or more into CUDA unified memory; this
+    # model's largest has 64,000: nothing is paged, the state is in the allocator as without paging.
+    assert state["paged-adamw8bit"] == (state["adamw8bit"][0], 0) and state["adamw8bit"][0] > 0

@@ -89,7 +89,7 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
     try:
         traces, reason = _shallow_traces(model, optimizer, batch, stack, depths, kwargs, scratch)
         if reason is None:
-            events, categories, num_ops = compose(traces, periods - BASE_PERIODS)
+            events, categories, num_ops, paged = compose(traces, periods - BASE_PERIODS)
     except CompositionError as err:
         reason = str(err)
     except (LossNotFoundError, NotRestoredError):
@@ -102,7 +102,7 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
     deepest = traces[-1]
     result = TraceResult(events=events, categories=categories, num_ops=num_ops,
                          seconds=time.perf_counter() - start, notes=list(deepest.notes),
-                         lower_bound=deepest.lower_bound)
+                         lower_bound=deepest.lower_bound, paged=paged)
     note = (f"depth-independent trace: the {stack.blocks} blocks of {label} (period {stack.period}) composed "
             f"from traces of {', '.join(map(str, depths))} blocks, checked event for event against the traced "
             "depths")
@@ -152,7 +152,8 @@ class _Vocabulary:
 
 
 def _timeline(result: TraceResult, vocab: _Vocabulary) -> _Timeline:
-    """Tokens: (allocation?, bytes, category, phase, same operator as the previous event?). How many operators
+    """Tokens: (allocation?, bytes, category, phase, same operator as the previous event?, paged optimizer
+    state?). How many operators
     lie between events is kept apart: operators that allocate nothing (in-place updates of each parameter) make
     it grow with depth where the events do not."""
     keys, refs, steps = [], [], []
@@ -165,12 +166,12 @@ def _timeline(result: TraceResult, vocab: _Vocabulary) -> _Timeline:
         if e.nbytes >= 0:
             where[e.uid] = i
             refs.append(-1)
-            token = (True, e.nbytes, category, e.phase, step == 0)
+            token = (True, e.nbytes, category, e.phase, step == 0, e.uid in result.paged)
         else:
             if e.uid not in where:
                 raise CompositionError(f"a free of storage {e.uid} without its allocation")
             refs.append(where.pop(e.uid))
-            token = (False, -e.nbytes, category, e.phase, step == 0)
+            token = (False, -e.nbytes, category, e.phase, step == 0, e.uid in result.paged)
         previous_op = e.op
         steps.append(step)
         keys.append(vocab.id(token))
@@ -214,7 +215,7 @@ def _scaled_sizes(lines: list[_Timeline], vocab: _Vocabulary) -> dict[int, tuple
             return {}
         for positions in zip(*odd):
             found = [tokens[int(spans[k][i])] for k, i in enumerate(positions)]
-            kinds = {(t[0], t[2], t[3], t[4]) for t in found}
+            kinds = {(t[0], *t[2:]) for t in found}
             sizes = [t[1] for t in found]
             if len(kinds) != 1 or sizes[1] - sizes[0] != sizes[2] - sizes[1]:
                 return {}
@@ -485,9 +486,11 @@ def _fit(template: _Template, observations: list[tuple[int, int, int, int]]) -> 
     return fitted
 
 
-def compose(traces: Sequence[TraceResult], copies: int) -> tuple[list[Event], dict[int, Category], int]:
+def compose(traces: Sequence[TraceResult],
+            copies: int) -> tuple[list[Event], dict[int, Category], int, frozenset[int]]:
     """The timeline with ``copies`` more periods than ``traces[0]``, from traces of ``a``, ``a + 1`` and
-    ``a + 2`` periods (module docstring): events, categories by uid, and the operator count.
+    ``a + 2`` periods (module docstring): events, categories by uid, the operator count and the uids of paged
+    optimizer state (`TraceResult.paged`).
 
     Raises:
         CompositionError: the traces do not fit the composition rules.
@@ -515,9 +518,10 @@ def compose(traces: Sequence[TraceResult], copies: int) -> tuple[list[Event], di
             raise CompositionError(f"operator numbering for the {extra + 1}-trace depth differs from its trace")
     refs = _compose_refs(template, rules, copies)
     elements, _, _, _ = template.layout(copies)
-    events, categories = _events(vocab, template.keys[elements], refs, _compose_steps(template, lines, copies),
-                                 {key: base + copies * slope for key, (base, slope) in scaled.items()})
-    return events, categories, steps[0] + copies * (steps[1] - steps[0])
+    events, categories, paged = _events(vocab, template.keys[elements], refs,
+                                        _compose_steps(template, lines, copies),
+                                        {key: base + copies * slope for key, (base, slope) in scaled.items()})
+    return events, categories, steps[0] + copies * (steps[1] - steps[0]), paged
 
 
 def _compose_steps(template: _Template, lines: list[_Timeline], copies: int) -> np.ndarray:
@@ -581,23 +585,27 @@ def _compose_refs(template: _Template, rules: dict[int, list[_Rule]], copies: in
 
 
 def _events(vocab: _Vocabulary, keys: np.ndarray, refs: np.ndarray, steps: np.ndarray,
-            sizes: dict[int, int]) -> tuple[list[Event], dict[int, Category]]:
-    """The composed events; ``sizes`` gives the bytes of the depth-scaled tokens (`_scaled_sizes`)."""
+            sizes: dict[int, int]) -> tuple[list[Event], dict[int, Category], frozenset[int]]:
+    """The composed events, their categories and paged uids; ``sizes`` gives the bytes of the depth-scaled
+    tokens (`_scaled_sizes`)."""
     events: list[Event] = []
     categories: dict[int, Category] = {}
+    paged: set[int] = set()
     uids = np.full(len(keys), -1, dtype=np.int64)
     freed = np.zeros(len(keys), dtype=bool)
     nbytes_of = [sizes.get(key, token[1]) for key, token in enumerate(vocab.tokens)]
     op = -1
     tokens = vocab.tokens
     for x, (key, step) in enumerate(zip(keys.tolist(), steps.tolist())):
-        is_alloc, _, category, phase, _ = tokens[key]
+        is_alloc, _, category, phase, _, is_paged = tokens[key]
         nbytes = nbytes_of[key]
         op += step
         if is_alloc:
             uid = len(categories)
             uids[x] = uid
             categories[uid] = category
+            if is_paged:
+                paged.add(uid)
             events.append(Event(uid, nbytes, op, phase))
             continue
         y = int(refs[x])
@@ -605,4 +613,4 @@ def _events(vocab: _Vocabulary, keys: np.ndarray, refs: np.ndarray, steps: np.nd
             raise CompositionError("a composed free does not match its allocation")
         freed[y] = True
         events.append(Event(int(uids[y]), -nbytes, op, phase))
-    return events, categories
+    return events, categories, frozenset(paged)

@@ -51,16 +51,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["composite_kernel", "cuda_training_paths", "layer_notes"]
+__all__ = ["PAGED_MIN_NUMEL", "composite_kernel", "cuda_training_paths", "layer_notes"]
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "c10d_functional",
                                "_dtensor", "higher_order", "profiler", "inductor", "quantized", "_quantized"})
+
+# bitsandbytes' paged optimizers page state1 and state2 of a parameter of at least this many elements
+# (``Optimizer8bit.get_state_buffer``, ``AdEMAMix._get_state_double_buffer``); the rest is ordinary device memory.
+PAGED_MIN_NUMEL = 100_000
 
 # bitsandbytes' backends/cuda/ops.py: the fused kernel below this many rows, dequantize + linear above the other.
 _BNB_CUSTOM_FLOOR_M = 4
@@ -241,40 +246,59 @@ def _not_the_cast_warning(record: logging.LogRecord) -> bool:
     return record.msg != _CAST_WARNING
 
 
+_paths_lock = threading.Lock()
+_active_trackers: list[Any] = []  # trackers of CUDA targets tracing now (on any thread)
+_real_matmul: list[Callable[..., Any]] = []  # bitsandbytes' own matmul, kept once seen
+
+
 @contextlib.contextmanager
 def cuda_training_paths(tracker: Any, cuda: bool) -> Iterator[None]:
     """While ``tracker`` traces a CUDA target on the host, bitsandbytes' 8-bit ``matmul`` takes its CUDA training
     path (``MatMul8bitLt``) on the tracing thread, as a GPU runs it; its cast warning, which a plain run on this
-    host would not log, is held back. Nothing changes without a CUDA target or when bitsandbytes is not imported."""
+    host would not log, is held back. Nothing changes without a CUDA target or when bitsandbytes is not imported.
+    The switch is installed once for traces running at the same time (the ranks of a fake world) and removed with
+    the last; every other caller gets bitsandbytes' own function."""
     functions = sys.modules.get("bitsandbytes.autograd._functions")
     package = sys.modules.get("bitsandbytes")
     if not cuda or functions is None or package is None or not hasattr(functions, "MatMul8bitLt"):
         yield
         return
-    real = functions.matmul
-
-    def matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, state: Any = None,
-               threshold: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if tracker not in _get_current_dispatch_mode_stack() or A.device.type != "cpu":
-            return real(A, B, out, state, threshold, bias)
-        state = state or functions.MatmulLtState()
-        if threshold > 0.0:
-            state.threshold = threshold
-        logger = logging.getLogger(functions.__name__)
-        logger.addFilter(_not_the_cast_warning)
-        try:
-            return functions.MatMul8bitLt.apply(A, B, out, bias, state)
-        finally:
-            logger.removeFilter(_not_the_cast_warning)
-
-    replaced = [(module, real) for module in (functions, package) if getattr(module, "matmul", None) is real]
-    for module, _ in replaced:
-        module.matmul = matmul
+    with _paths_lock:
+        if not _active_trackers:
+            if functions.matmul is not _cuda_matmul:
+                _real_matmul[:] = [functions.matmul]
+            for module in (functions, package):
+                if getattr(module, "matmul", None) is _real_matmul[0]:
+                    module.matmul = _cuda_matmul
+        _active_trackers.append(tracker)
     try:
         yield
     finally:
-        for module, original in replaced:
-            module.matmul = original
+        with _paths_lock:
+            _active_trackers.remove(tracker)
+            if not _active_trackers:
+                for module in (functions, package):
+                    if getattr(module, "matmul", None) is _cuda_matmul:
+                        module.matmul = _real_matmul[0]
+
+
+def _cuda_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, state: Any = None,
+                 threshold: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bitsandbytes' ``matmul`` with the branch a CUDA device takes, for a trace of a CUDA target on this thread."""
+    functions = sys.modules["bitsandbytes.autograd._functions"]
+    real = _real_matmul[0]
+    stack = _get_current_dispatch_mode_stack()
+    if A.device.type != "cpu" or not any(t in stack for t in list(_active_trackers)):
+        return real(A, B, out, state, threshold, bias)
+    state = state or functions.MatmulLtState()
+    if threshold > 0.0:
+        state.threshold = threshold
+    logger = logging.getLogger(functions.__name__)
+    logger.addFilter(_not_the_cast_warning)
+    try:
+        return functions.MatMul8bitLt.apply(A, B, out, bias, state)
+    finally:
+        logger.removeFilter(_not_the_cast_warning)
 
 
 def layer_notes(model: torch.nn.Module, cuda: bool) -> list[str]:

@@ -34,7 +34,7 @@ from preflight.trace._compiled import compiled_notes, dynamo_kept_out, partition
 from preflight.trace._generation import longest_generation
 from preflight.trace._step_checks import kernel_dtype_error, mixed_dtensor_failure
 from preflight.trace._leftovers import Sweep, swept
-from preflight.trace._library_kernels import cuda_training_paths, layer_notes
+from preflight.trace._library_kernels import PAGED_MIN_NUMEL, cuda_training_paths, layer_notes
 from preflight.trace._process import isolated_process, isolated_rng
 from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
@@ -87,6 +87,8 @@ class TraceResult:
     upper_bound: str | None = None  # the trace ran to the end, but its peak is an upper bound: why
     # A rank's loading traced before its steps (`preflight.parallel.trace_rank` with a `preflight.Loading`), apart.
     loading: TraceResult | None = None
+    # uids of the optimizer state a bitsandbytes paged optimizer keeps in CUDA managed memory on a GPU
+    paged: frozenset[int] = frozenset()
 
 
 def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) -> Callable[[int, str], None]:
@@ -240,6 +242,9 @@ def trace_steps(
         return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=0,
                            seconds=time.perf_counter() - start, error=err,
                            failed_op=f"{type(optimizer).__name__}(param_groups, **defaults)", notes=run.notes)
+    if target_device.type == "cuda" and getattr(fake_opt, "is_paged", False):
+        # bitsandbytes warns that it cannot page on the host the trace runs on; the run's GPU pages (`paged_state`).
+        fake_opt._cpu_paged_warned = True
     for st in fake_opt.state.values():
         for key, v in list(st.items()):
             if isinstance(v, torch.Tensor) and v.device.type != "meta" and not isinstance(v, FakeTensor):
@@ -274,6 +279,7 @@ def trace_steps(
     run.notes.extend(tracker.assumption_notes())
     if tracker.layouts is not None and tracker.layouts.note():
         run.notes.append(tracker.layouts.note())
+    paged = paged_state(optimizer, fake_opt, tracker)
     run.finish()
     return TraceResult(
         events=settled_frees(tracker.events, tracker.categories),
@@ -285,7 +291,25 @@ def trace_steps(
         op_log=op_log,
         notes=run.notes,
         lower_bound="; ".join(bound) or None,
+        paged=paged,
     )
+
+
+def paged_state(optimizer: torch.optim.Optimizer, fake_opt: torch.optim.Optimizer,
+                tracker: StorageTracker) -> frozenset[int]:
+    """The uids of the states a bitsandbytes paged ``optimizer`` allocates with ``F.get_paged`` (CUDA managed
+    memory) on a GPU: ``state1`` and ``state2`` of each parameter of `PAGED_MIN_NUMEL` elements or more. Its other
+    state (smaller parameters' states, the 8-bit states' block maxima, ``unorm_vec``) is ordinary device memory.
+    The trace runs on the host, where bitsandbytes pages nothing, so the rule is applied to the state it made."""
+    if not getattr(optimizer, "is_paged", False):
+        return frozenset()
+    uids = set()
+    for p, state in fake_opt.state.items():
+        if isinstance(p, torch.Tensor) and p.numel() >= PAGED_MIN_NUMEL:
+            for key in ("state1", "state2"):
+                if isinstance(state.get(key), torch.Tensor) and (uid := tracker.uid_of(state[key])) is not None:
+                    uids.add(uid)
+    return frozenset(uids)
 
 
 def settled_frees(events: list[Event], categories: dict[int, Category]) -> list[Event]:

@@ -115,8 +115,14 @@ def truncated(stack: Stack, k: int) -> Iterator[None]:
 
 
 def optimizer_without(optimizer: torch.optim.Optimizer, dropped: set[int]) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` whose groups and state leave out the parameters in ``dropped`` (ids)."""
+    """A shallow copy of ``optimizer`` whose groups and state leave out the parameters in ``dropped`` (ids). It keeps
+    the optimizer's own attributes, which ``copy.copy`` drops (torch's ``Optimizer.__getstate__`` keeps only
+    defaults, state and groups): bitsandbytes' ``args`` (``optim_bits``...) and ``is_paged``. Callables are not
+    carried (an LR scheduler's wrapper of ``step`` is bound to the user's optimizer)."""
     view = copy.copy(optimizer)
+    for name, value in vars(optimizer).items():
+        if not callable(value):
+            view.__dict__.setdefault(name, value)
     view.param_groups = [{**group, "params": [p for p in group["params"] if id(p) not in dropped]}
                          for group in optimizer.param_groups]
     view.state = collections.defaultdict(dict, {p: s for p, s in optimizer.state.items() if id(p) not in dropped})

@@ -224,6 +224,25 @@ def test_sharded_rank_and_hf_style_parameter_groups():
     _same(*_both(model, optimizer, _batch(), run=preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB"), parallel=preflight.ParallelPlan(4, "zero3"))))
 
 
+def test_a_bitsandbytes_optimizer_keeps_its_own_settings_in_the_shallow_traces():
+    # HF's optim="adamw_bnb_8bit" is bnb.optim.AdamW(..., optim_bits=8): the setting lives in the optimizer's
+    # ``args``, which the shallow traces' view of the optimizer must keep (copy.copy drops it: 32-bit state, +52%).
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(400, 256), nn.Linear(256, 400)) for _ in range(12)])
+    step = lambda m, b: m(b).square().mean()  # noqa: E731
+    figures = []
+    for fast in (True, False):
+        est = preflight.estimate(model, bnb.optim.AdamW(model.parameters(), optim_bits=8), torch.randn(8, 400),
+                                 preflight.Run(fast=fast), step=step)
+        assert any(n.startswith("depth-independent trace") for n in est.coverage.notes) == fast
+        figures.append((est.peak_bytes, est.breakdown["optimizer_state"]))
+    assert figures[0] == figures[1]
+    # uint8 states with one fp32 maximum per 256 elements for the weights; fp32 states for the biases (< 4096)
+    weights = 24 * 400 * 256
+    assert figures[0][1] == 2 * (weights + 4 * weights // 256) + 2 * 4 * 12 * (256 + 400)
+
+
 @pytest.mark.slow
 def test_composed_deeper_than_the_traced_depths():
     """Compose 10 blocks from traces of 2, 3 and 4 and compare with the 10-block trace."""

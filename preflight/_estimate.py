@@ -168,8 +168,11 @@ def _whole_model_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, preci
     """The bytes of ``model``'s parameters and buffers as the run loads them (floating ones in the dtype ``precision``
     casts them to, `preflight._analytic.model_state`'s count), with a quantised weight's state."""
     state = model_state(model, optimizer, None, torch.device("cpu"), param_dtype=float_dtype_for(precision))
-    return state.parameters + state.buffers + sum(held.numel() * held.element_size() for p in model.parameters()
-                                                  for _, held in held_tensors(p))
+    # Held on storages of their own; one on its parameter's (an 8-bit weight's ``CB``) is counted with it.
+    own = {p.untyped_storage()._cdata for p in model.parameters()}
+    held = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for p in model.parameters()
+            for _, t in held_tensors(p) if t.untyped_storage()._cdata not in own}
+    return state.parameters + state.buffers + sum(held.values())
 
 
 def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run, *,
@@ -371,7 +374,9 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         events = [e for e in events if e.uid not in managed_uids]
         notes.append(f"paged optimizer state ({managed} bytes: state1 and state2 of the parameters of "
                      f"{PAGED_MIN_NUMEL:,} elements or more, as bitsandbytes pages them) is in CUDA managed memory, "
-                     "outside peak_bytes; the rest of the optimizer state is in the allocator")
+                     "outside peak_bytes; the rest of the optimizer state is in the allocator" if managed else
+                     f"the paged optimizer pages nothing here: no parameter has {PAGED_MIN_NUMEL:,} elements or "
+                     "more, so bitsandbytes keeps all its state in the allocator")
     if target.type == "cuda":  # per rank: a temporaries-category event, which sharding leaves whole
         events, note = add_workspaces(events, gpu_info)
         notes.append(note)

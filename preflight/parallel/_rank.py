@@ -41,6 +41,7 @@ from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_e
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
+from preflight.trace._library_kernels import cuda_training_paths, layer_notes
 from preflight.trace._run import (EVAL_NOT_TRACED, EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE, checkpoint_saver,
                                   counted_rng_snapshots, phase_bookkeeping, settled_frees, shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
@@ -605,8 +606,10 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
         # A CPU run's collectives are gloo's; NCCL's buffers (a CUDA target) are not tensors.
         watched = engine.watch(tracker, gloo=cuda is None)
         error = failed = None
+        notes.extend(layer_notes(wrapped, cuda is not None))
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None):
+                fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None), \
+                cuda_training_paths(tracker, cuda is not None):
             try:
                 wrapped.train()
                 save = checkpoint_saver(tracker, checkpoint, host_is_device=cuda is None, fake_world=True,

@@ -240,12 +240,17 @@ _CUDA_MODELS: dict[str, tuple[Callable[..., Any], Callable[..., str | None]]] = 
 
 # MatMul8bitLt logs this for every product whose input is not fp16; in a CPU-host trace it is preflight's doing.
 _CAST_WARNING = "MatMul8bitLt: inputs will be cast from %s to float16 during quantization"
+_switched = threading.local()  # ``on``: this thread runs MatMul8bitLt for a trace
 
 
-def _not_the_cast_warning(record: logging.LogRecord) -> bool:
-    return record.msg != _CAST_WARNING
+class _TraceCastWarnings(logging.Filter):
+    """Drop the cast warning of products the switch made on this thread; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(_switched, "on", False) and record.msg == _CAST_WARNING)
 
 
+_CAST_FILTER = _TraceCastWarnings()
 _paths_lock = threading.Lock()
 _active_trackers: list[Any] = []  # trackers of CUDA targets tracing now (on any thread)
 _real_matmul: list[Callable[..., Any]] = []  # bitsandbytes' own matmul, kept once seen
@@ -270,6 +275,7 @@ def cuda_training_paths(tracker: Any, cuda: bool) -> Iterator[None]:
             for module in (functions, package):
                 if getattr(module, "matmul", None) is _real_matmul[0]:
                     module.matmul = _cuda_matmul
+            logging.getLogger(functions.__name__).addFilter(_CAST_FILTER)
         _active_trackers.append(tracker)
     try:
         yield
@@ -280,6 +286,7 @@ def cuda_training_paths(tracker: Any, cuda: bool) -> Iterator[None]:
                 for module in (functions, package):
                     if getattr(module, "matmul", None) is _cuda_matmul:
                         module.matmul = _real_matmul[0]
+                logging.getLogger(functions.__name__).removeFilter(_CAST_FILTER)
 
 
 def _cuda_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, state: Any = None,
@@ -293,12 +300,12 @@ def _cuda_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = No
     state = state or functions.MatmulLtState()
     if threshold > 0.0:
         state.threshold = threshold
-    logger = logging.getLogger(functions.__name__)
-    logger.addFilter(_not_the_cast_warning)
+    before = getattr(_switched, "on", False)
+    _switched.on = True
     try:
         return functions.MatMul8bitLt.apply(A, B, out, bias, state)
     finally:
-        logger.removeFilter(_not_the_cast_warning)
+        _switched.on = before
 
 
 def layer_notes(model: torch.nn.Module, cuda: bool) -> list[str]:

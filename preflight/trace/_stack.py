@@ -119,7 +119,11 @@ def optimizer_without(optimizer: torch.optim.Optimizer, dropped: set[int]) -> to
     the optimizer's own attributes, which ``copy.copy`` drops (torch's ``Optimizer.__getstate__`` keeps only
     defaults, state and groups): bitsandbytes' ``args`` (``optim_bits``...) and ``is_paged``. Callables are not
     carried (an LR scheduler's wrapper of ``step`` is bound to the user's optimizer)."""
-    view = copy.copy(optimizer)
+    defaults = dict(optimizer.defaults)
+    view = copy.copy(optimizer)  # Optimizer.__setstate__ adds "differentiable" to the defaults it shares
+    optimizer.defaults.clear()
+    optimizer.defaults.update(defaults)
+    view.defaults = dict(view.defaults)
     for name, value in vars(optimizer).items():
         if not callable(value):
             view.__dict__.setdefault(name, value)

@@ -233,8 +233,10 @@ def test_a_bitsandbytes_optimizer_keeps_its_own_settings_in_the_shallow_traces()
     step = lambda m, b: m(b).square().mean()  # noqa: E731
     figures = []
     for fast in (True, False):
-        est = preflight.estimate(model, bnb.optim.AdamW(model.parameters(), optim_bits=8), torch.randn(8, 400),
-                                 preflight.Run(fast=fast), step=step)
+        optimizer = bnb.optim.AdamW(model.parameters(), optim_bits=8)
+        defaults = dict(optimizer.defaults)
+        est = preflight.estimate(model, optimizer, torch.randn(8, 400), preflight.Run(fast=fast), step=step)
+        assert optimizer.defaults == defaults  # the shallow traces' view of it added nothing to its dict
         assert any(n.startswith("depth-independent trace") for n in est.coverage.notes) == fast
         figures.append((est.peak_bytes, est.breakdown["optimizer_state"]))
     assert figures[0] == figures[1]

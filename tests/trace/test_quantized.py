@@ -10,13 +10,12 @@ import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import preflight
 from preflight._device import held_tensors
 from preflight._result import Category
+from preflight.trace._tracker import StorageTracker
 from preflight.trace._library_kernels import composite_kernel
 
 
@@ -190,60 +189,82 @@ def test_8bit_layers_take_bitsandbytes_cuda_path_for_a_cuda_target_and_nothing_e
     assert model.q.state is state and vars(state) == before
 
 
-class _Allocations(TorchDispatchMode):
-    """Each new storage an operator makes (dtype, shape), library operators run as a CUDA target composes them."""
+def test_bitsandbytes_matmul_is_its_own_again_after_a_step_that_raises():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = _Head(_linear8bit(bnb, threshold=6.0))
+    matmul = bnb.matmul
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[torch.dtype, tuple[int, ...]]] = []
-        self._held: list[torch.Tensor] = []  # kept alive: a freed storage's address may come back
+    def step(m, batch):
+        m(batch)
+        raise KeyError("the user's own error")
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        composite = composite_kernel(func, cuda=True)
-        if composite is not None:
-            with self:
-                return composite[0](*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage()._cdata for t in self._held}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
-                self._held.append(t)
-                self.made.append((t.dtype, tuple(t.shape)))
-        return out
+    run = preflight.Run(target=preflight.Target(gpu="H100-80GB"))
+    with pytest.raises(KeyError):
+        preflight.estimate(model, torch.optim.AdamW(model.inp.parameters()), torch.randn(32, 64), run, step=step)
+    assert bnb.matmul is matmul and bnb.autograd._functions.matmul is matmul
 
 
-def test_bitsandbytes_int8_cuda_operators_allocate_what_their_cuda_source_does():
+def test_each_pipeline_rank_takes_the_cuda_path_too(tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from preflight._cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
+    main(["estimate", "--hf-config", str(config), "--batch", "2", "--seq", "16", "--quantize", "int8", "--lora-r",
+          "4", "--gpu", "H100-80GB", "--no-suggest", "--pp", "2", "--world-size", "2"])
+    out = capsys.readouterr().out
+    assert "rank 1:" in out and "CUDA training path (MatMul8bitLt" in out and "found no outlier column" in out
+
+
+def _events(op, *args, **kwargs) -> list[int]:
+    """The bytes of each allocation (+) and free (-) while ``op`` runs on fake tensors of ``args`` ((dtype, shape)
+    pairs) for a CUDA target, its outputs kept: library operators run as a CUDA target composes them."""
+    fake_mode = FakeTensorMode()
+    tracker = StorageTracker(fake_mode, cuda=True)
+    with fake_mode:
+        args = [torch.empty(a[1], dtype=a[0]) if isinstance(a, tuple) else a for a in args]
+    try:
+        with fake_mode, tracker:
+            outputs = op(*args, **kwargs)
+            made = [e.nbytes for e in tracker.events]  # the outputs alive: their frees are not the operator's
+            del outputs
+    finally:
+        tracker.detach()
+    return made
+
+
+def test_bitsandbytes_int8_cuda_operators_allocate_and_free_what_their_cuda_source_does():
     pytest.importorskip("bitsandbytes")
     ops = torch.ops.bitsandbytes
-    f16, i8, i32, f32, b = torch.float16, torch.int8, torch.int32, torch.float32, torch.bool
-
-    def made(op, *args, **kwargs):
-        with FakeTensorMode():
-            args = [torch.empty(a[1], dtype=a[0]) if isinstance(a, tuple) else a for a in args]
-            record = _Allocations()
-            with record:
-                op(*args, **kwargs)
-        return record.made
-
-    # backends/cuda/ops.py int8_vectorwise_quant: row scales, the int8 copy; with a threshold |A| >= t (the fp16
-    # abs, the mask), any(), no outlier column (an empty index), then out_row[:, cols] = 0 (its scalar value).
-    assert made(ops.int8_vectorwise_quant.default, (f16, (32, 64)), threshold=6.0) == [
-        (f32, (32,)), (i8, (32, 64)), (f16, (32, 64)), (b, (32, 64)), (b, ()), (torch.int64, (0,)), (i8, ())]
-    assert made(ops.int8_vectorwise_quant.default, (f16, (32, 64))) == [(f32, (32,)), (i8, (32, 64))]
-    # int8_double_quant: the row quantization, then _get_col_absmax (abs, mask, amax, float), the masked copy,
-    # round(A * 127 / col_stats) (fp16 product, fp32 quotient and its rounding), the int8 column copy.
-    assert made(ops.int8_double_quant.default, (f16, (32, 64)), threshold=6.0)[7:] == [
-        (f16, (32, 64)), (b, (32, 64)), (f16, (64,)), (f32, (64,)), (f16, (32, 64)), (f16, (32, 64)),
-        (f32, (32, 64)), (f32, (32, 64)), (i8, (32, 64))]
-    # int8_linear_matmul: the int32 output; an inner size that is not a multiple of 4 goes through fp32.
-    assert made(ops.int8_linear_matmul.default, (i8, (32, 64)), (i8, (128, 64))) == [(i32, (32, 128))]
-    assert made(ops.int8_linear_matmul.default, (i8, (32, 62)), (i8, (128, 62))) == [
-        (i32, (32, 128)), (f32, (32, 62)), (f32, (128, 62)), (f32, (32, 128)), (i32, (32, 128))]
-    # int8_mixed_scaled_mm (no CUDA kernel: its composite): the empty subA, the int32 product, the fp16
-    # dequantized output (bias added in place), its bf16 cast.
-    assert made(ops.int8_mixed_scaled_mm.default, (torch.bfloat16, (32, 64)), (i8, (32, 64)), (i8, (128, 64)),
-                (f32, (32,)), (f32, (128,)), (torch.int64, (0,)), (torch.bfloat16, (128,))) == [
-        (torch.bfloat16, (0,)), (i32, (32, 128)), (f16, (32, 128)), (torch.bfloat16, (32, 128))]
+    f16, i8, i32, f32, bf16 = torch.float16, torch.int8, torch.int32, torch.float32, torch.bfloat16
+    rows, cols, out = 32, 64, 128
+    n = rows * cols
+    # backends/cuda/ops.py int8_vectorwise_quant: fp32 row scales, the int8 copy; with a threshold the fp16 |A|
+    # (freed once compared) and the bool mask (held to the return), any(), an empty outlier index, the scalar of
+    # out_row[:, cols] = 0.
+    quant = [4 * rows, n, 2 * n, n, -2 * n, 1, -1, 0, 1, -1, -n]
+    assert _events(ops.int8_vectorwise_quant.default, (f16, (rows, cols)), threshold=6.0) == quant
+    assert _events(ops.int8_vectorwise_quant.default, (f16, (rows, cols))) == [4 * rows, n]
+    # int8_double_quant: the row quantization, then _get_col_absmax (|A|, its mask, the fp16 amax and its fp32 copy;
+    # |A| freed at its return), the masked copy, A * 127 (fp16) / col_stats (fp32), its rounding, the int8 copy.
+    assert _events(ops.int8_double_quant.default, (f16, (rows, cols)), threshold=6.0) == quant + [
+        2 * n, n, 2 * cols, 4 * cols, -2 * cols, -2 * n, 2 * n, 2 * n, 4 * n, -2 * n, 4 * n, -4 * n, n, -4 * n,
+        -2 * n, -n]
+    # int8_linear_matmul: the int32 output; an inner size that is not a multiple of 4 goes through fp32 copies of
+    # both operands, their product and its int32 copy, copied into the output.
+    assert _events(ops.int8_linear_matmul.default, (i8, (rows, cols)), (i8, (out, cols))) == [4 * rows * out]
+    assert _events(ops.int8_linear_matmul.default, (i8, (rows, 62)), (i8, (out, 62))) == [
+        4 * rows * out, 4 * rows * 62, 4 * out * 62, 4 * rows * out, -4 * rows * 62, -4 * out * 62, 4 * rows * out,
+        -4 * rows * out, -4 * rows * out]
+    # int8_mixed_scaled_mm (no CUDA kernel: its composite): the empty subA, the int32 product, its fp16
+    # dequantization (the bf16 bias added in place), the bf16 cast; fp16 and int32 freed on the way out.
+    assert _events(ops.int8_mixed_scaled_mm.default, (bf16, (rows, cols)), (i8, (rows, cols)), (i8, (out, cols)),
+                   (f32, (rows,)), (f32, (out,)), (torch.int64, (0,)), (bf16, (out,))) == [
+        0, 4 * rows * out, 2 * rows * out, 2 * rows * out, -2 * rows * out, -4 * rows * out]
+    assert _events(ops.int8_mm_dequant.default, (i32, (rows, out)), (f32, (rows,)), (f32, (out,)),
+                   dtype=f16) == [2 * rows * out]  # fp16 asked: the kernel's own output
 
 
 class _LtProduct(nn.Module):

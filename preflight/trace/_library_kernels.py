@@ -86,13 +86,10 @@ def composite_kernel(func: Any, cuda: bool) -> tuple[Callable[..., Any], Callabl
     cpu_kernel = _cpu_kernel(name)
     if cpu_kernel is not None:
         return cpu_kernel, _no_note
-    if name in _DEFAULT_MODELS and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"):
-        return _DEFAULT_MODELS[name]
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     if has(name, "CPU") or not has(name, "CompositeExplicitAutograd"):
         return None
-
-    return _run_composite(func), _no_note
+    return _DEFAULT_MODELS.get(name) or (_run_composite(func), _no_note)
 
 
 def _run_composite(func: Any) -> Callable[..., Any]:
@@ -155,18 +152,28 @@ def _bnb_gemm_4bit_cuda_note(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absm
 _CUDA_COMPOSITES = frozenset({"bitsandbytes::int8_scaled_mm", "bitsandbytes::int8_mixed_scaled_mm"})
 
 
-def _bnb_int8_vectorwise_quant_cuda(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
-    rows = A.numel() // A.shape[-1]
-    row_stats = torch.empty(rows, device=A.device, dtype=torch.float32)
-    out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
-    outlier_cols = None
-    if threshold > 0.0:
-        outliers = A.abs() >= threshold
-        outliers.any()  # read by the kernel; in a trace no column is taken to hold an outlier (the note says so)
-        outlier_cols = torch.empty(0, device=A.device, dtype=torch.int64)
-    # cint8_vector_quant fills out_row and row_stats; then the outlier columns are zeroed across the rows.
-    if rows > 1 and outlier_cols is not None:
+def _no_outliers(A: torch.Tensor, threshold: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The outlier test both int8 quantization kernels run first (``outliers = A.abs() >= threshold``, then
+    ``outliers.any()``), with no column taken to hold an outlier (the note says so): the mask, which the caller keeps
+    to its return as the kernel does, and the empty outlier index; (None, None) without a threshold."""
+    if threshold <= 0.0:
+        return None, None
+    outliers = A.abs() >= threshold
+    outliers.any()  # read by the kernel; its value is the activations'
+    return outliers, torch.empty(0, device=A.device, dtype=torch.int64)
+
+
+def _zero_outlier_columns(out_row: torch.Tensor, outlier_cols: torch.Tensor | None) -> None:
+    if out_row.numel() // out_row.shape[-1] > 1 and outlier_cols is not None:
         out_row[:, outlier_cols] = 0
+
+
+def _bnb_int8_vectorwise_quant_cuda(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
+    row_stats = torch.empty(A.numel() // A.shape[-1], device=A.device, dtype=torch.float32)
+    out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    outliers, outlier_cols = _no_outliers(A, threshold)
+    # cint8_vector_quant fills out_row and row_stats; then the outlier columns are zeroed across the rows.
+    _zero_outlier_columns(out_row, outlier_cols)
     return out_row, row_stats, outlier_cols
 
 
@@ -212,16 +219,10 @@ def _bnb_int8_mm_dequant_cuda(A: torch.Tensor, row_stats: torch.Tensor, col_stat
 
 def _bnb_int8_vectorwise_quant_default(A: torch.Tensor, threshold: float = 0.0) -> tuple[torch.Tensor, ...]:
     """backends/default/ops.py, what the CPU runs: as written, but for the outlier read (assumed none)."""
-    rows = A.numel() // A.shape[-1]
-    outlier_cols = None
-    if threshold > 0.0:
-        outliers = A.abs() >= threshold
-        outliers.any()  # read by the kernel; in a trace no column is taken to hold an outlier (the note says so)
-        outlier_cols = torch.empty(0, device=A.device, dtype=torch.int64)
+    outliers, outlier_cols = _no_outliers(A, threshold)
     row_stats = torch.max(A.abs(), dim=1).values.float()
     out_row = torch.round(A * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
-    if rows > 1 and outlier_cols is not None:
-        out_row[:, outlier_cols] = 0
+    _zero_outlier_columns(out_row, outlier_cols)
     return out_row, row_stats, outlier_cols
 
 

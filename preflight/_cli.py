@@ -58,7 +58,8 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "accumulate_grad_batches": "accumulate",
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
                  "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant",
-                 "microbatches": "microbatches", "loading": "loading"}
+                 "microbatches": "microbatches", "loading": "loading",
+                 "offload_activations": "offload_activations"}
 # Said by other keys of the same change, or by the flags' defaults.
 _IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {f"bitsandbytes.optim.{cls}": flag for flag, cls in _BNB_OPTIMIZERS.items()}
@@ -118,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--double-quant", action="store_true",
                      help="with --quantize nf4/fp4: quantize the 4-bit statistics too (QLoRA's double quantization)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
+    est.add_argument("--offload-activations", action="store_true",
+                     help="offload the activations autograd saves to host memory (the forward under torch's "
+                          "save_on_cpu, as TRL's activation_offloading does): they leave a --gpu target's memory")
     est.add_argument("--accumulate", type=int, default=1, metavar="N",
                      help="gradient-accumulation micro-batches per optimizer step (--batch is one micro-batch)")
     est.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"], default=None,
@@ -460,7 +464,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
     return "\n".join([
         f"parameters: {params['count']:,} ({params['trainable']:,} trainable); dtypes: {dtypes}",
         f"assumed: parameters in {param_dtype} ({reason}); precision {args.precision or 'as the parameters'}; "
-        f"optimizer {args.optimizer}; {lora}{'; checkpointing' if args.checkpointing else ''}",
+        f"optimizer {args.optimizer}; {lora}{'; checkpointing' if args.checkpointing else ''}"
+        f"{'; activations offloaded to the host' if getattr(args, 'offload_activations', False) else ''}",
         f"assumed: {args.task}, {shape}, {plan}",
     ])
 
@@ -539,7 +544,9 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
                                     source="the command line", gradient_as_bucket_view=args.gradient_as_bucket_view,
                                     fsdp=hsdp, **offload)
         return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate,
-                                                       optimizer_impl=getattr(args, "optimizer_impl", None)),
+                                                       optimizer_impl=getattr(args, "optimizer_impl", None),
+                                                       offload_activations=getattr(args, "offload_activations",
+                                                                                   False)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
                                  allocator=args.allocator, cuda_context=args.cuda_context,
                                  nccl_buffers=getattr(args, "nccl_buffers", None)),

@@ -94,9 +94,9 @@ def live_storage_bytes(tensors: Any, device: torch.device) -> int:
 
 def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
     """The distinct storages behind ``tensors`` (any nested structure) that live on ``device``: their data
-    address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by their own identity; a
-    wrapper subclass (DTensor) counts the tensors it wraps; a fake tensor counts nothing, nor does a sparse or mkldnn
-    tensor (no storage to read)."""
+    address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by the C++ storage's
+    address (``_cdata``: every view of one storage shares it); a wrapper subclass (DTensor) counts the tensors it
+    wraps; a fake tensor counts nothing, nor does a sparse or mkldnn tensor (no storage to read)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     storages: dict[int, int] = {}
@@ -112,7 +112,7 @@ def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
             address = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # a fake or functional tensor holds no memory; sparse and mkldnn
             continue                                 # tensors have no storage to read (their bytes are not counted)
-        storages[address or id(storage)] = storage.nbytes()
+        storages[address or storage._cdata] = storage.nbytes()
     return storages
 
 

@@ -106,6 +106,12 @@ class Loop:
             allocator (`preflight.estimate_steps`): the reserved memory an epoch of varying lengths reaches, which
             a worst-case step alone can miss (fragmentation), goes into the device total. 0: the worst case only
             (each sampled step is a traced step: this costs time).
+        offload_activations: run each forward inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: every
+            tensor autograd saves for the backward is copied to host memory as it is saved and copied back when the
+            backward needs it (what TRL's ``activation_offloading=True`` and torchtune's
+            ``enable_activation_offloading`` do, there with a side CUDA stream). On a CUDA target the saved
+            activations leave the device (`preflight.cuda._offload`); on a CPU target the copies are host memory
+            like the rest, and are counted.
     """
 
     accumulate: int = 1
@@ -116,6 +122,7 @@ class Loop:
     steps: int = 2
     optimizer_impl: str | None = None
     sampled_steps: int = 0
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", check_steps(self.steps))
@@ -134,6 +141,8 @@ class Loop:
                              f"{norm!r}.")
         if not isinstance(self.grad_scaler, bool):
             raise ValueError(f"`grad_scaler` should be True or False, got {self.grad_scaler!r}.")
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"`offload_activations` should be True or False, got {self.offload_activations!r}.")
 
     @property
     def micro_steps(self) -> int:
@@ -232,6 +241,16 @@ def autocast_for(precision: str | None, device_type: str) -> contextlib.Abstract
     if precision == "16-mixed":
         return torch.autocast(device_type=device_type, dtype=torch.float16)
     return contextlib.nullcontext()
+
+
+def forward_context(precision: str | None, device_type: str, schedule: Loop) -> contextlib.ExitStack:
+    """What a training forward runs under: the precision's autocast, and with ``schedule.offload_activations``
+    torch's ``save_on_cpu`` (pinned host buffers where CUDA is available, as TRL and torchtune pin them)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast_for(precision, device_type))
+    if schedule.offload_activations:
+        stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+    return stack
 
 
 def compute_loss(model: nn.Module, batch: Any, step: StepFn | None) -> torch.Tensor:
@@ -357,7 +376,7 @@ def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Ca
                 on_phase(i, "zero_grad")
                 optimizer.zero_grad(set_to_none=True)
             on_phase(i, "pipeline")
-            with autocast_for(precision, device_type), _watching_backward(before_backward):
+            with forward_context(precision, device_type, schedule), _watching_backward(before_backward):
                 drive(batch)
         _optimizer_phase(i, optimizer, schedule, on_phase)
     on_phase(steps, "end")
@@ -401,14 +420,14 @@ def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *
         raise ValueError("steps over a sequence of batches are run without a closure optimizer (LBFGS)")
     if needs_closure(optimizer):
         _run_closure_steps(model, optimizer, batch, step=step, precision=precision, device_type=device_type,
-                           steps=steps, on_phase=on_phase, before_backward=before_backward)
+                           steps=steps, schedule=schedule, on_phase=on_phase, before_backward=before_backward)
         return
     for i in range(1, steps + 1):
         for micro in range(schedule.micro_steps):
             on_phase(i, "forward")
             if batches is not None and micro == 0:
                 batch = batches(i)  # the previous step's batch is released here, as a loader's is
-            with autocast_for(precision, device_type):
+            with forward_context(precision, device_type, schedule):
                 loss = compute_loss(model, batch, step)
             if schedule.zero_grad == "before_backward" and micro == 0:
                 on_phase(i, "zero_grad")
@@ -451,7 +470,7 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _run_closure_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, step: StepFn | None,
-                       precision: str | None, device_type: str, steps: int,
+                       precision: str | None, device_type: str, steps: int, schedule: Loop,
                        on_phase: Callable[[int, str], None],
                        before_backward: Callable[[torch.Tensor], None]) -> None:
     """The loop a closure optimizer is trained with (the LBFGS example in torch.optim's documentation): each step
@@ -462,7 +481,7 @@ def _run_closure_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch
             on_phase(i, "zero_grad")
             optimizer.zero_grad(set_to_none=True)
             on_phase(i, "forward")
-            with autocast_for(precision, device_type):
+            with forward_context(precision, device_type, schedule):
                 loss = compute_loss(model, batch, step)
             on_phase(i, "backward")
             before_backward(loss)

@@ -157,13 +157,18 @@ def test_check_dry_runs_an_example_script(budget, code):
 @pytest.mark.slow
 def test_options_for_lora_checkpointing_optimizer_and_task(config, tmp_path):
     base = ["estimate", "--hf-config", config, "--batch", "2", "--seq", "64"]
-    full, lora, ckpt, sgd, cls = (tmp_path / f"{n}.json" for n in ("full", "lora", "ckpt", "sgd", "cls"))
+    full, lora, ckpt, sgd, cls, off, gpu = (tmp_path / f"{n}.json"
+                                            for n in ("full", "lora", "ckpt", "sgd", "cls", "off", "gpu"))
     assert main(base + ["--json", str(full)]) == 0
     assert main(base + ["--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--json", str(lora)]) == 0
     assert main(base + ["--checkpointing", "--json", str(ckpt)]) == 0
     assert main(base + ["--optimizer", "sgd", "--json", str(sgd)]) == 0
     assert main(base + ["--task", "seq-cls", "--json", str(cls)]) == 0
-    full, lora, ckpt, sgd, cls = (json.loads(p.read_text()) for p in (full, lora, ckpt, sgd, cls))
+    assert main(base + ["--gpu", "A100-80GB", "--json", str(gpu)]) == 0
+    assert main(base + ["--gpu", "A100-80GB", "--offload-activations", "--json", str(off)]) == 0
+    full, lora, ckpt, sgd, cls, off, gpu = (json.loads(p.read_text()) for p in (full, lora, ckpt, sgd, cls, off, gpu))
+    assert off["breakdown"]["activations"] < gpu["breakdown"]["activations"]  # saved activations left the device
+    assert off["run"]["loop"]["offload_activations"] is True and not gpu["run"]["loop"]["offload_activations"]
     assert lora["breakdown"]["optimizer_state"] < full["breakdown"]["optimizer_state"] / 10  # adapters only
     assert ckpt["peak_bytes"] < full["peak_bytes"]
     assert sgd["breakdown"]["optimizer_state"] < full["breakdown"]["optimizer_state"]  # momentum: 1 state, not 2

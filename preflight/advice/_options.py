@@ -40,7 +40,7 @@ from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
     Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move, need,
-    offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
+    offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
 )
 from preflight.parallel._pipeline import refuse_job_pipeline
 from preflight.trace import NotRestoredError
@@ -89,6 +89,8 @@ def advise(
       compute dtype, as users load them (``from_pretrained(..., dtype=torch.bfloat16)``).
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
     - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU) on one GPU.
+    - ``offload_activations``: on a CUDA target, the saved activations offloaded to host memory: the forward under
+      ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (`preflight.Loop.offload_activations`).
     - Under ``run.parallel``: the stronger shardings of the plan's engine over its ranks,
       each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
       (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
@@ -116,9 +118,10 @@ def advise(
     Returns:
         Suggestions ranked: those that fit first, then by what the costliest of their changes costs (cheapest
         first: allocator setting, a fused optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed,
-        ZeRO-1/2, checkpointing, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA), then by the number of
-        changes, then by peak. A suggestion's figure is what the verdict compares (`Suggestion.predicted_peak_bytes`).
-        An option whose trace fails is left out with a ``RuntimeWarning`` saying why.
+        ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA),
+        then by the number of changes, then by peak. A suggestion's figure is what the verdict compares
+        (`Suggestion.predicted_peak_bytes`). An option whose trace fails is left out with a ``RuntimeWarning``
+        saying why.
 
     Raises:
         ValueError: a bad option, or no budget on a machine without CUDA.
@@ -330,6 +333,20 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
     return [("checkpointing", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, setup.run))]
 
 
+def _offload_activations(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """The forward under ``save_on_cpu``, traced (`preflight.Loop.offload_activations`), when that lowers the peak."""
+    move = offload_activations_move(setup)
+    if move is None:
+        return []
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    text = (f"activations offloaded to host memory (the forward under torch.autograd.graph.save_on_cpu("
+            f"pin_memory=True), or TRL's activation_offloading=True): {setup.versus(figure)}")
+    return [("offload_activations", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                               setup.with_loop(offload_activations=True)))]
+
+
 def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:
     move = eight_bit_move(setup)
     if move is None:
@@ -525,6 +542,7 @@ OPTIONS: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...
     ("optimizer implementation", _optimizer_impl),
     ("micro-batch", _micro_batch),
     ("activation checkpointing", _checkpointing),
+    ("activation offloading", _offload_activations),
     ("8-bit AdamW", _adamw8bit),
     ("LoRA", _lora),
     ("QLoRA", _qlora),

@@ -44,6 +44,7 @@ COST_ORDER = (
     "bf16-mixed",  # usually no quality change, needs bf16 hardware
     "zero1", "zero2",  # DDP's communication volume, needs the GPUs
     "checkpointing",  # about one extra forward per step
+    "offload_activations",  # the saved activations over PCIe, there and back, every step
     "zero3",  # 1.5x DDP's communication
     "adamw8bit",  # another optimizer
     "offload",  # the optimizer step on the CPU: host memory and PCIe traffic, a slower step
@@ -66,6 +67,11 @@ _PRECISION_COSTS = {
 }
 _CHECKPOINTING_COST = ("recomputes each checkpointed block's forward during backward: about one extra forward pass "
                        "per step (a forward is roughly a third of a training step's compute)")
+_OFFLOAD_ACTIVATIONS_COST = (
+    "every tensor autograd saves is copied to host memory in the forward and back in the backward: twice the saved "
+    "activations over PCIe per step, and host memory (pinned) to hold them; torch's save_on_cpu copies synchronously "
+    "(a slower step), TRL's activation_offloading and torchtune's enable_activation_offloading overlap the copies "
+    "with compute on a side stream")
 _EIGHT_BIT_COST = ("a different optimizer: block-wise 8-bit Adam states (Dettmers et al. 2022, arXiv:2110.02861) "
                    "matched 32-bit Adam in the paper's benchmarks, but check the loss curve; needs bitsandbytes where "
                    "you train")
@@ -250,8 +256,8 @@ class _Setup:
 def available_moves(setup: _Setup) -> list[Move]:
     """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
     moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (meta_init_move, micro_batch_move, checkpointing_move, eight_bit_move, offload_move, lora_move,
-                  qlora_move):
+    for build in (meta_init_move, micro_batch_move, checkpointing_move, offload_activations_move, eight_bit_move,
+                  offload_move, lora_move, qlora_move):
         move = build(setup)
         if move is not None:
             moves.append(move)
@@ -397,6 +403,16 @@ def checkpointing_move(setup: _Setup) -> Move | None:
 
     return Move("checkpointing", "checkpointing", {"gradient_checkpointing": True}, "activation checkpointing",
                 _CHECKPOINTING_COST, apply, order=1)
+
+
+def offload_activations_move(setup: _Setup) -> Move | None:
+    """The saved activations offloaded to host memory (`preflight.Loop.offload_activations`), on a CUDA target where
+    the run does not offload them yet (on a CPU target the host is the device: nothing leaves it)."""
+    if setup.run.loop.offload_activations or not str(setup.baseline.device).startswith("cuda"):
+        return None
+    return _run_move("offload_activations", "offload_activations", {"offload_activations": True},
+                     "activations offloaded to host memory", _OFFLOAD_ACTIVATIONS_COST,
+                     lambda run: run.replace(loop=dataclasses.replace(run.loop, offload_activations=True)))
 
 
 def eight_bit(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str, str] | None:

@@ -313,24 +313,21 @@ def paged_state(optimizer: torch.optim.Optimizer, fake_opt: torch.optim.Optimize
 
 
 def settled_frees(events: list[Event], categories: dict[int, Category]) -> list[Event]:
-    """``events`` with equal frees settled: within each run of consecutive frees at one operator, the storages of
-    one size and category are released in the order they were allocated, in the slots where that size was freed.
+    """``events`` with simultaneous frees settled: each run of consecutive frees at one operator is released in
+    the order its storages were allocated.
 
     Storages released together (an autocast weight cache cleared) are freed in the order of a hash map keyed by
-    address, which varies between runs. Which of two equal storages goes first changes no peak and nothing live
-    at it; a fixed choice makes the trace reproducible event for event. The sequence of sizes is kept as it
-    happened: it follows the objects' destruction order (a list of layers freed layer by layer).
+    address, which varies between runs and between depths of one model. Frees at one operator with no allocation
+    between them change no peak and nothing live at it, and leave the caching allocator the same free blocks in
+    any order; a fixed order makes the trace reproducible event for event and regular across depths (the
+    depth-independent trace, `preflight.trace._compose`, fits each free to its allocation by position).
     """
     born: dict[int, int] = {}
     out: list[Event] = []
     run: list[Event] = []  # consecutive frees at one operator
 
     def flush() -> None:
-        slots: dict[tuple, list[Event]] = {}
-        for f in run:
-            slots.setdefault((f.nbytes, categories.get(f.uid)), []).append(f)
-        ordered = {key: iter(sorted(fs, key=lambda f: born.get(f.uid, -1))) for key, fs in slots.items()}
-        out.extend(next(ordered[(f.nbytes, categories.get(f.uid))]) for f in run)
+        out.extend(sorted(run, key=lambda f: born.get(f.uid, -1)))
         run.clear()
 
     for i, e in enumerate(events):

@@ -3,11 +3,12 @@ a CUDA target the offloaded tensors leave the device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import preflight
-from preflight import Run, Target
+from preflight import Loop, Run, Target
 
 
 def _model() -> nn.Module:
@@ -71,3 +72,48 @@ def test_the_hooks_are_put_back_after_the_trace():
     enter = torch.autograd.graph.saved_tensors_hooks.__enter__
     _estimate(_offloaded(True), "cuda")
     assert torch.autograd.graph.saved_tensors_hooks.__enter__ is enter
+
+
+def _described(offload: bool, target: str, **kwargs):
+    model = _model()
+    return preflight.estimate(model, torch.optim.AdamW(model.parameters()), _batch(),
+                              Run(target=Target(device=target), loop=Loop(offload_activations=offload)), step=_plain,
+                              **kwargs)
+
+
+def test_a_run_described_as_offloading_traces_the_forward_under_save_on_cpu():
+    # `Loop(offload_activations=True)`: the step the user wrote without hooks, run as if its forward were wrapped in
+    # save_on_cpu. On a CPU target it is measured as it runs (`measure` takes the same description).
+    run = Run(loop=Loop(offload_activations=True))
+    model = _model()
+    measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), _batch(), run, step=_plain)
+    assert _described(True, "cpu").peak_bytes == measured.peak_bytes
+    # On a CUDA target: the same figure and note as the step that enters save_on_cpu itself, and below the plain run.
+    described, written = _described(True, "cuda"), _estimate(_offloaded(torch.cuda.is_available()), "cuda")
+    assert described.peak_bytes == written.peak_bytes
+    assert [n for n in described.coverage.notes if n.startswith("saved-tensor hooks")] == \
+        [n for n in written.coverage.notes if n.startswith("saved-tensor hooks")] != []
+    assert described.peak_bytes < _described(False, "cuda").peak_bytes - 3 * 2**20
+
+
+def test_offload_activations_must_be_a_bool():
+    with pytest.raises(ValueError, match="`offload_activations` should be True or False"):
+        Loop(offload_activations="yes")
+
+
+def test_advise_offers_offloading_on_a_cuda_target_only():
+    def advice(target: Target):
+        model = _model()
+        return preflight.advise(model, torch.optim.AdamW(model.parameters()), _batch(), Run(target=target),
+                                step=_plain)
+
+    # A budget between the offloaded figure and the plain one: offloading fits.
+    plain, offloaded = _described(False, "cuda"), _described(True, "cuda")
+    budget = (plain.run_required_bytes + offloaded.run_required_bytes) // 2
+    found = [s for s in advice(Target(device="cuda", budget=budget)) if s.changes == ("offload_activations",)]
+    assert len(found) == 1
+    assert found[0].fits and found[0].predicted_peak_bytes == offloaded.run_required_bytes
+    assert found[0].run.loop.offload_activations is True
+    assert found[0].run.cli_flags()[-1] == "--offload-activations"
+    # On the CPU the host is the device: nothing to offload to.
+    assert not any("offload_activations" in s.changes for s in advice(Target(device="cpu", budget=budget)))

@@ -484,13 +484,15 @@ def _precision(args: Any) -> str | None:
 
 def _schedule(trainer: Trainer | None, args: Any) -> Loop:
     """The Trainer's step: accumulation, gradients freed after the step, clipping at ``max_grad_norm`` (1.0 by
-    default; ``<= 0`` or None turns it off, as in ``Trainer._inner_training_loop``), and accelerate's GradScaler
-    when it made one (fp16 mixed precision)."""
+    default; ``<= 0`` or None turns it off, as in ``Trainer._inner_training_loop``), accelerate's GradScaler
+    when it made one (fp16 mixed precision), and TRL's activation offloading (``SFTConfig(activation_offloading=
+    True)``: its stream-based ``OffloadActivations`` around each training step)."""
     norm = getattr(args, "max_grad_norm", None)
     accelerator = getattr(trainer, "accelerator", None) if trainer is not None else None
     scaler = getattr(accelerator, "scaler", None) is not None
     return Loop(accumulate=args.gradient_accumulation_steps, zero_grad="after_step",
-                    max_grad_norm=float(norm) if norm is not None and norm > 0 else None, grad_scaler=scaler)
+                max_grad_norm=float(norm) if norm is not None and norm > 0 else None, grad_scaler=scaler,
+                offload_activations="streams" if getattr(args, "activation_offloading", False) is True else None)
 
 
 def _inputs(forward_call: Any) -> Any:

@@ -119,9 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--double-quant", action="store_true",
                      help="with --quantize nf4/fp4: quantize the 4-bit statistics too (QLoRA's double quantization)")
     est.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing")
-    est.add_argument("--offload-activations", action="store_true",
-                     help="offload the activations autograd saves to host memory (the forward under torch's "
-                          "save_on_cpu, as TRL's activation_offloading does): they leave a --gpu target's memory")
+    est.add_argument("--offload-activations", choices=["streams", "save_on_cpu"], default=None,
+                     help="offload the activations autograd saves to host memory: streams (TRL's "
+                          "activation_offloading, torchtune's enable_activation_offloading) or save_on_cpu (torch's); "
+                          "they leave a --gpu target's memory")
     est.add_argument("--accumulate", type=int, default=1, metavar="N",
                      help="gradient-accumulation micro-batches per optimizer step (--batch is one micro-batch)")
     est.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"], default=None,
@@ -465,7 +466,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
         f"parameters: {params['count']:,} ({params['trainable']:,} trainable); dtypes: {dtypes}",
         f"assumed: parameters in {param_dtype} ({reason}); precision {args.precision or 'as the parameters'}; "
         f"optimizer {args.optimizer}; {lora}{'; checkpointing' if args.checkpointing else ''}"
-        f"{'; activations offloaded to the host' if getattr(args, 'offload_activations', False) else ''}",
+        + (f"; activations offloaded to the host ({args.offload_activations})"
+           if getattr(args, "offload_activations", None) else ""),
         f"assumed: {args.task}, {shape}, {plan}",
     ])
 
@@ -546,7 +548,7 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
         return Run(precision=args.precision, loop=Loop(accumulate=args.accumulate,
                                                        optimizer_impl=getattr(args, "optimizer_impl", None),
                                                        offload_activations=getattr(args, "offload_activations",
-                                                                                   False)),
+                                                                                   None)),
                    target=Target(device="cuda" if args.gpu else "cpu", gpu=args.gpu, budget=args.budget,
                                  allocator=args.allocator, cuda_context=args.cuda_context,
                                  nccl_buffers=getattr(args, "nccl_buffers", None)),

@@ -269,7 +269,8 @@ class Run:
             flags += ["--accumulate", str(self.loop.accumulate)]
         if self.loop.optimizer_impl is not None:
             flags += ["--optimizer-impl", self.loop.optimizer_impl]
-        flags += ["--offload-activations"] * self.loop.offload_activations
+        if self.loop.offload_activations is not None:
+            flags += ["--offload-activations", self.loop.offload_activations]
         if self.parallel is not None:
             flags += ["--world-size", str(self.parallel.world_size)]
             if self.parallel.sharding is not None:

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from preflight._activation_offload import OFFLOAD_MODES, offloading
+
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
     "autocast_for", "compute_loss", "half_dtype", "run_steps",
@@ -106,12 +108,14 @@ class Loop:
             allocator (`preflight.estimate_steps`): the reserved memory an epoch of varying lengths reaches, which
             a worst-case step alone can miss (fragmentation), goes into the device total. 0: the worst case only
             (each sampled step is a traced step: this costs time).
-        offload_activations: run each forward inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: every
-            tensor autograd saves for the backward is copied to host memory as it is saved and copied back when the
-            backward needs it (what TRL's ``activation_offloading=True`` and torchtune's
-            ``enable_activation_offloading`` do, there with a side CUDA stream). On a CUDA target the saved
-            activations leave the device (`preflight.cuda._offload`); on a CPU target the copies are host memory
-            like the rest, and are counted.
+        offload_activations: the saved activations offloaded to host memory, as the forward's saved-tensor hooks
+            do it (`preflight._activation_offload`): ``"save_on_cpu"`` (torch's
+            ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: every saved tensor copied to the host as it is
+            saved and back when the backward needs it) or ``"streams"`` (TRL's ``activation_offloading=True`` and
+            torchtune's ``enable_activation_offloading``: the same copies on a side stream, each offloaded tensor
+            kept on the device until its copy is done; small tensors, parameters and the output head's kept
+            there). On a CUDA target the offloaded activations leave the device (`preflight.cuda._offload`); on a
+            CPU target the copies are host memory like the rest, and are counted. None: no offloading.
     """
 
     accumulate: int = 1
@@ -122,7 +126,7 @@ class Loop:
     steps: int = 2
     optimizer_impl: str | None = None
     sampled_steps: int = 0
-    offload_activations: bool = False
+    offload_activations: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", check_steps(self.steps))
@@ -141,8 +145,9 @@ class Loop:
                              f"{norm!r}.")
         if not isinstance(self.grad_scaler, bool):
             raise ValueError(f"`grad_scaler` should be True or False, got {self.grad_scaler!r}.")
-        if not isinstance(self.offload_activations, bool):
-            raise ValueError(f"`offload_activations` should be True or False, got {self.offload_activations!r}.")
+        if self.offload_activations not in OFFLOAD_MODES:
+            raise ValueError(f"`offload_activations` should be one of {OFFLOAD_MODES}, got "
+                             f"{self.offload_activations!r}.")
 
     @property
     def micro_steps(self) -> int:
@@ -243,13 +248,13 @@ def autocast_for(precision: str | None, device_type: str) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
-def forward_context(precision: str | None, device_type: str, schedule: Loop) -> contextlib.ExitStack:
-    """What a training forward runs under: the precision's autocast, and with ``schedule.offload_activations``
-    torch's ``save_on_cpu`` (pinned host buffers where CUDA is available, as TRL and torchtune pin them)."""
+def forward_context(precision: str | None, device_type: str, schedule: Loop,
+                    model: nn.Module | None = None) -> contextlib.ExitStack:
+    """What a training forward runs under: the precision's autocast, and the saved-tensor hooks of
+    ``schedule.offload_activations`` (`preflight._activation_offload.offloading`, for ``model``'s parameters)."""
     stack = contextlib.ExitStack()
     stack.enter_context(autocast_for(precision, device_type))
-    if schedule.offload_activations:
-        stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+    stack.enter_context(offloading(schedule.offload_activations, model))
     return stack
 
 
@@ -427,7 +432,7 @@ def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *
             on_phase(i, "forward")
             if batches is not None and micro == 0:
                 batch = batches(i)  # the previous step's batch is released here, as a loader's is
-            with forward_context(precision, device_type, schedule):
+            with forward_context(precision, device_type, schedule, model):
                 loss = compute_loss(model, batch, step)
             if schedule.zero_grad == "before_backward" and micro == 0:
                 on_phase(i, "zero_grad")
@@ -481,7 +486,7 @@ def _run_closure_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch
             on_phase(i, "zero_grad")
             optimizer.zero_grad(set_to_none=True)
             on_phase(i, "forward")
-            with forward_context(precision, device_type, schedule):
+            with forward_context(precision, device_type, schedule, model):
                 loss = compute_loss(model, batch, step)
             on_phase(i, "backward")
             before_backward(loss)

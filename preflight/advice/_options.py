@@ -89,8 +89,9 @@ def advise(
       compute dtype, as users load them (``from_pretrained(..., dtype=torch.bfloat16)``).
     - ``bf16-mixed`` and ``bf16-true``: for fp32 parameters.
     - ``offload``: ZeRO-Offload (ZeRO-2 with the optimizer state and step on the CPU) on one GPU.
-    - ``offload_activations``: on a CUDA target, the saved activations offloaded to host memory: the forward under
-      ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (`preflight.Loop.offload_activations`).
+    - ``offload_activations``: on a CUDA target, the saved activations offloaded to host memory as TRL's
+      ``activation_offloading`` and torchtune's ``enable_activation_offloading`` offload them
+      (`preflight.Loop.offload_activations` ``"streams"``).
     - Under ``run.parallel``: the stronger shardings of the plan's engine over its ranks,
       each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
       (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
@@ -334,17 +335,18 @@ def _checkpointing(setup: _Setup) -> list[tuple[str, Suggestion]]:
 
 
 def _offload_activations(setup: _Setup) -> list[tuple[str, Suggestion]]:
-    """The forward under ``save_on_cpu``, traced (`preflight.Loop.offload_activations`), when that lowers the peak."""
+    """The saved activations offloaded as TRL and torchtune do it, traced (`preflight.Loop.offload_activations`
+    ``"streams"``), when that lowers the peak."""
     move = offload_activations_move(setup)
     if move is None:
         return []
     figure = need(setup.trace_moves([move]))
     if not _lowered(setup, figure):
         return []
-    text = (f"activations offloaded to host memory (the forward under torch.autograd.graph.save_on_cpu("
-            f"pin_memory=True), or TRL's activation_offloading=True): {setup.versus(figure)}")
+    text = (f"activations offloaded to host memory (TRL's SFTConfig(activation_offloading=True), torchtune's "
+            f"enable_activation_offloading=True): {setup.versus(figure)}")
     return [("offload_activations", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
-                                               setup.with_loop(offload_activations=True)))]
+                                               setup.with_loop(offload_activations="streams")))]
 
 
 def _adamw8bit(setup: _Setup) -> list[tuple[str, Suggestion]]:

@@ -68,10 +68,10 @@ _PRECISION_COSTS = {
 _CHECKPOINTING_COST = ("recomputes each checkpointed block's forward during backward: about one extra forward pass "
                        "per step (a forward is roughly a third of a training step's compute)")
 _OFFLOAD_ACTIVATIONS_COST = (
-    "every tensor autograd saves is copied to host memory in the forward and back in the backward: twice the saved "
-    "activations over PCIe per step, and host memory (pinned) to hold them; torch's save_on_cpu copies synchronously "
-    "(a slower step), TRL's activation_offloading and torchtune's enable_activation_offloading overlap the copies "
-    "with compute on a side stream")
+    "the tensors autograd saves are copied to host memory in the forward and back in the backward: twice the saved "
+    "activations over PCIe per step, and pinned host memory to hold them; TRL's activation_offloading and "
+    "torchtune's enable_activation_offloading overlap the copies with compute on a side stream (torch's save_on_cpu "
+    "copies synchronously: a slower step)")
 _EIGHT_BIT_COST = ("a different optimizer: block-wise 8-bit Adam states (Dettmers et al. 2022, arXiv:2110.02861) "
                    "matched 32-bit Adam in the paper's benchmarks, but check the loss curve; needs bitsandbytes where "
                    "you train")
@@ -406,13 +406,14 @@ def checkpointing_move(setup: _Setup) -> Move | None:
 
 
 def offload_activations_move(setup: _Setup) -> Move | None:
-    """The saved activations offloaded to host memory (`preflight.Loop.offload_activations`), on a CUDA target where
+    """The saved activations offloaded to host memory as TRL and torchtune offload them
+    (`preflight.Loop.offload_activations` ``"streams"``), on a CUDA target where
     the run does not offload them yet (on a CPU target the host is the device: nothing leaves it)."""
     if setup.run.loop.offload_activations or not str(setup.baseline.device).startswith("cuda"):
         return None
-    return _run_move("offload_activations", "offload_activations", {"offload_activations": True},
+    return _run_move("offload_activations", "offload_activations", {"offload_activations": "streams"},
                      "activations offloaded to host memory", _OFFLOAD_ACTIVATIONS_COST,
-                     lambda run: run.replace(loop=dataclasses.replace(run.loop, offload_activations=True)))
+                     lambda run: run.replace(loop=dataclasses.replace(run.loop, offload_activations="streams")))
 
 
 def eight_bit(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str, str] | None:

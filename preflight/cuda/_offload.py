@@ -53,7 +53,8 @@ class Offloaded:
     def note(self) -> str:
         return (f"saved-tensor hooks moved {self.tensors} saved tensor(s) of the traced steps ({self.bytes:,} B in "
                 "all) to host memory, off the CUDA device; each comes back as a device copy while the backward uses it "
-                f"({self.restored} copies): modelled from torch's save_on_cpu, not measured on a GPU")
+                f"({self.restored} copies): the hooks' host copies read as on a GPU (from torch's save_on_cpu), not "
+                "measured on a GPU")
 
 
 def _names_device(arg: Any) -> bool:

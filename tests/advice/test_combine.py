@@ -128,7 +128,8 @@ def test_cli_prints_a_command_for_the_first_fitting_set_up_and_it_exits_0(tmp_pa
     ({"peft": "lora", "r": 16, "target_modules": "all-linear", "quantize": "nf4", "double_quant": True},
      ["--quantize", "nf4", "--double-quant", "--lora-r", "16"]),
     ({"micro_batch_size": 1, "microbatches": 8}, ["--batch", "1", "--microbatches", "8"]),
-    ({"offload_activations": True, "gradient_checkpointing": True}, ["--checkpointing", "--offload-activations"]),
+    ({"offload_activations": "streams", "gradient_checkpointing": True},
+     ["--checkpointing", "--offload-activations", "streams"]),
     ({"optimizer": "some.Other"}, None),
 ])
 def test_a_change_as_cli_flags(change, flags):

@@ -74,46 +74,75 @@ def test_the_hooks_are_put_back_after_the_trace():
     assert torch.autograd.graph.saved_tensors_hooks.__enter__ is enter
 
 
-def _described(offload: bool, target: str, **kwargs):
-    model = _model()
+def _described(offload: str | None, target: str, model: nn.Module | None = None, step=_plain):
+    model = model if model is not None else _model()
     return preflight.estimate(model, torch.optim.AdamW(model.parameters()), _batch(),
-                              Run(target=Target(device=target), loop=Loop(offload_activations=offload)), step=_plain,
-                              **kwargs)
+                              Run(target=Target(device=target), loop=Loop(offload_activations=offload)), step=step)
 
 
-def test_a_run_described_as_offloading_traces_the_forward_under_save_on_cpu():
-    # `Loop(offload_activations=True)`: the step the user wrote without hooks, run as if its forward were wrapped in
-    # save_on_cpu. On a CPU target it is measured as it runs (`measure` takes the same description).
-    run = Run(loop=Loop(offload_activations=True))
-    model = _model()
-    measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), _batch(), run, step=_plain)
-    assert _described(True, "cpu").peak_bytes == measured.peak_bytes
+def _measured(offload: str | None, model: nn.Module, step=_plain) -> int:
+    return preflight.measure(model, torch.optim.AdamW(model.parameters()), _batch(),
+                             Run(loop=Loop(offload_activations=offload)), step=step).peak_bytes
+
+
+def test_a_run_described_with_save_on_cpu_traces_its_forward_under_it():
+    # The step the user wrote without hooks, run as if its forward were wrapped in save_on_cpu. On a CPU target it
+    # is measured as it runs (`measure` takes the same description).
+    assert _described("save_on_cpu", "cpu").peak_bytes == _measured("save_on_cpu", _model())
     # On a CUDA target: the same figure and note as the step that enters save_on_cpu itself, and below the plain run.
-    described, written = _described(True, "cuda"), _estimate(_offloaded(torch.cuda.is_available()), "cuda")
+    described, written = _described("save_on_cpu", "cuda"), _estimate(_offloaded(torch.cuda.is_available()), "cuda")
     assert described.peak_bytes == written.peak_bytes
     assert [n for n in described.coverage.notes if n.startswith("saved-tensor hooks")] == \
         [n for n in written.coverage.notes if n.startswith("saved-tensor hooks")] != []
-    assert described.peak_bytes < _described(False, "cuda").peak_bytes - 3 * 2**20
+    assert described.peak_bytes < _described(None, "cuda").peak_bytes - 3 * 2**20
 
 
-def test_offload_activations_must_be_a_bool():
-    with pytest.raises(ValueError, match="`offload_activations` should be True or False"):
-        Loop(offload_activations="yes")
+class _Sin(nn.Module):
+    def forward(self, x):
+        return x.sin()
+
+
+def _sin_model() -> nn.Module:
+    # Every activation is saved once: a Linear saves its input, sin saves its input (the Linear's output).
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), _Sin())], nn.Linear(256, 1))
+
+
+def test_stream_offloading_keeps_what_trls_stashes_keep():
+    # On a CPU target the hooks run as they are, and the trace equals the measured peak.
+    assert _described("streams", "cpu", _sin_model()).peak_bytes == _measured("streams", _sin_model())
+    streams, synchronous = _described("streams", "cuda", _sin_model()), _described("save_on_cpu", "cuda", _sin_model())
+    # Offloaded per step: the 7 Linear inputs (the batch's among them), the 6 sin inputs, the squared output (4 KB);
+    # not the 6 weights the Linears save (parameters stay on the device), which save_on_cpu copies too.
+    note = next(n for n in streams.coverage.notes if n.startswith("saved-tensor hooks"))
+    assert "moved 28 saved tensor(s)" in note
+    assert "moved 40 saved tensor(s)" in next(n for n in synchronous.coverage.notes if n.startswith("saved-tensor"))
+    # Both peak at the first Linear's bias gradient in step 2's backward. save_on_cpu has released that node's copy
+    # of its input by then; the stream version still holds it and the previous node's copy (the sin's input), kept
+    # until the next node that brings tensors back has run: two 1 MiB activations more.
+    assert streams.peak_phase == synchronous.peak_phase == "step2/backward"
+    assert streams.peak_bytes - synchronous.peak_bytes == 2 * 1024 * 256 * 4
+
+
+def test_offload_activations_names_a_mode():
+    with pytest.raises(ValueError, match="`offload_activations` should be one of"):
+        Loop(offload_activations=True)
 
 
 def test_advise_offers_offloading_on_a_cuda_target_only():
     def advice(target: Target):
-        model = _model()
+        model = _sin_model()
         return preflight.advise(model, torch.optim.AdamW(model.parameters()), _batch(), Run(target=target),
                                 step=_plain)
 
     # A budget between the offloaded figure and the plain one: offloading fits.
-    plain, offloaded = _described(False, "cuda"), _described(True, "cuda")
+    plain, offloaded = _described(None, "cuda", _sin_model()), _described("streams", "cuda", _sin_model())
+    assert offloaded.run_required_bytes < plain.run_required_bytes
     budget = (plain.run_required_bytes + offloaded.run_required_bytes) // 2
     found = [s for s in advice(Target(device="cuda", budget=budget)) if s.changes == ("offload_activations",)]
     assert len(found) == 1
     assert found[0].fits and found[0].predicted_peak_bytes == offloaded.run_required_bytes
-    assert found[0].run.loop.offload_activations is True
-    assert found[0].run.cli_flags()[-1] == "--offload-activations"
+    assert found[0].run.loop.offload_activations == "streams"
+    assert found[0].run.cli_flags()[-2:] == ["--offload-activations", "streams"]
     # On the CPU the host is the device: nothing to offload to.
     assert not any("offload_activations" in s.changes for s in advice(Target(device="cpu", budget=budget)))

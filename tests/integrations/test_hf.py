@@ -67,7 +67,8 @@ def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
     assert report["schedule"] == {"accumulate": 2, "zero_grad": "after_step", "max_grad_norm": 1.0,
                                   "grad_scaler": False,
                                   "steps": 2, "optimizer_impl": None,
-                                  "sampled_steps": 0}  # the Trainer clips at 1.0 by default
+                                  "sampled_steps": 0,
+                                  "offload_activations": None}  # the Trainer clips at 1.0 by default
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes", "preflight/relative_error"} <= logged
@@ -453,3 +454,16 @@ def test_a_seq2seq_trainer_generating_in_evaluation_is_predicted_at_its_generati
     assert any(n.startswith("evaluation: generation: traced to its longest") and "(63 decoding step(s))" in n
                for n in report.coverage["notes"])
     assert report.run["generation"] == {"max_length": 64, "num_beams": 4}
+
+
+def test_trls_activation_offloading_is_read_into_the_loop():
+    # TRL's SFTConfig is TrainingArguments with `activation_offloading`; SFTTrainer then runs each training step
+    # inside its stream-based OffloadActivations.
+    from types import SimpleNamespace
+
+    from preflight.integrations.hf import _schedule
+
+    args = SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=1.0, activation_offloading=True)
+    assert _schedule(None, args).offload_activations == "streams"
+    assert _schedule(None, SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=1.0)).offload_activations \
+        is None

@@ -131,7 +131,8 @@ def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     assert report["steps_measured"] == 3 and abs(report["relative_error"]) < 0.01
     assert report["fits"] is True and report["schedule"] == {"accumulate": accumulate, "zero_grad": "before_backward",
                                                      "max_grad_norm": None, "grad_scaler": False,
-                                                     "steps": 2, "optimizer_impl": None, "sampled_steps": 0}
+                                                     "steps": 2, "optimizer_impl": None, "sampled_steps": 0,
+                                                     "offload_activations": None}
     assert report["worst_case_batch_shape"]["input_ids"] == [4, 48]
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     assert set(logger.logged) >= {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes",

@@ -1,0 +1,184 @@
+"""Activation offloading as a run describes it (`preflight.Loop.offload_activations`): the saved-tensor hooks a
+training forward runs under, in the trace and in `preflight.measure` alike.
+
+- ``"save_on_cpu"``: torch's ``torch.autograd.graph.save_on_cpu`` (pinned host buffers where CUDA is available):
+  every saved tensor, parameters included, is copied to the host as it is saved and copied back when its backward
+  node runs; the device copy lives while that node uses it.
+- ``"streams"``: the lifetimes of TRL's ``OffloadActivations(use_streams=True)`` (``trl/models/
+  activation_offloading.py``, TRL 1.16, a copy of torchtune's ``OffloadActivations``), what
+  ``SFTConfig(activation_offloading=True)`` and torchtune's ``enable_activation_offloading`` run. The copies run on
+  a side CUDA stream, so each offloaded tensor is kept on the device until its copy is done: the forward keeps the
+  latest ``max_fwd_stash_size`` (5) offloaded tensors (an older one is dropped as a new one is packed), and a
+  tensor still stashed when the backward needs it is used as it is. A tensor brought back is kept until the next
+  backward node that brings tensors back has run, and the rest at the backward's end. Tensors under
+  ``min_offload_size`` (1024 bytes), parameters and tensors on a parameter's storage stay on the device, and so
+  does a second tensor on a storage the forward stash still holds. The streams and events themselves only order
+  work; the hooks here keep the same references without them, so they run on a CPU host too.
+
+On a CUDA target traced on CPU tensors, `preflight.cuda._offload` gives the hooks' host copies their GPU meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OFFLOAD_MODES", "StashedOffload", "offloading"]
+
+OFFLOAD_MODES = (None, "save_on_cpu", "streams")
+MIN_OFFLOAD_BYTES = 1024  # OffloadActivations' min_offload_size default
+FWD_STASH = 5  # OffloadActivations' max_fwd_stash_size default
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def output_head(model: nn.Module | None) -> nn.Module | None:
+    """The module TRL's ``get_act_offloading_ctx_manager`` keeps from offloading (the output head, whose saved
+    tensors the loss needs at once), found as it finds it: through a ``.module`` wrapper and a PEFT model's base,
+    ``output`` (or ``output.linear``), else ``lm_head``, else a decoder's ``output`` or ``lm_head``, else the final
+    layer norm (``final_layer_norm``, ``ln_f``), else ``head``."""
+    if model is None:
+        return None
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "base_model") and hasattr(inner, "peft_config"):
+        inner = inner.base_model
+
+    def find(owner: Any, *names: str) -> nn.Module | None:
+        for name in names:
+            found = getattr(owner, name, None)
+            if isinstance(found, nn.Module):
+                return found
+        return None
+
+    if hasattr(inner, "output"):
+        return find(inner, "output") or find(getattr(inner, "output"), "linear")
+    if hasattr(inner, "lm_head"):
+        return find(inner, "lm_head")
+    if hasattr(inner, "decoder"):
+        return find(inner.decoder, "output", "lm_head")
+    if hasattr(inner, "final_layer_norm") or hasattr(inner, "ln_f"):
+        return find(inner, "final_layer_norm", "ln_f")
+    return find(inner, "head")
+
+
+class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors offloaded with the device lifetimes of TRL's and torchtune's stream-based ``OffloadActivations``
+    (module docstring), for the parameters of ``model``; what its output head (`output_head`) saves stays on the
+    device, as TRL's ``NoOpManager`` around the head keeps it."""
+
+    def __init__(self, model: nn.Module | None, pin_memory: bool, min_bytes: int = MIN_OFFLOAD_BYTES,
+                 stash: int = FWD_STASH) -> None:
+        params = set() if model is None else {_storage(p) for p in model.parameters()}
+        self._head = output_head(model)
+        self._handles: list[Any] = []
+        ids = itertools.count(1)
+        fwd: dict[int, torch.Tensor] = {}  # id -> the device tensor, kept while its copy runs
+        tracked: dict[tuple, int] = {}  # (storage, offset, dtype) -> the id that holds it on the device
+        bwd: dict[int, torch.Tensor] = {}  # id -> a copy brought back, kept until the next such node has run
+        state: dict[str, Any] = {"node": None, "cleanup": None, "in_head": 0}
+        self._state = state
+
+        def release(n: int) -> None:
+            fwd.pop(n, None)
+            for key in [k for k, v in tracked.items() if v == n]:
+                del tracked[key]
+
+        def pack(t: torch.Tensor) -> Any:
+            if state["in_head"]:
+                return t  # the head's identity hooks
+            n = next(ids)
+            key = (_storage(t), t.storage_offset(), t.dtype)  # OffloadActivations' _get_unique_tensor_key
+            if key in tracked:  # the storage is offloaded already: kept on the device, tracked until unpacked
+                tracked[key] = n
+                return ("kept", n, t)
+            if isinstance(t, nn.Parameter) or _storage(t) in params or t.numel() * t.element_size() < min_bytes:
+                return ("kept", n, t)
+            shape, stride, offset = t.size(), t.stride(), t.storage_offset()
+            broadcast = 0 in stride
+            if not broadcast and (not t.is_contiguous() or offset != 0):
+                t = t.clone(memory_format=torch.contiguous_format) if offset else t.contiguous()
+            stride, offset = t.stride(), t.storage_offset()
+            for old in [k for k in fwd if k <= n - stash]:
+                release(old)
+            if broadcast:  # its storage alone is copied
+                elements = t.untyped_storage().nbytes() // t.element_size()
+                host = torch.empty(elements, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+                host.copy_(torch.as_strided(t, (elements,), (1,), 0))
+            else:
+                host = torch.empty_like(t, device="cpu", pin_memory=pin_memory)
+                host.copy_(t)
+            fwd[n] = t
+            tracked[key] = n
+            return ("offloaded", n, host, t.device, shape, stride, offset)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            if packed[0] == "kept":
+                release(packed[1])
+                return packed[2]
+            _, n, host, device, shape, stride, offset = packed
+            if state["cleanup"] is None:  # the backward's first: what is left goes at its end
+                def cleanup() -> None:
+                    bwd.clear()
+                    state["cleanup"] = state["node"] = None
+                state["cleanup"] = cleanup
+                torch.autograd.Variable._execution_engine.queue_callback(cleanup)
+            node = torch._C._current_autograd_node()
+            previous: list[int] = []
+            if node is not state["node"]:
+                state["node"] = node
+                previous = list(bwd)
+            if n in fwd:
+                out = fwd[n]
+            else:
+                out = torch.as_strided(host.to(device, non_blocking=True), shape, stride, offset)
+                bwd[n] = out
+            release(n)
+
+            def after(outputs: Any, inputs: Any) -> None:
+                for k in list(fwd):
+                    release(k)
+                for k in previous:
+                    bwd.pop(k, None)
+
+            if node is not None:
+                node.register_hook(after)
+            return out
+
+        super().__init__(pack, unpack)
+
+    def __enter__(self) -> None:
+        if self._head is not None:
+            def enter(*args: Any) -> None:
+                self._state["in_head"] += 1
+
+            def leave(*args: Any) -> None:
+                self._state["in_head"] -= 1
+
+            self._handles = [self._head.register_forward_pre_hook(enter),
+                             self._head.register_forward_hook(leave, always_call=True)]
+        super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def offloading(mode: str | None, model: nn.Module | None) -> contextlib.AbstractContextManager:
+    """The saved-tensor hooks a training forward runs under for ``mode`` (`OFFLOAD_MODES`); pinned host buffers
+    where CUDA is available, as TRL, torchtune and ``save_on_cpu(pin_memory=True)`` pin them."""
+    pin = torch.cuda.is_available()
+    if mode == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+    if mode == "streams":
+        return StashedOffload(model, pin)
+    return contextlib.nullcontext()

@@ -80,13 +80,19 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
         ids = itertools.count(1)
         fwd: dict[int, torch.Tensor] = {}  # id -> the device tensor, kept while its copy runs
         tracked: dict[tuple, int] = {}  # (storage, offset, dtype) -> the id that holds it on the device
+        key_of: dict[int, tuple] = {}  # id -> its key in `tracked`
         bwd: dict[int, torch.Tensor] = {}  # id -> a copy brought back, kept until the next such node has run
         state: dict[str, Any] = {"node": None, "cleanup": None, "in_head": 0}
         self._state = state
 
-        def release(n: int) -> None:
+        def track(key: tuple, n: int) -> None:
+            tracked[key] = n
+            key_of[n] = key
+
+        def release(n: int) -> None:  # OffloadActivations' release_storage_key, and the stash entry
             fwd.pop(n, None)
-            for key in [k for k, v in tracked.items() if v == n]:
+            key = key_of.pop(n, None)
+            if key is not None and tracked.get(key) == n:
                 del tracked[key]
 
         def pack(t: torch.Tensor) -> Any:
@@ -95,7 +101,7 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
             n = next(ids)
             key = (_storage(t), t.storage_offset(), t.dtype)  # OffloadActivations' _get_unique_tensor_key
             if key in tracked:  # the storage is offloaded already: kept on the device, tracked until unpacked
-                tracked[key] = n
+                track(key, n)
                 return ("kept", n, t)
             if isinstance(t, nn.Parameter) or _storage(t) in params or t.numel() * t.element_size() < min_bytes:
                 return ("kept", n, t)
@@ -114,7 +120,7 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
                 host = torch.empty_like(t, device="cpu", pin_memory=pin_memory)
                 host.copy_(t)
             fwd[n] = t
-            tracked[key] = n
+            track(key, n)
             return ("offloaded", n, host, t.device, shape, stride, offset)
 
         def unpack(packed: Any) -> torch.Tensor:

@@ -12,7 +12,8 @@ training forward runs under, in the trace and in `preflight.measure` alike.
   tensor still stashed when the backward needs it is used as it is. A tensor brought back is kept until the next
   backward node that brings tensors back has run, and the rest at the backward's end. Tensors under
   ``min_offload_size`` (1024 bytes), parameters and tensors on a parameter's storage stay on the device, and so
-  does a second tensor on a storage the forward stash still holds. The streams and events themselves only order
+  does a second tensor on a storage the forward stash still holds (TRL keys storages by address; here a key whose
+  storage has died matches nothing, where on a GPU a later tensor at the same address would match it). The streams and events themselves only order
   work; the hooks here keep the same references without them, so they run on a CPU host too.
 
 On a CUDA target traced on CPU tensors, `preflight.cuda._offload` gives the hooks' host copies their GPU meaning.
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["OFFLOAD_MODES", "StashedOffload", "offloading"]
 
@@ -79,32 +81,39 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
         self._handles: list[Any] = []
         ids = itertools.count(1)
         fwd: dict[int, torch.Tensor] = {}  # id -> the device tensor, kept while its copy runs
-        tracked: dict[tuple, int] = {}  # (storage, offset, dtype) -> the id that holds it on the device
+        # (storage, offset, dtype) -> the id that holds it on the device, and the storage (weakly): a key outlives
+        # its storage where the stash holds a contiguous copy, and a storage made later may reuse the address
+        tracked: dict[tuple, tuple[int, StorageWeakRef]] = {}
         key_of: dict[int, tuple] = {}  # id -> its key in `tracked`
         bwd: dict[int, torch.Tensor] = {}  # id -> a copy brought back, kept until the next such node has run
         state: dict[str, Any] = {"node": None, "cleanup": None, "in_head": 0}
         self._state = state
 
-        def track(key: tuple, n: int) -> None:
-            tracked[key] = n
+        def track(key: tuple, n: int, t: torch.Tensor) -> None:
+            tracked[key] = (n, StorageWeakRef(t.untyped_storage()))
             key_of[n] = key
 
         def release(n: int) -> None:  # OffloadActivations' release_storage_key, and the stash entry
             fwd.pop(n, None)
             key = key_of.pop(n, None)
-            if key is not None and tracked.get(key) == n:
+            if key is not None and tracked.get(key, (None,))[0] == n:
                 del tracked[key]
+
+        def offloaded_already(key: tuple) -> bool:
+            entry = tracked.get(key)
+            return entry is not None and not entry[1].expired()
 
         def pack(t: torch.Tensor) -> Any:
             if state["in_head"]:
                 return t  # the head's identity hooks
             n = next(ids)
             key = (_storage(t), t.storage_offset(), t.dtype)  # OffloadActivations' _get_unique_tensor_key
-            if key in tracked:  # the storage is offloaded already: kept on the device, tracked until unpacked
-                track(key, n)
+            if offloaded_already(key):  # kept on the device, tracked until unpacked
+                track(key, n, t)
                 return ("kept", n, t)
             if isinstance(t, nn.Parameter) or _storage(t) in params or t.numel() * t.element_size() < min_bytes:
                 return ("kept", n, t)
+            original = t
             shape, stride, offset = t.size(), t.stride(), t.storage_offset()
             broadcast = 0 in stride
             if not broadcast and (not t.is_contiguous() or offset != 0):
@@ -120,7 +129,7 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
                 host = torch.empty_like(t, device="cpu", pin_memory=pin_memory)
                 host.copy_(t)
             fwd[n] = t
-            track(key, n)
+            track(key, n, original)
             return ("offloaded", n, host, t.device, shape, stride, offset)
 
         def unpack(packed: Any) -> torch.Tensor:

@@ -91,13 +91,15 @@ def test_llama_foreach_adamw_h100_composes_to_the_byte():
     assert "model.layers" in fast.coverage.notes[-1] or any("model.layers" in n for n in fast.coverage.notes)
 
 
-def test_offloaded_activations_under_autocast_compose_to_the_byte():
+@pytest.mark.parametrize("offload", ["save_on_cpu", "streams"])
+def test_offloaded_activations_under_autocast_compose_to_the_byte(offload):
     # The autocast weight cache is cleared in hash-map order at the forward's end; with the saved activations
     # offloaded, the cast weights are freed there (their host copies are what autograd keeps), and the trace
-    # settles those simultaneous frees in allocation order, so every depth frees them alike.
+    # settles those simultaneous frees in allocation order, so every depth frees them alike. The stream hooks
+    # match a storage saved again only while it lives (a dead storage's address is reused at random in a trace).
     model = _llama(6)
     run = preflight.Run(precision="bf16-mixed", target=preflight.Target(gpu="A100-80GB"),
-                        loop=preflight.Loop(offload_activations="save_on_cpu"))
+                        loop=preflight.Loop(offload_activations=offload))
     fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=run)
     _same(fast, full)
     assert any(n.startswith("saved-tensor hooks moved") for n in fast.coverage.notes)

@@ -36,6 +36,7 @@ that depth).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,12 +102,47 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
         return full, f"traced in full (fast=True): {label}'s shallow traces did not compose: {reason}"
     deepest = traces[-1]
     result = TraceResult(events=events, categories=categories, num_ops=num_ops,
-                         seconds=time.perf_counter() - start, notes=list(deepest.notes),
+                         seconds=time.perf_counter() - start, notes=scaled_notes(traces, periods - BASE_PERIODS),
                          lower_bound=deepest.lower_bound, paged=paged)
     note = (f"depth-independent trace: the {stack.blocks} blocks of {label} (period {stack.period}) composed "
             f"from traces of {', '.join(map(str, depths))} blocks, checked event for event against the traced "
             "depths")
     return result, note
+
+
+_NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?)")
+
+
+def scaled_notes(traces: Sequence[TraceResult], copies: int) -> list[str]:
+    """The deepest shallow trace's notes at the composed depth: a whole number that grows by the same amount from
+    each traced depth to the next (tensors moved, kernels called: one per block) is extrapolated to ``copies``
+    more periods than the shallowest trace; a note whose changing numbers are not like that is kept as the deepest
+    trace wrote it."""
+    out = []
+    lists = [t.notes for t in traces]
+    for i, note in enumerate(lists[-1]):
+        texts = [n[i] if i < len(n) else None for n in lists]
+        parts = [None if t is None else _NUMBER.split(t) for t in texts]
+        if any(p is None or len(p) != len(parts[0]) for p in parts) or \
+                any(parts[0][j] != p[j] for p in parts for j in range(0, len(p), 2)):
+            out.append(note)
+            continue
+        scaled = list(parts[-1])
+        for j in range(1, len(scaled), 2):
+            numbers = [p[j] for p in parts]
+            if len(set(numbers)) == 1:
+                continue
+            if any("." in n for n in numbers):
+                scaled = None
+                break
+            a, b, c = (int(n.replace(",", "")) for n in numbers)
+            if b - a != c - b:
+                scaled = None
+                break
+            value = a + copies * (b - a)
+            scaled[j] = f"{value:,}" if any("," in n for n in numbers) else str(value)
+        out.append(note if scaled is None else "".join(scaled))
+    return out
 
 
 def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, stack: Any,

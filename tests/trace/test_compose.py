@@ -102,7 +102,25 @@ def test_offloaded_activations_under_autocast_compose_to_the_byte(offload):
                         loop=preflight.Loop(offload_activations=offload))
     fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=run)
     _same(fast, full)
-    assert any(n.startswith("saved-tensor hooks moved") for n in fast.coverage.notes)
+    # The notes' counts (tensors and bytes moved, attention kernels called) are those of the full depth.
+    counted = [n for n in full.coverage.notes if n.startswith(("saved-tensor hooks moved", "CUDA semantics"))]
+    assert len(counted) == 2 and all(n in fast.coverage.notes for n in counted)
+
+
+def test_numbers_that_grow_by_block_in_the_shallow_notes_are_extrapolated():
+    from preflight.trace._run import TraceResult
+
+    def traced(*notes):
+        return TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, notes=list(notes))
+
+    traces = [traced(f"moved {n} tensor(s) ({b:,} B), torch 2.13.0", "x: 41.9% then 3", f"kernels x{k} and {k}.5")
+              for n, b, k in ((10, 9_000, 4), (13, 10_500, 6), (16, 12_000, 8))]
+    # 5 periods more than the shallowest trace: 10 + 5 * 3 tensors, 9,000 + 5 * 1,500 bytes; a note with a
+    # changing decimal is left as the deepest trace wrote it.
+    assert _compose.scaled_notes(traces, 5) == ["moved 25 tensor(s) (16,500 B), torch 2.13.0", "x: 41.9% then 3",
+                                                "kernels x8 and 8.5"]
+    uneven = [traced(f"moved {n}") for n in (1, 2, 4)]
+    assert _compose.scaled_notes(uneven, 5) == ["moved 4"]
 
 
 @pytest.mark.slow

@@ -191,6 +191,14 @@ def advise(
 # ---- options ------------------------------------------------------------------------------------------------
 
 
+def _lowering(setup: _Setup, move: Move | None) -> int | None:
+    """What the set-up needs with ``move`` made, traced, when there is such a move and it lowers the need."""
+    if move is None:
+        return None
+    figure = need(setup.trace_moves([move]))
+    return figure if _lowered(setup, figure) else None
+
+
 def _lowered(setup: _Setup, figure: int) -> bool:
     return figure < need(setup.baseline)
 
@@ -338,10 +346,8 @@ def _offload_activations(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """The saved activations offloaded as TRL and torchtune do it, traced (`preflight.Loop.offload_activations`
     ``"streams"``), when that lowers the peak."""
     move = offload_activations_move(setup)
-    if move is None:
-        return []
-    figure = need(setup.trace_moves([move]))
-    if not _lowered(setup, figure):
+    figure = _lowering(setup, move)
+    if move is None or figure is None:
         return []
     text = (f"activations offloaded to host memory (TRL's SFTConfig(activation_offloading=True), torchtune's "
             f"enable_activation_offloading=True): {setup.versus(figure)}")
@@ -514,10 +520,8 @@ def _allocator(setup: _Setup) -> list[tuple[str, Suggestion]]:
 def _meta_init(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """The model built on meta, where the run loads it whole on several ranks and that is what does not fit."""
     move = meta_init_move(setup)
-    if move is None:
-        return []
-    figure = need(setup.trace_moves([move]))
-    if not _lowered(setup, figure):
+    figure = _lowering(setup, move)
+    if move is None or figure is None:
         return []
     loading = setup.baseline.phase("loading")
     held = "" if loading is None else f" (loading {format_bytes(loading.required_bytes)} now)"

@@ -139,8 +139,8 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
                 release(packed[1])
                 return packed[2]
             _, n, host, device, shape, stride, offset = packed
-            if state["cleanup"] is None:  # the backward's first: what is left goes at its end
-                def cleanup() -> None:
+            if state["cleanup"] is None and torch._C._current_graph_task_id() != -1:  # the backward's first:
+                def cleanup() -> None:  # what is left goes at the backward's end
                     bwd.clear()
                     state["cleanup"] = state["node"] = None
                 state["cleanup"] = cleanup

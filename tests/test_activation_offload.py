@@ -72,3 +72,13 @@ def test_the_output_head_is_found_as_trl_finds_it():
     assert output_head(plain) is None
     assert isinstance(offloading("streams", plain), StashedOffload)
     assert isinstance(offloading("save_on_cpu", plain), torch.autograd.graph.save_on_cpu)
+
+
+def test_a_saved_tensor_read_outside_the_backward_comes_back():
+    # Code may read a node's saved tensor in the forward (grad_fn._saved_self): no backward to clean up after.
+    x = torch.randn(64, 64, requires_grad=True)
+    with StashedOffload(None, pin_memory=False):
+        y = x.sin()
+        assert torch.equal(y.grad_fn._saved_self, x)
+    y.sum().backward()
+    assert torch.allclose(x.grad, x.cos())

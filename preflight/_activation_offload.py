@@ -8,8 +8,10 @@ training forward runs under, in the trace and in `preflight.measure` alike.
   activation_offloading.py``, TRL 1.16, a copy of torchtune's ``OffloadActivations``), what
   ``SFTConfig(activation_offloading=True)`` and torchtune's ``enable_activation_offloading`` run. The copies run on
   a side CUDA stream, so each offloaded tensor is kept on the device until its copy is done: the forward keeps the
-  latest ``max_fwd_stash_size`` (5) offloaded tensors (an older one is dropped as a new one is packed), and a
-  tensor still stashed when the backward needs it is used as it is. A tensor brought back is kept until the next
+  offloaded tensors among the last ``max_fwd_stash_size`` (5) saved (the older ones are dropped as a tensor is
+  offloaded), and a tensor still stashed when the backward needs it is used as it is. The hooks cover the forward
+  and the backward, as TRL's trainers enter them around the whole training step: tensors saved in the backward
+  (reentrant checkpointing's recomputation) are offloaded too. A tensor brought back is kept until the next
   backward node that brings tensors back has run, and the rest at the backward's end. Tensors under
   ``min_offload_size`` (1024 bytes), parameters and tensors on a parameter's storage stay on the device, and so
   does a second tensor on a storage the forward stash still holds (TRL keys storages by address; here a key whose
@@ -34,10 +36,15 @@ __all__ = ["OFFLOAD_MODES", "StashedOffload", "offloading"]
 OFFLOAD_MODES = (None, "save_on_cpu", "streams")
 MIN_OFFLOAD_BYTES = 1024  # OffloadActivations' min_offload_size default
 FWD_STASH = 5  # OffloadActivations' max_fwd_stash_size default
+_BUFFER = (nn.Buffer,) if hasattr(nn, "Buffer") else ()  # kept on the device, as OffloadActivations keeps them
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def _storage(t: torch.Tensor) -> int | None:
+    """The C++ storage's address, or None for a tensor without one (sparse, mkldnn)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def output_head(model: nn.Module | None) -> nn.Module | None:
@@ -86,7 +93,7 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
         tracked: dict[tuple, tuple[int, StorageWeakRef]] = {}
         key_of: dict[int, tuple] = {}  # id -> its key in `tracked`
         bwd: dict[int, torch.Tensor] = {}  # id -> a copy brought back, kept until the next such node has run
-        state: dict[str, Any] = {"node": None, "cleanup": None, "in_head": 0}
+        state: dict[str, Any] = {"node": None, "graph": None, "cleanup": None, "in_head": 0}
         self._state = state
 
         def track(key: tuple, n: int, t: torch.Tensor) -> None:
@@ -107,11 +114,15 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
             if state["in_head"]:
                 return t  # the head's identity hooks
             n = next(ids)
-            key = (_storage(t), t.storage_offset(), t.dtype)  # OffloadActivations' _get_unique_tensor_key
+            storage = _storage(t)
+            if storage is None:  # no storage to key or copy (OffloadActivations keys it by id: never saved again)
+                return ("kept", n, t)
+            key = (storage, t.storage_offset(), t.dtype)  # OffloadActivations' _get_unique_tensor_key
             if offloaded_already(key):  # kept on the device, tracked until unpacked
                 track(key, n, t)
                 return ("kept", n, t)
-            if isinstance(t, nn.Parameter) or _storage(t) in params or t.numel() * t.element_size() < min_bytes:
+            if (isinstance(t, (nn.Parameter, *_BUFFER)) or storage in params
+                    or t.numel() * t.element_size() < min_bytes):
                 return ("kept", n, t)
             original = t
             shape, stride, offset = t.size(), t.stride(), t.storage_offset()
@@ -139,22 +150,26 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
                 release(packed[1])
                 return packed[2]
             _, n, host, device, shape, stride, offset = packed
-            if state["cleanup"] is None and torch._C._current_graph_task_id() != -1:  # the backward's first:
+            graph = torch._C._current_graph_task_id()
+            if state["cleanup"] is None and graph != -1:  # the backward's first
                 def cleanup() -> None:  # what is left goes at the backward's end
                     bwd.clear()
-                    state["cleanup"] = state["node"] = None
-                state["cleanup"] = cleanup
+                    state["cleanup"] = state["node"] = state["graph"] = None
+                state["cleanup"], state["graph"] = cleanup, graph
                 torch.autograd.Variable._execution_engine.queue_callback(cleanup)
             node = torch._C._current_autograd_node()
             previous: list[int] = []
-            if node is not state["node"]:
+            # A new node of the backward (not of a backward nested in it, as reentrant checkpointing runs one):
+            # the copies brought back before it go once it has run.
+            if graph == state["graph"] and node is not state["node"]:
                 state["node"] = node
                 previous = list(bwd)
             if n in fwd:
                 out = fwd[n]
             else:
                 out = torch.as_strided(host.to(device, non_blocking=True), shape, stride, offset)
-                bwd[n] = out
+                if node is not None:  # read outside a backward: the caller holds it, nothing stashes it
+                    bwd[n] = out
             release(n)
 
             def after(outputs: Any, inputs: Any) -> None:
@@ -174,18 +189,20 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
             def enter(*args: Any) -> None:
                 self._state["in_head"] += 1
 
-            def leave(*args: Any) -> None:
-                self._state["in_head"] -= 1
+            def leave(*args: Any) -> None:  # called even when the head raised, or a hook before ``enter`` did
+                self._state["in_head"] = max(self._state["in_head"] - 1, 0)
 
             self._handles = [self._head.register_forward_pre_hook(enter),
                              self._head.register_forward_hook(leave, always_call=True)]
         super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        try:
+            super().__exit__(*args)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
 
 
 def offloading(mode: str | None, model: nn.Module | None) -> contextlib.AbstractContextManager:

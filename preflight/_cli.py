@@ -373,9 +373,10 @@ def _generation(args: argparse.Namespace, sharding: str | None, offload: dict[st
         raise UsageError("--generate needs --max-new-tokens N (N >= 1): how many tokens each sequence generates.")
     if args.num_beams < 1:
         raise UsageError(f"--num-beams should be at least 1, got {args.num_beams}.")
-    if args.world_size > 1 or sharding or any(offload.values()) or args.deepspeed_config or args.accumulate != 1:
+    if (args.world_size > 1 or sharding or any(offload.values()) or args.deepspeed_config or args.accumulate != 1
+            or getattr(args, "offload_activations", None)):
         raise UsageError("--generate plans one device's generation: leave out --world-size, --sharding, offloading, "
-                         "--deepspeed-config and --accumulate (they describe training).")
+                         "--offload-activations, --deepspeed-config and --accumulate (they describe training).")
     # Every sequence runs to max_new_tokens in the trace (the worst case); the pad token only fills finished rows.
     return {"max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams, "do_sample": args.do_sample}
 

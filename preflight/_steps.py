@@ -248,14 +248,20 @@ def autocast_for(precision: str | None, device_type: str) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
-def forward_context(precision: str | None, device_type: str, schedule: Loop,
-                    model: nn.Module | None = None) -> contextlib.ExitStack:
-    """What a training forward runs under: the precision's autocast, and the saved-tensor hooks of
-    ``schedule.offload_activations`` (`preflight._activation_offload.offloading`, for ``model``'s parameters)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(autocast_for(precision, device_type))
-    stack.enter_context(offloading(schedule.offload_activations, model))
-    return stack
+@contextlib.contextmanager
+def forward_context(precision: str | None, device_type: str, schedule: Loop) -> Iterator[None]:
+    """What a training forward runs under: the precision's autocast, and torch's ``save_on_cpu`` where the loop
+    offloads activations that way (users enter it around the forward)."""
+    with autocast_for(precision, device_type), \
+            offloading(schedule.offload_activations if schedule.offload_activations == "save_on_cpu" else None, None):
+        yield
+
+
+def step_offloading(schedule: Loop, model: nn.Module | None) -> contextlib.AbstractContextManager:
+    """What a micro-step's forward and backward run under together: the stream-based offloading hooks where the loop
+    offloads activations that way (TRL's trainers enter them around the whole training step), for ``model``'s
+    parameters and output head (`preflight._activation_offload.StashedOffload`)."""
+    return offloading("streams" if schedule.offload_activations == "streams" else None, model)
 
 
 def compute_loss(model: nn.Module, batch: Any, step: StepFn | None) -> torch.Tensor:
@@ -375,6 +381,9 @@ def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Ca
     if schedule.grad_scaler or needs_closure(optimizer):
         raise ValueError("a step driven by a schedule (pipeline parallelism) is traced without a loss scaler or a "
                          "closure optimizer")
+    if schedule.offload_activations == "streams":
+        raise ValueError("activation offloading with streams (TRL's, torchtune's) is not traced under a pipeline "
+                         "schedule; describe the run with Loop(offload_activations=\"save_on_cpu\") or without it")
     for i in range(1, steps + 1):
         for micro in range(schedule.micro_steps):
             if schedule.zero_grad == "before_backward" and micro == 0:
@@ -432,17 +441,18 @@ def _run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *
             on_phase(i, "forward")
             if batches is not None and micro == 0:
                 batch = batches(i)  # the previous step's batch is released here, as a loader's is
-            with forward_context(precision, device_type, schedule, model):
-                loss = compute_loss(model, batch, step)
-            if schedule.zero_grad == "before_backward" and micro == 0:
-                on_phase(i, "zero_grad")
-                optimizer.zero_grad(set_to_none=True)
-            on_phase(i, "backward")
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            before_backward(loss)
-            loss.backward()
-            del loss
+            with step_offloading(schedule, model):
+                with forward_context(precision, device_type, schedule):
+                    loss = compute_loss(model, batch, step)
+                if schedule.zero_grad == "before_backward" and micro == 0:
+                    on_phase(i, "zero_grad")
+                    optimizer.zero_grad(set_to_none=True)
+                on_phase(i, "backward")
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                before_backward(loss)
+                loss.backward()
+                del loss
         _optimizer_phase(i, optimizer, schedule, on_phase, scaler)
     on_phase(steps, "end")
 
@@ -486,11 +496,12 @@ def _run_closure_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch
             on_phase(i, "zero_grad")
             optimizer.zero_grad(set_to_none=True)
             on_phase(i, "forward")
-            with forward_context(precision, device_type, schedule, model):
-                loss = compute_loss(model, batch, step)
-            on_phase(i, "backward")
-            before_backward(loss)
-            loss.backward()
+            with step_offloading(schedule, model):
+                with forward_context(precision, device_type, schedule):
+                    loss = compute_loss(model, batch, step)
+                on_phase(i, "backward")
+                before_backward(loss)
+                loss.backward()
             on_phase(i, "optimizer")
             return loss.detach()
 

@@ -82,3 +82,59 @@ def test_a_saved_tensor_read_outside_the_backward_comes_back():
         assert torch.equal(y.grad_fn._saved_self, x)
     y.sum().backward()
     assert torch.allclose(x.grad, x.cos())
+
+
+def test_a_tensor_without_a_storage_stays_on_the_device():
+    hooks = StashedOffload(None, pin_memory=False)
+    sparse = torch.eye(64).to_sparse()
+    packed = hooks.pack_hook(sparse)
+    assert packed[0] == "kept" and hooks.unpack_hook(packed) is sparse
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, 64)  # reentrant checkpointing needs an input that requires grad
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(lambda y, b=block: b(y).sin(), x, use_reentrant=True)
+        return x.square().mean()
+
+
+def test_the_stream_hooks_cover_the_backward_as_trls_training_step_does():
+    # Reentrant checkpointing recomputes each block's forward inside the backward: those saved tensors pass through
+    # the hooks too, and the trace of such a run equals its measured peak on CPU.
+    import preflight
+    from preflight import Loop, Run
+
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    hooks = StashedOffload(model, pin_memory=False)
+    in_backward = []
+    pack = hooks.pack_hook
+    hooks.pack_hook = lambda t: in_backward.append(torch._C._current_graph_task_id() != -1) or pack(t)
+    with hooks:
+        model(torch.randn(256, 64, requires_grad=True)).backward()
+    assert in_backward.count(True) == 3 * 3  # each block's recomputed Linear input, weight and sin input
+    model.zero_grad(set_to_none=True)
+
+    run = Run(loop=Loop(offload_activations="streams"))
+    batch = torch.randn(256, 64)
+    measured = preflight.measure(model, torch.optim.AdamW(model.parameters()), batch, run,
+                                 step=lambda m, b: m(b))
+    predicted = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run, step=lambda m, b: m(b))
+    assert predicted.peak_bytes == measured.peak_bytes
+
+
+def test_stream_offloading_is_refused_under_a_pipeline_schedule():
+    import pytest
+
+    from preflight._steps import Loop, run_steps
+
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="not traced under a pipeline schedule"):
+        run_steps(model, torch.optim.SGD(model.parameters()), None, step=None, precision=None, device_type="cpu",
+                  steps=1, schedule=Loop(offload_activations="streams"), drive=lambda batch: None)

@@ -555,6 +555,8 @@ def test_check_through_lightnings_multi_process_launch(tmp_path):
     (["--max-new-tokens", "8"], "--max-new-tokens plan.* generation: add --generate"),
     (["--generate", "--max-new-tokens", "8", "--task", "seq-cls"], "--generate needs a model that generates"),
     (["--generate", "--max-new-tokens", "8", "--world-size", "2"], "--generate plans one device's generation"),
+    (["--generate", "--max-new-tokens", "8", "--offload-activations", "streams"],
+     "--generate plans one device's generation"),
     (["--json", "/no/such/folder/out.json"], "--json '/no/such/folder/out.json': the folder '/no/such/folder' does"),
     (["--plot", "/proc/plot.png"], "--plot '/proc/plot.png' cannot be written"),
 ])

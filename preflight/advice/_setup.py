@@ -409,7 +409,8 @@ def offload_activations_move(setup: _Setup) -> Move | None:
     """The saved activations offloaded to host memory as TRL and torchtune offload them
     (`preflight.Loop.offload_activations` ``"streams"``), on a CUDA target where
     the run does not offload them yet (on a CPU target the host is the device: nothing leaves it)."""
-    if setup.run.loop.offload_activations or not str(setup.baseline.device).startswith("cuda"):
+    pipeline = setup.run.parallel is not None and setup.run.parallel.pp is not None  # not traced under a schedule
+    if setup.run.loop.offload_activations or pipeline or not str(setup.baseline.device).startswith("cuda"):
         return None
     return _run_move("offload_activations", "offload_activations", {"offload_activations": "streams"},
                      "activations offloaded to host memory", _OFFLOAD_ACTIVATIONS_COST,

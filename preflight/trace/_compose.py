@@ -110,33 +110,31 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
     return result, note
 
 
-_NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?)")
+# A whole number (thousands grouped or not) standing alone or as a count (``x64``): not part of a decimal, a
+# percentage, a version, a module index (``layers.3``) or a name (``sm_80``).
+_NUMBER = re.compile(r"(?:(?<=\bx)|(?<![\w.]))(\d{1,3}(?:,\d{3})+|\d+)(?![\w.%]|,\d{3}|\.\d)")
 
 
 def scaled_notes(traces: Sequence[TraceResult], copies: int) -> list[str]:
     """The deepest shallow trace's notes at the composed depth: a whole number that grows by the same amount from
-    each traced depth to the next (tensors moved, kernels called: one per block) is extrapolated to ``copies``
-    more periods than the shallowest trace; a note whose changing numbers are not like that is kept as the deepest
+    each traced depth to the next (tensors moved, kernels called: so many per block) is extrapolated to ``copies``
+    more periods than the shallowest trace; a note whose changing parts are not like that is kept as the deepest
     trace wrote it."""
     out = []
     lists = [t.notes for t in traces]
     for i, note in enumerate(lists[-1]):
-        texts = [n[i] if i < len(n) else None for n in lists]
-        parts = [None if t is None else _NUMBER.split(t) for t in texts]
-        if any(p is None or len(p) != len(parts[0]) for p in parts) or \
+        parts = [_NUMBER.split(n[i]) if i < len(n) else None for n in lists]
+        if any(p is None or len(p) != len(parts[-1]) for p in parts) or \
                 any(parts[0][j] != p[j] for p in parts for j in range(0, len(p), 2)):
             out.append(note)
             continue
-        scaled = list(parts[-1])
-        for j in range(1, len(scaled), 2):
+        scaled: list[str] | None = list(parts[-1])
+        for j in range(1, len(parts[-1]), 2):
             numbers = [p[j] for p in parts]
-            if len(set(numbers)) == 1:
-                continue
-            if any("." in n for n in numbers):
-                scaled = None
-                break
             a, b, c = (int(n.replace(",", "")) for n in numbers)
-            if b - a != c - b:
+            if a == b == c:
+                continue
+            if not a < b or b - a != c - b:
                 scaled = None
                 break
             value = a + copies * (b - a)

@@ -113,12 +113,14 @@ def test_numbers_that_grow_by_block_in_the_shallow_notes_are_extrapolated():
     def traced(*notes):
         return TraceResult(events=[], categories={}, num_ops=0, seconds=0.0, notes=list(notes))
 
-    traces = [traced(f"moved {n} tensor(s) ({b:,} B), torch 2.13.0", "x: 41.9% then 3", f"kernels x{k} and {k}.5")
+    traces = [traced(f"moved {n} tensor(s) ({b:,} B), torch 2.13.0, sm_80", f"kernels efficient x{k}, flash x{n}",
+                     f"x: {k}.5% at layers.{k}, {k}%", f"{20 - n} left")
               for n, b, k in ((10, 9_000, 4), (13, 10_500, 6), (16, 12_000, 8))]
-    # 5 periods more than the shallowest trace: 10 + 5 * 3 tensors, 9,000 + 5 * 1,500 bytes; a note with a
-    # changing decimal is left as the deepest trace wrote it.
-    assert _compose.scaled_notes(traces, 5) == ["moved 25 tensor(s) (16,500 B), torch 2.13.0", "x: 41.9% then 3",
-                                                "kernels x8 and 8.5"]
+    # 5 periods more than the shallowest trace: 10 + 5 * 3 tensors, 9,000 + 5 * 1,500 bytes, 4 + 5 * 2 kernels.
+    # A note with a changing decimal, percentage or module index, or a count that falls, is the deepest trace's.
+    assert _compose.scaled_notes(traces, 5) == ["moved 25 tensor(s) (16,500 B), torch 2.13.0, sm_80",
+                                                "kernels efficient x14, flash x25", "x: 8.5% at layers.8, 8%",
+                                                "4 left"]
     uneven = [traced(f"moved {n}") for n in (1, 2, 4)]
     assert _compose.scaled_notes(uneven, 5) == ["moved 4"]
 

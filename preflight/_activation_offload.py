@@ -15,8 +15,10 @@ training forward runs under, in the trace and in `preflight.measure` alike.
   backward node that brings tensors back has run, and the rest at the backward's end. Tensors under
   ``min_offload_size`` (1024 bytes), parameters and tensors on a parameter's storage stay on the device, and so
   does a second tensor on a storage the forward stash still holds (TRL keys storages by address; here a key whose
-  storage has died matches nothing, where on a GPU a later tensor at the same address would match it). The streams and events themselves only order
-  work; the hooks here keep the same references without them, so they run on a CPU host too.
+  storage has died matches nothing, where on a GPU a later tensor at the same address would match it); what the
+  output head saves (found as TRL finds it, `output_head`) is not offloaded. The streams and events themselves
+  only order work; the hooks here keep the same references without them, so they run on a
+  CPU host too.
 
 On a CUDA target traced on CPU tensors, `preflight.cuda._offload` gives the hooks' host copies their GPU meaning.
 """

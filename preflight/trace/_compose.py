@@ -29,8 +29,8 @@ event list as they read a full trace's.
 Known limitations: a block whose code depends on its depth in a way the shallow traces do not show (a branch on
 ``layer_idx == 40``) is not detected. Kernel scratch (`preflight._scratch`) is measured for each shallow trace
 before composing, as transient events at its operators; a caller that passes no ``scratch`` gets a full trace
-for a model that logs such operators. Notes of the composed trace are those of the deepest shallow trace (counts in them are for
-that depth).
+for a model that logs such operators. Notes of the composed trace are those of the deepest shallow trace, with the
+counts in them that grow by block extrapolated to the full depth (`scaled_notes`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
     Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move, need,
-    offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks, resize_batch,
+    offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks,
+    resize_batch,
 )
 from preflight.parallel._pipeline import refuse_job_pipeline
 from preflight.trace import NotRestoredError

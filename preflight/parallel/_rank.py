@@ -383,7 +383,7 @@ def trace_rank(
 
     def result(error: BaseException | None = None, failed: str | None = None) -> TraceResult:
         tracker.detach()
-        return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
+        return TraceResult(events=settled_frees(tracker.events), categories=tracker.categories,
                            num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
                            failed_op=failed, op_log=op_log, notes=notes)
 
@@ -508,7 +508,7 @@ def trace_loading(engine: Engine, model: nn.Module, *, world_size: int, rank: in
     finally:
         tracker.detach()
     del kept
-    return TraceResult(events=settled_frees(tracker.events, tracker.categories), categories=tracker.categories,
+    return TraceResult(events=settled_frees(tracker.events), categories=tracker.categories,
                        num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error, failed_op=failed,
                        notes=notes)
 

@@ -282,7 +282,7 @@ def trace_steps(
     paged = paged_state(optimizer, fake_opt, tracker)
     run.finish()
     return TraceResult(
-        events=settled_frees(tracker.events, tracker.categories),
+        events=settled_frees(tracker.events),
         categories=tracker.categories,
         num_ops=tracker.num_ops,
         seconds=time.perf_counter() - start,
@@ -312,7 +312,7 @@ def paged_state(optimizer: torch.optim.Optimizer, fake_opt: torch.optim.Optimize
     return frozenset(uids)
 
 
-def settled_frees(events: list[Event], categories: dict[int, Category]) -> list[Event]:
+def settled_frees(events: list[Event]) -> list[Event]:
     """``events`` with simultaneous frees settled: each run of consecutive frees at one operator is released in
     the order its storages were allocated.
 

@@ -300,7 +300,7 @@ def _estimate(args: argparse.Namespace) -> int:
     for text in warnings_:
         print(f"preflight: warning: {text}", file=sys.stderr)
     run = _run(args, sharding, offload)
-    if run.parallel is not None and run.parallel.pp is not None:
+    if run.pipelined:
         _check_cut(model, run.parallel.pp)
     if generation is not None:
         run = run.replace(generation=generation)

@@ -193,6 +193,11 @@ class Run:
         """The ranks the plan spans (1 without one)."""
         return 1 if self.parallel is None else self.parallel.world_size
 
+    @property
+    def pipelined(self) -> bool:
+        """The plan runs the model under a pipeline schedule (``parallel.pp``)."""
+        return self.parallel is not None and self.parallel.pp is not None
+
     def replace(self, **changes: Any) -> Run:
         """A copy with whole fields replaced: ``run.replace(precision="bf16-true")``."""
         return dataclasses.replace(self, **changes)

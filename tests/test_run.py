@@ -124,3 +124,10 @@ def test_changes_from_and_with_changes_are_inverse_and_compose():
     assert both == Run(precision="bf16-true", loop=Loop(accumulate=4, zero_grad="before_backward"),
                        target=Target(budget="24GiB"))
     assert base.changes_from(base) == {}
+
+
+def test_pipelined_says_whether_the_plan_runs_a_pipeline_schedule():
+    from preflight.parallel import PPPlan, causal_lm_loss
+
+    assert not Run().pipelined and not Run(parallel=ParallelPlan(4, "ddp")).pipelined
+    assert Run(parallel=ParallelPlan(2, None, pp=PPPlan(2, causal_lm_loss))).pipelined

@@ -226,7 +226,7 @@ def _optimizer_impl(setup: _Setup) -> list[tuple[str, Suggestion]]:
 def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if need(setup.baseline) <= setup.limit:
         return []  # the current batch fits: no need for a smaller one
-    if setup.run.parallel is not None and setup.run.parallel.pp is not None:
+    if setup.run.pipelined:
         return _pipeline_micro_batch(setup)
     micro = batch_size_of(setup.batch)
     if micro is None:
@@ -538,7 +538,7 @@ def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
     fitting = [s for s in singles if s.fits]
     ceiling = min((ranking(s)[1] for s in fitting), default=None)
     moves = [m for m in available_moves(setup) if ceiling is None or m.rank < ceiling]
-    pipeline = setup.run.parallel is not None and setup.run.parallel.pp is not None
+    pipeline = setup.run.pipelined
     found = combine(setup, moves, others=largest_pipeline_micro_batch if pipeline else largest_micro_batch)
     return [] if found is None else [found]
 

@@ -323,7 +323,7 @@ def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:
     micro = batch_size_of(setup.batch)
     if micro is None or micro < 2 or size >= micro:
         return None
-    if setup.run.parallel is not None and setup.run.parallel.pp is not None:
+    if setup.run.pipelined:
         return pipeline_micro_move(setup, size)
     current = micro * setup.run.loop.accumulate
 
@@ -409,7 +409,7 @@ def offload_activations_move(setup: _Setup) -> Move | None:
     """The saved activations offloaded to host memory as TRL and torchtune offload them
     (`preflight.Loop.offload_activations` ``"streams"``), on a CUDA target where
     the run does not offload them yet (on a CPU target the host is the device: nothing leaves it)."""
-    pipeline = setup.run.parallel is not None and setup.run.parallel.pp is not None  # not traced under a schedule
+    pipeline = setup.run.pipelined  # not traced under a schedule
     if setup.run.loop.offload_activations or pipeline or not str(setup.baseline.device).startswith("cuda"):
         return None
     return _run_move("offload_activations", "offload_activations", {"offload_activations": "streams"},

@@ -2,9 +2,9 @@
 
 For each case, `preflight estimate` on the published config (bf16-mixed, as the HF Trainer's ``bf16=True`` and
 Lightning's ``precision="bf16-mixed"`` run it), then the first suggestion that fits run again as the command it
-printed. Writes `benchmarks/results/advice.md`, quoted in docs/advice-and-autotune.md.
+printed; where one GPU cannot train the model as it is, the fewest GPUs offered are run again too, and half of them. Writes `benchmarks/results/advice.md`, quoted in docs/advice-and-autotune.md.
 
-    python benchmarks/advice.py            # about 25 minutes on 2 cores
+    python benchmarks/advice.py            # about 35 minutes on 2 cores
     python benchmarks/advice.py --case 0   # one case
 """
 
@@ -25,6 +25,7 @@ CASES = [  # (name, published config, batch, seq, GPU)
     ("Llama-3-8B", "llama-3-8b.json", 1, 4096, "H100-80GB"),
     ("Mistral-7B", "mistral-7b.json", 1, 2048, "RTX-4090"),
     ("Llama-2-13B", "llama-2-13b.json", 2, 2048, "A100-40GB"),
+    ("Llama-3-70B", "llama-3-70b.json", 1, 2048, "H100-80GB"),  # full fine-tuning needs more GPUs
 ]
 
 
@@ -46,7 +47,15 @@ def run_case(name: str, config: str, batch: int, seq: int, gpu: str) -> dict:
             with contextlib.redirect_stdout(io.StringIO()):
                 rerun = main([*first["command"][1:], "--json", out])
             rerun_report = json.load(open(out))
-    row = {"name": name, "gpu": gpu, "shape": f"{batch} x {seq}", "status": status,
+        more = next((s for s in report["suggestions"] if "more_gpus" in s["changes"]), None)
+        more_exits = None
+        if more is not None and more.get("command"):
+            n = more["change"]["world_size"]
+            half = list(more["command"][1:])
+            half[half.index("--world-size") + 1] = str(n // 2)
+            with contextlib.redirect_stdout(io.StringIO()):
+                more_exits = (main(more["command"][1:]), main(half))
+    row = {"name": name, "more": more, "more_exits": more_exits, "gpu": gpu, "shape": f"{batch} x {seq}", "status": status,
            "required": report["required_bytes"], "seconds": seconds, "printed": printed.getvalue(),
            "first": first, "rank": None if first is None else report["suggestions"].index(first) + 1,
            "rerun": rerun, "rerun_required": None if rerun is None else rerun_report["required_bytes"],
@@ -71,27 +80,38 @@ def main(argv: list[str] | None = None) -> int:
              "published configs in `benchmarks/configs/`, bf16-mixed with fp32 master weights and torch's AdamW as "
              "typed, default headroom 10%)", "",
              "| model | GPU | batch x seq | exit | needs as typed | first set-up that fits (rank) | its figure | "
-             "rerun exit | estimate + advice time |", "|---|---|---|---|---|---|---|---|---|"]
+             "rerun exit | estimate + advice time | fewest GPUs training it as it is (rerun exit; half as many) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = r["first"]
         what = "none" if first is None else f"{' + '.join(first['changes'])} ({r['rank']})"
         figure = "" if first is None else format_bytes(first["predicted_peak_bytes"])
         lines.append(f"| {r['name']} | {r['gpu']} | {r['shape']} | {r['status']} | {format_bytes(r['required'])} | "
-                     f"{what} | {figure} | {r['rerun']} | {r['seconds']:.0f} s |")
+                     f"{what} | {figure} | {r['rerun']} | {r['seconds']:.0f} s | {_more(r, format_bytes)} |")
     lines.append("")
     for r in rows:
-        if r["first"] is not None:
-            lines += [f"{r['name']}: `{' '.join(r['first']['command'])}`", "",
-                      f"> {r['first']['description']}", ""]
+        for s in (r["first"], r["more"]):
+            if s is not None and s.get("command"):
+                lines += [f"{r['name']}: `{' '.join(s['command'])}`", "", f"> {s['description']}", ""]
     text = "\n".join(lines)
     print(text)
     if not args.case:
         with open(RESULTS, "w") as f:
             f.write(text + "\n")
-        for r in rows:
-            with open(os.path.join(HERE, "results", f"advice-{r['name']}.txt"), "w") as f:
-                f.write(r["printed"])
+    for r in rows:
+        with open(os.path.join(HERE, "results", f"advice-{r['name']}.txt"), "w") as f:
+            f.write(r["printed"])
     return 0
+
+
+def _more(row: dict, format_bytes) -> str:
+    more = row["more"]
+    if more is None:
+        return "not offered (a set-up that keeps full fine-tuning fits one GPU)"
+    n = more["change"]["world_size"]
+    state = "fits" if more["fits"] else "over"
+    exits = "" if row["more_exits"] is None else f" ({row['more_exits'][0]}; {n // 2} GPUs: {row['more_exits'][1]})"
+    return f"{n} GPUs: {' + '.join(more['changes'])}, {format_bytes(more['predicted_peak_bytes'])} per GPU, {state}{exits}"
 
 
 if __name__ == "__main__":

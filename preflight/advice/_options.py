@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,8 @@ from preflight._warnings import warn
 from preflight.advice._combine import combine
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
-    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move, need,
+    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move,
+    more_gpus_move, need,
     offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks,
     resize_batch,
 )
@@ -185,6 +187,13 @@ def advise(
     except Exception as err:  # noqa: BLE001 - as above
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         warn(f"preflight.advise left out the combination option: {reason}", RuntimeWarning)
+    try:
+        ranked.extend(_more_gpus(setup, ranked))
+    except NotRestoredError:
+        raise
+    except Exception as err:  # noqa: BLE001 - as above
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        warn(f"preflight.advise left out the plan for more GPUs: {reason}", RuntimeWarning)
     ranked.sort(key=ranking)
     return [dataclasses.replace(s, run_changes=s.run.changes_from(run)) for s in ranked]
 
@@ -541,6 +550,114 @@ def _combination(setup: _Setup, singles: list[Suggestion]) -> list[Suggestion]:
     pipeline = setup.run.pipelined
     found = combine(setup, moves, others=largest_pipeline_micro_batch if pipeline else largest_micro_batch)
     return [] if found is None else [found]
+
+
+_MOST_GPUS = 1024  # the largest plan `_more_gpus` tries
+_CHANGES_TRAINING = frozenset({"lora", "qlora"})  # changes to what is trained
+_NO_FLOOR = 0.99  # doubling the GPUs must lower the per-GPU figure by more than 1%, else the rest is not sharded
+
+
+def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
+    """When one GPU cannot run the training as it is (a run on one CUDA GPU that does not fit, and no suggestion that
+    keeps what it trains fits): the fewest GPUs, a power of two, over which DeepSpeed ZeRO-3 fits, with the
+    single-GPU changes that keep the training and that it still needs there.
+
+    The changes tried with it are those that lowered the peak alone (the lowest of each group). With all of them
+    made, plans of 2 and 4 GPUs are traced; two plans ``n`` and ``2n`` give what ZeRO-3 shards and what it does not
+    (``f(n) = U + S/n``), from which the next plan to trace is the power of two that would fit. The search stops
+    at a plan that fits (and whose half was traced over), or where doubling lowers the figure by less than 1% (the
+    plan is offered as still over), or at `_MOST_GPUS`. Then each change is dropped,
+    costliest first, where the plan fits without it. Every figure is a trace of that set-up, predicted as
+    `preflight.estimate` predicts a ZeRO-3 plan; the extrapolation only picks which plan to trace."""
+    if setup.plan is not None or setup.baseline.world_size > 1 or need(setup.baseline) <= setup.limit or \
+            not str(setup.baseline.device).startswith("cuda"):
+        return []
+    if any(s.fits and not _CHANGES_TRAINING & set(s.changes) for s in ranked):
+        return []
+    start, before = time.perf_counter(), len(setup.traced)
+    by_key = {m.key: m for m in available_moves(setup)}
+    lowest: dict[str, tuple[int, Move]] = {}  # group -> the single change of it that lowered the peak most
+    for s in ranked:
+        move = by_key.get(s.changes[0]) if len(s.changes) == 1 else None
+        if move is None or move.key in _CHANGES_TRAINING or move.key in ("offload", "micro_batch", "meta-init"):
+            continue
+        if s.predicted_peak_bytes < need(setup.baseline) and \
+                s.predicted_peak_bytes < lowest.get(move.group, (need(setup.baseline), move))[0]:
+            lowest[move.group] = (s.predicted_peak_bytes, move)
+    kept = sorted((move for _, move in lowest.values()), key=lambda m: m.rank)
+
+    def figure(moves: list[Move]) -> int | None:
+        try:
+            return need(setup.trace_moves(moves))
+        except Exception:  # noqa: BLE001 - a set that cannot be traced under ZeRO-3 is not offered
+            return None
+
+    per_gpu: dict[int, int] = {}  # GPUs -> the per-GPU figure with every kept change made
+
+    def at(n: int) -> int | None:
+        if n not in per_gpu:
+            found = figure([*kept, more_gpus_move(n)])
+            if found is None:
+                return None
+            per_gpu[n] = found
+        return per_gpu[n]
+
+    if at(2) is None and kept:  # a change that ZeRO-3's trace does not take: the run as it is
+        kept = []
+    if at(2) is None:
+        return []
+    n = 2
+    while (f := at(n)) is not None and f > setup.limit and 2 * n <= _MOST_GPUS:
+        g = at(2 * n)
+        if g is None:
+            break
+        n *= 2
+        if g <= setup.limit:
+            break
+        if g > _NO_FLOOR * f:
+            break
+        # Were f = U + S/n and g = U + S/2n (U: what ZeRO-3 does not shard), the plan that fits would be S/(limit - U)
+        # GPUs: trace from half of it. Only a guess of which plan to trace (the allocator's rounding, DeepSpeed's
+        # buckets and sub-groups are not of this form): every figure offered is traced.
+        floor = 2 * g - f
+        if floor < setup.limit:
+            want = 2 * (n // 2) * (f - g) / (setup.limit - floor)
+            n = max(n, min(_MOST_GPUS // 2, 2 ** max(math.ceil(math.log2(want)) - 1, 1)))
+    while n > 2 and (at(n) or setup.limit + 1) <= setup.limit and (at(n // 2) or setup.limit + 1) <= setup.limit:
+        n //= 2  # the extrapolation overshot: fewer fit too
+    best = at(n)
+    if best is None:
+        return []
+    fits = best <= setup.limit
+    full = " + ".join(m.words for m in kept) or "no other change"
+    fewer = "" if n // 2 not in per_gpu or n < 4 else f"; on {n // 2} GPUs with {full}: " \
+        f"{format_bytes(per_gpu[n // 2])} per GPU"
+    if fits:
+        for move in sorted(kept, key=lambda m: -m.rank):  # costliest first
+            trial = [m for m in kept if m is not move]
+            without = figure([*trial, more_gpus_move(n)])
+            if without is not None and without <= setup.limit:
+                kept, best = trial, without
+    chosen = [*kept, more_gpus_move(n)]
+    with setup.applied(chosen) as c:
+        run = c.run
+    words = " + ".join(m.words for m in chosen)
+    searched = f"{len(setup.traced) - before} set-ups traced in {time.perf_counter() - start:.0f} s"
+    how = ("ZeRO-3's figure: every traced allocation rescaled to one rank's share, plus DeepSpeed's own terms; "
+           f"FSDP's full sharding shards the same states: --sharding fsdp2 --world-size {n} traces it per rank")
+    if fits:
+        text = (f"one GPU cannot train this as it is (no change that keeps what it trains fits): {words}: "
+                f"{setup.versus(best)} per GPU ({n} is the fewest GPUs, a power of two{fewer}; {searched}). {how}")
+    else:
+        stop = "the largest tried" if 2 * n > _MOST_GPUS else "doubling them lowered the figure by less than 1%"
+        text = (f"one GPU cannot train this as it is, and no plan of up to {n} GPUs under ZeRO-3 fits ({stop}): "
+                f"{words}: {setup.versus(best)} per GPU{fewer}; what ZeRO-3 does not shard (activations, "
+                f"temporaries, the batch, DeepSpeed's buffers) is over the budget ({searched}). {how}")
+    change: dict[str, Any] = {}
+    for m in chosen:
+        change.update(m.change)
+    cost = "; ".join(f"{m.words}: {m.cost}" for m in chosen)
+    return [Suggestion(change, text, best, fits, cost, run, changes=tuple(m.key for m in chosen))]
 
 
 # The single options `advise` traces, in this order: (name in its warnings, the function listing its suggestions).

@@ -51,6 +51,7 @@ COST_ORDER = (
     "bf16-true",  # precision risk for the updates
     "lora",  # changes what is trained
     "qlora",  # changes what is trained, over base weights rounded to 4 bits
+    "more_gpus",  # another job: the GPUs to run it on (offered when one GPU cannot run the training as it is)
 )
 LORA_RANK = 16
 _IMPL_COSTS = {
@@ -510,6 +511,20 @@ def offload_move(setup: _Setup) -> Move | None:
     plan = ParallelPlan(n, "zero2", offload_optimizer=True, source="preflight.advise's ZeRO-Offload option")
     return _run_move("offload", "optimizer", {"offload_optimizer": True, "zero_stage": 2, "world_size": n},
                      "ZeRO-Offload of the optimizer", _OFFLOAD_COST, lambda run: run.replace(parallel=plan))
+
+
+_MORE_GPUS_COST = ("a job over {n} GPUs instead of one: ZeRO-3's communication (about 1.5x DDP's volume, ZeRO paper "
+                   "Sec 7), and a global batch {n} times the micro-batch times the accumulation (divide the "
+                   "accumulation by {n} to keep it)")
+
+
+def more_gpus_move(n: int) -> Move:
+    """DeepSpeed ZeRO-3 over ``n`` GPUs, for a run planned on one: parameters, gradients and optimizer state
+    sharded, predicted as `preflight.estimate` predicts that plan."""
+    plan = ParallelPlan(n, "zero3", source="preflight.advise's plan for more GPUs")
+    return _run_move("more_gpus", "parallel", {"sharding": "zero3", "world_size": n},
+                     f"DeepSpeed ZeRO-3 over {n} GPUs", _MORE_GPUS_COST.format(n=n),
+                     lambda run: run.replace(parallel=plan))
 
 
 def lora_base_dtype(setup: _Setup) -> torch.dtype:

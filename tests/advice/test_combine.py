@@ -146,3 +146,52 @@ def test_a_change_as_cli_flags(change, flags):
         assert flag in rest
     assert rest[rest.index("--hf-config") + 1] == "c.json" and rest[rest.index("--gpu") + 1] == "RTX-4090"
     assert rest.count("--batch") == 1
+
+
+BIG_LLAMA = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 4,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 512}
+
+
+@pytest.mark.slow
+def test_when_one_gpu_cannot_train_it_as_it_is_the_fewest_gpus_under_zero3_are_offered(tmp_path, capsys, monkeypatch):
+    from conftest import only_options
+
+    only_options(monkeypatch, "activation checkpointing", "bf16 precision")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(BIG_LLAMA))  # ~1B parameters, built on meta
+    # The test's budget: under what any single-GPU change that keeps full fine-tuning reaches, over ZeRO-3's own
+    # buffers at DeepSpeed's defaults; no context or NCCL terms, so that the figures are the traced ones.
+    flags = ["--hf-config", str(config), "--batch", "2", "--seq", "256", "--gpu", "H100-80GB", "--budget", "5GiB",
+             "--cuda-context", "0", "--nccl-buffers", "0"]
+    assert main(["estimate", *flags, "--json", str(tmp_path / "over.json")]) == 3
+    suggestions = json.loads((tmp_path / "over.json").read_text())["suggestions"]
+    assert not any(s["fits"] and "more_gpus" not in s["changes"] for s in suggestions)
+    more = next(s for s in suggestions if "more_gpus" in s["changes"])
+    assert more["fits"] and more["change"]["sharding"] == "zero3" and more["changes"][-1] == "more_gpus"
+    n = more["change"]["world_size"]
+    assert n >= 2 and n & (n - 1) == 0
+    assert f"{n} is the fewest GPUs" in more["description"]
+    capsys.readouterr()
+    assert main(more["command"][1:]) == 0  # the plan it prints fits ...
+    assert "FITS" in capsys.readouterr().out
+    fewer = list(more["command"][1:])
+    fewer[fewer.index("--world-size") + 1] = str(n // 2)
+    assert main(fewer) == 3  # ... and half as many GPUs with the same changes do not
+
+
+def test_more_gpus_are_offered_only_for_one_cuda_gpu_that_no_same_training_change_fits():
+    from types import SimpleNamespace
+
+    from preflight.advice._options import _more_gpus
+
+    over = SimpleNamespace(world_size=1, run_required_bytes=200, device="cuda:0")
+    setup = SimpleNamespace(plan=None, baseline=over, limit=100)
+    same_training = _suggestion(("bf16-true",), True, 90)
+    assert _more_gpus(setup, [same_training]) == []  # it fits on the one GPU, training unchanged
+
+    def changed(**fields):
+        return SimpleNamespace(**{**vars(setup), **fields})
+
+    assert _more_gpus(changed(plan=object()), []) == []  # a multi-GPU plan gets the stronger shardings instead
+    assert _more_gpus(changed(baseline=SimpleNamespace(**{**vars(over), "device": "cpu"})), []) == []
+    assert _more_gpus(changed(limit=300), []) == []  # it fits as it is

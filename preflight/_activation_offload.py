@@ -38,6 +38,9 @@ __all__ = ["OFFLOAD_MODES", "StashedOffload", "offloading"]
 OFFLOAD_MODES = (None, "save_on_cpu", "streams")
 MIN_OFFLOAD_BYTES = 1024  # OffloadActivations' min_offload_size default
 FWD_STASH = 5  # OffloadActivations' max_fwd_stash_size default
+# Tensors the forward hooks of every `StashedOffload` have offloaded so far (outside a backward): a composed trace
+# reads how many each block adds (`preflight.trace._compose`).
+FORWARD_OFFLOADS = [0]
 _BUFFER = (nn.Buffer,) if hasattr(nn, "Buffer") else ()  # kept on the device, as OffloadActivations keeps them
 
 
@@ -143,6 +146,8 @@ class StashedOffload(torch.autograd.graph.saved_tensors_hooks):
                 host.copy_(t)
             fwd[n] = t
             track(key, n, original)
+            if torch._C._current_graph_task_id() == -1:
+                FORWARD_OFFLOADS[0] += 1
             return ("offloaded", n, host, t.device, shape, stride, offset)
 
         def unpack(packed: Any) -> torch.Tensor:

@@ -101,6 +101,8 @@ def advise(
       plan's DeepSpeed config with the stage changed).
     - ``allocator``: ``expandable_segments:True`` when the estimate simulates the CUDA allocator and its
       reserved peak is more than 10% above the allocated peak.
+    - ``more_gpus``: for a run on one CUDA GPU that no change keeping what it trains makes fit, DeepSpeed ZeRO-3
+      over the fewest GPUs (a power of two) that fit, with the single-GPU changes it still needs (`_more_gpus`).
     - ``fused`` and ``for-loop``: the optimizer step's implementation (`preflight.Loop.optimizer_impl`), when the
       optimizer's class takes it and it lowers the peak (torch's default on CUDA, foreach, holds temporaries the
       size of every parameter it updates).
@@ -122,7 +124,8 @@ def advise(
     Returns:
         Suggestions ranked: those that fit first, then by what the costliest of their changes costs (cheapest
         first: allocator setting, a fused optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed,
-        ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA),
+        ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA,
+        QLoRA, more GPUs),
         then by the number of changes, then by peak. A suggestion's figure is what the verdict compares
         (`Suggestion.predicted_peak_bytes`). An option whose trace fails is left out with a ``RuntimeWarning``
         saying why.

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from preflight._activation_offload import FORWARD_OFFLOADS, FWD_STASH
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError
 from preflight.trace._restore import NotRestoredError
@@ -146,16 +147,27 @@ def scaled_notes(traces: Sequence[TraceResult], copies: int) -> list[str]:
 def _shallow_traces(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, stack: Any,
                     depths: list[int], kwargs: dict[str, Any],
                     scratch: Callable[[TraceResult], TraceResult] | None) -> tuple[list[TraceResult], str | None]:
-    traces = []
+    traces, offloads = [], []
     for k in depths:
+        before = FORWARD_OFFLOADS[0]
         with truncated(stack, k):
             view = optimizer_without(optimizer, stack.params_from(k))
             result = trace_steps(model, view, batch, **kwargs)
+        offloads.append(FORWARD_OFFLOADS[0] - before)
         if result.error is not None:
             return traces, f"the {k}-block trace failed ({type(result.error).__name__})"
         if result.op_log and scratch is None:
             return traces, "kernel scratch calibration (convolutions, low-precision CPU matmuls) is not composed"
         traces.append(scratch(result) if result.op_log else result)
+    schedule = kwargs.get("schedule")
+    if schedule is not None and schedule.offload_activations == "streams":
+        # The stream hooks free an offloaded tensor's device copy once FWD_STASH more are offloaded: with fewer per
+        # period, that lag spans more periods than the shallow traces hold, and deeper stacks free differently.
+        per = (offloads[1] - offloads[0]) / max(kwargs.get("steps", 1) * schedule.accumulate, 1)
+        if 0 < per < FWD_STASH:
+            return traces, (f"the stream hooks keep the last {FWD_STASH} offloaded tensors on the device and each "
+                            f"period of the stack offloads {per:g} per forward (checkpointed blocks offload their "
+                            "inputs only): that window spans more periods than the shallow traces hold")
     return traces, None
 
 

@@ -107,6 +107,20 @@ def test_offloaded_activations_under_autocast_compose_to_the_byte(offload):
     assert len(counted) == 2 and all(n in fast.coverage.notes for n in counted)
 
 
+def test_checkpointed_blocks_with_streamed_offloading_are_traced_in_full_and_say_why():
+    # Checkpointed blocks offload about one tensor each, and the stream hooks keep the last 5 offloaded on the
+    # device: that lag spans 5 blocks, more than the shallow traces (2 to 4 blocks) hold. Composed anyway, the
+    # 6-block timeline would differ from the full trace's in the forward; it is traced in full, with the reason.
+    model = _llama(6)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run = preflight.Run(precision="bf16-true", target=preflight.Target(gpu="H100-80GB"),
+                        loop=preflight.Loop(offload_activations="streams"))
+    fast, full = _both(model, torch.optim.AdamW(model.parameters()), _batch(), run=run)
+    assert any("traced in full (fast=True)" in n and "keep the last 5 offloaded tensors" in n
+               for n in fast.coverage.notes), fast.coverage.notes
+    assert fast.peak_bytes == full.peak_bytes and fast.events == full.events
+
+
 def test_numbers_that_grow_by_block_in_the_shallow_notes_are_extrapolated():
     from preflight.trace._run import TraceResult
 

@@ -4,7 +4,7 @@ For each case, `preflight estimate` on the published config (bf16-mixed, as the 
 Lightning's ``precision="bf16-mixed"`` run it), then the first suggestion that fits run again as the command it
 printed; where one GPU cannot train the model as it is, the fewest GPUs offered are run again too, and half of them. Writes `benchmarks/results/advice.md`, quoted in docs/advice-and-autotune.md.
 
-    python benchmarks/advice.py            # about 35 minutes on 2 cores
+    python benchmarks/advice.py            # about 30 minutes on 2 cores
     python benchmarks/advice.py --case 0   # one case
 """
 

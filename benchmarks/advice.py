@@ -2,7 +2,8 @@
 
 For each case, `preflight estimate` on the published config (bf16-mixed, as the HF Trainer's ``bf16=True`` and
 Lightning's ``precision="bf16-mixed"`` run it), then the first suggestion that fits run again as the command it
-printed; where one GPU cannot train the model as it is, the fewest GPUs offered are run again too, and half of them. Writes `benchmarks/results/advice.md`, quoted in docs/advice-and-autotune.md.
+printed; where one GPU cannot train the model as it is, the fewest GPUs offered are run again too, and half of
+them. Writes `benchmarks/results/advice.md`, quoted in docs/advice-and-autotune.md.
 
     python benchmarks/advice.py            # about 30 minutes on 2 cores
     python benchmarks/advice.py --case 0   # one case
@@ -55,7 +56,8 @@ def run_case(name: str, config: str, batch: int, seq: int, gpu: str) -> dict:
             half[half.index("--world-size") + 1] = str(n // 2)
             with contextlib.redirect_stdout(io.StringIO()):
                 more_exits = (main(more["command"][1:]), main(half))
-    row = {"name": name, "more": more, "more_exits": more_exits, "gpu": gpu, "shape": f"{batch} x {seq}", "status": status,
+    row = {"name": name, "more": more, "more_exits": more_exits,
+           "gpu": gpu, "shape": f"{batch} x {seq}", "status": status,
            "required": report["required_bytes"], "seconds": seconds, "printed": printed.getvalue(),
            "first": first, "rank": None if first is None else report["suggestions"].index(first) + 1,
            "rerun": rerun, "rerun_required": None if rerun is None else rerun_report["required_bytes"],
@@ -111,7 +113,8 @@ def _more(row: dict, format_bytes) -> str:
     n = more["change"]["world_size"]
     state = "fits" if more["fits"] else "over"
     exits = "" if row["more_exits"] is None else f" ({row['more_exits'][0]}; {n // 2} GPUs: {row['more_exits'][1]})"
-    return f"{n} GPUs: {' + '.join(more['changes'])}, {format_bytes(more['predicted_peak_bytes'])} per GPU, {state}{exits}"
+    figure = format_bytes(more["predicted_peak_bytes"])
+    return f"{n} GPUs: {' + '.join(more['changes'])}, {figure} per GPU, {state}{exits}"
 
 
 if __name__ == "__main__":

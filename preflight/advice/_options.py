@@ -183,20 +183,15 @@ def advise(
         except Exception as err:  # noqa: BLE001 - one option failing must not hide the others (reported below)
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning)
-    try:
-        ranked.extend(_combination(setup, ranked))
-    except NotRestoredError:
-        raise
-    except Exception as err:  # noqa: BLE001 - as above
-        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        warn(f"preflight.advise left out the combination option: {reason}", RuntimeWarning)
-    try:
-        ranked.extend(_more_gpus(setup, ranked))
-    except NotRestoredError:
-        raise
-    except Exception as err:  # noqa: BLE001 - as above
-        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        warn(f"preflight.advise left out the plan for more GPUs: {reason}", RuntimeWarning)
+    # Searched over what the single options found: combinations, then (where one GPU cannot do it) more GPUs.
+    for name, search in (("combination option", _combination), ("plan for more GPUs", _more_gpus)):
+        try:
+            ranked.extend(search(setup, ranked))
+        except NotRestoredError:
+            raise
+        except Exception as err:  # noqa: BLE001 - as above
+            reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            warn(f"preflight.advise left out the {name}: {reason}", RuntimeWarning)
     ranked.sort(key=ranking)
     return [dataclasses.replace(s, run_changes=s.run.changes_from(run)) for s in ranked]
 

@@ -39,19 +39,13 @@ def combine(setup: _Setup, moves: list[Move],
     chosen: list[Move] = []
     best = need(setup.baseline)
 
-    def figure(trial: list[Move]) -> int | None:
-        try:
-            return need(setup.trace_moves(trial))
-        except Exception:  # noqa: BLE001 - a set that cannot be traced is not offered (e.g. no 8-bit form)
-            return None
-
     for _ in range(_PASSES):
         kept = False
         for move in moves:
             if move in chosen:
                 continue
             trial = [m for m in chosen if m.group != move.group] + [move]
-            found = figure(trial)
+            found = setup.need_of(trial)
             if found is not None and found < best:
                 chosen, best, kept = trial, found, True
                 if best <= setup.limit:
@@ -62,7 +56,7 @@ def combine(setup: _Setup, moves: list[Move],
     if fits:
         for move in sorted(chosen, key=lambda m: -m.rank):  # costliest first: fewer and cheaper changes rank higher
             trial = [m for m in chosen if m is not move]
-            found = figure(trial) if trial else None
+            found = setup.need_of(trial) if trial else None
             if found is not None and found <= setup.limit:
                 chosen, best = trial, found
     micro = next((m for m in chosen if m.key == "micro_batch"), None)

@@ -584,17 +584,11 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
             lowest[move.group] = (s.predicted_peak_bytes, move)
     kept = sorted((move for _, move in lowest.values()), key=lambda m: m.rank)
 
-    def figure(moves: list[Move]) -> int | None:
-        try:
-            return need(setup.trace_moves(moves))
-        except Exception:  # noqa: BLE001 - a set that cannot be traced under ZeRO-3 is not offered
-            return None
-
     per_gpu: dict[int, int] = {}  # GPUs -> the per-GPU figure with every kept change made
 
     def at(n: int) -> int | None:
         if n not in per_gpu:
-            found = figure([*kept, more_gpus_move(n)])
+            found = setup.need_of([*kept, more_gpus_move(n)])
             if found is None:
                 return None
             per_gpu[n] = found
@@ -633,7 +627,7 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
     if fits:
         for move in sorted(kept, key=lambda m: -m.rank):  # costliest first
             trial = [m for m in kept if m is not move]
-            without = figure([*trial, more_gpus_move(n)])
+            without = setup.need_of([*trial, more_gpus_move(n)])
             if without is not None and without <= setup.limit:
                 kept, best = trial, without
     chosen = [*kept, more_gpus_move(n)]

@@ -238,6 +238,14 @@ class _Setup:
                 self.traced[key] = self.trace(model=c.model, optimizer=c.optimizer, batch=c.batch, run=c.run)
         return self.traced[key]
 
+    def need_of(self, moves: Iterable[Move]) -> int | None:
+        """What the verdict compares for the set-up with ``moves`` made (`trace_moves`), or None where that set
+        cannot be traced (it is then not offered)."""
+        try:
+            return need(self.trace_moves(moves))
+        except Exception:  # noqa: BLE001 - e.g. no 8-bit form, or a change ZeRO-3's trace does not take
+            return None
+
     def with_loop(self, **changes: Any) -> Run:
         """The user's run with its loop changed."""
         return self.run.replace(loop=dataclasses.replace(self.run.loop, **changes))

@@ -531,3 +531,23 @@ def test_a_device_preflight_does_not_model_is_named():
     cpu = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8),
                              step=lambda m, b: m(b).sum())
     assert not any("not modelled" in n for n in cpu.coverage.notes)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-true"])
+def test_gradients_held_before_the_run_are_counted_from_the_start(precision):
+    # A backward ran before preflight (a warm-up step, a notebook cell) and no zero_grad since: the run starts with
+    # every parameter's .grad on the device, and its first backward accumulates into them.
+    model, batch = make_gpt2(n_layer=2, n_embd=64), lm_batch(batch_size=2, seq=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    run = preflight.Run(precision=precision)
+    fresh = preflight.estimate(model, optimizer, batch, run)
+    model(**batch).loss.backward()
+    held = {name: (p.grad, p.grad.clone()) for name, p in model.named_parameters()}
+    est = preflight.estimate(model, optimizer, batch, run)
+    for name, p in model.named_parameters():  # the user's gradients are as they were
+        assert p.grad is held[name][0] and torch.equal(p.grad, held[name][1])
+    grad_bytes = sum(p.numel() * (2 if precision else 4) for p in model.parameters())
+    assert est.peak_bytes - fresh.peak_bytes == grad_bytes  # each held gradient is on top of the fresh run's peak
+    assert any(f"held a .grad before the run ({grad_bytes:,} B)" in n for n in est.coverage.notes)
+    measured = preflight.measure(model, optimizer, batch, run)  # trains the model: last
+    assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TRANSFORMER_TOL

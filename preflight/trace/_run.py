@@ -381,6 +381,15 @@ class FakeRun:
             if getattr(p, "_post_accumulate_grad_hooks", None) and optimizers is None:
                 optimizers = _optimizers_by_parameter()
             carry_parameter_hooks(p, self.state[name], self.notes, sweep, (optimizers or {}).get(id(p), []))
+        held = [(name, self.state[name].grad) for name, _ in model.named_parameters()
+                if self.state[name].grad is not None]
+        for name, grad in held:
+            self.tracker.register(grad, Category.GRADIENTS)
+            self.tracker.names[grad] = f"gradient of '{name}' held before the run"
+        if held:
+            self.notes.append(f"{len(held)} parameter(s) held a .grad before the run "
+                              f"({sum(g.untyped_storage().nbytes() for _, g in held):,} B): counted from the start, "
+                              "as the run holds them until its loop sets them to None")
         for path, twin in self.twins.carried:  # a quantised weight's state (absmax, code): held with the weight
             self.tracker.register(twin, Category.PARAMETERS)
             self.tracker.names[twin] = f"quantisation state {path}"

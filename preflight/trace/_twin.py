@@ -108,10 +108,17 @@ class TwinMaker:
         return self._memo.get(id(t))
 
     def module_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Twins of every parameter and buffer of ``model``, keyed by their qualified names (tied names included)."""
+        """Twins of every parameter and buffer of ``model``, keyed by their qualified names (tied names included);
+        a parameter's twin holds the twin of the dense ``.grad`` it holds."""
         state: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             state[name] = self.tensor(p)
+            grad = p.grad
+            if grad is not None and state[name].grad is None and grad.layout == torch.strided \
+                    and grad.shape == p.shape:
+                # A gradient the parameter holds before the run (a backward ran, no zero_grad since) stays on the
+                # device until the loop sets it to None; a backward accumulates into it. Cast as the parameter.
+                state[name].grad = self.tensor(grad, requires_grad=False)
         for name, b in model.named_buffers(remove_duplicate=False):
             state[name] = self.tensor(b, requires_grad=False)
         return state

@@ -549,5 +549,11 @@ def test_gradients_held_before_the_run_are_counted_from_the_start(precision):
     grad_bytes = sum(p.numel() * (2 if precision else 4) for p in model.parameters())
     assert est.peak_bytes - fresh.peak_bytes == grad_bytes  # each held gradient is on top of the fresh run's peak
     assert any(f"held a .grad before the run ({grad_bytes:,} B)" in n for n in est.coverage.notes)
+    # A step traced again after real steps (the callbacks' verification) starts with the gradients held when the
+    # run began: none here.
+    from preflight.trace import gradients_held_by
+
+    with gradients_held_by([]):
+        assert preflight.estimate(model, optimizer, batch, run).peak_bytes == fresh.peak_bytes
     measured = preflight.measure(model, optimizer, batch, run)  # trains the model: last
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TRANSFORMER_TOL

@@ -21,7 +21,7 @@ from preflight.trace._restore import NotRestoredError, restored_module
 from preflight.trace._routing import ROUTINGS, check_routing
 from preflight.trace._run import FakeRun, TensorSpec, TraceResult, trace_steps
 from preflight.trace._step_checks import device_mismatch
-from preflight.trace._twin import float_dtype_for
+from preflight.trace._twin import float_dtype_for, gradients_held_by
 
 __all__ = [
     "ROUTINGS",
@@ -35,6 +35,7 @@ __all__ = [
     "device_mismatch",
     "fake_region",
     "float_dtype_for",
+    "gradients_held_by",
     "is_user_error",
     "isolated_process",
     "isolated_rng",

@@ -6,7 +6,10 @@ A twin has the shape, dtype, stride and ``requires_grad`` of the original and li
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -14,7 +17,21 @@ from torch import nn
 
 from preflight._device import iter_tensors, map_held_tensors, map_tensors
 
-__all__ = ["TwinMaker", "clone_optimizer", "cuda_default_impl", "float_dtype_for"]
+__all__ = ["TwinMaker", "clone_optimizer", "cuda_default_impl", "float_dtype_for", "gradients_held_by"]
+
+# The parameters whose .grad a twin carries (by id), or None: every parameter's (`gradients_held_by`).
+_HELD: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("preflight_held_gradients", default=None)
+
+
+@contextlib.contextmanager
+def gradients_held_by(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Twins made inside carry the ``.grad`` of ``params`` only: a step traced again after the real steps ran (a
+    verification) starts with the gradients held when the run began, not those the real steps left."""
+    token = _HELD.set(frozenset(id(p) for p in params))
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
 
 
 def float_dtype_for(precision: str | None) -> torch.dtype | None:
@@ -114,7 +131,8 @@ class TwinMaker:
         for name, p in model.named_parameters(remove_duplicate=False):
             state[name] = self.tensor(p)
             grad = p.grad
-            if grad is not None and state[name].grad is None and grad.layout == torch.strided \
+            held = _HELD.get()
+            if grad is not None and (held is None or id(p) in held) and state[name].grad is None and grad.layout == torch.strided \
                     and grad.shape == p.shape:
                 # A gradient the parameter holds before the run (a backward ran, no zero_grad since) stays on the
                 # device until the loop sets it to None; a backward accumulates into it. Cast as the parameter.

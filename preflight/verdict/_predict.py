@@ -34,7 +34,7 @@ from preflight.cuda._nccl import rank_nccl_buffers
 from preflight.parallel import ParallelPlan, already_sharded, read_ddp, read_fsdp1, read_fsdp2, read_zero, zero_plan
 from preflight.parallel import held_tensors, read_ep, read_tp, stand_in
 from preflight.parallel._pipeline import read_pp
-from preflight.trace import float_dtype_for
+from preflight.trace import float_dtype_for, gradients_held_by
 
 from preflight.report._report import Report
 from preflight.verdict._options import Options
@@ -168,12 +168,17 @@ def predict(
         evaluation = Evaluation(eval_batch, eval_step, frees_gradients=eval_frees_gradients,
                                 keeps_batch=eval_keeps_batch)
 
+    # The gradients held now, when the run begins: a step traced again after the real steps starts with these, not
+    # with those the real steps left.
+    held_at_start = [p for p in model.parameters() if p.grad is not None]
+
     def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer, evaluated: Evaluation | None = None) -> Estimate:
-        if job is not None:
-            return estimate(schedule_object, opt, b, estimate_run, step=step)
-        if evaluated is not None:
-            return estimate_evaluating(model, opt, b, estimate_run, step=step, evaluation=evaluated)
-        return estimate(model, opt, b, estimate_run, step=step)
+        with gradients_held_by(held_at_start):
+            if job is not None:
+                return estimate(schedule_object, opt, b, estimate_run, step=step)
+            if evaluated is not None:
+                return estimate_evaluating(model, opt, b, estimate_run, step=step, evaluation=evaluated)
+            return estimate(model, opt, b, estimate_run, step=step)
 
     def step_predictor(b: Any) -> dict[int, int]:
         # After the measured steps the optimizer has state; the measured run's first step had none.

@@ -8,6 +8,7 @@ step's gradients); pass those bytes as ``resident`` so the peak is the one the d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
 from preflight.cuda import CudaTarget
 from preflight.parallel._pipeline import refuse_job_pipeline
-from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, swept
+from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, gradients_held_by, swept
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
 
@@ -61,7 +62,9 @@ def estimate_eval(
             no gradients); a per-rank share under ``run.parallel`` is the caller's (`preflight.check` gives it),
             while its ranks' NCCL buffers are in ``device_total_bytes`` on a CUDA target, as `estimate` counts them.
         resident: bytes per `Category` value alive throughout the step besides parameters, buffers and the batch
-            (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training).
+            (e.g. ``{"optimizer_state": ..., "gradients": ...}`` during evaluation inside training). Given (even
+            empty), it is all the training state there is: the ``.grad`` the parameters hold now is not counted
+            again. Without it, gradients the parameters hold are counted, as the evaluation holds them.
 
     Returns:
         An `Estimate` with ``steps=1`` and phases ``eval/forward``. On a CUDA target, as for training: the
@@ -151,6 +154,9 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
     if ddp is not None:
         model, plan = ddp[0], plan or ddp[1]
     check_step(step)
+    # The training state the caller counted includes the gradients, or says they are freed: the .grad the model
+    # holds now (the real steps' when a verification traces again) is not carried as well.
+    carried = contextlib.nullcontext() if resident is None else gradients_held_by(())
     resident = {k: int(v) for k, v in (resident or {}).items() if v}
     unknown = set(resident) - {c.value for c in Category}
     if unknown:
@@ -163,8 +169,9 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
         model = zero.model
     trace_device = trace_device_for(target)
     cuda = CudaTarget.of(gpu_info) if target.type == "cuda" and trace_device.type != "cuda" else None
-    result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
-                         layouts=target.type == trace_device.type == "cpu", cuda=cuda, phase=phase)
+    with carried:
+        result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
+                             layouts=target.type == trace_device.type == "cpu", cuda=cuda, phase=phase)
     notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")

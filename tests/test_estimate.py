@@ -288,6 +288,7 @@ def test_schedules_gradient_accumulation_and_lightning_zero_grad(accumulate, zer
     opt = torch.optim.AdamW(model.parameters())
     err, est = relative_error(model, opt, lm_batch(), run=preflight.Run(loop=preflight.Loop(accumulate=accumulate, zero_grad=zero_grad)))
     assert abs(err) < TRANSFORMER_TOL
+    model.zero_grad(set_to_none=True)  # the measured steps left gradients: a plain run starts without
     plain = preflight.estimate(model, opt, lm_batch())
     assert est.peak_bytes > plain.peak_bytes  # gradients alive across a forward
     with pytest.raises(ValueError, match="zero_grad"):
@@ -555,5 +556,8 @@ def test_gradients_held_before_the_run_are_counted_from_the_start(precision):
 
     with gradients_held_by([]):
         assert preflight.estimate(model, optimizer, batch, run).peak_bytes == fresh.peak_bytes
+    # An evaluation holds them too, unless the caller's resident state already says what training left.
+    plain_eval = preflight.estimate_eval(model, batch, run, resident={})
+    assert preflight.estimate_eval(model, batch, run).peak_bytes - plain_eval.peak_bytes == grad_bytes
     measured = preflight.measure(model, optimizer, batch, run)  # trains the model: last
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TRANSFORMER_TOL

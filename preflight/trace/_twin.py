@@ -128,15 +128,16 @@ class TwinMaker:
         """Twins of every parameter and buffer of ``model``, keyed by their qualified names (tied names included);
         a parameter's twin holds the twin of the dense ``.grad`` it holds."""
         state: dict[str, torch.Tensor] = {}
+        held = _HELD.get()
         for name, p in model.named_parameters(remove_duplicate=False):
-            state[name] = self.tensor(p)
+            state[name] = twin = self.tensor(p)
             grad = p.grad
-            held = _HELD.get()
-            if grad is not None and (held is None or id(p) in held) and state[name].grad is None and grad.layout == torch.strided \
-                    and grad.shape == p.shape:
+            if grad is None or (held is not None and id(p) not in held) or twin.grad is not None:
+                continue
+            if grad.layout == torch.strided and grad.shape == p.shape:
                 # A gradient the parameter holds before the run (a backward ran, no zero_grad since) stays on the
                 # device until the loop sets it to None; a backward accumulates into it. Cast as the parameter.
-                state[name].grad = self.tensor(grad, requires_grad=False)
+                twin.grad = self.tensor(grad, requires_grad=False)
         for name, b in model.named_buffers(remove_duplicate=False):
             state[name] = self.tensor(b, requires_grad=False)
         return state

@@ -54,11 +54,7 @@ def combine(setup: _Setup, moves: list[Move],
             break
     fits = best <= setup.limit
     if fits:
-        for move in sorted(chosen, key=lambda m: -m.rank):  # costliest first: fewer and cheaper changes rank higher
-            trial = [m for m in chosen if m is not move]
-            found = setup.need_of(trial) if trial else None
-            if found is not None and found <= setup.limit:
-                chosen, best = trial, found
+        chosen, best = drop_unneeded(setup, chosen, best)
     micro = next((m for m in chosen if m.key == "micro_batch"), None)
     note = ""
     if fits and micro is not None:
@@ -88,6 +84,24 @@ def combine(setup: _Setup, moves: list[Move],
     else:
         text = (f"no combination found fits; the lowest: {words}: {setup.versus(best)} ({searched}); "
                 f"{format_bytes(best - setup.limit)} more is needed")
+    return suggestion_of(chosen, text, best, fits, run)
+
+
+def drop_unneeded(setup: _Setup, chosen: list[Move], best: int, *, beside: tuple[Move, ...] = ()
+                  ) -> tuple[list[Move], int]:
+    """``chosen`` less each move the set still fits without (``beside`` always made with it), tried costliest
+    first (fewer and cheaper changes rank higher), and the figure of what is left; never emptied to no move at
+    all."""
+    for move in sorted(chosen, key=lambda m: -m.rank):
+        trial = [m for m in chosen if m is not move]
+        found = setup.need_of([*trial, *beside]) if trial or beside else None
+        if found is not None and found <= setup.limit:
+            chosen, best = trial, found
+    return chosen, best
+
+
+def suggestion_of(chosen: list[Move], text: str, best: int, fits: bool, run: Any) -> Suggestion:
+    """One suggestion making every move of ``chosen``: their changes merged, their costs listed."""
     change: dict[str, Any] = {}
     for m in chosen:
         change.update(m.change)

@@ -236,8 +236,9 @@ def predict(
                                                if traced_eval is not None else "no evaluation peak"))
     if spread is not None:
         unwrapped = False
-        notes.append(f"the model was laid out by transformers' expert parallelism ({spread.describe()}); " + ("evaluation traced on each rank after the training steps; "
-                                                  if traced_eval is not None else "no evaluation peak; ")
+        notes.append(f"the model was laid out by transformers' expert parallelism ({spread.describe()}); "
+                     + ("evaluation traced on each rank after the training steps; " if traced_eval is not None
+                        else "no evaluation peak; ")
                      + "suggestions traced on the model as it is laid out")
     if own is not None and ((options.check_eval and eval_batch is not None) or options.suggest):
         try:
@@ -558,12 +559,10 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
 
 def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None, run: Run,
                  options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
-    try:
-        from preflight.advice import advise
-    except ImportError:
-        return []
     run = run.replace(target=dataclasses.replace(run.target, budget=report.budget_bytes))
     try:
+        from preflight.advice import advise
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
             found = advise(model, optimizer, batch, run, step=step, make_batch=make_batch, headroom=options.headroom)

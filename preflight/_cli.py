@@ -59,7 +59,7 @@ _CHANGE_FLAGS = {"precision": "precision", "sharding": "sharding", "world_size":
                  "gradient_checkpointing": "checkpointing", "r": "lora_r", "target_modules": "lora_targets",
                  "base_dtype": "param_dtype", "quantize": "quantize", "double_quant": "double_quant",
                  "microbatches": "microbatches", "loading": "loading",
-                 "offload_activations": "offload_activations"}
+                 "offload_activations": "offload_activations", "fsdp_param_dtype": "fsdp_param_dtype"}
 # Said by other keys of the same change, or by the flags' defaults.
 _IMPLIED_CHANGES = {"peft": "r"}
 _OPTIMIZER_FLAGS = {f"bitsandbytes.optim.{cls}": flag for flag, cls in _BNB_OPTIMIZERS.items()}
@@ -157,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --sharding fsdp2: FSDP2's hybrid sharding (HSDP), the model replicated over R groups "
                           "of --world-size/R ranks that shard it (a (R, world/R) mesh; with --tp N the 3-D mesh (R, "
                           "world/(R*N), N); with --ep, transformers' dp_replicate_size=R). Each distinct rank traced")
+    est.add_argument("--fsdp-param-dtype", choices=("bfloat16", "float16"), default=None,
+                     help="with --sharding fsdp2: FSDP2 casts the parameters it gathers to this dtype "
+                          "(MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32), torchtitan's default); "
+                          "without it, a *-mixed --precision casts them under autocast, whose cache keeps every "
+                          "gathered parameter's cast until the forward ends")
     est.add_argument("--pp", type=int, default=None, metavar="N",
                      help="pipeline parallelism over N stage ranks (causal-lm): the model cut as transformers' own "
                           "pipeline parallelism cuts it, run by torch's schedule (--schedule), each step's batch "
@@ -451,6 +456,8 @@ def _assumptions_text(args: argparse.Namespace, params: dict[str, Any], param_dt
         (f", pipeline parallel degree {pp} ({args.schedule}, {_microbatches(args)} micro-batches of "
          f"{args.batch})" if pp else "") + \
         (f", {sharding}" if sharding else "") + \
+        (f" gathering {args.fsdp_param_dtype} parameters (MixedPrecisionPolicy)"
+         if getattr(args, "fsdp_param_dtype", None) else "") + \
         "".join(f", {k.replace('_', ' ')}" for k, v in offload.items() if v)
     if args.generate:
         mode = f"{args.num_beams} beams" if args.num_beams > 1 else "greedy"
@@ -487,11 +494,21 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
             getattr(args, flag, None) is not None for flag in ("pp", "cp")) or any(offload.values())):
         raise UsageError(f"--replicate {replicate}: FSDP2's hybrid sharding replicates over at least 2 groups, with "
                          "--sharding fsdp2 (alone, with --tp or with --ep), without --pp, --cp or offloading.")
+    param_dtype = getattr(args, "fsdp_param_dtype", None)
+    if param_dtype is not None and (sharding != "fsdp2" and getattr(args, "ep", None) is None or any(
+            getattr(args, flag, None) is not None for flag in ("pp", "cp"))):
+        raise UsageError(f"--fsdp-param-dtype {param_dtype}: FSDP2's parameter dtype is planned with --sharding "
+                         "fsdp2 (alone, with --tp, --replicate or --ep), without --pp or --cp.")
     hsdp = None
-    if replicate > 1:
+    if replicate > 1 or param_dtype is not None:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         from preflight.parallel import FSDP2Plan
 
-        hsdp = FSDP2Plan(replicate=replicate)
+        policy = None if param_dtype is None else MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype),
+                                                                       reduce_dtype=torch.float32)
+        hsdp = FSDP2Plan(replicate=replicate, mp_policy=policy)
     try:
         tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
         if pp is None and (getattr(args, "microbatches", None) is not None or
@@ -714,7 +731,7 @@ def _inputs(args: argparse.Namespace, param_dtype: str, sharding: str | None,
             "quantize": {"scheme": args.quantize, "double_quant": args.double_quant} if args.quantize else None,
             "checkpointing": args.checkpointing, "world_size": args.world_size, "sharding": sharding, **offload,
             "gradient_as_bucket_view": args.gradient_as_bucket_view, "tp": args.tp,
-            "replicate": getattr(args, "replicate", 1),
+            "replicate": getattr(args, "replicate", 1), "fsdp_param_dtype": getattr(args, "fsdp_param_dtype", None),
             "pp": {"stages": args.pp, "schedule": args.schedule, "microbatches": _microbatches(args)}
             if args.pp else None,
             "deepspeed_config": args.deepspeed_config, "gpu": args.gpu, "budget": args.budget,

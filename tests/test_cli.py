@@ -313,6 +313,38 @@ def test_replicate_plans_fsdp2_hybrid_sharding_per_rank(config, tmp_path, capsys
     assert "--replicate 2: FSDP2's hybrid sharding" in capsys.readouterr().err
 
 
+def test_fsdp_param_dtype_plans_fsdp2s_policy_and_is_suggested_under_autocast(config, tmp_path, capsys,
+                                                                               monkeypatch):
+    """--fsdp-param-dtype: FSDP2 casts the parameters it gathers (MixedPrecisionPolicy), freed at each reshard, where
+    bf16-mixed alone leaves every gathered parameter's cast in autocast's cache through the forward; a run over
+    budget by that is told the flag, and the command it prints exits 0."""
+    from conftest import only_options
+
+    only_options(monkeypatch, "FSDP2 parameter dtype")
+    flags = ["--hf-config", config, "--batch", "2", "--seq", "16", "--world-size", "2", "--sharding", "fsdp2",
+             "--precision", "bf16-mixed", "--headroom", "0"]
+    figures = {}
+    for name, extra in (("autocast", []), ("policy", ["--fsdp-param-dtype", "bfloat16"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["estimate", *flags, *extra, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        figures[name] = report["required_bytes"]
+    assert json.loads((tmp_path / "policy.json").read_text())["inputs"]["fsdp_param_dtype"] == "bfloat16"
+    assert "gathering bfloat16 parameters (MixedPrecisionPolicy)" in capsys.readouterr().out
+    assert figures["policy"] < figures["autocast"]
+    budget = (figures["policy"] + figures["autocast"]) // 2
+    assert main(["estimate", *flags, "--budget", f"{budget}B", "--json", str(tmp_path / "over.json")]) == 3
+    first = json.loads((tmp_path / "over.json").read_text())["suggestions"][0]
+    command = first["command"]
+    assert first["fits"] and command[command.index("--fsdp-param-dtype") + 1] == "bfloat16"
+    capsys.readouterr()
+    assert main(first["command"][1:]) == 0
+    assert main(["estimate", "--hf-config", config, "--batch", "2", "--seq", "16", "--fsdp-param-dtype",
+                 "bfloat16"]) == 2
+    assert "--fsdp-param-dtype bfloat16: FSDP2's parameter dtype is planned with --sharding fsdp2" in \
+        capsys.readouterr().err
+
+
 def test_json_records_the_inputs_and_versions(config, tmp_path):
     import torch
 

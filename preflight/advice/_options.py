@@ -37,10 +37,10 @@ from preflight._run import Run, check_run, pinned, run_budget
 from preflight._steps import StepFn
 from preflight._units import format_bytes
 from preflight._warnings import warn
-from preflight.advice._combine import combine
+from preflight.advice._combine import combine, drop_unneeded, suggestion_of
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
-    Move, checkpointing_move, eight_bit, eight_bit_move, impl_moves, lora_move, meta_init_move, micro_batch_move,
+    Move, checkpointing_move, eight_bit, eight_bit_move, fsdp_param_dtype_move, impl_moves, lora_move, meta_init_move, micro_batch_move,
     more_gpus_move, need,
     offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks,
     resize_batch,
@@ -95,6 +95,9 @@ def advise(
     - ``offload_activations``: on a CUDA target, the saved activations offloaded to host memory as TRL's
       ``activation_offloading`` and torchtune's ``enable_activation_offloading`` offload them
       (`preflight.Loop.offload_activations` ``"streams"``).
+    - ``fsdp_param_dtype``: under an FSDP2 plan with autocast (``*-mixed``) and no policy casting parameters,
+      FSDP2's ``MixedPrecisionPolicy(param_dtype=<the autocast dtype>, reduce_dtype=torch.float32)``: autocast
+      caches its cast of every gathered parameter until the forward ends, FSDP2's cast is freed at each reshard.
     - Under ``run.parallel``: the stronger shardings of the plan's engine over its ranks,
       each predicted as `preflight.estimate` predicts it: DDP -> FSDP ``SHARD_GRAD_OP`` and FSDP2
       (``fully_shard``), traced per rank; ``SHARD_GRAD_OP`` -> ``FULL_SHARD``; ZeRO-1 -> ZeRO-2 -> ZeRO-3 (the
@@ -124,7 +127,7 @@ def advise(
     Returns:
         Suggestions ranked: those that fit first, then by what the costliest of their changes costs (cheapest
         first: allocator setting, a fused optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed,
-        ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA,
+        FSDP2's parameter dtype, ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA,
         QLoRA, more GPUs),
         then by the number of changes, then by peak. A suggestion's figure is what the verdict compares
         (`Suggestion.predicted_peak_bytes`). An option whose trace fails is left out with a ``RuntimeWarning``
@@ -436,6 +439,21 @@ def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
     return out
 
 
+def _fsdp_param_dtype(setup: _Setup) -> list[tuple[str, Suggestion]]:
+    """FSDP2 casting the parameters it gathers (`fsdp_param_dtype_move`), for an FSDP2 plan under autocast."""
+    move = fsdp_param_dtype_move(setup)
+    if move is None:
+        return []
+    figure = need(setup.trace_moves([move]))
+    if not _lowered(setup, figure):
+        return []
+    with setup.applied([move]) as c:
+        changed = c.run
+    text = (f"{move.words} in place of autocast's cached casts: autocast keeps its cast of each parameter FSDP2 "
+            f"gathers until the forward ends, every unit's at once: {setup.versus(figure)} per GPU")
+    return [(move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, changed))]
+
+
 def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """ZeRO-Offload: the optimizer state and its step on the CPU (DeepSpeed ``offload_optimizer``), on top of
     ZeRO-2 over the available GPUs (one GPU included)."""
@@ -579,8 +597,7 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
         move = by_key.get(s.changes[0]) if len(s.changes) == 1 else None
         if move is None or move.key in _CHANGES_TRAINING or move.key in ("offload", "micro_batch", "meta-init"):
             continue
-        if s.predicted_peak_bytes < need(setup.baseline) and \
-                s.predicted_peak_bytes < lowest.get(move.group, (need(setup.baseline), move))[0]:
+        if s.predicted_peak_bytes < lowest.get(move.group, (need(setup.baseline), move))[0]:
             lowest[move.group] = (s.predicted_peak_bytes, move)
     kept = sorted((move for _, move in lowest.values()), key=lambda m: m.rank)
 
@@ -625,11 +642,7 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
     fewer = "" if n // 2 not in per_gpu or n < 4 else f"; on {n // 2} GPUs with {full}: " \
         f"{format_bytes(per_gpu[n // 2])} per GPU"
     if fits:
-        for move in sorted(kept, key=lambda m: -m.rank):  # costliest first
-            trial = [m for m in kept if m is not move]
-            without = setup.need_of([*trial, more_gpus_move(n)])
-            if without is not None and without <= setup.limit:
-                kept, best = trial, without
+        kept, best = drop_unneeded(setup, kept, best, beside=(more_gpus_move(n),))
     chosen = [*kept, more_gpus_move(n)]
     with setup.applied(chosen) as c:
         run = c.run
@@ -645,11 +658,7 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
         text = (f"one GPU cannot train this as it is, and no plan of up to {n} GPUs under ZeRO-3 fits ({stop}): "
                 f"{words}: {setup.versus(best)} per GPU{fewer}; what ZeRO-3 does not shard (activations, "
                 f"temporaries, the batch, DeepSpeed's buffers) is over the budget ({searched}). {how}")
-    change: dict[str, Any] = {}
-    for m in chosen:
-        change.update(m.change)
-    cost = "; ".join(f"{m.words}: {m.cost}" for m in chosen)
-    return [Suggestion(change, text, best, fits, cost, run, changes=tuple(m.key for m in chosen))]
+    return [suggestion_of(chosen, text, best, fits, run)]
 
 
 # The single options `advise` traces, in this order: (name in its warnings, the function listing its suggestions).
@@ -663,6 +672,7 @@ OPTIONS: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...
     ("LoRA", _lora),
     ("QLoRA", _qlora),
     ("bf16 precision", _bf16),
+    ("FSDP2 parameter dtype", _fsdp_param_dtype),
     ("sharding", _sharding),
     ("optimizer offload", _offload),
     ("allocator setting", _allocator),

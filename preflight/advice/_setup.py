@@ -42,6 +42,7 @@ COST_ORDER = (
     "micro_batch",  # same updates, lower throughput
     "for-loop",  # the same updates, one kernel launch per parameter: a slower step
     "bf16-mixed",  # usually no quality change, needs bf16 hardware
+    "fsdp_param_dtype",  # FSDP2 casts the gathered parameters in place of autocast's per-op casts
     "zero1", "zero2",  # DDP's communication volume, needs the GPUs
     "checkpointing",  # about one extra forward per step
     "offload_activations",  # the saved activations over PCIe, there and back, every step
@@ -265,7 +266,7 @@ class _Setup:
 def available_moves(setup: _Setup) -> list[Move]:
     """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
     moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (meta_init_move, micro_batch_move, checkpointing_move, offload_activations_move, eight_bit_move,
+    for build in (meta_init_move, fsdp_param_dtype_move, micro_batch_move, checkpointing_move, offload_activations_move, eight_bit_move,
                   offload_move, lora_move, qlora_move):
         move = build(setup)
         if move is not None:
@@ -324,6 +325,39 @@ def precision_moves(setup: _Setup) -> list[Move]:
         wanted.append("bf16-true")
     return [_run_move(p, "precision", {"precision": p}, f"precision {p}", _PRECISION_COSTS[p],
                       lambda run, p=p: run.replace(precision=p)) for p in wanted]
+
+
+_FSDP_PARAM_DTYPE_COST = (
+    "the forward and backward compute on {dtype} copies of the gathered parameters, cast as FSDP2 gathers them "
+    "(MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32), torchtitan's default) where "
+    "autocast casts per operator: the operators autocast keeps in fp32 (norms, softmax, losses) then see {dtype} "
+    "weights; the sharded parameters, the gradients' reduction and the optimizer state stay fp32")
+
+
+def fsdp_param_dtype_move(setup: _Setup) -> Move | None:
+    """FSDP2 casting the parameters it gathers to the mixed precision's dtype, for a run planned under FSDP2 with
+    autocast and no such policy: autocast keeps its cast of each gathered parameter (a leaf that requires grad) in
+    its cache until the autocast region ends, so every unit's parameters stay gathered, cast, through the forward;
+    cast by FSDP2, they are freed with the unit's reshard. The run keeps its precision (autocast then finds the
+    parameters already cast)."""
+    from preflight.parallel import FSDP2Plan
+
+    plan = setup.plan
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(setup.precision or "")
+    if not isinstance(plan, ParallelPlan) or plan.sharding != "fsdp2" or dtype is None or plan.pp is not None or \
+            plan.cp is not None:
+        return None
+    fsdp = plan.fsdp if plan.fsdp is not None else FSDP2Plan()
+    if not isinstance(fsdp, FSDP2Plan) or getattr(fsdp.mp_policy, "param_dtype", None) is not None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    changed = dataclasses.replace(plan, fsdp=dataclasses.replace(fsdp, mp_policy=policy))
+    name = str(dtype).removeprefix("torch.")
+    return _run_move("fsdp_param_dtype", "fsdp_param_dtype", {"fsdp_param_dtype": name},
+                     f"FSDP2 gathering {name} parameters (MixedPrecisionPolicy)",
+                     _FSDP_PARAM_DTYPE_COST.format(dtype=name), lambda run: run.replace(parallel=changed))
 
 
 def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:

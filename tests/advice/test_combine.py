@@ -130,6 +130,7 @@ def test_cli_prints_a_command_for_the_first_fitting_set_up_and_it_exits_0(tmp_pa
     ({"micro_batch_size": 1, "microbatches": 8}, ["--batch", "1", "--microbatches", "8"]),
     ({"offload_activations": "streams", "gradient_checkpointing": True},
      ["--checkpointing", "--offload-activations", "streams"]),
+    ({"fsdp_param_dtype": "bfloat16"}, ["--fsdp-param-dtype", "bfloat16"]),
     ({"optimizer": "some.Other"}, None),
 ])
 def test_a_change_as_cli_flags(change, flags):

@@ -388,6 +388,41 @@ def test_checkpointing_under_a_per_rank_traced_plan_runs_the_traced_copys_blocks
     assert checkpointed.predicted_peak_bytes == expected.peak_bytes
 
 
+def test_fsdp2_under_autocast_is_offered_its_parameter_dtype_policy(monkeypatch):
+    """An FSDP2 plan under bf16-mixed without a policy casting parameters: FSDP2's bf16 policy is offered with its
+    per-rank figure (autocast's cache keeps every gathered parameter's cast through the forward); not offered
+    where the plan casts already or the run does not autocast."""
+    from conftest import Stack
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from preflight.parallel import FSDP2Plan, ParallelPlan
+
+    torch.manual_seed(0)
+    stack = Stack(depth=4, width=64)
+    x = torch.randn(8, 64)
+    opt = torch.optim.AdamW(stack.parameters())
+    step = lambda m, b: m(b)  # noqa: E731
+    only_options(monkeypatch, "FSDP2 parameter dtype")
+    run = preflight.Run(precision="bf16-mixed", parallel=ParallelPlan(2, "fsdp2"))
+    base = preflight.estimate(stack, opt, x, run, step=step)
+    assert any("autocast's cache keeps the cast" in n for n in base.coverage.notes)
+
+    def offered(run: preflight.Run) -> list[Suggestion]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return advise(stack, opt, x, run.replace(target=preflight.Target(budget=base.peak_bytes - 1)), step=step)
+
+    found = offered(run)
+    assert [s.change for s in found] == [{"fsdp_param_dtype": "bfloat16"}]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    planned = run.replace(parallel=ParallelPlan(2, "fsdp2", fsdp=FSDP2Plan(mp_policy=policy)))
+    assert found[0].run.parallel.fsdp.mp_policy == policy
+    expected = preflight.estimate(stack, opt, x, planned, step=step)
+    assert found[0].predicted_peak_bytes == expected.peak_bytes < base.peak_bytes
+    assert not any("autocast's cache" in n for n in expected.coverage.notes)
+    assert offered(planned) == [] and offered(run.replace(precision=None)) == []
+
+
 @pytest.mark.slow
 def test_checkpointing_keeps_a_forward_the_block_has_of_its_own(monkeypatch):
     # accelerate's hooks (and other tools) set `module.forward` on the instance: checkpointing runs that forward.

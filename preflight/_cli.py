@@ -502,13 +502,12 @@ def _run(args: argparse.Namespace, sharding: str | None, offload: dict[str, bool
     hsdp = None
     if replicate > 1 or param_dtype is not None:
         import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from preflight.parallel import FSDP2Plan
 
-        policy = None if param_dtype is None else MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype),
-                                                                       reduce_dtype=torch.float32)
-        hsdp = FSDP2Plan(replicate=replicate, mp_policy=policy)
+        hsdp = FSDP2Plan(replicate=replicate)
+        if param_dtype is not None:
+            hsdp = hsdp.gathering(getattr(torch, param_dtype))
     try:
         tp, pp = getattr(args, "tp", None), getattr(args, "pp", None)
         if pp is None and (getattr(args, "microbatches", None) is not None or

@@ -721,8 +721,7 @@ def _trace_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
              f"among the {shard} ranks of its shard group, its gradient shards all-reduced across the "
              f"{world_size // shard} group(s))" if hybrid else f"a fake process group of {world_size} ranks")
     note = f"{sharding}: each rank's step traced through {engine} ({wrapped}, then the root) under {world}; {shared}"
-    if not fsdp1 and options["precision"] in ("bf16-mixed", "16-mixed") and \
-            getattr(plan.mp_policy, "param_dtype", None) is None:
+    if not fsdp1 and options["precision"] in ("bf16-mixed", "16-mixed") and plan.param_dtype is None:
         note += (f"; under autocast ({options['precision']}) each parameter fully_shard gathers is cast, and "
                  "autocast's cache keeps the cast (of a leaf that requires grad) until the forward ends, so every "
                  "unit's cast parameters are alive together: MixedPrecisionPolicy(param_dtype=...) casts them as "

@@ -40,8 +40,8 @@ from preflight._warnings import warn
 from preflight.advice._combine import combine, drop_unneeded, suggestion_of
 from preflight.advice._setup import (
     COST_ORDER, LORA_RANK, Suggestion, _Setup, _adapters_refused, available_moves, batch_size_of, checkpointing_how,
-    Move, checkpointing_move, eight_bit, eight_bit_move, fsdp_param_dtype_move, impl_moves, lora_move, meta_init_move, micro_batch_move,
-    more_gpus_move, need,
+    Move, checkpointing_move, eight_bit, eight_bit_move, fsdp_param_dtype_move, impl_moves, lora_move, meta_init_move,
+    micro_batch_move, more_gpus_move, need,
     offload_activations_move, offload_move, pipeline_micro_move, precision_moves, qlora_move, repeated_blocks,
     resize_batch,
 )
@@ -127,8 +127,8 @@ def advise(
     Returns:
         Suggestions ranked: those that fit first, then by what the costliest of their changes costs (cheapest
         first: allocator setting, a fused optimizer step, micro-batch, a for-loop optimizer step, bf16-mixed,
-        FSDP2's parameter dtype, ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer offload, pure bf16, LoRA,
-        QLoRA, more GPUs),
+        FSDP2's parameter dtype, ZeRO-1/2, checkpointing, activation offloading, ZeRO-3, 8-bit AdamW, optimizer
+        offload, pure bf16, LoRA, QLoRA, more GPUs),
         then by the number of changes, then by peak. A suggestion's figure is what the verdict compares
         (`Suggestion.predicted_peak_bytes`). An option whose trace fails is left out with a ``RuntimeWarning``
         saying why.
@@ -447,11 +447,10 @@ def _fsdp_param_dtype(setup: _Setup) -> list[tuple[str, Suggestion]]:
     figure = need(setup.trace_moves([move]))
     if not _lowered(setup, figure):
         return []
-    with setup.applied([move]) as c:
-        changed = c.run
     text = (f"{move.words} in place of autocast's cached casts: autocast keeps its cast of each parameter FSDP2 "
             f"gathers until the forward ends, every unit's at once: {setup.versus(figure)} per GPU")
-    return [(move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, changed))]
+    return [(move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                  _moved_run(setup, move)))]
 
 
 def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -460,15 +459,14 @@ def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     move = offload_move(setup)
     if move is None:
         return []
-    with setup.applied([move]) as c:
-        changed = c.run
     figure = need(setup.trace_moves([move]))
     if not _lowered(setup, figure):
         return []
     text = (f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {setup.world_size} GPU(s): the "
             f"optimizer state and its step move to the CPU: {setup.versus(figure)} per GPU. Every allocation of the "
             "traced run rescaled (not a trace of the offloaded run)")
-    return [("offload", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, changed))]
+    return [("offload", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
+                                    _moved_run(setup, move)))]
 
 
 def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:

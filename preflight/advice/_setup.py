@@ -266,8 +266,8 @@ class _Setup:
 def available_moves(setup: _Setup) -> list[Move]:
     """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
     moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (meta_init_move, fsdp_param_dtype_move, micro_batch_move, checkpointing_move, offload_activations_move, eight_bit_move,
-                  offload_move, lora_move, qlora_move):
+    for build in (meta_init_move, fsdp_param_dtype_move, micro_batch_move, checkpointing_move,
+                  offload_activations_move, eight_bit_move, offload_move, lora_move, qlora_move):
         move = build(setup)
         if move is not None:
             moves.append(move)
@@ -348,12 +348,9 @@ def fsdp_param_dtype_move(setup: _Setup) -> Move | None:
             plan.cp is not None:
         return None
     fsdp = plan.fsdp if plan.fsdp is not None else FSDP2Plan()
-    if not isinstance(fsdp, FSDP2Plan) or getattr(fsdp.mp_policy, "param_dtype", None) is not None:
+    if not isinstance(fsdp, FSDP2Plan) or fsdp.param_dtype is not None:
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    changed = dataclasses.replace(plan, fsdp=dataclasses.replace(fsdp, mp_policy=policy))
+    changed = dataclasses.replace(plan, fsdp=fsdp.gathering(dtype))
     name = str(dtype).removeprefix("torch.")
     return _run_move("fsdp_param_dtype", "fsdp_param_dtype", {"fsdp_param_dtype": name},
                      f"FSDP2 gathering {name} parameters (MixedPrecisionPolicy)",

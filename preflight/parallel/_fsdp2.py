@@ -141,6 +141,18 @@ class FSDP2Plan:
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise ValueError(f"`replicate` should be a positive int (HSDP's replicate degree), got {self.replicate!r}.")
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 casts the parameters it gathers to (``mp_policy.param_dtype``); None: not cast."""
+        return getattr(self.mp_policy, "param_dtype", None)
+
+    def gathering(self, dtype: torch.dtype) -> FSDP2Plan:
+        """This plan with FSDP2 casting the parameters it gathers to ``dtype``, reducing gradients in fp32
+        (``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)``, torchtitan's default)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return dataclasses.replace(self, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+
     def shard_size(self, world_size: int) -> int:
         """The ranks one shard group holds (``world_size // replicate``); a ValueError where ``replicate`` does not
         divide ``world_size``."""

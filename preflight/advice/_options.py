@@ -442,31 +442,30 @@ def _bf16(setup: _Setup) -> list[tuple[str, Suggestion]]:
 def _fsdp_param_dtype(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """FSDP2 casting the parameters it gathers (`fsdp_param_dtype_move`), for an FSDP2 plan under autocast."""
     move = fsdp_param_dtype_move(setup)
-    if move is None:
-        return []
-    figure = need(setup.trace_moves([move]))
-    if not _lowered(setup, figure):
-        return []
-    text = (f"{move.words} in place of autocast's cached casts: autocast keeps its cast of each parameter FSDP2 "
-            f"gathers until the forward ends, every unit's at once: {setup.versus(figure)} per GPU")
-    return [(move.key, Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
-                                  _moved_run(setup, move)))]
+    return _single(setup, move, lambda figure: (
+        f"{move.words} in place of autocast's cached casts: autocast keeps its cast of each parameter FSDP2 gathers "
+        f"until the forward ends, every unit's at once: {setup.versus(figure)} per GPU"))
 
 
 def _offload(setup: _Setup) -> list[tuple[str, Suggestion]]:
     """ZeRO-Offload: the optimizer state and its step on the CPU (DeepSpeed ``offload_optimizer``), on top of
     ZeRO-2 over the available GPUs (one GPU included)."""
-    move = offload_move(setup)
+    return _single(setup, offload_move(setup), lambda figure: (
+        f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {setup.world_size} GPU(s): the optimizer "
+        f"state and its step move to the CPU: {setup.versus(figure)} per GPU. Every allocation of the traced run "
+        "rescaled (not a trace of the offloaded run)"))
+
+
+def _single(setup: _Setup, move: Move | None, describe: Callable[[int], str]) -> list[tuple[str, Suggestion]]:
+    """``move`` alone, offered where it lowers the peak: described by ``describe(its figure)``, its run the user's
+    with the move made."""
     if move is None:
         return []
     figure = need(setup.trace_moves([move]))
     if not _lowered(setup, figure):
         return []
-    text = (f"ZeRO-Offload (DeepSpeed ZeRO-2 with offload_optimizer: cpu) on {setup.world_size} GPU(s): the "
-            f"optimizer state and its step move to the CPU: {setup.versus(figure)} per GPU. Every allocation of the "
-            "traced run rescaled (not a trace of the offloaded run)")
-    return [("offload", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
-                                    _moved_run(setup, move)))]
+    return [(move.key, Suggestion(move.change, describe(figure), figure, figure <= setup.limit, move.cost,
+                                  _moved_run(setup, move)))]
 
 
 def _sharding(setup: _Setup) -> list[tuple[str, Suggestion]]:

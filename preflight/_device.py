@@ -17,7 +17,8 @@ from torch import nn
 __all__ = [
     "planned",
     "planned_fill",
-    "cuda_available", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "held_tensors", "is_plain_object",
+    "cuda_available", "cuda_recurrent_note", "cuda_peaks", "cuda_reset_peaks", "device_capacity", "held_tensors",
+    "is_plain_object",
     "iter_tensors", "live_storage_bytes", "live_storages", "map_held_tensors", "map_tensors", "model_device",
     "named_tensors", "resolve_device", "trace_device_for",
 ]
@@ -78,6 +79,22 @@ def unmodelled_device_note(target: torch.device) -> list[str]:
         return []
     return [f"{target.type} is not modelled (only CPU and CUDA are): planned with the CPU kernels' tensor bytes, "
             f"without {target.type}'s own allocator, workspaces or runtime; treat the figure as a lower bound there"]
+
+
+def cuda_recurrent_note(model: torch.nn.Module, target: torch.device) -> list[str]:
+    """A note for a CUDA target whose model has recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): the trace
+    runs the CPU's recurrent kernels (oneDNN's LSTM layer and its workspace, ATen's GRU and RNN cells), while a GPU
+    runs cuDNN's, whose reserve space and workspace cuDNN sizes at run time (``cudnnGetRNNTempSpaceSizes``); their
+    meta functions return empty ones. Not modelled: said, not guessed."""
+    if target.type != "cuda":
+        return []
+    layers = [type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
+    if not layers:
+        return []
+    kinds = ", ".join(f"{n} x{layers.count(n)}" for n in sorted(set(layers)))
+    return [f"recurrent layers ({kinds}) on a CUDA target are traced with the CPU's kernels: cuDNN's reserve space "
+            "and workspace for them (sized by cuDNN at run time) are not modelled, so their part of the figure is "
+            "approximate"]
 
 
 def trace_device_for(target: torch.device) -> torch.device:

@@ -13,7 +13,8 @@ from torch import nn
 
 from preflight._analytic import model_state
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
-from preflight._device import held_tensors, model_device, resolve_device, trace_device_for, unmodelled_device_note
+from preflight._device import (cuda_recurrent_note, held_tensors, model_device, resolve_device, trace_device_for,
+                              unmodelled_device_note)
 from preflight._errors import StepWouldFailError
 from preflight._gpus import GPU, with_context
 from preflight._guard import untouched
@@ -347,7 +348,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         notes.append(ddp_note)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
-    notes.extend(unmodelled_device_note(target))
+    notes.extend(unmodelled_device_note(target) + cuda_recurrent_note(model, target))
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
     paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
 

@@ -17,6 +17,12 @@ Two more families on a CPU target, found by comparing the profiler's allocations
   buffers for its query and key blocks and fp32 accumulators (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``):
   their size follows the thread count and the block sizes, not only the outputs (AST: 8,556 bytes at the peak,
   -0.68%).
+- Normalisations' backwards (`NORM_OPS`): CPU batch norm's backward in training holds a temporary of its input's
+  size (a Conv2d + BatchNorm2d block whose peak is there: -24% before it was calibrated), group norm's two per
+  (sample, channel) sums.
+- Reductions of bf16 or fp16 inputs (operators tagged ``reduction``): the CPU accumulates them in fp32, and ``mean``
+  first casts its whole input to fp32 (``mean_out`` in ``aten/src/ATen/native/ReduceOps.cpp``: "cast_fp32 -> sum ->
+  div -> cast_bf16_or_fp16"), a transient twice the input's size (a pooled head under bf16-mixed: -17%).
 - The matrix exponential (``linalg_matrix_exp``, `KERNEL_OPS`) keeps powers of its matrix in buffers of its own, on
   every device: a 256 x 256 orthogonal parametrization was predicted 75% low before it was calibrated.
 - A kernel given a non-contiguous input often copies it to a contiguous one first (``input.contiguous()`` inside
@@ -53,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Category, Event
+from preflight.trace._layouts import empty_kernel_state
 from preflight.cuda import MODELLED_OPS, ReduceDevice, kernel_temporaries, reduce_device
 
 __all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "KERNEL_OPS", "scratch_ops", "calibrate", "Calibrator",
@@ -73,6 +80,10 @@ ATTENTION_OPS = frozenset({_aten._scaled_dot_product_flash_attention_for_cpu.def
 # torch.nn.utils.parametrizations.orthogonal's default map, whose backward takes the exponential of a matrix
 # twice the size). Uncalibrated (a GPU target without a GPU), a peak that includes one is a lower bound.
 KERNEL_OPS = frozenset({_aten.linalg_matrix_exp.default})
+# Normalisations' backwards on CPU hold temporaries while they run, on a CPU target: batch norm's in training one of
+# its input's size (measured: 524,288 bytes beside a 524,288-byte grad_input for an 8 x 16 x 32 x 32 fp32 input),
+# group norm's two per (sample, channel) sums (1,024 bytes for 8 x 16 channels).
+NORM_OPS = frozenset({_aten.native_batch_norm_backward.default, _aten.native_group_norm_backward.default})
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Calibrate at the traced size when the operator's tensors take at most this much real memory.
 _EXACT_LIMIT = 256 * 2**20
@@ -94,9 +105,11 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
         return True
     if device.type != "cpu":
         return device.type == "cuda" and func in MODELLED_OPS
-    if func in ATTENTION_OPS:
+    if func in ATTENTION_OPS or func in NORM_OPS:
         return True
     tensors = [a for a in tree_flatten(args)[0] if hasattr(a, "shape") and hasattr(a, "dtype")]
+    if torch.Tag.reduction in getattr(func, "tags", ()) and any(t.dtype in _LOW_PRECISION for t in tensors):
+        return True  # a bf16/fp16 reduction accumulates in fp32 (``mean`` casts its whole input to fp32 first)
     if func in MATMUL_OPS:
         return any(t.dtype in _LOW_PRECISION or not _blas_layout(t) for t in tensors)
     return _computes_new_tensor(func) and any(not _is_contiguous(t) for t in tensors)
@@ -289,7 +302,9 @@ def _measure_all(configs: list[tuple[Any, Any, Any]], device: torch.device) -> l
     """The scratch bytes of each ``(func, args, kwargs)`` configuration on ``device`` (None: not run)."""
     plans: list[list[tuple[Any, list, Any]] | None] = []  # the real calls each configuration needs
     for func, args, kwargs in configs:
-        if _spec_bytes(args) * 3 <= _EXACT_LIMIT:
+        if empty_kernel_state(func, args, kwargs):
+            plans.append(None)  # zeros cannot stand in for a kernel's own state
+        elif _spec_bytes(args) * 3 <= _EXACT_LIMIT:
             plans.append([(func, list(args), kwargs)])
         elif func in SCRATCH_OPS and args[SCRATCH_OPS[func][0]].shape[0] > 2:
             plans.append([(func, _with_batch(func, args, b), kwargs) for b in (1, 2)])

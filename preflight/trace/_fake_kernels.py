@@ -11,6 +11,13 @@ both validating with ``_grouped_mm_validate_inputs`` and allocating with ``creat
 dtype, and pad the output's last dimension to 16 bytes (except on ROCm). The backward (``_grouped_mm`` again,
 with transposed operands) goes through the same function.
 
+``aten.mkldnn_rnn_layer`` (an LSTM layer on CPU, ``aten/src/ATen/native/mkldnn/RNN.cpp``): in training it
+returns oneDNN's workspace (the gates and states its backward reads, saved for it), sized by oneDNN's primitive
+descriptor (``workspace_desc().get_size()``): each part rounded up to a 4,096-byte page, its rows padded. The meta
+function returns an empty workspace, so an LSTM's saved workspace (1,011,712 bytes for one layer of 128 units over
+32 steps of 4) was missing from the trace, and calibrating the backward on an empty one crashed the process. Its
+size is read from the real kernel (`rnn_workspace_bytes`), run once per configuration on zeros outside every mode.
+
 ``_c10d_functional.wait_tensor`` returns its input, where its meta function allocates a copy (`wait_tensor`).
 
 `COMPOSITES` are torch kernels that allocate temporaries inside, which their fake implementations (the output
@@ -98,7 +105,67 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | No
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
+# Run oneDNN's RNN layer at the traced length when its tensors take at most this much real memory.
+_RNN_EXACT_LIMIT = 256 * 2**20
+_RNN_WORKSPACE: dict[tuple, int] = {}  # configuration -> workspace bytes, read from the real kernel
+
+
+def _real_rnn_workspace(args: tuple, length: int | None = None) -> int:
+    """The workspace bytes oneDNN allocates for ``mkldnn_rnn_layer(*args)``, with the input cut to ``length``
+    steps (the whole input when None): the real kernel run on zeros of the same shapes, outside every mode."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def real(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.zeros(tuple(x.shape), dtype=x.dtype)
+
+    with _disable_current_modes(), torch.enable_grad():  # the kernel allocates a workspace only under grad mode
+        real_args = [real(a) for a in args]
+        if length is not None:
+            real_args[0] = real_args[0][:length].contiguous()
+        return torch.ops.aten.mkldnn_rnn_layer.default(*real_args)[3].nbytes
+
+
+def rnn_workspace_bytes(args: tuple) -> int:
+    """oneDNN's workspace for one ``mkldnn_rnn_layer`` call in training, in bytes, read from the real kernel once per
+    configuration. The input is time-major (``[steps, batch, features]``; ATen transposes a batch-first input before
+    the call). At most `_RNN_EXACT_LIMIT` of real tensors it runs at the traced length and is exact; above that it
+    runs at 64 and 128 steps and extrapolates linearly in the length: oneDNN pads and page-rounds each part, so the
+    size is not exactly linear (measured: within 1% of the real kernel's at 513 to 999 steps of odd sizes)."""
+    key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
+                (tuple(a) if isinstance(a, list) else a) for a in args)
+    if key in _RNN_WORKSPACE:
+        return _RNN_WORKSPACE[key]
+    steps = args[0].shape[0]
+    tensor_bytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    per_step = args[0][0].numel() * args[0].element_size()
+    # The output and the workspace grow with the steps too: bound them by 12 hidden states per step (4 gates, the
+    # cell and hidden states, their copies).
+    hidden = args[5].numel() * args[5].element_size()
+    if tensor_bytes + steps * (per_step + 12 * hidden) <= _RNN_EXACT_LIMIT or steps <= 256:
+        size = _real_rnn_workspace(args)
+    else:
+        short, long = _real_rnn_workspace(args, 64), _real_rnn_workspace(args, 128)
+        size = long + (long - short) * (steps - 128) // 64
+    _RNN_WORKSPACE[key] = size
+    return size
+
+
+def mkldnn_rnn_layer(*args: Any) -> Any:
+    """``aten.mkldnn_rnn_layer`` with the workspace its real kernel allocates in training (the meta function's
+    is empty): the fake implementation's outputs, its workspace replaced by one of `rnn_workspace_bytes`."""
+    op = torch.ops.aten.mkldnn_rnn_layer.default
+    output, hy, cy, workspace = op(*args)
+    train = args[15] if len(args) > 15 else False
+    if train and workspace.numel() == 0:
+        workspace = torch.empty(rnn_workspace_bytes(args), dtype=torch.uint8, device=workspace.device)
+    return output, hy, cy, workspace
+
+
 FAKE_KERNELS: dict[Any, Callable[..., Any]] = {torch.ops.aten._grouped_mm.default: grouped_mm}
+if hasattr(torch.ops.aten, "mkldnn_rnn_layer") and torch.backends.mkldnn.is_available():
+    FAKE_KERNELS[torch.ops.aten.mkldnn_rnn_layer.default] = mkldnn_rnn_layer
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:

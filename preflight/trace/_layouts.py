@@ -29,10 +29,28 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LayoutCalibration", "MAX_BYTES"]
+__all__ = ["LayoutCalibration", "MAX_BYTES", "empty_kernel_state"]
 
 # One real run of a configuration this size costs little next to a trace; larger ones are not run.
 MAX_BYTES = 64 << 20
+
+
+# Arguments that carry a kernel's own state from its forward to its backward (oneDNN's RNN workspace, cuDNN's
+# reserve space): opaque bytes the backward reads at offsets of its own.
+_KERNEL_STATE_ARGS = ("workspace", "reserve", "reserveSpace", "reserve_space")
+
+
+def empty_kernel_state(func: Any, args: Any, kwargs: dict | None = None) -> bool:
+    """Whether a call passes an empty tensor (or tensor spec) where the kernel reads its own state: a meta function
+    that returns an empty workspace. Run for real on zeros of that shape, the kernel reads past the end (a oneDNN
+    LSTM backward on the empty workspace torch's meta function gives crashed the process), so such a call is never
+    run for a layout or a scratch calibration."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    given = dict(zip((a.name for a in schema.arguments), args))
+    given.update(kwargs or {})
+    return any(hasattr(given.get(name), "shape") and 0 in tuple(given[name].shape) for name in _KERNEL_STATE_ARGS)
 
 
 class LayoutCalibration:
@@ -56,7 +74,7 @@ class LayoutCalibration:
         shapes = {tuple(a.shape) for a in tensors if a.dim() > 1 and not a.is_contiguous()}
         inherits_layout = any(tuple(t.shape) in shapes for t in outs)
         mixed_dtypes = len({a.dtype for a in tensors if a.is_floating_point()}) > 1
-        if not (inherits_layout or mixed_dtypes):
+        if not (inherits_layout or mixed_dtypes) or empty_kernel_state(func, args, kwargs):
             return out
         key = (func, *(_spec(a) for a in flat_args))
         if key not in self._layouts:

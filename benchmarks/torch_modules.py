@@ -1,0 +1,168 @@
+"""preflight.estimate against the measured peak for models built from torch.nn's own layers, over optimizers and loops.
+
+The architecture sweep (`benchmarks/architectures.py`) covers transformers' models; this one covers what a user
+writes with torch.nn alone: an MLP, a CNN (BatchNorm, GroupNorm, pooling), recurrent taggers (``nn.LSTM``, oneDNN's
+kernel on CPU, and ``nn.GRU``, bidirectional, 2 layers), a ``TransformerEncoder`` (pre-norm, batch-first) and a
+batch-first ``nn.MultiheadAttention`` block. Each is trained with six optimizers (SGD with Nesterov momentum, AdamW
+as the CPU runs it, AdamW foreach and fused, RMSprop centred with momentum, Adafactor) under four loops (plain,
+gradient clipping at 1.0, two micro-batches accumulated, bf16-mixed). Predicted: `preflight.estimate`; measured:
+`preflight.measure` (two real CPU steps, the profiler's allocator events) on a fresh model and optimizer from the
+same seed.
+
+Run: python benchmarks/torch_modules.py          (144 cases, about 4 minutes on 2 CPU cores)
+Writes benchmarks/results/torch_modules.md and prints the same table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import preflight
+from preflight import Loop, Run
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "torch_modules.md")
+VOCAB = 100
+
+
+class MLP(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 10))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3), nn.GroupNorm(4, 32), nn.SiLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class Tagger(nn.Module):
+    def __init__(self, kind: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.rnn = kind(64, 128, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(256, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+
+def _images() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, VOCAB, (4, 32)), torch.randint(0, VOCAB, (4, 32))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any]]] = {
+    "MLP": (MLP, lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,)))),
+    "CNN (BatchNorm, GroupNorm)": (CNN, _images),
+    "LSTM tagger (2 layers, bidirectional)": (lambda: Tagger(nn.LSTM), _tokens),
+    "GRU tagger (2 layers, bidirectional)": (lambda: Tagger(nn.GRU), _tokens),
+    "TransformerEncoder (pre-norm, batch-first)": (Encoder, _tokens),
+    "MultiheadAttention (batch-first)": (Attention, _tokens),
+}
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "SGD nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "AdamW": lambda p: torch.optim.AdamW(p),
+    "AdamW foreach": lambda p: torch.optim.AdamW(p, foreach=True),
+    "AdamW fused": lambda p: torch.optim.AdamW(p, fused=True),
+    "RMSprop centred": lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+    "Adafactor": lambda p: torch.optim.Adafactor(p),
+}
+LOOPS: dict[str, Run] = {
+    "plain": Run(),
+    "clip 1.0": Run(loop=Loop(max_grad_norm=1.0)),
+    "accumulate 2": Run(loop=Loop(accumulate=2)),
+    "bf16-mixed": Run(precision="bf16-mixed"),
+}
+
+
+def _step(model: nn.Module, batch: Any) -> torch.Tensor:
+    inputs, labels = batch
+    out = model(inputs)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
+
+
+def _case(model_name: str, optimizer_name: str, loop_name: str) -> tuple[int, int, float, bool]:
+    build, data = MODELS[model_name]
+    run = LOOPS[loop_name]
+    torch.manual_seed(0)
+    batch = data()
+    model = build()
+    start = time.perf_counter()
+    est = preflight.estimate(model, OPTIMIZERS[optimizer_name](model.parameters()), batch, run, step=_step)
+    seconds = time.perf_counter() - start
+    torch.manual_seed(0)
+    data()
+    fresh = build()
+    measured = preflight.measure(fresh, OPTIMIZERS[optimizer_name](fresh.parameters()), batch, run, step=_step)
+    return est.peak_bytes, measured.peak_bytes, seconds, est.coverage.lower_bound
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    rows, errors = [], []
+    for model_name in MODELS:
+        for optimizer_name in OPTIMIZERS:
+            for loop_name in LOOPS:
+                predicted, measured, seconds, bound = _case(model_name, optimizer_name, loop_name)
+                error = (predicted - measured) / measured * 100
+                errors.append((abs(error), bound, model_name, optimizer_name, loop_name, error))
+                rows.append(f"| {model_name} | {optimizer_name} | {loop_name} | {measured:,} | {predicted:,} | "
+                            f"{error:+.3f}% | {'lower bound' if bound else 'traced'} | {seconds:.2f} |")
+                print(rows[-1], flush=True)
+    exact = sum(1 for e in errors if e[0] == 0 and not e[1])
+    within = sum(1 for e in errors if e[0] <= 0.5 and not e[1])
+    worst = max(errors)
+    summary = (f"{len(errors)} cases: {exact} predicted to the byte, {within} within 0.5%, "
+               f"{sum(1 for e in errors if e[1])} lower bounds; largest error {worst[5]:+.3f}% "
+               f"({worst[2]}, {worst[3]}, {worst[4]})")
+    header = "| model | optimizer | loop | measured B | predicted B | error | status | estimate s |\n|" + "---|" * 8
+    text = (f"Command: `python benchmarks/torch_modules.py` (torch {torch.__version__}, CPU, 2 cores)\n\n{summary}\n\n"
+            + header + "\n" + "\n".join(rows) + "\n")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write(text)
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -130,24 +130,29 @@ def _real_rnn_workspace(args: tuple, length: int | None = None) -> int:
 def rnn_workspace_bytes(args: tuple) -> int:
     """oneDNN's workspace for one ``mkldnn_rnn_layer`` call in training, in bytes, read from the real kernel once per
     configuration. The input is time-major (``[steps, batch, features]``; ATen transposes a batch-first input before
-    the call). At most `_RNN_EXACT_LIMIT` of real tensors it runs at the traced length and is exact; above that it
-    runs at 64 and 128 steps and extrapolates linearly in the length: oneDNN pads and page-rounds each part, so the
-    size is not exactly linear (measured: within 1% of the real kernel's at 513 to 999 steps of odd sizes)."""
+    the call). At most `_RNN_EXACT_LIMIT` of real tensors, or at most 128 steps, it runs at the traced length and is
+    exact; above both it runs at 64 and 128 steps (shorter lengths extrapolate badly: oneDNN pads and page-rounds
+    each part) and extrapolates linearly in the length (measured: within 1% of the real kernel's at 513 to 999 steps
+    of odd sizes). So one real layer of at most 128 steps, or of at most that much memory, runs per configuration."""
     key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
                 (tuple(a) if isinstance(a, list) else a) for a in args)
     if key in _RNN_WORKSPACE:
         return _RNN_WORKSPACE[key]
     steps = args[0].shape[0]
-    tensor_bytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-    per_step = args[0][0].numel() * args[0].element_size()
+    fixed = sum(a.numel() * a.element_size() for a in args[1:] if isinstance(a, torch.Tensor))
+    per_step = args[0].numel() // max(steps, 1) * args[0].element_size()
     # The output and the workspace grow with the steps too: bound them by 12 hidden states per step (4 gates, the
     # cell and hidden states, their copies).
     hidden = args[5].numel() * args[5].element_size()
-    if tensor_bytes + steps * (per_step + 12 * hidden) <= _RNN_EXACT_LIMIT or steps <= 256:
+
+    def real_bytes(length: int) -> int:
+        return fixed + length * (per_step + 12 * hidden)
+
+    if real_bytes(steps) <= _RNN_EXACT_LIMIT or steps <= 128:
         size = _real_rnn_workspace(args)
     else:
-        short, long = _real_rnn_workspace(args, 64), _real_rnn_workspace(args, 128)
-        size = long + (long - short) * (steps - 128) // 64
+        at_64, at_128 = _real_rnn_workspace(args, 64), _real_rnn_workspace(args, 128)
+        size = at_128 + (at_128 - at_64) * (steps - 128) // 64
     _RNN_WORKSPACE[key] = size
     return size
 

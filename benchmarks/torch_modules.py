@@ -2,14 +2,16 @@
 
 The architecture sweep (`benchmarks/architectures.py`) covers transformers' models; this one covers what a user
 writes with torch.nn alone: an MLP, a CNN (BatchNorm, GroupNorm, pooling), recurrent taggers (``nn.LSTM``, oneDNN's
-kernel on CPU, and ``nn.GRU``, bidirectional, 2 layers), a ``TransformerEncoder`` (pre-norm, batch-first) and a
-batch-first ``nn.MultiheadAttention`` block. Each is trained with six optimizers (SGD with Nesterov momentum, AdamW
+kernel on CPU, and ``nn.GRU``, bidirectional, 2 layers; both again over packed sequences of unsorted lengths,
+``pack_padded_sequence`` in and ``pad_packed_sequence`` out), a language-model head whose loss gathers the chosen
+tokens' log-probabilities or is a multi-label ``BCEWithLogitsLoss`` over the vocabulary, a ``TransformerEncoder``
+(pre-norm, batch-first) and a batch-first ``nn.MultiheadAttention`` block. Each is trained with six optimizers (SGD with Nesterov momentum, AdamW
 as the CPU runs it, AdamW foreach and fused, RMSprop centred with momentum, Adafactor) under four loops (plain,
 gradient clipping at 1.0, two micro-batches accumulated, bf16-mixed). Predicted: `preflight.estimate`; measured:
 `preflight.measure` (two real CPU steps, the profiler's allocator events) on a fresh model and optimizer from the
 same seed.
 
-Run: python benchmarks/torch_modules.py          (144 cases, about 4 minutes on 2 CPU cores)
+Run: python benchmarks/torch_modules.py          (240 cases, about 10 minutes on 2 CPU cores)
 Writes benchmarks/results/torch_modules.md and prints the same table.
 """
 
@@ -59,6 +61,17 @@ class Tagger(nn.Module):
         return self.head(self.rnn(self.embed(tokens))[0])
 
 
+class PackedTagger(Tagger):
+    """The tagger over a packed batch: ``pack_padded_sequence`` (unsorted lengths) into the RNN, padded back."""
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, lengths = inputs
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=tokens.size(1))
+        return self.head(out)
+
+
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -83,6 +96,24 @@ class Attention(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0])
 
 
+class TokenScores(nn.Module):
+    """A language-model head over a 4,096-token vocabulary: the log-probability of each chosen token (``gather``, as
+    preference and policy-gradient losses take it) or a multi-label ``BCEWithLogitsLoss`` over the vocabulary."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.loss = loss
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.head = nn.Linear(64, 4096)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def _token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return -logits.float().log_softmax(-1).gather(-1, labels[..., None]).mean()
+
+
 def _images() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
 
@@ -91,11 +122,20 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (4, 32)), torch.randint(0, VOCAB, (4, 32))
 
 
+def _lengths() -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    tokens, labels = _tokens()
+    return (tokens, torch.tensor([32, 9, 21, 5])), labels
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any]]] = {
     "MLP": (MLP, lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,)))),
     "CNN (BatchNorm, GroupNorm)": (CNN, _images),
     "LSTM tagger (2 layers, bidirectional)": (lambda: Tagger(nn.LSTM), _tokens),
     "GRU tagger (2 layers, bidirectional)": (lambda: Tagger(nn.GRU), _tokens),
+    "LSTM tagger, packed sequences": (lambda: PackedTagger(nn.LSTM), _lengths),
+    "GRU tagger, packed sequences": (lambda: PackedTagger(nn.GRU), _lengths),
+    "Token log-probs (gather over a 4,096 vocabulary)": (lambda: TokenScores("gather"), _tokens),
+    "Multi-label BCEWithLogits (4,096 labels)": (lambda: TokenScores("bce"), _tokens),
     "TransformerEncoder (pre-norm, batch-first)": (Encoder, _tokens),
     "MultiheadAttention (batch-first)": (Attention, _tokens),
 }
@@ -118,6 +158,10 @@ LOOPS: dict[str, Run] = {
 def _step(model: nn.Module, batch: Any) -> torch.Tensor:
     inputs, labels = batch
     out = model(inputs)
+    if isinstance(model, TokenScores):
+        if model.loss == "gather":
+            return _token_log_probs(out, labels)
+        return nn.functional.binary_cross_entropy_with_logits(out, nn.functional.one_hot(labels, 4096).to(out.dtype))
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
 
 

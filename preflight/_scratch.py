@@ -17,9 +17,12 @@ Two more families on a CPU target, found by comparing the profiler's allocations
   buffers for its query and key blocks and fp32 accumulators (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``):
   their size follows the thread count and the block sizes, not only the outputs (AST: 8,556 bytes at the peak,
   -0.68%).
-- Normalisations' backwards (`NORM_OPS`): CPU batch norm's backward in training holds a temporary of its input's
-  size (a Conv2d + BatchNorm2d block whose peak is there: -24% before it was calibrated), group norm's two per
-  (sample, channel) sums.
+- CPU kernels with temporaries of their own (`CPU_TEMPORARY_OPS`): batch norm's backward in training holds a
+  temporary of its input's size (a Conv2d + BatchNorm2d block whose peak is there: -24% before it was calibrated),
+  group norm's backward two per (sample, channel) sums; ``kthvalue`` selects on a contiguous copy of its input with
+  an int64 index tensor of the input's size beside it (``kthvalue_out_impl_cpu``; an (8, 64, 4096) fp32 input: -69%
+  before); ``masked_select``, unless its input is small or the CPU runs one thread, writes the mask and its prefix
+  sum as int64 tensors of the broadcast shape (``masked_select_out_impl_cpu``).
 - Reductions of bf16 or fp16 inputs (operators tagged ``reduction``): the CPU accumulates them in fp32, and ``mean``
   first casts its whole input to fp32 (``mean_out`` in ``aten/src/ATen/native/ReduceOps.cpp``: "cast_fp32 -> sum ->
   div -> cast_bf16_or_fp16"), a transient twice the input's size (a pooled head under bf16-mixed: -17%).
@@ -80,10 +83,13 @@ ATTENTION_OPS = frozenset({_aten._scaled_dot_product_flash_attention_for_cpu.def
 # torch.nn.utils.parametrizations.orthogonal's default map, whose backward takes the exponential of a matrix
 # twice the size). Uncalibrated (a GPU target without a GPU), a peak that includes one is a lower bound.
 KERNEL_OPS = frozenset({_aten.linalg_matrix_exp.default})
-# Normalisations' backwards on CPU hold temporaries while they run, on a CPU target: batch norm's in training one of
-# its input's size (measured: 524,288 bytes beside a 524,288-byte grad_input for an 8 x 16 x 32 x 32 fp32 input),
-# group norm's two per (sample, channel) sums (1,024 bytes for 8 x 16 channels).
-NORM_OPS = frozenset({_aten.native_batch_norm_backward.default, _aten.native_group_norm_backward.default})
+# CPU kernels that hold temporaries while they run, calibrated on a CPU target: batch norm's backward in training one
+# of its input's size (measured: 524,288 bytes beside a 524,288-byte grad_input for an 8 x 16 x 32 x 32 fp32 input),
+# group norm's backward two per (sample, channel) sums (1,024 bytes for 8 x 16 channels), kthvalue a copy of its
+# input and an int64 index of its size, masked_select two int64 tensors of the broadcast shape.
+CPU_TEMPORARY_OPS = frozenset({_aten.native_batch_norm_backward.default,
+                               _aten.native_group_norm_backward.default, _aten.kthvalue.default,
+                               _aten.masked_select.default})
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Calibrate at the traced size when the operator's tensors take at most this much real memory.
 _EXACT_LIMIT = 256 * 2**20
@@ -105,7 +111,7 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
         return True
     if device.type != "cpu":
         return device.type == "cuda" and func in MODELLED_OPS
-    if func in ATTENTION_OPS or func in NORM_OPS:
+    if func in ATTENTION_OPS or func in CPU_TEMPORARY_OPS:
         return True
     tensors = [a for a in tree_flatten(args)[0] if hasattr(a, "shape") and hasattr(a, "dtype")]
     if torch.Tag.reduction in getattr(func, "tags", ()) and any(t.dtype in _LOW_PRECISION for t in tensors):
@@ -402,7 +408,8 @@ def _materialise(x: Any, device: torch.device, func: Any = None) -> Any:
     """A zero tensor of the spec's shape, strides and dtype: laid out in memory as the traced one was. For a
     `KERNEL_OPS` operator, a matrix whose 1-norm is 10: the matrix exponential picks its Pade degree from the norm,
     and zeros would take the cheapest path; above every degree's threshold it takes degree 18 with squaring, the
-    path that holds the most (ATen's ``mexp_impl``), whatever the run's values.
+    path that holds the most (ATen's ``mexp_impl``), whatever the run's values. ``masked_select``'s mask is all True:
+    with none selected the kernel returns before it makes its temporaries, whose size does not depend on the count.
 
     The layout matters: oneDNN picks another algorithm, with other scratch, for a channels-last or permuted
     gradient than for a contiguous one (measured: 19 MB against almost none for one depthwise backward), and a
@@ -417,4 +424,6 @@ def _materialise(x: Any, device: torch.device, func: Any = None) -> Any:
     real = torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device=device)
     if func in KERNEL_OPS and real.numel() and real.is_floating_point():
         return real.fill_(10.0 / x.shape[-1])
+    if func is _aten.masked_select.default and real.dtype is torch.bool:
+        return real.fill_(True)  # an all-False mask returns before the kernel's temporaries are made
     return real.zero_() if real.numel() else real

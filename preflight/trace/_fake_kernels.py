@@ -21,7 +21,13 @@ size is read from the real kernel (`rnn_workspace_bytes`), run once per configur
 ``_c10d_functional.wait_tensor`` returns its input, where its meta function allocates a copy (`wait_tensor`).
 
 `COMPOSITES` are torch kernels that allocate temporaries inside, which their fake implementations (the output
-only) hide; the tracker runs them as the operators the kernel calls, each traced. ``aten.multinomial`` (sampling
+only) hide; the tracker runs them as the operators the kernel calls, each traced.
+``aten.binary_cross_entropy_with_logits`` (``BCEWithLogitsLoss``) has no device kernel: its
+``CompositeExplicitAutograd`` kernel (``aten/src/ATen/native/Loss.cpp``) runs on every device, and it is run as it
+is. It holds ``log_sigmoid(input)`` (on CPU ``log_sigmoid_forward``'s buffer beside it until the call returns; on
+CUDA the buffer is empty, which a CUDA target traced on the CPU host cannot tell: the buffer is freed before the
+next allocation, so the peak inside the call is the same) and ``1 - target`` at once: an input-sized loss under
+bf16-mixed or fp32 was predicted 24% low when only its output was counted. ``aten.multinomial`` (sampling
 in generation): ``multinomial_out`` in ``aten/src/ATen/native/Distributions.cpp``, one function for CPU and
 CUDA, takes a fast path without replacement or for one sample: the sanity checks' small tensors (``aminmax``,
 the validity and zero-sum flags, alive to the end of the block), then ``q = empty_like(self).exponential_(1)``, a
@@ -215,7 +221,20 @@ def multinomial(probs: torch.Tensor, num_samples: int, replacement: bool = False
     return out
 
 
-COMPOSITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.multinomial.default: multinomial}
+def _explicit_composite(op: Any) -> Callable[..., Any]:
+    """``op``'s own ``CompositeExplicitAutograd`` kernel (the C++ function every device runs: ``op`` has no CPU
+    or CUDA kernel of its own), whose operators the tracker then sees one by one."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return op._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+    return run
+
+
+COMPOSITES: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.multinomial.default: multinomial,
+    torch.ops.aten.binary_cross_entropy_with_logits.default:
+        _explicit_composite(torch.ops.aten.binary_cross_entropy_with_logits.default),
+}
 
 
 class FakeKernelsMode(torch.utils._python_dispatch.TorchDispatchMode):

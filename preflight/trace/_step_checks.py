@@ -20,6 +20,9 @@ involved.
   ``embedding`` and ``index_select`` (``IndexError: index out of range in self``), ``gather`` and ``index`` (``index
   i is out of bounds for dimension d with size n``), ``nll_loss`` (``Target t is out of bounds.``, ignoring
   ``ignore_index``). Indices without a shadow (computed from parameters) are not checked.
+- Packed sequences' lengths (``_pack_padded_sequence``, on their shadow): the real kernel is run on a stand-in of
+  the input's first two sizes (`preflight.trace._packed.packed_sizes`); unsorted lengths with ``enforce_sorted``,
+  a zero length or a length beyond the padded one raise its error.
 - Dtype checks torch makes itself before dispatch (``conv2d``'s "Input type (double) and bias type (float) should
   be the same") raise under fake tensors as in the real run; `kernel_dtype_error` recognises them.
 
@@ -35,6 +38,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from preflight.trace._packed import PACK, packed_sizes
 
 __all__ = ["STEP_CHECKS", "StepContext", "device_mismatch", "kernel_dtype_error", "mixed_dtensor_failure"]
 
@@ -186,6 +191,21 @@ def _nll_loss(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
                  "beyond the model's classes or vocabulary")
 
 
+def _pack_padded_sequence(ctx: StepContext, func: Any, args: tuple, kwargs: dict) -> None:
+    input, lengths = args[0], args[1]
+    batch_first = args[2] if len(args) > 2 else kwargs["batch_first"]
+    real = ctx.shadow_of(lengths) if isinstance(lengths, torch.Tensor) else None
+    if real is None:
+        return
+    try:
+        packed_sizes(input, real, batch_first)
+    except RuntimeError as err:
+        steps = input.size(1 if batch_first else 0)
+        ctx.fail(func, err, {"input": input, "lengths": lengths},
+                 f"give one length per sequence, each in 1..{steps} (the padded length), in decreasing order, or "
+                 "pass enforce_sorted=False to pack_padded_sequence")
+
+
 STEP_CHECKS: dict[Any, Callable[..., None]] = {
     _aten.mm.default: _dtype_check((0, 1), ("mat1", "mat2")),
     _aten.addmm.default: _dtype_check((0, 1, 2), ("bias", "mat1", "mat2")),
@@ -209,6 +229,7 @@ STEP_CHECKS: dict[Any, Callable[..., None]] = {
     _aten.index.Tensor: _index,
     _aten.nll_loss_forward.default: _nll_loss,
     _aten.nll_loss2d_forward.default: _nll_loss,
+    PACK: _pack_padded_sequence,
 }
 
 

@@ -49,7 +49,9 @@ from preflight.trace._fake_kernels import COMPOSITES, FAKE_KERNELS
 from preflight.trace._library_kernels import composite_kernel
 from preflight._errors import StepWouldFailError
 from preflight.trace._frames import failure_site, user_frame
+from preflight.trace._in_place import IN_PLACE_IN_BACKWARD
 from preflight.trace._layouts import LayoutCalibration
+from preflight.trace._packed import PACK, host_lengths, pack_padded_sequence
 from preflight._result import Category, Event
 from preflight.trace._routing import RoutingShadows
 from preflight.trace._step_checks import STEP_CHECKS
@@ -128,6 +130,7 @@ class StorageTracker(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> real tensor
         self._between_nodes = False  # the autograd engine is accumulating a node's outputs: `watch_backward`
+        self._node_in_place: frozenset[Any] | None = None  # what the running node writes in place (`_in_place`)
         self._in_place: tuple | None = None  # an in-place accumulation, confirmed at the next operator
         self._last_product: tuple[int | None, Any] = (None, None)  # (uid, call site) of the last mm/bmm
         # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight.trace._leftovers`.
@@ -149,6 +152,8 @@ class StorageTracker(TorchDispatchMode):
         self._external: set[int] = set()  # uids of adopted twins: memory that exists outside the trace, uncounted
         self._borrowed: set[int] = set()  # ids of shadows that are the user's own tensors: read, never written
         self._host: set[int] = set()  # uids of host copies on a CUDA target (`to_host`)
+        # Real host tensors the trace made for kernels that use their pointers (`_host_tensor`) -> their twins.
+        self._host_reals = WeakTensorKeyDictionary()
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -297,11 +302,15 @@ class StorageTracker(TorchDispatchMode):
 
     def watch_backward(self, loss: torch.Tensor) -> None:
         """Hook every node of ``loss``'s graph so the engine's gradient accumulation is recognised."""
-        def entering(*_: Any) -> None:
-            self._between_nodes = False
+        def entering(writes_in_place: frozenset[Any] | None) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                self._between_nodes = False
+                self._node_in_place = writes_in_place
+            return hook
 
         def leaving(*_: Any) -> None:
             self._between_nodes = True
+            self._node_in_place = None
 
         seen: set[Any] = set()
         stack = [loss.grad_fn] if loss.grad_fn is not None else []
@@ -310,12 +319,26 @@ class StorageTracker(TorchDispatchMode):
             if node in seen:
                 continue
             seen.add(node)
-            node.register_prehook(entering)
+            node.register_prehook(entering(IN_PLACE_IN_BACKWARD.get(node.name())))
             node.register_hook(leaving)
             stack.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
 
     def end_backward(self) -> None:
         self._between_nodes = False
+        self._node_in_place = None
+
+    def _written_in_place(self, func: Any) -> bool:
+        """Whether the running backward node's formula writes ``func``'s result in place in the plain run
+        (`preflight.trace._in_place`)."""
+        return self._node_in_place is not None and func in self._node_in_place and not torch.is_grad_enabled()
+
+    def _in_place_in_plain_run(self, func: Any, args: Any, kwargs: dict) -> bool:
+        """Whether ``func`` writes into its first operand in the plain run, where a dispatch mode sees it out of
+        place: the engine's accumulation, linear's bias add, a backward formula's (`_written_in_place`)."""
+        if func is torch.ops.aten.add.Tensor:
+            return (self._between_nodes and not torch.is_grad_enabled() and isinstance(args[1], torch.Tensor)
+                    or self._linear_bias_add(func, args, kwargs) or self._written_in_place(func))
+        return self._node_in_place is not None and self._written_in_place(func)
 
     def _linear_bias_add(self, func: Any, args: Any, kwargs: dict) -> bool:
         """Whether ``func(*args)`` is ``at::linear``'s bias ``add`` on its own product (see above)."""
@@ -331,11 +354,10 @@ class StorageTracker(TorchDispatchMode):
         here = _call_site()
         return here is not None and here == site and _calls(here)
 
-    def _accumulate_in_place(self, func: Any, args: Any, out: Any, index: int) -> bool:
-        if func is not torch.ops.aten.add.Tensor:
-            return False
+    def _accumulate_in_place(self, args: Any, out: Any, index: int) -> bool:
         old = args[0]
-        if not (_is_fake(old) and isinstance(args[1], torch.Tensor) and _is_fake(out) and old._base is None
+        if not (isinstance(old, torch.Tensor) and _is_fake(old) and isinstance(out, torch.Tensor) and _is_fake(out)
+                and old._base is None
                 and out.shape == old.shape and out.dtype == old.dtype and out.device == old.device
                 and is_non_overlapping_and_dense_or_false(old)):
             return False
@@ -458,8 +480,7 @@ class StorageTracker(TorchDispatchMode):
             raise
         if self.unrecorded:
             pass
-        elif not ((self._between_nodes and not torch.is_grad_enabled() or self._linear_bias_add(func, args, kwargs))
-                  and self._accumulate_in_place(func, args, out, index)):
+        elif not (self._in_place_in_plain_run(func, args, kwargs) and self._accumulate_in_place(args, out, index)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, self.phase_category, index)
@@ -504,6 +525,9 @@ class StorageTracker(TorchDispatchMode):
             if held is not None:
                 flat[i] = held[1]
                 continue
+            if x in self._host_reals:  # the trace's own host tensor (`_host_tensor`), not the user's
+                flat[i] = self._host_twin(x)
+                continue
             fake = self.twin_of(x) if self.twin_of is not None else None
             if fake is None:
                 fake = self.fake_mode.from_tensor(x)
@@ -546,6 +570,14 @@ class StorageTracker(TorchDispatchMode):
             args = self._expand_mask_indices(args)
         if func is torch.ops.aten._ctc_loss.Tensor and args[3] in self._shadows:
             return self._ctc_loss(args)
+        if func is torch.ops.aten.masked_select.default and args[1] in self._shadows and args[0] not in self._shadows:
+            return self._masked_select(args)
+        if func is PACK and args[1] in self._shadows:
+            data, batch_sizes = pack_padded_sequence(args[0], self._shadows[args[1]], args[2])
+            return data, self._host_tensor(batch_sizes)
+        lengths = host_lengths(func, args, kwargs, _caller_code)
+        if lengths is not None:
+            return self._host_tensor(lengths)
         if func in _DATA_DEPENDENT:
             self._note_draw_read(args, kwargs)
             ok, real_out = self._run_real(func, args, kwargs)
@@ -664,6 +696,39 @@ class StorageTracker(TorchDispatchMode):
                 expanded.append(index)
         return (self_, expanded, *args[2:])
 
+    def _host_tensor(self, real: torch.Tensor) -> torch.Tensor:
+        """``real``, a host tensor a kernel reads or writes through its pointer (`preflight.trace._packed`), tracked
+        now: on the CPU it is the step's memory; on a CUDA target it is host memory and taken off the device."""
+        self._track(real, self.phase_category, self.num_ops - 1)
+        if self.cuda:
+            self.to_host(real)
+        self._host_reals[real] = None
+        return real
+
+    def _host_twin(self, real: torch.Tensor) -> torch.Tensor:
+        """The fake twin that stands for ``real`` (made by `_host_tensor`) in operators, made at its first use (after
+        the kernel that made it wrote it), shadowed with its values. Unlike the user's adopted tensors, nothing
+        holds ``real`` here: it is freed when the step drops it, as in the real run."""
+        fake = self._host_reals[real]
+        if fake is None:
+            fake = self.fake_mode.from_tensor(real)
+            self._adopt_storage(fake)
+            with _disable_current_modes():
+                self._shadows[fake] = real.detach().clone()
+            self.tensors[fake] = None
+            self._host_reals[real] = fake
+        return fake
+
+    def _masked_select(self, args: Any) -> torch.Tensor:
+        """``masked_select(self, mask)`` with a known mask (from the batch) over values the trace does not know
+        (scores computed from parameters): its size is the number of True elements of the mask broadcast to both
+        shapes; the values are never read."""
+        source, mask = args[0], self._shadows[args[1]]
+        with _disable_current_modes():
+            shape = torch.broadcast_shapes(tuple(source.shape), tuple(mask.shape))
+            count = int(mask.expand(shape).sum()) if mask.numel() else 0
+        return source.new_empty((count,))
+
     def _ctc_loss(self, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``aten._ctc_loss.Tensor`` has no fake implementation: its ``log_alpha`` output is ``(batch, input length,
         2 * max(target_lengths) + 1)``, known from the target lengths' shadow (the labels of the batch). As the CPU
@@ -781,6 +846,11 @@ def _call_site() -> tuple[int, int, Any] | None:
     while frame is not None and frame.f_code.co_filename.startswith(_DISPATCH_FILES):
         frame = frame.f_back
     return None if frame is None else (id(frame), frame.f_lasti, frame.f_code)
+
+
+def _caller_code() -> Any:
+    site = _call_site()
+    return None if site is None else site[2]
 
 
 def _calls(site: tuple[int, int, Any]) -> bool:

@@ -157,6 +157,10 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
         host = _whole_model_bytes(model, optimizer, run.precision) if held else 0
         est = dataclasses.replace(est, phases=tuple(dataclasses.replace(p, host_bytes=host) if p is loading else p
                                                     for p in est.phases))
+    recurrent = [n for n in cuda_recurrent_note(model, torch.device(est.device)) if n not in est.coverage.notes]
+    if recurrent:  # every path: one device, or each rank of a plan
+        est = dataclasses.replace(est, coverage=dataclasses.replace(est.coverage,
+                                                                    notes=(*est.coverage.notes, *recurrent)))
     if run.loading is not None and est.phase("loading") is None:
         why = ("the steps could not be traced (the figure is a lower bound)" if est.coverage.lower_bound else
                "the model is already wrapped, laid out or partitioned in this job, so its loading is over")
@@ -348,7 +352,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         notes.append(ddp_note)
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
-    notes.extend(unmodelled_device_note(target) + cuda_recurrent_note(model, target))
+    notes.extend(unmodelled_device_note(target))
     # bitsandbytes falls back to ordinary memory for paged optimizers off CUDA.
     paged = bool(getattr(optimizer, "is_paged", False)) and target.type == "cuda"
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["PACK", "host_lengths", "pack_padded_sequence", "packed_sizes"]
+__all__ = ["EMPTY", "PACK", "host_lengths", "pack_padded_sequence", "packed_sizes"]
 
 PACK = torch.ops.aten._pack_padded_sequence.default
-_EMPTY = torch.ops.aten.empty.memory_format
+EMPTY = torch.ops.aten.empty.memory_format
 
 
 def packed_sizes(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> tuple[int, torch.Tensor]:
@@ -58,7 +58,7 @@ def host_lengths(func: Any, args: Any, kwargs: dict, caller: Callable[[], Any]) 
     """A real tensor for the ``empty`` that ``_pad_packed_sequence`` writes its lengths into, or None for any other
     call: a 1-D host int64 ``empty`` asked for while ``caller()`` (the code of the innermost Python frame; the
     kernel has none of its own) is ``nn.utils.rnn.pad_packed_sequence``'s."""
-    if func is not _EMPTY or kwargs.get("dtype") is not torch.int64 or len(args[0]) != 1:
+    if func is not EMPTY or kwargs.get("dtype") is not torch.int64 or len(args[0]) != 1:
         return None
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "cpu":

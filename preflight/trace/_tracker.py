@@ -51,7 +51,7 @@ from preflight._errors import StepWouldFailError
 from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._in_place import IN_PLACE_IN_BACKWARD
 from preflight.trace._layouts import LayoutCalibration
-from preflight.trace._packed import PACK, host_lengths, pack_padded_sequence
+from preflight.trace._packed import EMPTY, PACK, host_lengths, pack_padded_sequence
 from preflight._result import Category, Event
 from preflight.trace._routing import RoutingShadows
 from preflight.trace._step_checks import STEP_CHECKS
@@ -575,9 +575,10 @@ class StorageTracker(TorchDispatchMode):
         if func is PACK and args[1] in self._shadows:
             data, batch_sizes = pack_padded_sequence(args[0], self._shadows[args[1]], args[2])
             return data, self._host_tensor(batch_sizes)
-        lengths = host_lengths(func, args, kwargs, _caller_code)
-        if lengths is not None:
-            return self._host_tensor(lengths)
+        if func is EMPTY:
+            lengths = host_lengths(func, args, kwargs, _caller_code)
+            if lengths is not None:
+                return self._host_tensor(lengths)
         if func in _DATA_DEPENDENT:
             self._note_draw_read(args, kwargs)
             ok, real_out = self._run_real(func, args, kwargs)

@@ -99,6 +99,11 @@ def test_a_cuda_target_says_its_recurrent_layers_are_traced_with_the_cpu_kernels
     plain = nn.Sequential(nn.Embedding(100, 24), nn.Linear(24, 100))
     est = preflight.estimate(plain, torch.optim.AdamW(plain.parameters()), _batch(), run, step=_step)
     assert not any("recurrent" in n for n in est.coverage.notes)
+    # Each rank of an FSDP2 plan is traced on its own path: the note is there too, once.
+    sharded = Run(target=Target(gpu="H100-80GB"), parallel=preflight.ParallelPlan(2, "fsdp2"))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), _batch(), sharded, step=_step)
+    assert est.per_rank_peak_bytes is not None
+    assert sum("recurrent layers (LSTM x1)" in n for n in est.coverage.notes) == 1
 
 
 @pytest.mark.parametrize("weighted", [False, True])

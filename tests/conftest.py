@@ -35,6 +35,23 @@ def _quiet_transformers():
     yield
 
 
+def predicted_and_measured(build, make_optimizer, batch, run=None, *, step=None):
+    """`preflight.estimate` for a model from ``build()`` and the peak `preflight.measure` reads for a fresh one from the
+    same seed, each with its own ``make_optimizer(parameters)``: the prediction and what it must match."""
+    import preflight
+
+    torch.manual_seed(0)
+    model = build()
+    est = preflight.estimate(model, make_optimizer(model.parameters()), batch, run, step=step)
+    torch.manual_seed(0)
+    fresh = build()
+    return est, preflight.measure(fresh, make_optimizer(fresh.parameters()), batch, run, step=step).peak_bytes
+
+
+def sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
 def make_gpt2(n_layer: int = 2, n_embd: int = 128, n_positions: int = 256, **kwargs):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import predicted_and_measured, sgd
 from torch import nn
 
 import preflight
@@ -199,15 +200,8 @@ def test_normalisation_backwards_and_low_precision_reductions_are_calibrated(nor
     from preflight import Run
 
     batch = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
-    torch.manual_seed(0)
-    model = build()
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, Run(precision=precision),
-                             step=_classify)
-    torch.manual_seed(0)
-    fresh = build()
-    measured = preflight.measure(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch,
-                                 Run(precision=precision), step=_classify)
-    assert est.peak_bytes == measured.peak_bytes
+    est, measured = predicted_and_measured(build, sgd, batch, Run(precision=precision), step=_classify)
+    assert est.peak_bytes == measured
     if norm == "batch":
         assert scratch_ops(CPU)(aten.native_batch_norm_backward.default, ())
     low = torch.zeros(2, 4, dtype=torch.bfloat16)
@@ -229,11 +223,5 @@ def test_kthvalue_s_copy_of_its_input_is_calibrated():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.proj(x).kthvalue(3, -1).values.mean()
 
-    batch = torch.randn(4, 32, 16)
-    torch.manual_seed(0)
-    model = Kth()
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b))
-    torch.manual_seed(0)
-    fresh = Kth()
-    measured = preflight.measure(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch, step=lambda m, b: m(b))
-    assert est.peak_bytes == measured.peak_bytes
+    est, measured = predicted_and_measured(Kth, sgd, torch.randn(4, 32, 16), step=lambda m, b: m(b))
+    assert est.peak_bytes == measured

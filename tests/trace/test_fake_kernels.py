@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import predicted_and_measured, sgd
 from torch import nn
 
 import preflight
@@ -48,15 +49,10 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def test_recurrent_layers_are_traced_to_the_measured_peak(kind, kwargs, precision):
     # Before oneDNN's workspace was sized, the LSTM's trace was 53.7% under the measured peak (2-layer
     # bidirectional tagger with SGD), and calibrating its backward crashed the process.
-    run = Run(precision=precision)
-    torch.manual_seed(0)
-    model = Tagger(kind, **kwargs)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), _batch(), run, step=_step)
-    torch.manual_seed(0)
-    fresh = Tagger(kind, **kwargs)
-    measured = preflight.measure(fresh, torch.optim.AdamW(fresh.parameters()), _batch(), run, step=_step)
+    est, measured = predicted_and_measured(lambda: Tagger(kind, **kwargs), torch.optim.AdamW, _batch(),
+                                           Run(precision=precision), step=_step)
     assert not est.coverage.lower_bound
-    assert est.peak_bytes == measured.peak_bytes
+    assert est.peak_bytes == measured
 
 
 def _layer_args(steps: int, batch: int, features: int, hidden: int) -> tuple:
@@ -121,12 +117,6 @@ def test_bce_with_logits_runs_its_composite_kernel(weighted):
             return nn.functional.binary_cross_entropy_with_logits(self.proj(x), y, weight=weight)
 
     batch = (torch.randn(4, 32, 16), torch.ones(4, 32, 2048))
-    torch.manual_seed(0)
-    model = MultiLabel()
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(*b))
-    torch.manual_seed(0)
-    fresh = MultiLabel()
-    measured = preflight.measure(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch,
-                                 step=lambda m, b: m(*b))
+    est, measured = predicted_and_measured(MultiLabel, sgd, batch, step=lambda m, b: m(*b))
     # 12 B: three scalar tensors of the real backward the trace does not see (tests/trace/test_in_place.py).
-    assert measured.peak_bytes - 12 <= est.peak_bytes <= measured.peak_bytes
+    assert measured - 12 <= est.peak_bytes <= measured

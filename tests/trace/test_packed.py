@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import predicted_and_measured
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -58,16 +59,11 @@ def _batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def test_packed_recurrent_layers_are_traced_to_the_measured_peak(kind, options, lengths, precision):
     # Before: `_pack_padded_sequence`'s output size depends on the lengths' values, so the trace stopped there and
     # gave a lower bound (-47% on a bidirectional LSTM tagger).
-    run = Run(precision=precision)
-    torch.manual_seed(0)
-    model = PackedTagger(kind, **options)
     batch = _batch(lengths)
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run, step=_step)
-    torch.manual_seed(0)
-    fresh = PackedTagger(kind, **options)
-    measured = preflight.measure(fresh, torch.optim.AdamW(fresh.parameters()), batch, run, step=_step)
+    est, measured = predicted_and_measured(lambda: PackedTagger(kind, **options), torch.optim.AdamW, batch,
+                                           Run(precision=precision), step=_step)
     assert est.coverage.traced and not est.coverage.lower_bound
-    assert est.peak_bytes == measured.peak_bytes
+    assert est.peak_bytes == measured
     assert torch.equal(batch[1], torch.tensor(lengths))
 
 

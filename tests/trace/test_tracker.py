@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import predicted_and_measured, sgd
 from torch import nn
 
-import preflight
 from preflight import Loop, Run
 
 
@@ -41,14 +41,9 @@ def test_linears_bias_add_on_its_own_product_is_counted_in_place(how):
     # product more (+1.5% to +2.4% on a batch-first attention block with accumulation, benchmarks/torch_modules.py;
     # +1 MiB here). The same arithmetic written in Python allocates the sum in the plain run too: still counted.
     batch = (torch.randint(0, 100, (4, 32)), torch.randint(0, 100, (4,)))
-    torch.manual_seed(0)
-    model = _WideProjection(how)
-    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=_step)
-    torch.manual_seed(0)
-    fresh = _WideProjection(how)
-    measured = preflight.measure(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batch, step=_step)
+    est, measured = predicted_and_measured(lambda: _WideProjection(how), sgd, batch, step=_step)
     assert not est.coverage.lower_bound
-    assert est.peak_bytes == measured.peak_bytes
+    assert est.peak_bytes == measured
 
 
 def test_a_batch_first_attention_block_with_accumulation_is_exact():
@@ -69,10 +64,5 @@ def test_a_batch_first_attention_block_with_accumulation_is_exact():
 
     run = Run(loop=Loop(accumulate=2))
     batch = (torch.randint(0, 100, (4, 32)), torch.randint(0, 100, (4, 32)))
-    torch.manual_seed(0)
-    model = Block()
-    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run, step=step)
-    torch.manual_seed(0)
-    fresh = Block()
-    measured = preflight.measure(fresh, torch.optim.AdamW(fresh.parameters()), batch, run, step=step)
-    assert est.peak_bytes == measured.peak_bytes  # +14,328 B (+1.7%) before
+    est, measured = predicted_and_measured(Block, torch.optim.AdamW, batch, run, step=step)
+    assert est.peak_bytes == measured  # +14,328 B (+1.7%) before

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.utils._python_dispatch
 
+from preflight.trace._library_kernels import run_composite
+
 __all__ = ["COMPOSITES", "FAKE_KERNELS", "FakeKernelsMode"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -221,19 +223,10 @@ def multinomial(probs: torch.Tensor, num_samples: int, replacement: bool = False
     return out
 
 
-def _explicit_composite(op: Any) -> Callable[..., Any]:
-    """``op``'s own ``CompositeExplicitAutograd`` kernel (the C++ function every device runs: ``op`` has no CPU
-    or CUDA kernel of its own), whose operators the tracker then sees one by one."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return op._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
-
-    return run
-
-
 COMPOSITES: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.multinomial.default: multinomial,
     torch.ops.aten.binary_cross_entropy_with_logits.default:
-        _explicit_composite(torch.ops.aten.binary_cross_entropy_with_logits.default),
+        run_composite(torch.ops.aten.binary_cross_entropy_with_logits.default),  # no device kernel of its own
 }
 
 

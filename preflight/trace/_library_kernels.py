@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["PAGED_MIN_NUMEL", "composite_kernel", "cuda_training_paths", "layer_notes"]
+__all__ = ["PAGED_MIN_NUMEL", "composite_kernel", "cuda_training_paths", "layer_notes", "run_composite"]
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "c10d_functional",
                                "_dtensor", "higher_order", "profiler", "inductor", "quantized", "_quantized"})
@@ -81,7 +81,7 @@ def composite_kernel(func: Any, cuda: bool) -> tuple[Callable[..., Any], Callabl
     name = func.name()
     if cuda:
         if name in _CUDA_COMPOSITES:  # no CUDA kernel: the default composite runs on the device too
-            return _run_composite(func), _no_note
+            return run_composite(func), _no_note
         return _CUDA_MODELS.get(name)
     cpu_kernel = _cpu_kernel(name)
     if cpu_kernel is not None:
@@ -89,10 +89,11 @@ def composite_kernel(func: Any, cuda: bool) -> tuple[Callable[..., Any], Callabl
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     if has(name, "CPU") or not has(name, "CompositeExplicitAutograd"):
         return None
-    return _DEFAULT_MODELS.get(name) or (_run_composite(func), _no_note)
+    return _DEFAULT_MODELS.get(name) or (run_composite(func), _no_note)
 
 
-def _run_composite(func: Any) -> Callable[..., Any]:
+def run_composite(func: Any) -> Callable[..., Any]:
+    """``func``'s own ``CompositeExplicitAutograd`` kernel, whose operators the tracker then sees one by one."""
     def run(*args: Any, **kwargs: Any) -> Any:
         return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
 

@@ -54,11 +54,11 @@ def pack_padded_sequence(input: torch.Tensor, lengths: torch.Tensor, batch_first
     return input.new_empty((rows, *input.shape[2:])), batch_sizes
 
 
-def host_lengths(func: Any, args: Any, kwargs: dict, caller: Callable[[], Any]) -> torch.Tensor | None:
-    """A real tensor for the ``empty`` that ``_pad_packed_sequence`` writes its lengths into, or None for any other
-    call: a 1-D host int64 ``empty`` asked for while ``caller()`` (the code of the innermost Python frame; the
-    kernel has none of its own) is ``nn.utils.rnn.pad_packed_sequence``'s."""
-    if func is not EMPTY or kwargs.get("dtype") is not torch.int64 or len(args[0]) != 1:
+def host_lengths(args: Any, kwargs: dict, caller: Callable[[], Any]) -> torch.Tensor | None:
+    """For an ``EMPTY`` call (``args``, ``kwargs``): a real tensor if it is the one ``_pad_packed_sequence`` writes
+    its lengths into, else None. That is a 1-D host int64 ``empty`` asked for while ``caller()`` (the code of the
+    innermost Python frame; the kernel has none of its own) is ``nn.utils.rnn.pad_packed_sequence``'s."""
+    if kwargs.get("dtype") is not torch.int64 or len(args[0]) != 1:
         return None
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "cpu":

@@ -327,18 +327,14 @@ class StorageTracker(TorchDispatchMode):
         self._between_nodes = False
         self._node_in_place = None
 
-    def _written_in_place(self, func: Any) -> bool:
-        """Whether the running backward node's formula writes ``func``'s result in place in the plain run
-        (`preflight.trace._in_place`)."""
-        return self._node_in_place is not None and func in self._node_in_place and not torch.is_grad_enabled()
-
     def _in_place_in_plain_run(self, func: Any, args: Any, kwargs: dict) -> bool:
         """Whether ``func`` writes into its first operand in the plain run, where a dispatch mode sees it out of
-        place: the engine's accumulation, linear's bias add, a backward formula's (`_written_in_place`)."""
+        place: the engine's accumulation, linear's bias add, a backward formula's (`preflight.trace._in_place`)."""
+        by_formula = self._node_in_place is not None and func in self._node_in_place and not torch.is_grad_enabled()
         if func is torch.ops.aten.add.Tensor:
             return (self._between_nodes and not torch.is_grad_enabled() and isinstance(args[1], torch.Tensor)
-                    or self._linear_bias_add(func, args, kwargs) or self._written_in_place(func))
-        return self._node_in_place is not None and self._written_in_place(func)
+                    or self._linear_bias_add(func, args, kwargs) or by_formula)
+        return by_formula
 
     def _linear_bias_add(self, func: Any, args: Any, kwargs: dict) -> bool:
         """Whether ``func(*args)`` is ``at::linear``'s bias ``add`` on its own product (see above)."""
@@ -576,7 +572,7 @@ class StorageTracker(TorchDispatchMode):
             data, batch_sizes = pack_padded_sequence(args[0], self._shadows[args[1]], args[2])
             return data, self._host_tensor(batch_sizes)
         if func is EMPTY:
-            lengths = host_lengths(func, args, kwargs, _caller_code)
+            lengths = host_lengths(args, kwargs, _caller_code)
             if lengths is not None:
                 return self._host_tensor(lengths)
         if func in _DATA_DEPENDENT:
@@ -727,7 +723,7 @@ class StorageTracker(TorchDispatchMode):
         source, mask = args[0], self._shadows[args[1]]
         with _disable_current_modes():
             shape = torch.broadcast_shapes(tuple(source.shape), tuple(mask.shape))
-            count = int(mask.expand(shape).sum()) if mask.numel() else 0
+            count = int(mask.expand(shape).sum())
         return source.new_empty((count,))
 
     def _ctc_loss(self, args: Any) -> tuple[torch.Tensor, torch.Tensor]:

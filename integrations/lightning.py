@@ -400,12 +400,13 @@ def _precision(trainer: pl.Trainer) -> tuple[str | None, str | None]:
 def _schedule(trainer: pl.Trainer) -> Loop:
     """Lightning's automatic-optimization step: zero_grad before backward, accumulation, clipping by norm when
     ``gradient_clip_val`` is set with the "norm" algorithm (value clipping allocates nothing), and the precision
-    plugin's GradScaler when it has one (``16-mixed``)."""
+    plugin's GradScaler when it has one (``16-mixed``); each module in the mode the user left it (Lightning's fit
+    loop calls no ``train()``: it warns about modules in eval mode and keeps them so)."""
     clip = trainer.gradient_clip_val
     by_norm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower().endswith("norm")
     return Loop(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
                     max_grad_norm=float(clip) if clip and by_norm else None,
-                    grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None)
+                    grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None, module_modes="as_set")
 
 
 def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

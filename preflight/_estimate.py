@@ -24,7 +24,7 @@ from preflight._warnings import warn
 from preflight._scratch import KERNEL_OPS, Calibrator, scratch_ops
 from preflight._sharding import hf_hidden_size, read_deepspeed_config, shard_breakdown
 from preflight._run import Run, check_run, pinned
-from preflight._steps import Evaluation, LossNotFoundError, StepFn, check_step, with_optimizer_impl
+from preflight._steps import Evaluation, LossNotFoundError, StepFn, check_step, modes_note, with_optimizer_impl
 from preflight._target import (add_workspaces, check_sharding, cuda_terms, deepspeed_save_events, per_rank_breakdown,
                                resolve_gpu, round_events, shard_events)
 from preflight._units import format_bytes
@@ -157,10 +157,11 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
         host = _whole_model_bytes(model, optimizer, run.precision) if held else 0
         est = dataclasses.replace(est, phases=tuple(dataclasses.replace(p, host_bytes=host) if p is loading else p
                                                     for p in est.phases))
-    recurrent = [n for n in cuda_recurrent_note(model, torch.device(est.device)) if n not in est.coverage.notes]
-    if recurrent:  # every path: one device, or each rank of a plan
+    added = [n for n in (*cuda_recurrent_note(model, torch.device(est.device)), modes_note(model, run.loop))
+             if n is not None and n not in est.coverage.notes]
+    if added:  # every path: one device, or each rank of a plan
         est = dataclasses.replace(est, coverage=dataclasses.replace(est.coverage,
-                                                                    notes=(*est.coverage.notes, *recurrent)))
+                                                                    notes=(*est.coverage.notes, *added)))
     if run.loading is not None and est.phase("loading") is None:
         why = ("the steps could not be traced (the figure is a lower bound)" if est.coverage.lower_bound else
                "the model is already wrapped, laid out or partitioned in this job, so its loading is over")

@@ -18,7 +18,7 @@ from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, hel
                                map_tensors, model_device)
 from preflight._result import Measurement
 from preflight._run import Run, check_run
-from preflight._steps import with_optimizer_impl, StepFn, check_step, run_steps
+from preflight._steps import with_optimizer_impl, StepFn, check_step, enter_training, run_steps
 from preflight.trace import float_dtype_for
 
 __all__ = ["measure", "collective_calls", "cpu_profiled_peak", "frees_placed", "freed_addresses", "lost_free_peaks",
@@ -74,7 +74,7 @@ def measure(
     if dtype is not None:
         model.to(dtype)
         batch = _cast_floating(batch, dtype)
-    model.train()
+    enter_training(model, run.loop)
 
     def run() -> None:
         run_steps(model, optimizer, batch, step=step, precision=precision, device_type=device.type, steps=steps,

@@ -46,7 +46,8 @@ from preflight._activation_offload import OFFLOAD_MODES, offloading
 
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
-    "autocast_for", "compute_loss", "half_dtype", "run_steps",
+    "MODULE_MODES", "autocast_for", "compute_loss", "enter_training", "half_dtype", "modes_note", "restore_modes",
+    "run_steps",
 ]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -57,6 +58,7 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 
 
 ZERO_GRAD_CHOICES = ("after_step", "before_backward", "in_place")
+MODULE_MODES = ("train", "as_set")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,10 @@ class Loop:
             kept on the device until its copy is done; small tensors, parameters and the output head's kept
             there). On a CUDA target the offloaded activations leave the device (`preflight.cuda._offload`); on a
             CPU target the copies are host memory like the rest, and are counted. None: no offloading.
+        module_modes: the mode each module trains in: ``"train"``: the loop calls ``model.train()`` before its
+            steps, so every module trains (the HF Trainer at every step, most hand-written loops); ``"as_set"``:
+            each module keeps the mode it has (Lightning keeps the modes the user set, e.g. a frozen backbone left
+            in ``eval()``, whose dropout saves no masks and whose BatchNorm uses its running statistics).
     """
 
     accumulate: int = 1
@@ -127,8 +133,11 @@ class Loop:
     optimizer_impl: str | None = None
     sampled_steps: int = 0
     offload_activations: str | None = None
+    module_modes: str = "train"
 
     def __post_init__(self) -> None:
+        if self.module_modes not in MODULE_MODES:
+            raise ValueError(f"`module_modes` should be one of {MODULE_MODES}, got {self.module_modes!r}.")
         object.__setattr__(self, "steps", check_steps(self.steps))
         if isinstance(self.sampled_steps, bool) or not isinstance(self.sampled_steps, int) or self.sampled_steps < 0:
             raise ValueError(f"`sampled_steps` should be a whole number of steps (0: off), got {self.sampled_steps!r}.")
@@ -156,6 +165,36 @@ class Loop:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def enter_training(model: nn.Module, loop: Loop) -> list[tuple[nn.Module, bool]]:
+    """Put ``model``'s modules in the modes ``loop`` trains them in (`Loop.module_modes`) and return each one's
+    mode, which `restore_modes` puts back after an evaluation in between (as Lightning's ``_ModuleMode`` restores
+    them; the HF Trainer's next step calls ``model.train()`` again)."""
+    if loop.module_modes == "train":
+        model.train()
+    return [(module, module.training) for module in model.modules()]
+
+
+def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    """Put back the modes `enter_training` returned."""
+    for module, training in modes:
+        module.training = training
+
+
+def modes_note(model: nn.Module, loop: Loop) -> str | None:
+    """A note where ``loop`` trains every module but the user left some in eval mode under a model in train mode
+    (a frozen backbone): they are traced in train mode, which a loop that keeps them in eval does not run."""
+    if loop.module_modes != "train" or not model.training:
+        return None  # a whole model in eval mode (as `from_pretrained` leaves it) is one the loop's `train()` sets
+    names = [name for name, module in model.named_modules() if not module.training]
+    tops = [name for name in names if not any(name.startswith(other + ".") for other in names)]
+    if not tops:
+        return None
+    shown = ", ".join(tops[:3]) + (f" and {len(tops) - 3} more" if len(tops) > 3 else "")
+    return (f"{len(names)} module(s) in eval mode ({shown}) were traced in train mode, as `model.train()` before "
+            "the steps sets them (the HF Trainer calls it at every step); if your loop keeps them in eval, as "
+            "Lightning does, say Loop(module_modes=\"as_set\")")
 
 
 OPTIMIZER_IMPLS = (None, "for-loop", "foreach", "fused")

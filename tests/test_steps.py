@@ -114,3 +114,71 @@ def test_an_optimizer_without_the_implementation_is_refused_by_name():
     assert with_optimizer_impl(opt, "for-loop") is opt and with_optimizer_impl(opt, None) is opt
     fused = with_optimizer_impl(opt, "fused")
     assert fused is not opt and fused.param_groups[0]["fused"] and not opt.param_groups[0].get("fused")
+
+
+class _FrozenBackbone(nn.Module):
+    """A backbone the user leaves in eval mode (dropout off, BatchNorm on running statistics) under a trained head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Dropout(0.5), nn.Linear(256, 256),
+                                      nn.Dropout(0.5))
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(256, 8))
+        self.backbone.eval()
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _frozen_step(model, batch):
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def test_module_modes_is_checked():
+    with pytest.raises(ValueError, match="`module_modes` should be one of \\('train', 'as_set'\\), got 'eval'"):
+        Loop(module_modes="eval")
+
+
+@pytest.mark.parametrize("modes", ["train", "as_set"])
+def test_modules_train_in_the_modes_the_loop_gives_them_predicted_as_measured(modes):
+    from conftest import predicted_and_measured
+
+    batch = (torch.randn(128, 64), torch.randint(0, 8, (128,)))
+    run = preflight.Run(loop=Loop(module_modes=modes))
+    est, measured = predicted_and_measured(_FrozenBackbone, torch.optim.AdamW, batch, run, step=_frozen_step)
+    assert 0 <= measured - est.peak_bytes <= 12  # AdamW's CPU scalars (see the test above)
+    torch.manual_seed(0)
+    model = _FrozenBackbone()
+    other = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch,
+                               preflight.Run(loop=Loop(module_modes="as_set" if modes == "train" else "train")),
+                               step=_frozen_step)
+    # The dropout masks of the backbone: saved only where it trains.
+    assert (est.peak_bytes > other.peak_bytes) == (modes == "train")
+    assert [m.training for m in model.modules()] == [True, False, False, False, False, False, False, True, True, True]
+    noted = [n for n in est.coverage.notes if "module(s) in eval mode" in n]
+    assert noted == ([] if modes == "as_set" else [
+        "6 module(s) in eval mode (backbone) were traced in train mode, as `model.train()` before the steps sets them "
+        "(the HF Trainer calls it at every step); if your loop keeps them in eval, as Lightning does, say "
+        "Loop(module_modes=\"as_set\")"])
+
+
+def test_a_model_wholly_in_eval_mode_is_one_the_loop_trains_without_a_note():
+    model = make_gpt2(n_layer=1).eval()  # as `from_pretrained` leaves it: the loop's `model.train()` sets it
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters()), lm_batch(2, 16))
+    assert not any("eval mode" in n for n in est.coverage.notes) and not model.training
+
+
+def test_a_data_parallel_rank_keeps_the_modes_the_loop_gives_them():
+    torch.manual_seed(0)
+    model = _FrozenBackbone()
+    batch = (torch.randn(128, 64), torch.randint(0, 8, (128,)))
+    ranks = {modes: preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_frozen_step,
+                                       run=preflight.Run(loop=Loop(module_modes=modes),
+                                                         parallel=preflight.ParallelPlan(2, "ddp")))
+             for modes in ("train", "as_set")}
+    single = {modes: preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, step=_frozen_step,
+                                        run=preflight.Run(loop=Loop(module_modes=modes)))
+              for modes in ("train", "as_set")}
+    # The same difference (the backbone's dropout masks) on a rank as on one device.
+    assert ranks["train"].peak_bytes - ranks["as_set"].peak_bytes == \
+        single["train"].peak_bytes - single["as_set"].peak_bytes > 0

@@ -34,7 +34,8 @@ from preflight._errors import StepWouldFailError
 from preflight._loading import LOAD_PHASE, Loading
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
-from preflight._steps import Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, run_steps
+from preflight._steps import (Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, enter_training, restore_modes,
+                              run_steps)
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
 from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
@@ -611,7 +612,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None), \
                 cuda_training_paths(tracker, cuda is not None):
             try:
-                wrapped.train()
+                enter_training(wrapped, schedule)
                 save = checkpoint_saver(tracker, checkpoint, host_is_device=cuda is None, fake_world=True,
                                         notes=notes, gathers=gloo_dtensor_gathers if cuda is None else None)
                 if evaluation is not None and (drive is not None or engine.around is not None):
@@ -685,6 +686,7 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
     if evaluation.frees_gradients:
         fake_opt.zero_grad(set_to_none=True)
     eval_batch = _counted_batch(evaluation.batch, "the evaluation batch", twins, tracker, precision)
+    modes = [(module, module.training) for module in wrapped.modules()]
     wrapped.eval()
     try:
         with torch.no_grad(), autocast_for(precision, "cpu"):
@@ -697,7 +699,7 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
         notes.append(f"{EVAL_NOT_TRACED} ({failed_op_of(err)}: {type(err).__name__}: {err})".splitlines()[0][:300])
         return False
     finally:
-        wrapped.train()
+        restore_modes(modes)  # the modes the steps ran in, as the trainer restores them
         twins.forget(evaluation.batch)  # the loader lets go of it after the step
 
 

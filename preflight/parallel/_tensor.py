@@ -38,7 +38,7 @@ from torch import nn
 
 from preflight._checkpoint import Checkpoint
 from preflight._loading import Loading
-from preflight._steps import Loop, StepFn
+from preflight._steps import Evaluation, Loop, StepFn
 from preflight.cuda import CudaTarget
 from preflight.parallel._fake_group import fake_world
 from preflight.parallel._fsdp2 import FSDP2Plan, apply_fully_shard, shard_rows, watched_fsdp2

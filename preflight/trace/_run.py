@@ -38,7 +38,7 @@ from preflight.trace._library_kernels import PAGED_MIN_NUMEL, cuda_training_path
 from preflight.trace._process import isolated_process, isolated_rng
 from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
-from preflight._steps import LossNotFoundError, Loop, StepFn, needs_closure, run_steps
+from preflight._steps import LossNotFoundError, Loop, StepFn, enter_training, needs_closure, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
 from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
 
@@ -257,7 +257,7 @@ def trace_steps(
     on_phase = phase_bookkeeping(tracker, fake_opt)
     try:
         with run.active(model):
-            model.train()
+            enter_training(model, schedule)
             run_steps(model, fake_opt, run.batch, step=step, precision=precision, device_type=trace_device.type,
                       steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
                       save=checkpoint_saver(tracker, checkpoint, host_is_device=target_device.type == "cpu",

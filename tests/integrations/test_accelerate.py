@@ -36,7 +36,8 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path, monkeypatch)
     assert report.fits is True and report.schedule == {"accumulate": 2, "zero_grad": "after_step",
                                                      "max_grad_norm": None, "grad_scaler": False,
                                                      "steps": 2, "optimizer_impl": None,
-                                                     "sampled_steps": 0, "offload_activations": None}
+                                                     "sampled_steps": 0, "offload_activations": None,
+                                                     "module_modes": "train"}
     assert report.eval_predicted_peak_bytes is not None
 
     verifier = StepVerifier(accelerator, model, optimizer, report, steps=2, report_path=str(tmp_path / "r.json"))

@@ -132,7 +132,7 @@ def test_prediction_matches_the_measured_peak(tmp_path, accumulate, pl):
     assert report["fits"] is True and report["schedule"] == {"accumulate": accumulate, "zero_grad": "before_backward",
                                                      "max_grad_norm": None, "grad_scaler": False,
                                                      "steps": 2, "optimizer_impl": None, "sampled_steps": 0,
-                                                     "offload_activations": None}
+                                                     "offload_activations": None, "module_modes": "as_set"}
     assert report["worst_case_batch_shape"]["input_ids"] == [4, 48]
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     assert set(logger.logged) >= {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes",
@@ -604,6 +604,48 @@ def test_state_outside_the_model_trains_bitwise_identically_with_the_callback(pl
     assert all(torch.equal(a, b) for a, b in zip(plain_avg.parameters(), checked_avg.parameters()))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(getattr(plain.criterion, name), getattr(checked.criterion, name)), name
+
+
+def test_modules_left_in_eval_mode_train_in_eval_mode_in_the_prediction_as_lightning_keeps_them(tmp_path):
+    """Lightning's fit loop calls no ``train()``: a frozen backbone the user left in eval mode (its dropout saving no
+    masks, its BatchNorm on running statistics) trains so, and the callback predicts that run, not one with every
+    module training (+11% here), and leaves the modes as the user set them."""
+    from torch import nn
+
+    class Frozen(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                          nn.Dropout(0.5), nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64))
+            self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(64 * 16 * 16, 10))
+            self.backbone.eval()
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.head(self.backbone(batch[0])), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,)))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+
+    torch.manual_seed(0)
+    module = Frozen()
+    callback = PreflightCallback(verify_steps=2, report_path=str(tmp_path / "r.json"))
+    fit(module, [callback], steps=3)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["schedule"]["module_modes"] == "as_set"
+    assert report["predicted_peak_bytes"] == report["measured_peak_bytes"]
+    assert [m.training for m in module.backbone.modules()] == [False] * 7 and module.head.training
+    # Every module training is another run, whose prediction is the larger one the callback did not give.
+    torch.manual_seed(0)
+    trained = Frozen()
+    everything = preflight.estimate(trained, trained.configure_optimizers(), next(iter(trained.train_dataloader())),
+                                    preflight.Run(loop=preflight.Loop(zero_grad="before_backward")),
+                                    step=lambda m, b: m.training_step(b, 0))
+    assert everything.peak_bytes > report["predicted_peak_bytes"] * 1.05
+    assert any("module(s) in eval mode (backbone)" in note for note in everything.coverage.notes)
 
 
 @pytest.mark.slow

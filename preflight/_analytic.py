@@ -16,7 +16,7 @@ from torch import nn
 from preflight._device import iter_tensors
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
 
-__all__ = ["ModelState", "model_state", "optimizer_state_bytes"]
+__all__ = ["ModelState", "model_state", "optimizer_state_bytes", "sparse_gradient_parameters"]
 
 # torch.optim classes -> number of full-size state tensors per parameter (before hyperparameter options).
 _FULL_STATES = {
@@ -40,8 +40,11 @@ class ModelState:
 
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device,
                 param_dtype: torch.dtype | None = None) -> ModelState:
-    """Parameters, buffers, gradients of trainable parameters, optimizer state and batch bytes."""
+    """Parameters, buffers, gradients of trainable parameters, optimizer state and batch bytes. A sparse gradient
+    (`sparse_gradient_parameters`) holds the rows the batch looked up, not the table: it counts 0 here, as does the
+    momentum SGD clones from it."""
     params = list(model.parameters())
+    sparse = sparse_gradient_parameters(model)
     by_dtype = param_dtype is not None
 
     def nbytes(t: torch.Tensor) -> int:
@@ -55,10 +58,10 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
             continue
         seen.add(id(p))
         param_bytes += nbytes(p)
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in sparse:
             grad_bytes += nbytes(p)
     buffer_bytes = sum(nbytes(b) for b in {id(b): b for b in model.buffers()}.values())
-    state = optimizer_state_bytes(optimizer, param_dtype=param_dtype)
+    state = optimizer_state_bytes(optimizer, param_dtype=param_dtype, sparse=sparse)
     inputs = _batch_bytes(batch)
     managed = 0
     if state is not None and getattr(optimizer, "is_paged", False) and device.type == "cuda":
@@ -67,14 +70,22 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
     return ModelState(param_bytes, buffer_bytes, grad_bytes, state, inputs, managed)
 
 
+def sparse_gradient_parameters(model: nn.Module) -> frozenset[int]:
+    """The ids of the parameters whose gradients are sparse: the weights of ``nn.Embedding`` and ``nn.EmbeddingBag``
+    built with ``sparse=True`` (a sparse COO tensor of the looked-up rows)."""
+    return frozenset(id(m.weight) for m in model.modules()
+                     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
+
+
 def _batch_bytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(batch))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None = None, *,
-                          paged_only: bool = False) -> int | None:
+                          paged_only: bool = False, sparse: frozenset[int] = frozenset()) -> int | None:
     """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know.
-    ``paged_only``: of a bitsandbytes optimizer, only the states it pages on CUDA (`PAGED_MIN_NUMEL`)."""
+    ``paged_only``: of a bitsandbytes optimizer, only the states it pages on CUDA (`PAGED_MIN_NUMEL`). ``sparse``:
+    ids of parameters with sparse gradients, whose SGD momentum is a sparse clone of the gradient (not counted)."""
     name = type(optimizer).__name__
     # bitsandbytes optimizers are known by their configuration (``args.optim_bits``, resolved per parameter by
     # ``get_config`` with any ``GlobalOptimManager`` override), not by class name: HF's "adamw_bnb_8bit" is
@@ -99,7 +110,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.d
                 continue
             if full is None:
                 return None
-            if name == "SGD" and group.get("momentum", 0):
+            if name == "SGD" and group.get("momentum", 0) and id(p) not in sparse:
                 full = 1
             if name in ("Adam", "AdamW") and group.get("amsgrad", False):
                 full += 1

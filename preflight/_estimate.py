@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from preflight._analytic import model_state
+from preflight._analytic import model_state, sparse_gradient_parameters
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
 from preflight._device import (cuda_recurrent_note, held_tensors, model_device, resolve_device, trace_device_for,
                               unmodelled_device_note)
@@ -1379,6 +1379,9 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
                      optimizer_state=state.optimizer_state or 0, inputs=state.inputs)
     if state.optimizer_state is None:
         notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
+    if sparse := sparse_gradient_parameters(model):
+        notes.append(f"the sparse gradients of {len(sparse)} embedding table(s) (sparse=True) are not counted: they "
+                     "hold the rows a batch looks up, which the trace did not reach")
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())

@@ -83,3 +83,36 @@ def test_model_state_counts_trainable_gradients_and_casts():
     assert state.parameters == 2 * n
     assert state.gradients == 2 * (n - model[0].weight.numel())
     assert state.inputs == 4 * 64 * 4
+
+
+class _SparseBag(nn.Module):
+    """A large table with sparse gradients (recommender and word2vec-style models) under a small dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(20_000, 64, sparse=True)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, ids):
+        return self.head(self.table(ids).mean(1))
+
+
+HEAD = (64 * 4 + 4) * 4  # the dense head's bytes: its gradient, or one state tensor over it
+TABLE = 20_000 * 64 * 4
+
+
+@pytest.mark.parametrize("make, state", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), HEAD),  # the table's momentum clones its sparse gradient
+    (lambda ps: torch.optim.Adagrad(ps), TABLE + HEAD + 3 * 4),  # a dense sum over the table, and the step scalars
+])
+def test_a_sparse_gradient_is_not_counted_as_a_table_in_the_lower_bound(make, state):
+    """Sparse gradients are not traced (a labelled lower bound); the bound holds the looked-up rows' gradient as 0,
+    not as a dense gradient the size of the table, which made it 92% over the measured peak."""
+    from conftest import predicted_and_measured
+
+    batch = (torch.randint(0, 20_000, (32, 16)), torch.randint(0, 4, (32,)))
+    est, measured = predicted_and_measured(_SparseBag, make, batch,
+                                           step=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert est.coverage.lower_bound and est.peak_bytes <= measured
+    assert est.breakdown["gradients"] == HEAD and est.breakdown["optimizer_state"] == state
+    assert any("sparse gradients of 1 embedding table(s)" in n for n in est.coverage.notes)

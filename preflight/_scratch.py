@@ -28,6 +28,11 @@ Two more families on a CPU target, found by comparing the profiler's allocations
   div -> cast_bf16_or_fp16"), a transient twice the input's size (a pooled head under bf16-mixed: -17%).
 - The matrix exponential (``linalg_matrix_exp``, `KERNEL_OPS`) keeps powers of its matrix in buffers of its own, on
   every device: a 256 x 256 orthogonal parametrization was predicted 75% low before it was calibrated.
+- A kernel given inputs of different dtypes copies each one whose dtype is not the common dtype to a temporary of
+  the common dtype first, on the CPU (``TensorIteratorBase::compute_types`` promotes inputs with ``.to()`` there; CUDA
+  kernels cast as they load): the backward of a quantization-aware fake-quantizer multiplies the gradient by a bool
+  mask the weight's size and holds a float copy of it (QAT: -4% before). Every operator that computes a new tensor
+  from inputs of several dtypes (0-dim ones aside) is run once per configuration.
 - A kernel given a non-contiguous input often copies it to a contiguous one first (``input.contiguous()`` inside
   the kernel: ``_log_softmax`` on the channels-last logits of a segmentation head copied its whole input,
   SegFormer: -0.78%; a matrix product copies an operand that is neither row- nor column-major). Which kernels do
@@ -118,7 +123,14 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
         return True  # a bf16/fp16 reduction accumulates in fp32 (``mean`` casts its whole input to fp32 first)
     if func in MATMUL_OPS:
         return any(t.dtype in _LOW_PRECISION or not _blas_layout(t) for t in tensors)
-    return _computes_new_tensor(func) and any(not _is_contiguous(t) for t in tensors)
+    return _computes_new_tensor(func) and (any(not _is_contiguous(t) for t in tensors) or _mixed_dtypes(tensors))
+
+
+def _mixed_dtypes(tensors: list[Any]) -> bool:
+    """Inputs of more than one dtype, 0-dim ones aside: a CPU TensorIterator kernel first copies each input whose
+    dtype is not the common one to a temporary of that dtype (``TensorIteratorBase::compute_types``, CPU only,
+    CPU scalars exempt): a float gradient times a bool mask holds a float copy of the mask."""
+    return len({t.dtype for t in tensors if len(t.shape) > 0}) > 1
 
 
 def _computes_new_tensor(func: Any) -> bool:

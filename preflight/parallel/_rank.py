@@ -601,6 +601,9 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                 tracker.register(held, Category.PARAMETERS)
         for b in wrapped.buffers():
             tracker.register(b, Category.BUFFERS)
+        for b in model.buffers():  # the flags and counters a forward reads, shadowed as on one device
+            if (fake := twins.existing(b)) is not None and (value := shadow_value(b)) is not None:
+                tracker.shadow(fake, value)
         fake_batch = _counted_batch(batch, "the batch", twins, tracker, precision)
         on_phase = phase_bookkeeping(tracker, fake_opt)
         emulation = emulate_cuda(cuda, tracker) if cuda is not None else contextlib.nullcontext()

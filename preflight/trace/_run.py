@@ -393,9 +393,11 @@ class FakeRun:
         for path, twin in self.twins.carried:  # a quantised weight's state (absmax, code): held with the weight
             self.tracker.register(twin, Category.PARAMETERS)
             self.tracker.names[twin] = f"quantisation state {path}"
-        for name, _ in model.named_buffers():
+        for name, buffer in model.named_buffers():
             self.tracker.register(self.state[name], Category.BUFFERS)
             self.tracker.names[self.state[name]] = f"buffer '{name}'"
+            if (value := shadow_value(buffer)) is not None:  # a flag or counter the forward reads (`if self.on[0]:`)
+                self.tracker.shadow(self.state[name], value)
         self._register_batch(batch, self.batch)
         self._twin_args = (trace_device, float_dtype_for(precision))
 
@@ -569,7 +571,8 @@ def shadow_value(t: Any) -> torch.Tensor | None:
 
 
 def can_shadow(t: Any) -> bool:
-    """Whether a real batch tensor keeps a value shadow in the trace: small integer tensors (ids, masks)."""
+    """Whether a real batch tensor or buffer keeps a value shadow in the trace: small integer tensors (ids, masks,
+    flags, counters)."""
     return (
         isinstance(t, torch.Tensor)
         and (t.device.type != "meta" or planned_fill(t) is not None)

@@ -292,3 +292,40 @@ def test_sanity_checks_and_numpy_matching_on_unknown_values_trace_with_stated_as
 
     with FakeTensorMode(), pytest.raises(RuntimeError, match="not supported for tensor subclasses"):
         torch.zeros(2).numpy()
+
+
+class _Flagged(nn.Module):
+    """A forward that reads its own small integer buffers: a warm-up flag (``if self.warm[0] == 1``, as torch's
+    FakeQuantize reads ``observer_enabled``) and BatchNorm with ``momentum=None``, whose cumulative average divides
+    by ``float(num_batches_tracked)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(64, 512), nn.BatchNorm1d(512, momentum=None), nn.Linear(512, 8)
+        self.register_buffer("warm", torch.tensor([1], dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.up(x))
+        if self.warm[0] == 1:
+            h = torch.cat([h, h.detach()], 1)[:, :512]
+        return self.down(torch.relu(h))
+
+
+@pytest.mark.parametrize("plan", [None, "ddp", "fsdp2"])
+def test_a_forward_reading_its_own_integer_buffers_is_traced_with_their_values(plan):
+    """Small integer buffers carry value shadows like the batch's ids: the trace takes the branch the real step
+    takes (before: a lower bound at the read, -32%), on one device and on each rank of a plan."""
+    from conftest import predicted_and_measured
+
+    batch = (torch.randn(128, 64), torch.randint(0, 8, (128,)))
+    run = None if plan is None else preflight.Run(parallel=preflight.ParallelPlan(2, plan))
+    est, measured = predicted_and_measured(_Flagged, torch.optim.AdamW, batch, run,
+                                           step=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert not est.coverage.lower_bound, est.coverage
+    assert "stopped at" not in " ".join(est.coverage.notes)  # each rank's own trace, not a single device's rescaled
+    if plan is None:
+        assert 0 <= measured - est.peak_bytes <= 12  # AdamW's CPU scalars (tests/test_steps.py)
+    model = _Flagged()
+    preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, run,
+                       step=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert model.warm.item() == 1 and model.norm.num_batches_tracked.item() == 0  # the user's buffers, unchanged

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from preflight._device import iter_tensors
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
@@ -54,13 +55,13 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
     seen: set[int] = set()
     param_bytes = grad_bytes = 0
     for p in params:
-        if id(p) in seen:
+        if id(p) in seen or is_lazy(p):  # a lazy module's parameter has no shape before its first forward
             continue
         seen.add(id(p))
         param_bytes += nbytes(p)
         if p.requires_grad and id(p) not in sparse:
             grad_bytes += nbytes(p)
-    buffer_bytes = sum(nbytes(b) for b in {id(b): b for b in model.buffers()}.values())
+    buffer_bytes = sum(nbytes(b) for b in {id(b): b for b in model.buffers()}.values() if not is_lazy(b))
     state = optimizer_state_bytes(optimizer, param_dtype=param_dtype, sparse=sparse)
     inputs = _batch_bytes(batch)
     managed = 0
@@ -95,7 +96,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.d
     total = 0
     for gindex, group in enumerate(optimizer.param_groups):
         for pindex, p in enumerate(group["params"]):
-            if not p.requires_grad:
+            if not p.requires_grad or is_lazy(p):
                 continue
             item = param_dtype.itemsize if param_dtype is not None and p.is_floating_point() else p.element_size()
             if bnb_config is not None:

@@ -114,11 +114,12 @@ def live_storages(tensors: Any, device: torch.device) -> dict[int, int]:
     address (the allocator's block) -> bytes. Storages without data (address 0) are keyed by the C++ storage's
     address (``_cdata``: every view of one storage shares it); a wrapper subclass (DTensor) counts the tensors it
     wraps; a fake tensor counts nothing, nor does a sparse or mkldnn tensor (no storage to read)."""
+    from torch.nn.parameter import is_lazy
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     storages: dict[int, int] = {}
     for t in iter_tensors(tensors):
-        if t.device.type != device.type:
+        if t.device.type != device.type or is_lazy(t):  # a lazy module's parameter holds nothing before its forward
             continue
         if is_traceable_wrapper_subclass(t):  # a DTensor's memory is its local tensor's (a wrapper has no storage)
             names, _ = t.__tensor_flatten__()

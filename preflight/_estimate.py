@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from preflight._analytic import model_state, sparse_gradient_parameters
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
@@ -147,9 +148,25 @@ def estimate_evaluating(model: nn.Module, optimizer: torch.optim.Optimizer, batc
     return _estimate(model, optimizer, batch, run, step=step, evaluation=evaluation)
 
 
+def check_initialized(model: nn.Module) -> None:
+    """Refuse a model with parameters or buffers of lazy modules not yet initialized (`nn.LazyLinear` and the like):
+    their shapes come from the first forward, which preflight does not run on the user's model.
+
+    Raises:
+        ValueError: naming them and how to initialize them.
+    """
+    lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(f"{len(lazy)} parameter(s) or buffer(s) of lazy modules are not initialized yet ({shown}): "
+                         "their shapes come from the first forward. Run one forward on a batch first "
+                         "(`model(batch)`, as torch's LazyModuleMixin asks before training), then estimate.")
+
+
 def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, run: Run | None, *,
               step: StepFn | None, evaluation: Evaluation | None) -> Estimate:
     run = check_run(run)
+    check_initialized(model)
     est = _estimated(model, optimizer, batch, run, step=step, evaluation=evaluation)
     loading = est.phase("loading")
     if loading is not None and torch.device(est.device).type != "cpu":  # the host is another memory than the device

@@ -561,3 +561,15 @@ def test_gradients_held_before_the_run_are_counted_from_the_start(precision):
     assert preflight.estimate_eval(model, batch, run).peak_bytes - plain_eval.peak_bytes == grad_bytes
     measured = preflight.measure(model, optimizer, batch, run)  # trains the model: last
     assert abs(est.peak_bytes - measured.peak_bytes) / measured.peak_bytes < TRANSFORMER_TOL
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused_with_how_to_initialize_it():
+    model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.LazyLinear(4))
+    batch = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"4 parameter\(s\) or buffer\(s\) of lazy modules are not initialized yet "
+                                         r"\(0.weight, 0.bias, 2.weight and 1 more\).*Run one forward"):
+        preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum())
+    model(batch)  # as the message says: then it is estimated, to the measured peak
+    est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum())
+    measured = preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum())
+    assert est.peak_bytes == measured.peak_bytes

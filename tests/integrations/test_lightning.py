@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -646,6 +647,34 @@ def test_modules_left_in_eval_mode_train_in_eval_mode_in_the_prediction_as_light
                                     step=lambda m, b: m.training_step(b, 0))
     assert everything.peak_bytes > report["predicted_peak_bytes"] * 1.05
     assert any("module(s) in eval mode (backbone)" in note for note in everything.coverage.notes)
+
+
+def test_a_lazy_module_not_yet_initialized_is_a_warning_naming_it_and_training_runs():
+    """Lazy modules get their shapes from the first forward, which preflight does not run on the user's model: the
+    callback says which and how to initialize them, and the run trains as without it."""
+    from torch import nn
+
+    class Lazy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 4))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+
+    module = Lazy()
+    with warnings.catch_warnings(record=True) as recorded, pytest.warns(RuntimeWarning, match=r"2 parameter\(s\) or buffer\(s\) of lazy modules are not initialized "
+                                            r"yet \(net.0.weight, net.0.bias\).*Run one forward on a batch first"):
+        trainer = fit(module, [PreflightCallback()], steps=2)
+    assert trainer.global_step == 2 and module.net[0].weight.shape == (32, 16)
+    assert not any("measuring the peak failed" in str(w.message) for w in recorded)
 
 
 @pytest.mark.slow

@@ -174,7 +174,11 @@ def _estimate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ru
         host = _whole_model_bytes(model, optimizer, run.precision) if held else 0
         est = dataclasses.replace(est, phases=tuple(dataclasses.replace(p, host_bytes=host) if p is loading else p
                                                     for p in est.phases))
-    added = [n for n in (*cuda_recurrent_note(model, torch.device(est.device)), modes_note(model, run.loop))
+    sparse = None
+    if sparse_gradient_parameters(model) and torch.device(est.device).type == "cuda" and not est.coverage.lower_bound:
+        sparse = ("sparse gradients on a CUDA target: sized as torch's CPU kernels make them (a coalesce or a sum of "
+                  "two allocates for every entry of its inputs), not read from the CUDA kernels")
+    added = [n for n in (*cuda_recurrent_note(model, torch.device(est.device)), modes_note(model, run.loop), sparse)
              if n is not None and n not in est.coverage.notes]
     if added:  # every path: one device, or each rank of a plan
         est = dataclasses.replace(est, coverage=dataclasses.replace(est.coverage,
@@ -1398,7 +1402,7 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, ta
         notes.append(f"optimizer state of {type(optimizer).__name__} unknown: counted as 0")
     if sparse := sparse_gradient_parameters(model):
         notes.append(f"the sparse gradients of {len(sparse)} embedding table(s) (sparse=True) are not counted: they "
-                     "hold the rows a batch looks up, which the trace did not reach")
+                     "hold the rows a batch looks up, which the trace stopped before")
     unsharded = None
     if sharding is not None:
         unsharded = sum(breakdown.values())

@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from preflight._device import cuda_peaks, cuda_reset_peaks
 from preflight._result import Category, Event
 from preflight.trace._layouts import empty_kernel_state
+from preflight.trace._sparse import CONSTRUCT as SPARSE_CONSTRUCT
 from preflight.cuda import MODELLED_OPS, ReduceDevice, kernel_temporaries, reduce_device
 
 __all__ = ["SCRATCH_OPS", "MATMUL_OPS", "ATTENTION_OPS", "KERNEL_OPS", "scratch_ops", "calibrate", "Calibrator",
@@ -114,6 +115,8 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
     ``args`` holds tensors (during the trace) or `TensorSpec`s (when calibrating)."""
     if func in SCRATCH_OPS or func in KERNEL_OPS:
         return True
+    if func is SPARSE_CONSTRUCT or any(getattr(a, "layout", None) == torch.sparse_coo for a in tree_flatten(args)[0]):
+        return False  # sparse tensors' operators are sized by `preflight.trace._sparse`, not run here
     if device.type != "cpu":
         return device.type == "cuda" and func in MODELLED_OPS
     if func in ATTENTION_OPS or func in CPU_TEMPORARY_OPS:

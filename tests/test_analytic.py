@@ -94,7 +94,10 @@ class _SparseBag(nn.Module):
         self.head = nn.Linear(64, 4)
 
     def forward(self, ids):
-        return self.head(self.table(ids).mean(1))
+        out = self.head(self.table(ids).mean(1))
+        if out.abs().max().item() > 1e9:  # a read of values computed from parameters: the trace stops here
+            out = out / 2
+        return out
 
 
 HEAD = (64 * 4 + 4) * 4  # the dense head's bytes: its gradient, or one state tensor over it
@@ -106,8 +109,9 @@ TABLE = 20_000 * 64 * 4
     (lambda ps: torch.optim.Adagrad(ps), TABLE + HEAD + 3 * 4),  # a dense sum over the table, and the step scalars
 ])
 def test_a_sparse_gradient_is_not_counted_as_a_table_in_the_lower_bound(make, state):
-    """Sparse gradients are not traced (a labelled lower bound); the bound holds the looked-up rows' gradient as 0,
-    not as a dense gradient the size of the table, which made it 92% over the measured peak."""
+    """Where the trace stops (here at a value read in the forward), the labelled lower bound holds the looked-up
+    rows' sparse gradient as 0, not as a dense gradient the size of the table, which made it 92% over the measured
+    peak."""
     from conftest import predicted_and_measured
 
     batch = (torch.randint(0, 20_000, (32, 16)), torch.randint(0, 4, (32,)))

@@ -5,7 +5,7 @@ for fake twins (`_twin`), run the user's code under a `FakeTensorMode` with a `S
 top (`_tracker`), which records allocation events and answers data-dependent questions from value shadows, with
 stated assumptions where no value exists (mixture-of-experts routing: `_routing`; random branches), kernels
 whose fake implementations disagree with the real ones (`_fake_kernels`, `_layouts`; packed sequences, whose sizes
-follow the lengths' values: `_packed`), backward formulas that write in place in the plain run (`_in_place`) and
+follow the lengths' values: `_packed`; sparse gradients, whose entries follow the ids': `_sparse`), backward formulas that write in place in the plain run (`_in_place`) and
 libraries' real-run code paths (`_compat`). Afterwards the model is put back exactly (`_restore`), the process around it too (`_process`:
 random streams, global hooks and flags) and whatever the user's code kept of the
 trace is repaired (`_leftovers`). An exception of the user's own code is re-raised, not reported as a limit of

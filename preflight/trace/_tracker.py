@@ -52,6 +52,7 @@ from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._in_place import IN_PLACE_IN_BACKWARD
 from preflight.trace._layouts import LayoutCalibration
 from preflight.trace._packed import EMPTY, PACK, host_lengths, pack_padded_sequence
+from preflight.trace._sparse import CONSTRUCT, SparseShadows, constructed, is_sparse, sparse_call
 from preflight._result import Category, Event
 from preflight.trace._routing import RoutingShadows
 from preflight.trace._step_checks import STEP_CHECKS
@@ -154,6 +155,7 @@ class StorageTracker(TorchDispatchMode):
         self._host: set[int] = set()  # uids of host copies on a CUDA target (`to_host`)
         # Real host tensors the trace made for kernels that use their pointers (`_host_tensor`) -> their twins.
         self._host_reals = WeakTensorKeyDictionary()
+        self.sparse = SparseShadows()  # the real indices of sparse gradients (`preflight.trace._sparse`)
 
     # ---- storages -------------------------------------------------------------------------------------------
 
@@ -480,6 +482,7 @@ class StorageTracker(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, self.phase_category, index)
+            self.sparse.release()
             if func in _PRODUCTS and isinstance(out, torch.Tensor):
                 self._last_product = (self.uid_of(out), _call_site())
         if self.on_op is not None:
@@ -575,6 +578,13 @@ class StorageTracker(TorchDispatchMode):
             lengths = host_lengths(args, kwargs, _caller_code)
             if lengths is not None:
                 return self._host_tensor(lengths)
+        if any(is_sparse(a) for a in args):  # positional in every operator that takes one
+            return sparse_call(self.sparse, func, args, kwargs,
+                               accumulating=self.phase.endswith("backward") and not torch.is_grad_enabled())
+        if func is CONSTRUCT:
+            out = func(*args, **kwargs)
+            constructed(self.sparse, args, out, self.shadow_of)
+            return out
         if func in _DATA_DEPENDENT:
             self._note_draw_read(args, kwargs)
             ok, real_out = self._run_real(func, args, kwargs)
@@ -799,7 +809,9 @@ class StorageTracker(TorchDispatchMode):
     def assumption_notes(self) -> list[str]:
         """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`), per line that
         read unknown values into NumPy, and per assumed kernel choice of a library operator."""
-        return [f"{text} ({n} call(s))" for text, n in self._kernel_notes.items()] + [f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
+        return [f"{text} ({n} call(s))" for text, n in self._kernel_notes.items()] + \
+            [n for n in [self.sparse.note()] if n] + [
+            f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
                 "a healthy run, e.g. finite values)" if drawn == _ASSUMED_CHECK else
                 f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
                 "at the top of its range (every layer kept: the worst case for memory)"
@@ -891,7 +903,11 @@ def _adoptable(x: Any) -> bool:
 
 
 def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
-    """The inner tensors of a traceable wrapper subclass (a DTensor's local shard), or None for any other tensor."""
+    """The inner tensors of a traceable wrapper subclass (a DTensor's local shard) or of a sparse COO tensor (its
+    indices and values: `preflight.trace._sparse`), or None for any other tensor."""
+    if is_sparse(t):
+        with _disable_current_modes():  # the fake tensor's own mode answers; the tracker does not count a view
+            return [t._indices(), t._values()]
     if _is_fake(t) or not is_traceable_wrapper_subclass(t):
         return None
     names, _ = t.__tensor_flatten__()

@@ -155,6 +155,8 @@ def check_initialized(model: nn.Module) -> None:
     Raises:
         ValueError: naming them and how to initialize them.
     """
+    if not isinstance(model, nn.Module):  # a pipeline schedule, or an argument error said later
+        return
     lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
     if lazy:
         shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")

@@ -34,6 +34,8 @@ the validity and zero-sum flags, alive to the end of the block), then ``q = empt
 tensor of the probabilities' size, divided into in place, and ``argmax`` (one sample) or ``topk`` into the output
 (with a values tensor beside it). Checked against the profiler's allocator events for torch 2.13 on CPU. With
 replacement and several samples it calls a device kernel and is left to the fake implementation.
+``aten._embedding_bag_backward`` with ``sparse=True`` builds its sparse gradient inside: it is run as its kernel's
+operators (`preflight.trace._sparse.embedding_bag_backward`), so that the gradient's ids are known.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 import torch.utils._python_dispatch
 
 from preflight.trace._library_kernels import run_composite
+from preflight.trace._sparse import embedding_bag_backward
 
 __all__ = ["COMPOSITES", "FAKE_KERNELS", "FakeKernelsMode"]
 
@@ -227,6 +230,7 @@ COMPOSITES: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.multinomial.default: multinomial,
     torch.ops.aten.binary_cross_entropy_with_logits.default:
         run_composite(torch.ops.aten.binary_cross_entropy_with_logits.default),  # no device kernel of its own
+    torch.ops.aten._embedding_bag_backward.default: embedding_bag_backward,  # builds a sparse gradient inside
 }
 
 

@@ -225,3 +225,46 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     aten.mul_.Tensor: _scaled_, aten.div_.Tensor: _scaled_, aten.mul_.Scalar: _scaled_, aten.div_.Scalar: _scaled_,
     aten._coalesce.default: _coalesce, aten.sparse_mask.default: _sparse_mask,
 }
+
+
+def embedding_bag_backward(grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, offset2bag: torch.Tensor,
+                           bag_size: torch.Tensor, maximum_indices: torch.Tensor, num_weights: int,
+                           scale_grad_by_freq: bool, mode: int, sparse: bool,
+                           per_sample_weights: torch.Tensor | None = None, padding_idx: int = -1) -> torch.Tensor:
+    """``aten._embedding_bag_backward`` as its CPU and CUDA kernels run it with ``sparse=True``
+    (``_embedding_bag_backward_symint`` and ``_embedding_bag_sparse_backward_symint`` in
+    ``aten/src/ATen/native/EmbeddingBag.cpp``), as operators the tracker sees one by one: the ids reach the sparse
+    gradient it builds with their values, as ``nn.Embedding``'s do. The dense case is the operator itself."""
+    if not sparse:
+        return aten._embedding_bag_backward.default(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                                                    num_weights, scale_grad_by_freq, mode, sparse,
+                                                    per_sample_weights, padding_idx)
+    if indices.numel() and not offset2bag.numel():  # the sum mode's forward leaves it empty: make_offset2bag
+        made = offsets.new_zeros((indices.shape[0] + 1,))
+        made.index_add_(0, offsets, torch.ones_like(offsets))
+        made[0] -= 1
+        offset2bag = made.cumsum(0, dtype=made.dtype)[:indices.shape[0]]  # resize_ to fewer keeps the storage
+    index_grad = grad.index_select(0, offset2bag)
+    if mode == 1:  # mean: apply_bag_size_backward
+        index_grad *= (1 / bag_size.unsqueeze(1).to(index_grad.dtype)).index_select(0, offset2bag)
+    if per_sample_weights is not None:
+        index_grad.mul_(per_sample_weights.unsqueeze(1))
+    return _embedding_sparse_backward(index_grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+def _embedding_sparse_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
+                               scale_grad_by_freq: bool) -> torch.Tensor:
+    """``embedding_sparse_backward_symint`` (``aten/src/ATen/native/Embedding.cpp``), written out: called from a
+    kernel, its CompositeImplicitAutograd kernel would reach the tracker as one operator."""
+    if scale_grad_by_freq:
+        raise RuntimeError("embedding_backward: scale_grad_by_freq not supported with sparse gradients")
+    features = grad.shape[-1]
+    if padding_idx != -1:
+        kept = indices != padding_idx
+        indices, grad = indices[kept], grad[kept]
+    if grad.numel() == 0:
+        index, values = indices.new_empty((1, 0), dtype=torch.long), grad.new_empty((0, features))
+    else:
+        index, values = indices.reshape(1, -1).to(torch.long), grad.reshape(-1, features)
+    return CONSTRUCT(1, 1, [num_weights, features], index, values, layout=torch.sparse_coo, device=values.device,
+                     dtype=values.dtype)

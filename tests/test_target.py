@@ -53,6 +53,31 @@ def test_cuda_target_traces_the_foreach_optimizer():
     assert opt_bytes(cuda) > opt_bytes(explicit)
 
 
+def test_a_cuda_target_traces_a_capturable_or_differentiable_optimizer_as_its_gpu_step_runs():
+    """capturable=True (CUDA graphs) asserts its tensors are on a GPU, which the trace's are not: traced as
+    capturable=False with a note of the step counters left out, not refused as the user's error. A differentiable
+    optimizer is not given torch's foreach default, which refuses autograd (torch picks the for-loop there)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 4))
+    batch = (torch.randn(16, 64), torch.randint(0, 4, (16,)))
+    step = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    cuda = preflight.Run(target=preflight.Target(gpu="H100-80GB"))
+    est = preflight.estimate(model, torch.optim.AdamW(model.parameters(), capturable=True), batch, cuda, step=step)
+    plain = preflight.estimate(model, torch.optim.AdamW(model.parameters()), batch, cuda, step=step)
+    assert not est.coverage.lower_bound and est.peak_bytes == plain.peak_bytes
+    assert ("capturable=True (CUDA graphs) was traced as capturable=False for 4 parameter(s): its step counters on "
+            "the GPU (one 0-dim tensor per parameter, 512 B each after the allocator's rounding: 2,048 B)") in \
+        " ".join(est.coverage.notes)
+    # On a CPU target the real step refuses capturable=True as the trace does: the user's to fix.
+    with pytest.raises(AssertionError, match="capturable=True"):
+        preflight.estimate(model, torch.optim.AdamW(model.parameters(), capturable=True), batch, step=step)
+    # differentiable=True: torch's for-loop on the GPU as on the CPU, so the same trace (the step itself raises
+    # outside a graph that allows it, on either device: a labelled lower bound here, the same on both targets).
+    on_gpu = preflight.estimate(model, torch.optim.AdamW(model.parameters(), differentiable=True), batch, cuda,
+                                step=step)
+    on_cpu = preflight.estimate(model, torch.optim.AdamW(model.parameters(), differentiable=True), batch, step=step)
+    assert on_gpu.coverage.failed_op == on_cpu.coverage.failed_op and "_single_tensor_adam" in on_gpu.coverage.failed_op
+
+
 def test_expandable_segments_setting_changes_reserved_not_allocated():
     model = make_llama()
     opt = torch.optim.AdamW(model.parameters())

@@ -47,7 +47,7 @@ from preflight.trace._run import (EVAL_NOT_TRACED, EVAL_PHASE, SAVE_NOT_TRACED, 
                                   counted_rng_snapshots, phase_bookkeeping, settled_frees, shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._step_checks import mixed_dtensor_failure
-from preflight.trace._twin import TwinMaker, cuda_default_impl
+from preflight.trace._twin import TwinMaker, cuda_capturable_off, cuda_default_impl
 
 __all__ = ["GLOO_COPIES", "Engine", "MetaTwins", "ParamTwins", "ScratchedDist", "communicating", "default_units",
            "fake_replica", "fresh_dtensor_caches", "gloo_scratch", "local_parameters", "named_optimizer", "patched",
@@ -589,6 +589,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
             fake_opt = engine.optimizer(optimizer, model, wrapped)
             if cuda is not None:  # the implementation torch picks on the target's device, not on the trace's CPU
                 cuda_default_impl(fake_opt)
+                if (note := cuda_capturable_off(fake_opt)) is not None:
+                    notes.append(note)
         except Exception as err:  # noqa: BLE001 - a model the engine cannot wrap gets the rescaled estimate
             return result(err, f"{engine.name} ({type(err).__name__})")
         for p in engine.parameters(wrapped):

@@ -40,7 +40,8 @@ from preflight.trace._restore import restored_module
 from preflight._result import Category, Event
 from preflight._steps import LossNotFoundError, Loop, StepFn, enter_training, needs_closure, run_steps
 from preflight.trace._tracker import SHADOW_MAX_NUMEL, StorageTracker, failed_op_of
-from preflight.trace._twin import TwinMaker, clone_optimizer, float_dtype_for
+from preflight.trace._twin import (TwinMaker, clone_optimizer, cuda_capturable_off, cuda_default_impl,
+                                  float_dtype_for)
 
 __all__ = ["EVAL_NOT_TRACED", "EVAL_PHASE", "SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult",
            "can_shadow", "checkpoint_saver", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state",
@@ -233,15 +234,17 @@ def trace_steps(
         return TraceResult(events=[], categories={}, num_ops=0, seconds=time.perf_counter() - start, error=err,
                            failed_op=f"making fake copies of the model and batch ({type(err).__name__})")
     tracker, fake_mode = run.tracker, run.fake_mode
-    # The target's default implementation: torch picks foreach for CUDA tensors, a for-loop on CPU.
-    foreach = True if target_device.type == "cuda" else None
     try:
-        fake_opt = clone_optimizer(optimizer, run.twins, foreach=foreach)
+        fake_opt = clone_optimizer(optimizer, run.twins, foreach=None)
+        if target_device.type == "cuda":  # the implementation torch picks for CUDA tensors (a for-loop on CPU)
+            cuda_default_impl(fake_opt)
     except Exception as err:  # noqa: BLE001 - an optimizer we cannot rebuild gets the analytic estimate
         run.finish()
         return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=0,
                            seconds=time.perf_counter() - start, error=err,
                            failed_op=f"{type(optimizer).__name__}(param_groups, **defaults)", notes=run.notes)
+    if target_device.type == "cuda" and (note := cuda_capturable_off(fake_opt)) is not None:
+        run.notes.append(note)
     if target_device.type == "cuda" and getattr(fake_opt, "is_paged", False):
         # bitsandbytes warns that it cannot page on the host the trace runs on; the run's GPU pages (`paged_state`).
         fake_opt._cpu_paged_warned = True

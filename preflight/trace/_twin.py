@@ -17,7 +17,7 @@ from torch import nn
 
 from preflight._device import iter_tensors, map_held_tensors, map_tensors
 
-__all__ = ["TwinMaker", "clone_optimizer", "cuda_default_impl", "float_dtype_for", "gradients_held_by"]
+__all__ = ["TwinMaker", "clone_optimizer", "cuda_capturable_off", "cuda_default_impl", "float_dtype_for", "gradients_held_by"]
 
 # The parameters whose .grad a twin carries (by id), or None: every parameter's (`gradients_held_by`).
 _HELD: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("preflight_held_gradients", default=None)
@@ -176,6 +176,22 @@ def cuda_default_impl(optimizer: torch.optim.Optimizer) -> None:
             continue
         if all(supported(p) for p in group["params"]):
             group["foreach"] = True
+
+
+def cuda_capturable_off(optimizer: torch.optim.Optimizer) -> str | None:
+    """Turn ``capturable`` off on the groups of ``optimizer`` (a clone traced on the CPU for a CUDA target): torch's
+    capturable step (for CUDA graphs) asserts that its tensors are on a GPU, which the trace's are not. Returns the
+    coverage note saying what that leaves out, or None where no group was capturable."""
+    count = 0
+    for group in optimizer.param_groups:
+        if group.get("capturable"):
+            group["capturable"] = False
+            count += len(group["params"])
+    if not count:
+        return None
+    return (f"capturable=True (CUDA graphs) was traced as capturable=False for {count} parameter(s): its step "
+            f"counters on the GPU (one 0-dim tensor per parameter, 512 B each after the allocator's rounding: "
+            f"{count * 512:,} B) and the 0-dim bias corrections it computes there are not in the figure")
 
 
 def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bool | None,

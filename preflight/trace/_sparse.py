@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["SparseShadows", "is_sparse", "sparse_call"]
+__all__ = ["CONSTRUCT", "SparseShadows", "constructed", "embedding_bag_backward", "is_sparse", "sparse_call"]
 
 aten = torch.ops.aten
 CONSTRUCT = aten._sparse_coo_tensor_with_dims_and_tensors.default

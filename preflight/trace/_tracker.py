@@ -18,7 +18,8 @@ uniform random operators (``torch.rand([]) < layerdrop``) get a synthetic shadow
 the trace takes the worst case for memory (every LayerDrop layer kept); `assumption_notes` says where that was read.
 
 Two more stated assumptions about values computed from parameters, each named with its line in `assumption_notes`:
-``x.all()`` over them is True (sanity checks of a healthy run: ``if not torch.isfinite(h).all()``), and handed
+``x.all()`` over them is True (sanity checks of a healthy run: ``if not torch.isfinite(h).all()``, and
+torch.distributions' argument checks), and handed
 to NumPy they are zeros (DETR's Hungarian matching in scipy: the matches' count, not their values, sizes memory).
 
 Known limitations: allocations inside kernels (convolution workspaces, library scratch) are invisible here;
@@ -800,7 +801,7 @@ class StorageTracker(TorchDispatchMode):
         checks that hold in a healthy run (DETR: ``if not torch.isfinite(h).all(): clamp``; the detection loss:
         ``if not (boxes[:, 2:] >= boxes[:, :2]).all(): raise``), and preflight predicts a healthy run. Each line
         that read such a value is named in `assumption_notes`."""
-        if func is not torch.ops.aten.all.default or len(outs) != 1:
+        if func not in _ALL_TRUE or len(outs) != 1:
             return
         with _disable_current_modes():
             self.shadow(outs[0], torch.ones((), dtype=torch.bool))
@@ -944,6 +945,9 @@ def _owned(reals: list[torch.Tensor], args: Any, kwargs: dict) -> list[torch.Ten
 _DRAW_MAX_NUMEL = 64
 _NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool)
+# Reductions to "every element is true" (`_assume_check_holds`): ``x.all()``, and ``torch._is_all_true`` with which
+# torch.distributions validates its arguments (``Normal(mu, scale)``: ``scale > 0`` everywhere).
+_ALL_TRUE = frozenset({torch.ops.aten.all.default, torch.ops.aten._is_all_true.default})
 # The "draw site" of a value `_assume_check_holds` gave a synthetic shadow.
 _ASSUMED_CHECK = "<assumed check>"
 

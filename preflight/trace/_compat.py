@@ -61,6 +61,15 @@ def real_run_paths(notes: list[str], host_array: Callable[[torch.Tensor], Any] |
     torch.utils.swap_tensors = _fake_swap_tensors(torch.utils.swap_tensors)
     patches.append((FakeTensor, "__format__", FakeTensor.__dict__.get("__format__", _MISSING)))
     FakeTensor.__format__ = _format_like_a_tensor
+    if "bitsandbytes" in sys.modules and hasattr(torch.ops, "bitsandbytes"):
+        namespace = torch.ops.bitsandbytes
+        for name in ("optimizer_update_32bit", "optimizer_update_8bit_blockwise"):
+            # The packet torch caches on first use is put back as it is: kernels registered for its overloads are
+            # keyed by those objects, which a new packet would not have.
+            packet = getattr(namespace, name, None)
+            if packet is not None and not hasattr(packet, "_preflight_packet"):  # not already in an outer trace
+                patches.append((namespace, name, packet))
+                setattr(namespace, name, _norm_as_float(packet, notes))
     try:
         yield
     finally:
@@ -72,6 +81,35 @@ def real_run_paths(notes: list[str], host_array: Callable[[torch.Tensor], Any] |
 
 
 _MISSING = object()
+_NORM_NOTE = ("bitsandbytes' update-norm clipping (max_unorm: LAMB, LARS) hands its kernel the parameter's norm as a "
+              "Python float, a value computed from parameters: 1.0 was used (it scales the update, not which "
+              "tensors exist)")
+
+
+def _norm_as_float(packet: Any, notes: list[str]) -> Any:
+    """bitsandbytes' optimizer operator with its ``param_norm`` argument (a float in its schema, which a real 0-dim
+    tensor converts to and a fake one cannot) given as a placeholder when it is a fake tensor."""
+    return _NormAsFloat(packet, notes)
+
+
+class _NormAsFloat:
+    """`_norm_as_float`'s operator: called, the placeholder; otherwise the packet itself (``.default``, schema)."""
+
+    def __init__(self, packet: Any, notes: list[str]) -> None:
+        self._preflight_packet, self._notes = packet, notes
+        names = [a.name for a in packet.default._schema.arguments]
+        self._at = names.index("param_norm") if "param_norm" in names else -1
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        at = self._at
+        if 0 <= at < len(args) and isinstance(args[at], FakeTensor):
+            args = (*args[:at], 1.0, *args[at + 1:])
+            if _NORM_NOTE not in self._notes:
+                self._notes.append(_NORM_NOTE)
+        return self._preflight_packet(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._preflight_packet, name)
 
 
 def _to_numpy(host_array: Callable[[torch.Tensor], Any], *, dtype_arg: bool) -> Callable[..., Any]:

@@ -66,6 +66,7 @@ SHADOW_MAX_NUMEL = 1 << 24
 # Operators whose output shape or Python result depends on tensor values: they need a shadow to run.
 _DATA_DEPENDENT = {
     torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,  # reaches the tracker whole when called below autograd (a library's kernel)
     torch.ops.aten.is_nonzero.default,
     torch.ops.aten.nonzero.default,
     torch.ops.aten.masked_select.default,
@@ -77,7 +78,8 @@ _DATA_DEPENDENT = {
 }
 
 
-_SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+_SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                 torch.ops.aten.is_nonzero.default}
 
 
 def _placeholder(func: Any, args: Any) -> Any:

@@ -259,6 +259,12 @@ def _configuration(optimizer: torch.optim.Optimizer, accepted: Any) -> dict[str,
             found.update({k: v for k, v in vars(config).items() if k in accepted})
     if "is_paged" in accepted and hasattr(optimizer, "is_paged"):
         found["is_paged"] = optimizer.is_paged
+    betas = optimizer.defaults.get("betas")
+    if hasattr(config, "optim_bits") and "momentum" in accepted and "betas" not in accepted and betas:
+        # bitsandbytes' SGD and LARS keep momentum and dampening as ``betas`` (and refuse momentum=0)
+        found["momentum"] = betas[0]
+        if "dampening" in accepted and len(betas) > 1:
+            found["dampening"] = betas[1]
     return found
 
 

@@ -8,7 +8,9 @@ fused fake-quantizers), BatchNorm's cumulative average (``momentum=None``, which
 forward reading its own integer flag buffer, a frozen backbone left in ``eval()`` (traced as Lightning keeps it,
 ``Loop(module_modes="as_set")``, and as the HF Trainer sets it), weight and spectral norm parametrizations, a
 gradient penalty (double backward), CTC, a custom ``autograd.Function``, distillation from a frozen teacher, an FFT
-filter with a complex parameter, re-entrant and non-re-entrant checkpointing, a ReLU written as a mask product.
+filter with a complex parameter, re-entrant and non-re-entrant checkpointing, a ReLU written as a mask product, a
+VAE written with torch.distributions (which validates its arguments), transformers' Adafactor, and bitsandbytes'
+SGD8bit, LARS and LAMB (momentum kept as ``betas``; update-norm clipping).
 Predicted: `preflight.estimate`; measured: `preflight.measure` (two real CPU steps, the profiler's allocator
 events) on a fresh model and optimizer from the same seed.
 
@@ -167,6 +169,40 @@ class Checkpointed(nn.Module):
         return self.out(x)
 
 
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mu, self.log_var = nn.Linear(784, 400), nn.Linear(400, 20), nn.Linear(400, 20)
+        self.dec = nn.Sequential(nn.Linear(20, 400), nn.ReLU(), nn.Linear(400, 784))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.enc(x))
+        posterior = torch.distributions.Normal(self.mu(h), (0.5 * self.log_var(h)).exp())  # validates scale > 0
+        z = posterior.rsample()
+        prior = torch.distributions.Normal(torch.zeros_like(z), torch.ones_like(z))
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(-1).mean()
+        return F.binary_cross_entropy_with_logits(self.dec(z), x, reduction="sum") / x.shape[0] + kl
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.LayerNorm(1024), nn.Linear(1024, 10))
+
+
+def _bnb(name: str, **options: Any) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, name)(model.parameters(), **options)
+
+    return make
+
+
+def _hf_adafactor(model: nn.Module) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
+
+    return Adafactor(model.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+
+
 def _classify(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 
@@ -251,6 +287,13 @@ SETUPS.update({
     "FFT filter, complex parameter": (Filter, _adamw, _features, _classify, None),
     "checkpoint, use_reentrant=False": (lambda: Checkpointed(False), _adamw, _features, _classify, None),
     "checkpoint, use_reentrant=True": (lambda: Checkpointed(True), _adamw, _features, _classify, None),
+    "VAE with torch.distributions (argument checks on)": (VAE, _adamw, lambda: torch.rand(128, 784),
+                                                           lambda m, b: m(b), None),
+    "transformers' Adafactor (relative step, warm-up)": (_mlp, _hf_adafactor, _features, _classify, None),
+    "bitsandbytes SGD8bit, momentum": (_mlp, _bnb("SGD8bit", lr=0.1, momentum=0.9, min_8bit_size=1024), _features,
+                                       _classify, None),
+    "bitsandbytes LARS": (_mlp, _bnb("LARS", lr=0.1, momentum=0.9), _features, _classify, None),
+    "bitsandbytes LAMB": (_mlp, _bnb("LAMB"), _features, _classify, None),
 })
 
 

@@ -811,17 +811,21 @@ class StorageTracker(TorchDispatchMode):
 
     def assumption_notes(self) -> list[str]:
         """One coverage note per line that read a synthetic random value (see `_shadow_random_draw`), per line that
-        read unknown values into NumPy, and per assumed kernel choice of a library operator."""
-        return [f"{text} ({n} call(s))" for text, n in self._kernel_notes.items()] + \
-            [n for n in [self.sparse.note()] if n] + [
-            f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True ({n} time(s): "
-                "a healthy run, e.g. finite values)" if drawn == _ASSUMED_CHECK else
-                f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), was traced "
-                "at the top of its range (every layer kept: the worst case for memory)"
-                for (drawn, read), n in self._draw_reads.items()] + \
-            [f"host values: a tensor computed from parameters was read into NumPy at {line} ({n} time(s)); its "
-             "values cannot be known in a trace and were taken as zeros (shapes that depend on them would differ)"
-             for line, n in self._host_reads.items()]
+        read unknown values into NumPy, per assumed kernel choice of a library operator, and for coalesces of
+        sparse tensors whose ids were not known."""
+        notes = [f"{text} ({n} call(s))" for text, n in self._kernel_notes.items()]
+        notes += [n for n in [self.sparse.note()] if n]
+        for (drawn, read), n in self._draw_reads.items():
+            if drawn == _ASSUMED_CHECK:
+                notes.append(f"sanity check: `.all()` at {read} over values the trace cannot know was taken as True "
+                             f"({n} time(s): a healthy run, e.g. finite values)")
+            else:
+                notes.append(f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), "
+                             "was traced at the top of its range (every layer kept: the worst case for memory)")
+        notes += [f"host values: a tensor computed from parameters was read into NumPy at {line} ({n} time(s)); its "
+                  "values cannot be known in a trace and were taken as zeros (shapes that depend on them would "
+                  "differ)" for line, n in self._host_reads.items()]
+        return notes
 
     # ---- mixture-of-experts routing (preflight.trace._routing) ----------------------------------------------------
 

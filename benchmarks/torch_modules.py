@@ -181,31 +181,36 @@ def _case(model_name: str, optimizer_name: str, loop_name: str) -> tuple[int, in
     return est.peak_bytes, measured.peak_bytes, seconds, est.coverage.lower_bound
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore")
+def report_table(cases: Any, header: tuple[str, ...], script: str, path: str) -> None:
+    """Print each case as it comes and write the table to ``path``: ``cases`` yields ``(label cells, predicted,
+    measured, estimate seconds, lower bound)``; ``header`` names the label columns."""
     rows, errors = [], []
-    for model_name in MODELS:
-        for optimizer_name in OPTIMIZERS:
-            for loop_name in LOOPS:
-                predicted, measured, seconds, bound = _case(model_name, optimizer_name, loop_name)
-                error = (predicted - measured) / measured * 100
-                errors.append((abs(error), bound, model_name, optimizer_name, loop_name, error))
-                rows.append(f"| {model_name} | {optimizer_name} | {loop_name} | {measured:,} | {predicted:,} | "
-                            f"{error:+.3f}% | {'lower bound' if bound else 'traced'} | {seconds:.2f} |")
-                print(rows[-1], flush=True)
+    for cells, predicted, measured, seconds, bound in cases:
+        error = (predicted - measured) / measured * 100
+        errors.append((abs(error), bound, ", ".join(cells), error))
+        rows.append("| " + " | ".join(cells) + f" | {measured:,} | {predicted:,} | {error:+.3f}% | "
+                    f"{'lower bound' if bound else 'traced'} | {seconds:.2f} |")
+        print(rows[-1], flush=True)
     exact = sum(1 for e in errors if e[0] == 0 and not e[1])
     within = sum(1 for e in errors if e[0] <= 0.5 and not e[1])
     worst = max(errors)
     summary = (f"{len(errors)} cases: {exact} predicted to the byte, {within} within 0.5%, "
-               f"{sum(1 for e in errors if e[1])} lower bounds; largest error {worst[5]:+.3f}% "
-               f"({worst[2]}, {worst[3]}, {worst[4]})")
-    header = "| model | optimizer | loop | measured B | predicted B | error | status | estimate s |\n|" + "---|" * 8
-    text = (f"Command: `python benchmarks/torch_modules.py` (torch {torch.__version__}, CPU, 2 cores)\n\n{summary}\n\n"
-            + header + "\n" + "\n".join(rows) + "\n")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+               f"{sum(1 for e in errors if e[1])} lower bounds; largest error {worst[3]:+.3f}% ({worst[2]})")
+    columns = (*header, "measured B", "predicted B", "error", "status", "estimate s")
+    table = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+    text = (f"Command: `python benchmarks/{script}` (torch {torch.__version__}, CPU, 2 cores)\n\n{summary}\n\n"
+            + table + "\n" + "\n".join(rows) + "\n")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         f.write(text)
     print(summary)
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    cases = (((model_name, optimizer_name, loop_name), *_case(model_name, optimizer_name, loop_name))
+             for model_name in MODELS for optimizer_name in OPTIMIZERS for loop_name in LOOPS)
+    report_table(cases, ("model", "optimizer", "loop"), "torch_modules.py", RESULTS)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 import preflight
 from preflight import Loop, Run
+from torch_modules import report_table  # a sibling script: run from benchmarks/ or as its path
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "torch_setups.md")
 
@@ -314,27 +315,7 @@ def _case(name: str) -> tuple[int, int, float, bool]:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    rows, errors = [], []
-    for name in SETUPS:
-        predicted, measured, seconds, bound = _case(name)
-        error = (predicted - measured) / measured * 100
-        errors.append((abs(error), bound, name, error, measured - predicted))
-        rows.append(f"| {name} | {measured:,} | {predicted:,} | {error:+.3f}% | "
-                    f"{'lower bound' if bound else 'traced'} | {seconds:.2f} |")
-        print(rows[-1], flush=True)
-    exact = sum(1 for e in errors if e[0] == 0 and not e[1])
-    within = sum(1 for e in errors if e[0] <= 0.5 and not e[1])
-    worst = max(errors)
-    summary = (f"{len(errors)} cases: {exact} predicted to the byte, {within} within 0.5%, "
-               f"{sum(1 for e in errors if e[1])} lower bounds; largest error {worst[3]:+.3f}% ({worst[2]}); "
-               f"largest gap in bytes {max(abs(e[4]) for e in errors):,}")
-    header = "| set-up | measured B | predicted B | error | status | estimate s |\n|" + "---|" * 6
-    text = (f"Command: `python benchmarks/torch_setups.py` (torch {torch.__version__}, CPU, 2 cores)\n\n{summary}\n\n"
-            + header + "\n" + "\n".join(rows) + "\n")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text)
-    print(summary)
+    report_table((((name,), *_case(name)) for name in SETUPS), ("set-up",), "torch_setups.py", RESULTS)
 
 
 if __name__ == "__main__":

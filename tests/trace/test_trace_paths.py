@@ -305,7 +305,8 @@ class VAE(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.enc(x))
-        posterior = torch.distributions.Normal(self.mu(h), (0.5 * self.log_var(h)).exp())
+        # validate_args as torch sets it by default (torch._dynamo turns the default off once it is first used)
+        posterior = torch.distributions.Normal(self.mu(h), (0.5 * self.log_var(h)).exp(), validate_args=True)
         z = posterior.rsample()
         prior = torch.distributions.Normal(torch.zeros_like(z), torch.ones_like(z))
         kl = torch.distributions.kl_divergence(posterior, prior).sum(-1).mean()

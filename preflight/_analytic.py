@@ -74,6 +74,8 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, 
 def sparse_gradient_parameters(model: nn.Module) -> frozenset[int]:
     """The ids of the parameters whose gradients are sparse: the weights of ``nn.Embedding`` and ``nn.EmbeddingBag``
     built with ``sparse=True`` (a sparse COO tensor of the looked-up rows)."""
+    if not isinstance(model, nn.Module):  # a pipeline schedule holds its stages' modules, not one module
+        return frozenset()
     return frozenset(id(m.weight) for m in model.modules()
                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
 

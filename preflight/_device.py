@@ -86,7 +86,7 @@ def cuda_recurrent_note(model: torch.nn.Module, target: torch.device) -> list[st
     runs the CPU's recurrent kernels (oneDNN's LSTM layer and its workspace, ATen's GRU and RNN cells), while a GPU
     runs cuDNN's, whose reserve space and workspace cuDNN sizes at run time (``cudnnGetRNNTempSpaceSizes``); their
     meta functions return empty ones. Not modelled: said, not guessed."""
-    if target.type != "cuda":
+    if target.type != "cuda" or not isinstance(model, torch.nn.Module):  # a pipeline schedule: its stages' own
         return []
     layers = [type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
     if not layers:

@@ -185,7 +185,7 @@ def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
 def modes_note(model: nn.Module, loop: Loop) -> str | None:
     """A note where ``loop`` trains every module but the user left some in eval mode under a model in train mode
     (a frozen backbone): they are traced in train mode, which a loop that keeps them in eval does not run."""
-    if loop.module_modes != "train" or not model.training:
+    if loop.module_modes != "train" or not isinstance(model, nn.Module) or not model.training:
         return None  # a whole model in eval mode (as `from_pretrained` leaves it) is one the loop's `train()` sets
     names = [name for name, module in model.named_modules() if not module.training]
     tops = [name for name in names if not any(name.startswith(other + ".") for other in names)]

@@ -115,8 +115,10 @@ def _needs_calibration(func: Any, args: Any, device: torch.device) -> bool:
     ``args`` holds tensors (during the trace) or `TensorSpec`s (when calibrating)."""
     if func in SCRATCH_OPS or func in KERNEL_OPS:
         return True
-    if func is SPARSE_CONSTRUCT or any(getattr(a, "layout", None) == torch.sparse_coo for a in tree_flatten(args)[0]):
-        return False  # sparse tensors' operators are sized by `preflight.trace._sparse`, not run here
+    # Sparse tensors' operators are sized by `preflight.trace._sparse`, not run here (a sparse tensor is positional
+    # in every operator that takes one, as the tracker reads them).
+    if func is SPARSE_CONSTRUCT or any(getattr(a, "layout", None) == torch.sparse_coo for a in args):
+        return False
     if device.type != "cpu":
         return device.type == "cuda" and func in MODELLED_OPS
     if func in ATTENTION_OPS or func in CPU_TEMPORARY_OPS:

@@ -46,7 +46,7 @@ from preflight._activation_offload import OFFLOAD_MODES, offloading
 
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
-    "MODULE_MODES", "autocast_for", "compute_loss", "enter_training", "half_dtype", "modes_note", "restore_modes",
+    "MODULE_MODES", "autocast_for", "compute_loss", "enter_training", "evaluating", "half_dtype", "modes_note",
     "run_steps",
 ]
 
@@ -167,19 +167,23 @@ class Loop:
         return dataclasses.asdict(self)
 
 
-def enter_training(model: nn.Module, loop: Loop) -> list[tuple[nn.Module, bool]]:
-    """Put ``model``'s modules in the modes ``loop`` trains them in (`Loop.module_modes`) and return each one's
-    mode, which `restore_modes` puts back after an evaluation in between (as Lightning's ``_ModuleMode`` restores
-    them; the HF Trainer's next step calls ``model.train()`` again)."""
+def enter_training(model: nn.Module, loop: Loop) -> None:
+    """Put ``model``'s modules in the modes ``loop`` trains them in (`Loop.module_modes`)."""
     if loop.module_modes == "train":
         model.train()
-    return [(module, module.training) for module in model.modules()]
 
 
-def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
-    """Put back the modes `enter_training` returned."""
-    for module, training in modes:
-        module.training = training
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, then each module back in the mode it trained in (as Lightning's
+    ``_ModuleMode`` restores them; the HF Trainer's next step calls ``model.train()`` again)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def modes_note(model: nn.Module, loop: Loop) -> str | None:

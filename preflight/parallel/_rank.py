@@ -34,7 +34,7 @@ from preflight._errors import StepWouldFailError
 from preflight._loading import LOAD_PHASE, Loading
 from preflight._quiet import handled_fake_tensor_errors
 from preflight._result import Category
-from preflight._steps import (Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, enter_training, restore_modes,
+from preflight._steps import (Evaluation, LossNotFoundError, Loop, StepFn, autocast_for, enter_training, evaluating,
                               run_steps)
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
@@ -691,10 +691,8 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
     if evaluation.frees_gradients:
         fake_opt.zero_grad(set_to_none=True)
     eval_batch = _counted_batch(evaluation.batch, "the evaluation batch", twins, tracker, precision)
-    modes = [(module, module.training) for module in wrapped.modules()]
-    wrapped.eval()
     try:
-        with torch.no_grad(), autocast_for(precision, "cpu"):
+        with evaluating(wrapped), torch.no_grad(), autocast_for(precision, "cpu"):
             out = evaluation.forward(wrapped, eval_batch)
         del out
         return True
@@ -704,7 +702,6 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
         notes.append(f"{EVAL_NOT_TRACED} ({failed_op_of(err)}: {type(err).__name__}: {err})".splitlines()[0][:300])
         return False
     finally:
-        restore_modes(modes)  # the modes the steps ran in, as the trainer restores them
         twins.forget(evaluation.batch)  # the loader lets go of it after the step
 
 

@@ -17,15 +17,17 @@ of in place, read from torch 2.13's source and checked against a logging dispatc
 - ``cummaxmin_backward`` (ReduceOps.cpp; ``cummax``, ``cummin``): ``zeros(...).scatter_add_``.
 - ``index_backward`` (torch/csrc/autograd/FunctionsManual.cpp; ``x[idx]``, ``x[mask]``): ``_index_put_impl_`` into
   the zeros; ``take_backward``: ``zeros_like(self).put_``.
-- ``binary_cross_entropy_with_logits_backward`` (FunctionsManual.cpp) without ``pos_weight``:
-  ``input.sigmoid().sub_(target)``, then ``.mul_(grad)`` and ``.mul_(weight)``.
+- ``binary_cross_entropy_with_logits_backward`` (FunctionsManual.cpp): ``input.sigmoid().sub_(target)``, or with
+  ``pos_weight`` ``t = pos_weight.mul(target); t.add(1).sub_(target).mul_(input.sigmoid()).sub_(t)``, then
+  ``.mul_(grad)`` and ``.mul_(weight)``.
 
 The tracker (`preflight.trace._tracker`) counts such an operator in place when it runs inside one of these nodes
-with grad mode off, its first operand then dies before the next operator (it was the fresh tensor: nothing else
-held it), and its result has the operand's shape, dtype and device; otherwise as the new allocation it is. Chains of
-several out-of-place calls in one C++ expression (``binary_cross_entropy_with_logits`` with ``pos_weight``) keep
-their temporaries alive to the expression's end and are not recognised: the trace holds more there than the plain
-run. The forward-mode formulas with the same branches (``_invstd_jvp``, ``logsumexp_jvp``, ...) are not listed.
+with grad mode off, its first operand is a tensor an earlier operator of the same node made (the formula's own
+fresh tensor: in the plain run the in-place call writes into it), and its result has the operand's shape, dtype and
+device; otherwise as the new allocation it is. That holds for a chain of out-of-place calls in one C++ expression
+too, whose temporaries a dispatch mode keeps alive to the expression's end (``pos_weight`` above: +38.5% before on
+a step whose peak is that backward). The forward-mode formulas with the same branches (``_invstd_jvp``,
+``logsumexp_jvp``, ...) are not listed.
 """
 
 from __future__ import annotations

@@ -135,6 +135,7 @@ class StorageTracker(TorchDispatchMode):
         self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> real tensor
         self._between_nodes = False  # the autograd engine is accumulating a node's outputs: `watch_backward`
         self._node_in_place: frozenset[Any] | None = None  # what the running node writes in place (`_in_place`)
+        self._node_made: set[int] = set()  # the storages the running node's formula made (its temporaries)
         self._in_place: tuple | None = None  # an in-place accumulation, confirmed at the next operator
         self._last_product: tuple[int | None, Any] = (None, None)  # (uid, call site) of the last mm/bmm
         # Every fake tensor seen, by identity (a WeakSet would compare tensors with ==): `preflight.trace._leftovers`.
@@ -311,11 +312,13 @@ class StorageTracker(TorchDispatchMode):
             def hook(*_: Any) -> None:
                 self._between_nodes = False
                 self._node_in_place = writes_in_place
+                self._node_made = set()
             return hook
 
         def leaving(*_: Any) -> None:
             self._between_nodes = True
             self._node_in_place = None
+            self._node_made = set()
 
         seen: set[Any] = set()
         stack = [loss.grad_fn] if loss.grad_fn is not None else []
@@ -331,15 +334,21 @@ class StorageTracker(TorchDispatchMode):
     def end_backward(self) -> None:
         self._between_nodes = False
         self._node_in_place = None
+        self._node_made = set()
 
-    def _in_place_in_plain_run(self, func: Any, args: Any, kwargs: dict) -> bool:
+    def _in_place_in_plain_run(self, func: Any, args: Any, kwargs: dict) -> str | None:
         """Whether ``func`` writes into its first operand in the plain run, where a dispatch mode sees it out of
-        place: the engine's accumulation, linear's bias add, a backward formula's (`preflight.trace._in_place`)."""
-        by_formula = self._node_in_place is not None and func in self._node_in_place and not torch.is_grad_enabled()
+        place, and why: ``"engine"`` (the engine's accumulation), ``"linear"`` (linear's bias add), ``"formula"``
+        (a backward formula's, `preflight.trace._in_place`, on a tensor the formula itself made)."""
+        if (self._node_in_place is not None and func in self._node_in_place and not torch.is_grad_enabled()
+                and args and isinstance(args[0], torch.Tensor) and self.uid_of(args[0]) in self._node_made):
+            return "formula"
         if func is torch.ops.aten.add.Tensor:
-            return (self._between_nodes and not torch.is_grad_enabled() and isinstance(args[1], torch.Tensor)
-                    or self._linear_bias_add(func, args, kwargs) or by_formula)
-        return by_formula
+            if self._between_nodes and not torch.is_grad_enabled() and isinstance(args[1], torch.Tensor):
+                return "engine"
+            if self._linear_bias_add(func, args, kwargs):
+                return "linear"
+        return None
 
     def _linear_bias_add(self, func: Any, args: Any, kwargs: dict) -> bool:
         """Whether ``func(*args)`` is ``at::linear``'s bias ``add`` on its own product (see above)."""
@@ -355,7 +364,7 @@ class StorageTracker(TorchDispatchMode):
         here = _call_site()
         return here is not None and here == site and _calls(here)
 
-    def _accumulate_in_place(self, args: Any, out: Any, index: int) -> bool:
+    def _accumulate_in_place(self, args: Any, out: Any, index: int, why: str) -> bool:
         old = args[0]
         if not (isinstance(old, torch.Tensor) and _is_fake(old) and isinstance(out, torch.Tensor) and _is_fake(out)
                 and old._base is None
@@ -375,7 +384,8 @@ class StorageTracker(TorchDispatchMode):
         self._uids[new_storage] = new_holder
         self._finalizers.append(weakref.finalize(new_storage, self._free, new_holder))
         self.tensors[out] = None
-        self._in_place = (weakref.ref(old_storage), new_storage, old_holder, new_holder, index, len(self.events))
+        if why != "formula":  # a formula writes into its own temporary in the plain run, whoever else holds it
+            self._in_place = (weakref.ref(old_storage), new_storage, old_holder, new_holder, index, len(self.events))
         return True
 
     def _settle_in_place(self) -> None:
@@ -481,10 +491,13 @@ class StorageTracker(TorchDispatchMode):
             raise
         if self.unrecorded:
             pass
-        elif not (self._in_place_in_plain_run(func, args, kwargs) and self._accumulate_in_place(args, out, index)):
+        elif not ((why := self._in_place_in_plain_run(func, args, kwargs))
+                  and self._accumulate_in_place(args, out, index, why)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self._track(t, self.phase_category, index)
+                    uid = self._track(t, self.phase_category, index)
+                    if self._node_in_place is not None and uid is not None:
+                        self._node_made.add(uid)
             self.sparse.release()
             if func in _PRODUCTS and isinstance(out, torch.Tensor):
                 self._last_product = (self.uid_of(out), _call_site())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -81,8 +82,9 @@ class PreflightCallback(TrainerCallback):
     Known limitations:
         - Without `attach`, the eval step is predicted only if the Trainer already evaluated (it passes the eval
           dataloader to callbacks then), and metrics go to ``state.log_history`` instead of the loggers.
-        - A Trainer subclass's ``compute_loss`` is traced only when the callback is attached; ``training_step``
-          overrides are not traced.
+        - A loss the Trainer computes outside the model (a ``compute_loss`` override, ``compute_loss_func``) is
+          traced only when the callback is attached (label smoothing is applied from the arguments either way;
+          otherwise the callback warns); ``training_step`` overrides are not traced.
         - DeepSpeed and FSDP runs (``deepspeed``, ``fsdp`` / ``fsdp_config``): the prediction is this rank's
           share under their sharding and offload (`preflight.parallel.ParallelPlan`), rescaled by category from a
           trace of the model as the callback finds it.
@@ -115,6 +117,13 @@ class PreflightCallback(TrainerCallback):
         self._optimizer: torch.optim.Optimizer | None = None
         self._samples: Any = None  # the train set's scan, for auto_find_batch_size
         self._finder_target: int | None = None  # with auto_find_batch_size: the largest batch predicted to fit
+        # A loss of the Trainer's own pops the labels before the forward (`_loss_step`): the batch of a measured
+        # step is then what ``compute_loss`` received, recorded while verifying (attached), or unknown (not).
+        self._loss_recorder: Any = None
+        self._loss_inputs: Any = None
+        self._forward_lacks_labels = False
+        self._scanned_labels = False  # the train set's batches carry labels
+        self._unseen_loss = False  # a loss outside the model that is not label smoothing: said once, then False
 
     # ---- hooks ------------------------------------------------------------------------------------------------
 
@@ -159,6 +168,7 @@ class PreflightCallback(TrainerCallback):
             # and ``on_prediction_step`` (after the batch) ends it.
             self._optimizer = optimizer
             self._eval_hook = model.register_forward_pre_hook(self._evaluation_forward, with_kwargs=True)
+            self._watch_loss_inputs(args)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                       optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
@@ -182,8 +192,9 @@ class PreflightCallback(TrainerCallback):
         self._remove_hook()
         calls, self._batch = self._batch or [], None
         for call in calls[1:]:  # the step is predicted for its largest micro-batch (`VerifySession.micro_batch`)
-            session.micro_batch(_inputs(call))
-        if session.step_ended(also_resident=calls, batch=_inputs(calls[0]) if calls else None):
+            session.micro_batch(self._step_inputs(call))
+        if session.step_ended(also_resident=calls, batch=self._step_inputs(calls[0]) if calls else None):
+            self._unwatch_loss_inputs()
             self._log(state, session.report, verified=True)
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -196,6 +207,7 @@ class PreflightCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hook()
         self._remove_eval_hook()
+        self._unwatch_loss_inputs()
         if self._session is not None and self._session.active:  # fewer steps than verify_steps
             self._session.finish()
             self._log(state, self._session.report, verified=True)
@@ -207,6 +219,7 @@ class PreflightCallback(TrainerCallback):
         samples = self._samples = scan(train_dataloader, time_limit=self.scan_seconds,
                                              on_error=options.scan_on_error)
         batch, info = samples.worst_case()
+        self._scanned_labels = isinstance(batch, Mapping) and "labels" in batch
         eval_batch = eval_info = None
         if options.check_eval:
             loader = eval_dataloader if eval_dataloader is not None else _eval_loader(self.trainer, args)
@@ -220,7 +233,7 @@ class PreflightCallback(TrainerCallback):
                  "the callback with preflight.integrations.hf.attach(trainer) to trace the Trainer's own "
                  "prediction_step.", RuntimeWarning)
         return predict(_unwrap(model), _unwrap_optimizer(optimizer), batch, run, options=options,
-                       step=_loss_step(self.trainer), batch_info=info, eval_batch=eval_batch,
+                       step=_loss_step(self.trainer, args), batch_info=info, eval_batch=eval_batch,
                        eval_step=_prediction_step(self.trainer, args, run), eval_batch_info=eval_info,
                        ddp_gradient_buckets=_ddp_bucket_bytes(self.trainer, model, args) > 0,
                        make_batch=samples.batch, eval_keeps_batch=True,
@@ -248,7 +261,7 @@ class PreflightCallback(TrainerCallback):
                                      target=dataclasses.replace(run.target, budget=report.budget_bytes)),
                          _device(model))
             result = max_batch_size(_unwrap(model), _unwrap_optimizer(optimizer), self._samples.batch, run,
-                                    step=_loss_step(self.trainer), max_batch=current - 1,
+                                    step=_loss_step(self.trainer, args), max_batch=current - 1,
                                     headroom=self.options.headroom)
         if not result.batch_size:
             return None
@@ -261,8 +274,9 @@ class PreflightCallback(TrainerCallback):
 
     def _remember_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # (args, kwargs) of each forward of the step: all of it is alive since the step began (`also_resident`).
+        taken, self._loss_inputs = self._loss_inputs, None
         if self._batch is not None:
-            self._batch.append((args, kwargs))
+            self._batch.append(((), taken) if taken is not None else (args, kwargs))
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
@@ -270,11 +284,55 @@ class PreflightCallback(TrainerCallback):
             self._hook = None
 
     def _evaluation_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        session = self._session
-        if module.training or session is None or not session.active:
+        if module.training:  # a training forward: its batch is `_remember_batch`'s
             return
-        session.eval_started([*training_state(module, [self._optimizer]), args, kwargs],
-                             _inputs((args, kwargs)))
+        taken, self._loss_inputs = self._loss_inputs, None
+        session = self._session
+        if session is None or not session.active:
+            return
+        session.eval_started([*training_state(module, [self._optimizer]), args, kwargs, taken],
+                             self._step_inputs(((), taken) if taken is not None else (args, kwargs)))
+
+    def _watch_loss_inputs(self, args: Any) -> None:
+        """While verifying, record what the Trainer's own ``compute_loss`` receives (the batch with its labels, which
+        it pops before the forward); without the Trainer, note that the forward's inputs lack the labels."""
+        trainer = self.trainer
+        if trainer is None:
+            self._forward_lacks_labels = self._scanned_labels
+            self._unseen_loss = self._scanned_labels and not getattr(args, "label_smoothing_factor", 0)
+            return
+        if not _custom_loss(trainer) or "compute_loss" in vars(trainer):
+            return
+        original = trainer.compute_loss
+
+        def compute_loss(model: nn.Module, inputs: Any, *rest: Any, **kwargs: Any) -> Any:
+            if self._session is not None and self._session.active:
+                self._loss_inputs = _copied(inputs)
+            return original(model, inputs, *rest, **kwargs)
+
+        trainer.compute_loss = compute_loss  # an instance attribute over the class's method, removed after
+        self._loss_recorder = compute_loss
+
+    def _unwatch_loss_inputs(self) -> None:
+        trainer, recorder = self.trainer, self._loss_recorder
+        self._loss_recorder = self._loss_inputs = None
+        if trainer is not None and recorder is not None and vars(trainer).get("compute_loss") is recorder:
+            del trainer.compute_loss
+
+    def _step_inputs(self, call: Any) -> Any:
+        """A measured step's batch from a forward's ``(args, kwargs)`` (`_inputs`); None where the forward's
+        inputs lack the labels the batches carry (the Trainer's loss popped them, without the Trainer attached):
+        that step is compared with the worst-case prediction, and the loss not traced is said once."""
+        batch = _inputs(call)
+        if self._forward_lacks_labels and isinstance(batch, Mapping) and "labels" not in batch:
+            if self._unseen_loss and is_rank_zero():
+                warn("PreflightCallback: the Trainer computes the loss outside the model (its forward received no "
+                     "labels: a compute_loss override or a compute_loss_func), which the callback cannot see: the "
+                     "prediction traced the model's own loss. Add the callback with "
+                     "preflight.integrations.hf.attach(trainer) to trace the Trainer's compute_loss.", RuntimeWarning)
+            self._unseen_loss = False
+            return None
+        return batch
 
     def _remove_eval_hook(self) -> None:
         if self._eval_hook is not None:
@@ -432,7 +490,7 @@ def _tune(trainer: Trainer, run: Run, options: Options, max_batch_size: int | No
     micro = run.replace(loop=dataclasses.replace(run.loop, accumulate=2 if global_batch > 1 else 1))
     with progress("autotune: finding the largest micro-batch that fits", enabled=is_rank_zero()):
         result = largest_batch(model, _unwrap_optimizer(optimizer), samples.batch, micro,
-                               step=_loss_step(trainer),
+                               step=_loss_step(trainer, args),
                                max_batch=min(global_batch, max_batch_size or global_batch), multiple_of=multiple_of,
                                headroom=options.headroom)
     if result.batch_size == 0:
@@ -506,11 +564,48 @@ def _inputs(forward_call: Any) -> Any:
     return {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
 
 
-def _loss_step(trainer: Trainer | None) -> Any:
-    """The Trainer's own ``compute_loss`` when a subclass overrides it; else the default step (``model(**batch)``)."""
-    if trainer is None or type(trainer).compute_loss is Trainer.compute_loss:
-        return None
-    return lambda model, batch: trainer.compute_loss(model, batch)
+def _loss_step(trainer: Trainer | None, args: Any = None) -> Any:
+    """The loss as the Trainer computes it where that is not the model's own (``model(**batch)``, the default
+    step): a subclass's ``compute_loss``, label smoothing (``label_smoothing_factor``: a log-softmax over the
+    logits) or a ``compute_loss_func``, traced through the Trainer's ``compute_loss`` on a copy of the batch (it
+    pops the labels). Without the Trainer (the callback not attached), label smoothing is applied from the
+    arguments as ``compute_loss`` applies it. None where the default step is the Trainer's."""
+    if trainer is not None:
+        if not _custom_loss(trainer):
+            return None
+        return lambda model, batch: trainer.compute_loss(model, _copied(batch))
+    epsilon = getattr(args, "label_smoothing_factor", 0) or 0
+    return None if not epsilon else _smoothed_step(epsilon, keep_outputs=False)
+
+
+def _custom_loss(trainer: Trainer) -> bool:
+    return (type(trainer).compute_loss is not Trainer.compute_loss or trainer.label_smoother is not None
+            or getattr(trainer, "compute_loss_func", None) is not None)
+
+
+def _copied(batch: Any) -> Any:
+    return {**batch} if isinstance(batch, Mapping) else batch
+
+
+def _smoothed_step(epsilon: float, *, keep_outputs: bool) -> Any:
+    """``Trainer.compute_loss`` with ``label_smoothing_factor=epsilon`` and neither a subclass nor a loss function:
+    the labels go to transformers' ``LabelSmoother`` (shifted for a causal LM) instead of the model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    smoother = LabelSmoother(epsilon=epsilon)
+
+    def step(model: nn.Module, batch: Any) -> Any:
+        if "labels" not in batch:  # the Trainer's batches are mappings
+            return model(**batch)  # `compute_loss` takes the model's own loss then
+        inputs = dict(batch)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        inner = model.base_model.model if hasattr(model, "peft_config") else model
+        loss = smoother(outputs, labels, shift_labels=inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        return (loss, outputs) if keep_outputs else loss
+
+    return step
 
 
 def _generation(trainer: Trainer | None, args: Any) -> dict[str, Any] | None:
@@ -531,11 +626,19 @@ def _generates_in_evaluation(trainer: Trainer | None, args: Any) -> bool:
 
 
 def _prediction_step(trainer: Trainer | None, args: Any, run: Run) -> Any:
-    """A ``Seq2SeqTrainer``'s own ``prediction_step`` (generate, then the loss forward) when it generates in
-    evaluation (``predict_with_generate`` and a ``compute_metrics``); None otherwise (the default eval step: the
-    forward). The model's ``generation_config``, which ``prediction_step`` updates, is put back after the trace."""
+    """The Trainer's own ``prediction_step`` where evaluation is not the model's forward alone: a ``Seq2SeqTrainer``
+    that generates in evaluation (``predict_with_generate`` and a ``compute_metrics``: generate, then the loss
+    forward), or a loss of the Trainer's own (`_loss_step`: ``compute_loss`` runs in evaluation too). Without the
+    Trainer, label smoothing from the arguments; None otherwise (the default eval step: the forward). The model's
+    ``generation_config``, which ``prediction_step`` updates, is put back after the trace."""
     if not _generates_in_evaluation(trainer, args):
-        return None
+        if trainer is None:
+            epsilon = getattr(args, "label_smoothing_factor", 0) or 0
+            return None if not epsilon else _smoothed_step(epsilon, keep_outputs=True)
+        if not _custom_loss(trainer):
+            return None
+        loss_only = bool(args.prediction_loss_only) or trainer.compute_metrics is None  # as `Trainer.evaluate` asks
+        return lambda model, batch: trainer.prediction_step(model, _copied(batch), prediction_loss_only=loss_only)
     generation = dict(run.generation or {})
 
     def step(model: nn.Module, batch: Any) -> Any:

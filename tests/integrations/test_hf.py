@@ -281,6 +281,69 @@ def test_evaluation_inside_the_measured_window_is_measured_and_compared(tmp_path
     assert callback._eval_hook is None  # nothing of the measurement stays on the model
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attached", [True, False])
+def test_label_smoothing_is_traced_as_the_trainers_loss(tmp_path, attached, recwarn):
+    # label_smoothing_factor: Trainer.compute_loss pops the labels and applies transformers' LabelSmoother (a
+    # log-softmax over the logits) instead of the model's own loss. Before: the model's loss was traced, 7.9% under
+    # the measured step. Attached, the Trainer's compute_loss (and prediction_step in evaluation) is traced; listed
+    # in `callbacks` alone, the smoothing is applied from the arguments.
+    trainer = make_trainer(tmp_path, train=VariableTokens(fixed=48, key="input_ids"), steps=5,
+                           eval_dataset=VariableTokens(8, fixed=64, key="input_ids"), eval_steps=2,
+                           label_smoothing_factor=0.1)
+    if attached:
+        callback = attach(trainer, verify_steps=4)
+    else:
+        callback = PreflightCallback(Run(target=Target(budget="1GiB")), verify_steps=4)
+        trainer.add_callback(callback)
+    trainer.train()
+    report = callback.report
+    assert report.steps_measured == 4 and abs(report.relative_error) < 0.005, report.relative_error
+    if attached:  # the callback alone cannot see the eval set before the Trainer evaluates
+        assert report.eval_measured_peak_bytes is not None
+        assert abs(report.eval_relative_error) < 0.01, report.eval_relative_error
+    # Each measured step was predicted for the batch compute_loss received (its labels too), or, without the
+    # Trainer, compared with the worst case: no trace ran on a batch whose labels the Trainer had popped.
+    assert not [w for w in recwarn if "could not trace" in str(w.message)]
+    assert "compute_loss" not in vars(trainer)  # the recording while verifying is gone
+
+
+class OwnLoss(Trainer):
+    """A compute_loss override as tutorials write it: labels popped, the loss computed outside the model."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.slow
+def test_a_loss_outside_the_model_is_said_when_the_callback_cannot_see_it(tmp_path, recwarn):
+    # Listed in `callbacks`, the callback does not know the Trainer: its forwards receive no labels. Before: every
+    # measured step's own prediction failed on those inputs ("predicting the measured batches failed"). Now the steps
+    # are compared with the worst-case prediction and the user is told to attach the callback; attached, it is traced.
+    def trainer_with(callback):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                 report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                 disable_tqdm=True, seed=0)
+        return OwnLoss(model=make_gpt2(n_layer=2, n_embd=64), args=args, data_collator=pad_tokens,
+                       train_dataset=VariableTokens(fixed=48, key="input_ids"), callbacks=[callback] if callback else [])
+
+    callback = PreflightCallback(Run(target=Target(budget="1GiB")), verify_steps=2)
+    trainer_with(callback).train()
+    said = [str(w.message) for w in recwarn if "preflight" in str(w.message).lower()]
+    assert len(said) == 1 and "attach(trainer)" in said[0], said
+    assert callback.report.steps_measured == 2 and callback.report.relative_error is not None
+    recwarn.clear()
+    trainer = trainer_with(None)
+    attached = attach(trainer, verify_steps=2)
+    trainer.train()
+    assert not [w for w in recwarn if "preflight" in str(w.message).lower()]
+    assert abs(attached.report.relative_error) < 0.005, attached.report.relative_error
+
+
 FSDP_ON_CPU_SCRIPT = """
 import json, sys
 import torch, torch.distributed as dist, transformers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._epoch import sample_batches
 from preflight._run import Checkpoint, Loop, Run, check_run, pinned, run_budget
+from preflight._eval_loop import EvalLoop
 from preflight.parallel import ParallelPlan, accelerate_checkpoint, accelerate_plan
 from preflight._units import format_bytes
 
@@ -243,7 +245,8 @@ class PreflightCallback(TrainerCallback):
         """The run as the Trainer's arguments describe it, the user's `Run` laid over it."""
         return self.run.over(Run(precision=_precision(args), loop=_schedule(self.trainer, args),
                                  parallel=_parallel_plan(self.trainer), generation=_generation(self.trainer, args),
-                                 checkpoint=_checkpoint(self.trainer, args)))
+                                 checkpoint=_checkpoint(self.trainer, args),
+                                 evaluation=_eval_loop(self.trainer, args)))
 
     def _fitting_batch(self, args: Any, state: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                        report: Report) -> int | None:
@@ -628,29 +631,73 @@ def _generates_in_evaluation(trainer: Trainer | None, args: Any) -> bool:
 def _prediction_step(trainer: Trainer | None, args: Any, run: Run) -> Any:
     """The Trainer's own ``prediction_step`` where evaluation is not the model's forward alone: a ``Seq2SeqTrainer``
     that generates in evaluation (``predict_with_generate`` and a ``compute_metrics``: generate, then the loss
-    forward), or a loss of the Trainer's own (`_loss_step`: ``compute_loss`` runs in evaluation too). Without the
-    Trainer, label smoothing from the arguments; None otherwise (the default eval step: the forward). The model's
-    ``generation_config``, which ``prediction_step`` updates, is put back after the trace."""
-    if not _generates_in_evaluation(trainer, args):
-        if trainer is None:
-            epsilon = getattr(args, "label_smoothing_factor", 0) or 0
-            return None if not epsilon else _smoothed_step(epsilon, keep_outputs=True)
-        if not _custom_loss(trainer):
-            return None
-        loss_only = bool(args.prediction_loss_only) or trainer.compute_metrics is None  # as `Trainer.evaluate` asks
-        return lambda model, batch: trainer.prediction_step(model, _copied(batch), prediction_loss_only=loss_only)
-    generation = dict(run.generation or {})
+    forward), a loss of the Trainer's own (`_loss_step`: ``compute_loss`` runs in evaluation too), or predictions
+    the evaluation loop keeps (`_eval_loop`): the step then returns what ``Trainer.evaluation_loop`` keeps of the
+    batch (the loss repeated to the batch size, the predictions after ``preprocess_logits_for_metrics``, the labels,
+    the inputs where ``include_for_metrics`` asks). Without the Trainer, label smoothing from the arguments; None
+    otherwise (the default eval step: the forward). The model's ``generation_config``, which ``prediction_step``
+    updates, is put back after the trace."""
+    if trainer is None:
+        epsilon = getattr(args, "label_smoothing_factor", 0) or 0
+        return None if not epsilon else _smoothed_step(epsilon, keep_outputs=True)
+    generation = dict(run.generation or {}) if _generates_in_evaluation(trainer, args) else None
+    kept = _keeps_predictions(trainer, args)
+    if generation is None and not kept and not _custom_loss(trainer):
+        return None
+    loss_only = _loss_only(trainer, args)
 
     def step(model: nn.Module, batch: Any) -> Any:
         owner = trainer.model
-        saved = copy.deepcopy(getattr(owner, "generation_config", None))
+        saved = copy.deepcopy(getattr(owner, "generation_config", None)) if generation is not None else None
         try:
-            return trainer.prediction_step(model, batch, prediction_loss_only=False, **generation)
+            loss, logits, labels = trainer.prediction_step(model, _copied(batch), prediction_loss_only=loss_only,
+                                                           **(generation or {}))
         finally:
             if saved is not None:
                 owner.generation_config = saved
+        if not kept:
+            return loss, logits, labels
+        if loss is not None:
+            loss = loss.repeat(args.eval_batch_size)
+        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+            logits = trainer.preprocess_logits_for_metrics(logits, labels)
+        name = getattr(trainer.model, "main_input_name", "input_ids")
+        inputs = batch.get(name) if "inputs" in (args.include_for_metrics or ()) else None
+        return loss, logits, labels, inputs
 
     return step
+
+
+def _loss_only(trainer: Trainer, args: Any) -> bool:
+    """``prediction_loss_only`` as ``Trainer.evaluate`` asks it: True without a ``compute_metrics``."""
+    return bool(args.prediction_loss_only) or trainer.compute_metrics is None
+
+
+def _keeps_predictions(trainer: Trainer | None, args: Any) -> bool:
+    """Whether ``Trainer.evaluation_loop`` keeps every batch's predictions on the device (`EvalLoopContainer`)."""
+    return (trainer is not None and trainer.eval_dataset is not None and not _loss_only(trainer, args)
+            and not getattr(args, "batch_eval_metrics", False))
+
+
+def _eval_loop(trainer: Trainer | None, args: Any) -> EvalLoop | None:
+    """What the Trainer's evaluation loop keeps of each batch (`preflight.EvalLoop`): with predictions asked for,
+    every batch of the largest evaluation set this rank sees, or ``eval_accumulation_steps`` of them, gathered from
+    every rank (``gather_for_metrics``). None where it keeps nothing across batches or the set has no length."""
+    if not _keeps_predictions(trainer, args):
+        return None
+    sets = trainer.eval_dataset
+    try:
+        sizes = [len(d) for d in (sets.values() if isinstance(sets, dict) else [sets])]
+    except TypeError:  # an iterable dataset: its length is unknown
+        return None
+    world, size = max(1, args.world_size), max(1, args.eval_batch_size)
+    per_rank = math.ceil(max(sizes, default=0) / world)
+    batches = per_rank // size if args.dataloader_drop_last else math.ceil(per_rank / size)
+    kept = min(args.eval_accumulation_steps or batches, batches)
+    if kept < 2:
+        return None
+    return EvalLoop(kept_batches=kept, concatenated=bool(args.eval_do_concat_batches), ranks=world,
+                    moved_off=batches > kept)
 
 
 def _eval_loader(trainer: Trainer | None, args: Any) -> Any:

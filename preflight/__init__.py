@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
     from preflight._measure import measure
     from preflight._result import Category, Coverage, Estimate, Event, Measurement, PhaseEstimate, TimelinePoint
     from preflight._checkpoint import Checkpoint
+    from preflight._eval_loop import EvalLoop
     from preflight._loading import Loading
     from preflight._run import Loop, Run, Target
     from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
@@ -64,6 +65,7 @@ _WHERE = {
     "PhaseEstimate": "preflight._result",
     "TimelinePoint": "preflight._result",
     "Checkpoint": "preflight._checkpoint",
+    "EvalLoop": "preflight._eval_loop",
     "Loading": "preflight._loading",
     "Loop": "preflight._run",
     "Run": "preflight._run",
@@ -94,6 +96,7 @@ __all__ = [
     "__version__",
     "PRECISIONS",
     "Checkpoint",
+    "EvalLoop",
     "Loading",
     "Loop",
     "ParallelPlan",

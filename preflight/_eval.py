@@ -26,6 +26,7 @@ from preflight._units import format_bytes
 from preflight._gpus import get_gpu, with_context
 from preflight._guard import untouched
 from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
+from preflight._eval_loop import EvalLoop
 from preflight._run import Run, check_run
 from preflight._steps import autocast_for, check_step
 from preflight._target import add_workspaces, cuda_terms, round_events
@@ -72,8 +73,11 @@ def estimate_eval(
         device total. When the forward cannot be traced, a lower
         bound (parameters + buffers + batch + ``resident``) with ``coverage.lower_bound`` set.
 
-    Known limitations: as `preflight.estimate`; outputs that an evaluation loop accumulates across batches
-    (HF ``prediction_loss_only=False`` gathers logits) are not counted.
+    Outputs an evaluation loop keeps across batches (the HF Trainer with a ``compute_metrics`` keeps every
+    batch's logits) are counted where ``run.evaluation`` says so (`preflight.EvalLoop`): the step is then predicted
+    as the last kept batch, with the earlier batches' outputs (of the traced batch's shapes) and the concatenation.
+
+    Known limitations: as `preflight.estimate`.
     """
     refuse_job_pipeline(model, "estimate_eval")
     return _estimate_forward(model, batch, check_run(run), step=step, resident=resident, phase="eval/forward")
@@ -189,6 +193,10 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
             events.insert(0, Event(base + i, nbytes, -1, phase))
         notes.append("counts the training state alive during evaluation: " +
                      ", ".join(f"{k} {v} B" for k, v in sorted(resident.items())))
+    if run.evaluation is not None and run.evaluation.kept_batches > 1 and phase != "generate":
+        events, note = _kept_outputs(events, categories, run.evaluation, result.output_bytes, phase,
+                                     host_is_device=target.type == "cpu")
+        notes.append(note)
     reserved = total = allocated = None
     if target.type == "cuda":  # the training estimate's CUDA terms: workspace, 512-byte blocks, allocator, context
         events, note = add_workspaces(events, gpu_info)
@@ -223,12 +231,48 @@ def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precis
         with torch.no_grad(), autocast_for(precision, trace_device.type):
             out = step(model, run.batch) if step is not None else _forward(model, run.batch)
         tracker.phase = phase.split("/")[0] + "/end"
+        output_bytes = tracker.bytes_of(iter_tensors(out))
         del out
     run.finish()
     return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
+                       output_bytes=output_bytes,
                        seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
                        notes=run.notes + tracker.assumption_notes() +
                        ([tracker.layouts.note()] if tracker.layouts is not None and tracker.layouts.note() else []))
+
+
+def _kept_outputs(events: list[Event], categories: dict[int, Category], loop: EvalLoop, per_batch: int,
+                  phase: str, *, host_is_device: bool) -> tuple[list[Event], str]:
+    """The traced step as the last batch the evaluation loop keeps (`preflight._eval_loop`): the earlier batches'
+    kept outputs (and the previous batch's, freed as the step returns) alive from its start, then, with the step's
+    outputs alive, their gathered copy and the concatenation into the new kept tensor, after which the old kept
+    tensor is dropped."""
+    earlier, previous, gathered, concatenated = loop.kept_bytes(per_batch)
+    viewed = loop.kept_batches * per_batch * loop.ranks if loop.moved_off and host_is_device else 0
+    earlier += viewed  # the first group moved off, a NumPy view over its storage while the second is kept
+    uids = iter(range(max(categories, default=-1) + 1, max(categories, default=-1) + 5))
+    kept, prior, gather, new = next(uids), next(uids), next(uids), next(uids)
+    for uid in (kept, prior, gather, new):
+        categories[uid] = Category.ACTIVATIONS
+    last = max((e.op for e in events), default=-1)
+    end = phase.split("/")[0] + "/end"
+    # The step has returned where its end phase starts: its outputs are alive until the frees recorded there.
+    returned = next((i for i, e in enumerate(events) if e.phase == end), len(events))
+    before = [Event(kept, earlier, -1, phase)] + ([Event(prior, previous, -1, phase)] if previous else [])
+    after = [Event(prior, -previous, last, end)] if previous else []
+    after += [Event(gather, gathered, last, end)] if gathered else []
+    after += [Event(new, concatenated, last, end), Event(kept, -(earlier - viewed), last, end)] if concatenated else []
+    gone = [Event(uid, -nbytes, last, end) for uid, nbytes in
+            ((gather, gathered), (new, concatenated), (kept, viewed if concatenated else earlier)) if nbytes]
+    note = (f"kept outputs: the evaluation loop keeps every batch's outputs ({per_batch:,} B a batch, what the step returns"
+            + (f", gathered from {loop.ranks} ranks" if loop.ranks > 1 else "") + f") for {loop.kept_batches} "
+            "batches" + (", concatenated batch by batch" if concatenated else ", in a list") +
+            f": {earlier:,} B kept from the earlier batches during the last one" +
+            (f", then {concatenated:,} B for the new concatenated tensor beside them" if concatenated else "") +
+            (f"; {viewed:,} B of the first group moved off, a NumPy view over its storage on a CPU target"
+             if viewed else "") +
+            " (earlier batches assumed the traced batch's shapes: `preflight._eval_loop`)")
+    return before + events[:returned] + after + events[returned:] + gone, note
 
 
 def _forward(model: nn.Module, batch: Any) -> Any:

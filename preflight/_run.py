@@ -37,13 +37,14 @@ import torch
 from preflight._budget import check_budget, resolve_budget
 from preflight._checkpoint import Checkpoint
 from preflight._device import resolve_device
+from preflight._eval_loop import EvalLoop
 from preflight._loading import Loading
 from preflight._steps import Loop, check_precision
 from preflight.allocator import AllocatorConfig
 from preflight.parallel import ParallelPlan
 from preflight.trace import ROUTINGS
 
-__all__ = ["Checkpoint", "Loading", "Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
+__all__ = ["Checkpoint", "EvalLoop", "Loading", "Loop", "Run", "Target", "check_run", "pinned", "run_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,10 @@ class Run:
             (``Estimate.phases``), per rank under a sharding engine, where a rank holding the whole model before the
             engine shards it can be the run's peak. None: no loading predicted (nor for a model already wrapped or
             laid out: its loading is over).
+        evaluation: what the evaluation loop keeps of each batch (`EvalLoop`): the HF Trainer with a
+            ``compute_metrics`` keeps every batch's predictions and labels on the device, concatenated, until
+            ``eval_accumulation_steps`` (the callback reads it off the Trainer); the evaluation phase's peak is then
+            the last kept batch's. None: nothing kept across batches.
 
     Example:
         >>> run = preflight.Run(precision="bf16-mixed", loop=preflight.Loop(accumulate=4),
@@ -163,12 +168,15 @@ class Run:
     generation: Mapping[str, Any] | None = None
     checkpoint: Checkpoint | None = None
     loading: Loading | None = None
+    evaluation: EvalLoop | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", check_precision(self.precision))
         # The optional sections: None (that phase is not predicted) or the section's class.
         for name, kind, missing, example in (("checkpoint", Checkpoint, "save", "Checkpoint(optimizer=True)"),
-                                             ("loading", Loading, "loading", "Loading('meta')")):
+                                             ("loading", Loading, "loading", "Loading('meta')"),
+                                             ("evaluation", EvalLoop, "outputs kept across evaluation batches",
+                                              "EvalLoop(kept_batches=50)")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"`Run.{name}` should be None (no {missing} predicted) or a preflight."
@@ -253,7 +261,8 @@ class Run:
                     k: v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
                     for k, v in self.generation.items()},
                 "checkpoint": None if self.checkpoint is None else self.checkpoint.to_dict(),
-                "loading": None if self.loading is None else self.loading.to_dict()}
+                "loading": None if self.loading is None else self.loading.to_dict(),
+                "evaluation": None if self.evaluation is None else self.evaluation.to_dict()}
 
     def cli_flags(self) -> list[str]:
         """The ``preflight estimate`` / ``preflight check`` flags that say this description (those the CLI has)."""

@@ -187,7 +187,10 @@ def _rows(r: Report) -> list[tuple[str, str]]:
     if r.predicted_device_total_bytes is not None:
         rows.append(("device total", f"{format_bytes(r.predicted_device_total_bytes)} (reserved + CUDA context)"))
     if r.eval_predicted_peak_bytes is not None:
-        rows.append(("eval peak", f"{format_bytes(r.eval_predicted_peak_bytes)} (no grad, batch {r.eval_batch_shape})"))
+        kept = (r.run or {}).get("evaluation") or {}
+        also = f", outputs of {kept['kept_batches']} batches kept" if kept.get("kept_batches", 1) > 1 else ""
+        rows.append(("eval peak", f"{format_bytes(r.eval_predicted_peak_bytes)} (no grad, batch {r.eval_batch_shape}"
+                                  f"{also})"))
         if r.eval_predicted_device_total_bytes is not None:
             rows.append(("eval device total", f"{format_bytes(r.eval_predicted_device_total_bytes)} (reserved + "
                                               "CUDA context + workspace)"))

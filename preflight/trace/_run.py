@@ -90,6 +90,8 @@ class TraceResult:
     loading: TraceResult | None = None
     # uids of the optimizer state a bitsandbytes paged optimizer keeps in CUDA managed memory on a GPU
     paged: frozenset[int] = frozenset()
+    # an evaluation trace: the bytes of what the step returned (the outputs an evaluation loop may keep)
+    output_bytes: int = 0
 
 
 def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) -> Callable[[int, str], None]:

@@ -179,6 +179,11 @@ class StorageTracker(TorchDispatchMode):
             return None
         return None if holder is None else holder[0]
 
+    def bytes_of(self, tensors: Any) -> int:
+        """The bytes of the distinct tracked storages of ``tensors`` (an iterable of tensors)."""
+        uids = {self.uid_of(t) for t in tensors}
+        return sum(self._sizes.get(uid, 0) for uid in uids if uid is not None)
+
     def label(self, tensor: torch.Tensor, category: Category) -> None:
         """Put ``tensor``'s storage in ``category`` (e.g. a gradient once it lands in ``param.grad``)."""
         uid = self.uid_of(tensor)

@@ -295,7 +295,8 @@ def predict(
             return again.peak_bytes if mine is None else again.per_rank_peak_bytes[mine]
     if eval_est is not None:
         eval_peak, eval_total = eval_figures(eval_est)
-        notes.extend(f"evaluation: {n}" for n in eval_est.coverage.notes if n.startswith("generation:"))
+        notes.extend(f"evaluation: {n}" for n in eval_est.coverage.notes
+                     if n.startswith(("generation:", "kept outputs:")))
         if sharded is not None:
             notes.append("evaluation peak: this rank's share of the single-device evaluation trace, rescaled by "
                          "category (optimizer state, gradients and parameters as the plan shards them)")

@@ -282,6 +282,12 @@ def predict(
         def eval_predictor(b: Any, resident: dict[str, int] = resident) -> int:  # noqa: F811
             return eval_figures(estimate_eval(base_model, b, eval_run, step=eval_step, resident=resident))[0]
 
+        if eval_run.evaluation is not None and eval_run.evaluation.kept_batches > 1:
+            eval_predictor = None  # noqa: F811
+            notes.append("evaluation batches measured while verifying are not compared with a prediction: each "
+                         "batch's measurement starts at its forward and does not see the outputs the evaluation loop "
+                         "kept from earlier batches, which the evaluation peak counts")
+
     eval_peak = eval_total = None
     if traced_eval is not None:
         eval_peak, eval_total = traced_eval.peak_bytes, traced_eval.device_total_bytes

@@ -32,12 +32,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from preflight._warnings import warn
 from preflight._batches import DEFAULT_TIME_LIMIT, check_scan_seconds, scan
 from preflight._budget import DEFAULT_HEADROOM
-from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, internal_failures, is_rank_zero,
-                               predict, predict_or_lower_bound, training_state)
+from preflight.verdict import (Options, VerifySession, ddp_bucket_bytes, decide, held_module_bytes, internal_failures,
+                               is_rank_zero, predict, predict_or_lower_bound, training_state)
 from preflight.report import Report
 from preflight.report._console import progress
 from preflight._guard import untouched
@@ -199,8 +200,9 @@ class PreflightCallback(*_callback_bases()):
         self.report = report  # kept when decide raises
         decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
         if self.options.verify_steps:
+            held = _held_by_callbacks(trainer, pl_module)
             self._session = VerifySession(self.report, self.options, pl_module.device,
-                                          extra_resident_bytes=_ddp_buckets(trainer))
+                                          extra_resident_bytes=_ddp_buckets(trainer) + (held[0] if held else 0))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -280,6 +282,7 @@ class PreflightCallback(*_callback_bases()):
                 make_batch=lambda b: convert(samples.batch(b)),
                 eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
                 sample_batches=lambda n: [convert(b) for b in sample_batches(loader, n)],
+                held=_held_by_callbacks(trainer, pl_module),
             )
         if note:
             report.warnings.append(note)
@@ -491,6 +494,20 @@ def _checkpoint(trainer: pl.Trainer) -> Checkpoint | None:
         state_dict = "sharded"
     return Checkpoint(optimizer=not weights_only,
                       state_dict=state_dict if state_dict in ("full", "sharded") else "full")
+
+
+def _held_by_callbacks(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int, str] | None:
+    """The modules the trainer's callbacks keep beside the LightningModule (the averaged model of
+    ``WeightAveraging``, ``EMAWeightAveraging`` and ``StochasticWeightAveraging``, made in ``setup`` /
+    ``on_fit_start``, before training starts): their bytes on the module's device and the callbacks' names."""
+    names, modules = [], []
+    for callback in trainer.callbacks:
+        held = [v for v in vars(callback).values() if isinstance(v, nn.Module) and v is not pl_module]
+        if held:
+            names.append(type(callback).__name__)
+            modules.extend(held)
+    nbytes = held_module_bytes(modules, pl_module, pl_module.device) if modules else 0
+    return (nbytes, "the model copies " + ", ".join(names) + " keeps") if nbytes else None
 
 
 def _ddp_buckets(trainer: pl.Trainer) -> int:

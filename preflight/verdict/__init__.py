@@ -11,11 +11,11 @@ re-raised. See ``_decide``'s docstring for the policies (verdict, overflow, dry 
 
 from preflight.verdict._decide import REMEDY_MAX_BATCH_SIZE, check, decide
 from preflight.verdict._options import ON_OVERFLOW_CHOICES, Options
-from preflight.verdict._predict import (ddp_bucket_bytes, eval_resident, lower_bound_report, options_plan, predict,
-                                        predict_or_lower_bound)
+from preflight.verdict._predict import (ddp_bucket_bytes, eval_resident, held_module_bytes, lower_bound_report,
+                                        options_plan, predict, predict_or_lower_bound)
 from preflight.verdict._ranks import internal_failures, is_rank_zero
 from preflight.verdict._session import VerifySession, training_state
 
 __all__ = ["ON_OVERFLOW_CHOICES", "REMEDY_MAX_BATCH_SIZE", "Options", "VerifySession", "check", "ddp_bucket_bytes",
-           "decide", "eval_resident", "internal_failures", "is_rank_zero", "lower_bound_report", "options_plan",
+           "held_module_bytes", "decide", "eval_resident", "internal_failures", "is_rank_zero", "lower_bound_report", "options_plan",
            "predict", "predict_or_lower_bound", "training_state"]

@@ -17,7 +17,7 @@ from preflight._warnings import warn
 from preflight._batches import BatchInfo, failures_text
 from preflight._budget import usable_bytes
 from preflight.report._console import progress
-from preflight._device import live_storage_bytes, resolve_device
+from preflight._device import live_storage_bytes, live_storages, resolve_device
 from preflight._dryrun import settings_from_env
 from preflight._analytic import optimizer_state_bytes
 from preflight._estimate import _allocator_config, estimate, estimate_evaluating, read_plan_off_ddp
@@ -39,7 +39,7 @@ from preflight.trace import float_dtype_for, gradients_held_by
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
-__all__ = ["ddp_bucket_bytes", "eval_resident", "lower_bound_report", "options_plan", "predict",
+__all__ = ["ddp_bucket_bytes", "eval_resident", "held_module_bytes", "lower_bound_report", "options_plan", "predict",
            "predict_or_lower_bound"]
 
 
@@ -60,6 +60,7 @@ def predict(
     eval_frees_gradients: bool = False,
     eval_keeps_batch: bool = False,
     sample_batches: Callable[[int], list[Any]] | None = None,
+    held: tuple[int, str] | None = None,
 ) -> Report:
     """Predict this rank's training (and evaluation) peak and compare it with the budget. No collectives, except
     for a pipeline schedule of a running job, whose estimate exchanges its stages' shapes and figures with every
@@ -85,6 +86,9 @@ def predict(
             HF Trainer evaluates and saves inside its loop over them): ``batch`` x accumulation is resident then.
         sample_batches: ``sample_batches(n)`` draws ``n`` training batches from the dataset, for the run's
             ``loop.sampled_steps`` (`preflight.sample_batches`).
+        held: ``(bytes, what)``: device memory the trainer keeps for the whole run outside the model, the
+            optimizer and the batch (`held_module_bytes`: the averaged copy a weight-averaging callback keeps),
+            counted, not traced: added to training, evaluation and saving as parameters.
 
     Returns:
         A `Report`. When the run does not fit and this is rank zero, its ``suggestions`` hold the ranked output
@@ -187,7 +191,7 @@ def predict(
         rank = _traced_rank(one.per_rank_peak_bytes)
         # On a CUDA target, what max_memory_allocated will read: the allocator's blocks, not the tensors' bytes.
         peaks = one.step_allocated_peaks(rank, _allocator_config(estimate_run.target.allocator))
-        return {k: v + buckets for k, v in (one.step_peaks(rank) if peaks is None else peaks).items()}
+        return {k: v + buckets + kept for k, v in (one.step_peaks(rank) if peaks is None else peaks).items()}
 
     talk = is_rank_zero()  # a trace takes seconds (11 s on a 7B model): say so, as the CLI does
     with progress("tracing the training step on fake tensors" + (" and the evaluation after it" if evaluation
@@ -215,6 +219,13 @@ def predict(
         total = None if total is None else total + buckets
         breakdown["gradients"] += buckets
         notes.append(f"DDP gradient buckets ({format_bytes(buckets)}, a copy of every gradient) added as gradients")
+    kept = held[0] if held else 0
+    if kept:
+        peak += kept
+        total = None if total is None else total + kept
+        breakdown["parameters"] = breakdown.get("parameters", 0) + kept
+        notes.append(f"{held[1]}: {format_bytes(kept)} on the device for the whole run, counted as parameters (not "
+                     "traced: its updates are assumed to allocate nothing, as an in-place average does)")
     # The replicas' communicator: its NCCL buffers in the device total, as `estimate` counts them for a DDP plan.
     replicas_nccl = _replicas_nccl(run) if buckets and total is not None else None
     if replicas_nccl is not None:
@@ -257,6 +268,8 @@ def predict(
             resident["temporaries"] = resident.get("temporaries", 0) + autograd_workspace
         if eval_keeps_batch:
             resident["inputs"] = resident.get("inputs", 0) + schedule.accumulate * live_storage_bytes(batch, target)
+        if kept:
+            resident["parameters"] = resident.get("parameters", 0) + kept
         # The plan the training estimate counted NCCL's communicators for (a strategy's DDP replicas, traced as one
         # device, have theirs added above): evaluation keeps the same buffers.
         eval_run = pinned(run.replace(parallel=estimate_run.parallel or sharded or (
@@ -341,7 +354,7 @@ def predict(
         eval_predictor=eval_predictor,
     )
     report.phases = _phases(est, peak, total, eval_est, eval_peak, eval_total, buckets,
-                            0 if replicas_nccl is None else replicas_nccl[0], traced_eval)
+                            0 if replicas_nccl is None else replicas_nccl[0], traced_eval, kept)
     for what, info in (("training", batch_info), ("evaluation", eval_batch_info)):
         if info is not None and info.failed_samples:
             text = (f"the {what} dataset scan: {failures_text(info.failed_samples, info.failures)}; they were left "
@@ -395,11 +408,12 @@ def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step
 
 def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | None, eval_peak: int | None,
             eval_total: int | None, buckets: int, nccl: int = 0,
-            traced_eval: PhaseEstimate | None = None) -> list[dict[str, Any]]:
+            traced_eval: PhaseEstimate | None = None, held: int = 0) -> list[dict[str, Any]]:
     """The report's phases: training, evaluation where predicted (``traced_eval``: traced per rank after the
     steps), the loading where the run describes it and the checkpoint save where the run saves (DDP's buckets,
     alive for the whole run from its wrapping, added to each as to training, and their communicator's ``nccl`` bytes
-    to its device total)."""
+    to its device total; ``held``, what the trainer keeps beside the model from before the first step, to the
+    save)."""
     how = "labelled lower bound" if est.coverage.lower_bound else "traced"
     phases = [{"name": "training", "peak_bytes": peak, "required_bytes": total if total is not None else peak,
                "where": est.peak_phase, "how": how, "per_rank_peak_bytes": _listed(est.per_rank_peak_bytes)}]
@@ -416,9 +430,10 @@ def _phases(est: Estimate, peak: int, total: int | None, eval_est: Estimate | No
     for name in ("loading", "saving"):  # DDP allocates its buckets as it wraps the model, before the first step
         phase = est.phase(name)
         if phase is not None:
-            device = None if phase.device_total_bytes is None else phase.device_total_bytes + buckets + nccl
-            phases.append({"name": name, "peak_bytes": phase.peak_bytes + buckets,
-                           "required_bytes": device if device is not None else phase.peak_bytes + buckets,
+            extra = buckets + (held if name == "saving" else 0)
+            device = None if phase.device_total_bytes is None else phase.device_total_bytes + extra + nccl
+            phases.append({"name": name, "peak_bytes": phase.peak_bytes + extra,
+                           "required_bytes": device if device is not None else phase.peak_bytes + extra,
                            "where": phase.where, "how": phase.how,
                            "per_rank_peak_bytes": _listed(phase.per_rank_peak_bytes),
                            **({"host_bytes": phase.host_bytes} if name == "loading" else {})})
@@ -594,6 +609,14 @@ def _gradient_bytes(model: nn.Module, precision: str | None) -> int:
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     return sum(p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
                for p in params)
+
+
+def held_module_bytes(modules: list[nn.Module], model: nn.Module, device: torch.device) -> int:
+    """Bytes on ``device`` of the parameters and buffers of ``modules`` that ``model`` does not share: copies of the
+    model a trainer keeps beside it (an averaged model)."""
+    own = set(live_storages([list(model.parameters()), list(model.buffers())], device))
+    held = live_storages([[t for m in modules for t in (*m.parameters(), *m.buffers())]], device)
+    return sum(nbytes for key, nbytes in held.items() if key not in own)
 
 
 def ddp_bucket_bytes(wrapped: Any) -> int:

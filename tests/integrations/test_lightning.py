@@ -790,3 +790,35 @@ def test_model_parallel_strategy_tp_x_fsdp2_is_predicted_per_rank_and_verified(t
     assert len(evaluation["per_rank_peak_bytes"]) == 4 and evaluation["how"] == "traced"
     assert data["eval_measured_peak_bytes"] is not None and abs(data["eval_relative_error"]) <= 0.03, \
         (data["eval_predicted_measured_bytes"], data["eval_measured_peak_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("averaging", ["EMAWeightAveraging", "StochasticWeightAveraging"])
+def test_a_weight_averaging_callbacks_model_copy_is_counted(averaging):
+    # Lightning's weight-averaging callbacks keep an averaged copy of the module on its device from before the first
+    # step, outside the LightningModule: the whole fit() measured with the profiler, against the verdict. Before:
+    # the copy was in neither the prediction nor the verification, 7.9% under the fit's peak on this model.
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    callbacks = importlib.import_module(L.__name__ + ".callbacks")
+
+    def averager():
+        if averaging == "EMAWeightAveraging":
+            return callbacks.EMAWeightAveraging()
+        return callbacks.StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+
+    GPT = CLASSES[L.__name__][0]
+    torch.manual_seed(0)
+    plain = GPT(fixed=48, val=False)
+    before = live_storages([list(plain.parameters()), list(plain.buffers())], torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(lambda: fit(plain, [averager()]), resident=before)
+    measured = sum(before.values()) + peak
+
+    torch.manual_seed(0)
+    callback = PreflightCallback(Run(target=Target(budget="1GiB")), verify_steps=2)
+    fit(GPT(fixed=48, val=False), [callback, averager()])
+    report = callback.report
+    assert abs(report.verdict_bytes - measured) <= 0.001 * measured, (report.verdict_bytes, measured)
+    assert any(n.startswith(f"the model copies {averaging} keeps") for n in report.coverage["notes"])
+    assert report.steps_measured == 2 and abs(report.relative_error) < 0.005

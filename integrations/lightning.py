@@ -200,7 +200,9 @@ class PreflightCallback(*_callback_bases()):
         self.report = report  # kept when decide raises
         decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
         if self.options.verify_steps:
-            held = _held_by_callbacks(trainer, pl_module)
+            held = None
+            with internal_failures("counting the model copies other callbacks keep"):
+                held = _held_by_callbacks(trainer, pl_module)
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer) + (held[0] if held else 0))
 
@@ -502,7 +504,8 @@ def _held_by_callbacks(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tu
     ``on_fit_start``, before training starts): their bytes on the module's device and the callbacks' names."""
     names, modules = [], []
     for callback in trainer.callbacks:
-        held = [v for v in vars(callback).values() if isinstance(v, nn.Module) and v is not pl_module]
+        held = [v for v in getattr(callback, "__dict__", {}).values()
+                if isinstance(v, nn.Module) and v is not pl_module]
         if held:
             names.append(type(callback).__name__)
             modules.extend(held)

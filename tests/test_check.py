@@ -459,3 +459,16 @@ def test_a_deepspeed_16_bit_plan_predicts_training_and_evaluation_as_deepspeed_c
     planned, cast = reports
     assert planned.predicted_peak_bytes == cast.predicted_peak_bytes
     assert planned.eval_predicted_peak_bytes == cast.eval_predicted_peak_bytes is not None
+
+
+def test_resident_bytes_the_profiler_cannot_see_are_added_to_its_measurement_only():
+    # DDP's buckets and a callback's model copies were allocated before the CPU profiler starts, so they are added
+    # to what it measures; the CUDA allocator's peak counts every allocated byte already (added again, they were
+    # counted twice on a GPU).
+    import types
+
+    session = VerifySession(None, Options(verify_steps=1), torch.device("cpu"), extra_resident_bytes=4096)
+    session.meter = types.SimpleNamespace(method="cpu-profiler")
+    assert session._unseen() == 4096
+    session.meter = types.SimpleNamespace(method="cuda-allocator")
+    assert session._unseen() == 0

@@ -247,6 +247,8 @@ def _kept_outputs(events: list[Event], categories: dict[int, Category], loop: Ev
     kept outputs (and the previous batch's, freed as the step returns) alive from its start, then, with the step's
     outputs alive, their gathered copy and the concatenation into the new kept tensor, after which the old kept
     tensor is dropped."""
+    if not per_batch:
+        return events, "kept outputs: the evaluation step returned no tensor, so the loop keeps nothing of it"
     earlier, previous, gathered, concatenated = loop.kept_bytes(per_batch)
     viewed = loop.kept_batches * per_batch * loop.ranks if loop.moved_off and host_is_device else 0
     earlier += viewed  # the first group moved off, a NumPy view over its storage while the second is kept
@@ -264,9 +266,9 @@ def _kept_outputs(events: list[Event], categories: dict[int, Category], loop: Ev
     after += [Event(new, concatenated, last, end), Event(kept, -(earlier - viewed), last, end)] if concatenated else []
     gone = [Event(uid, -nbytes, last, end) for uid, nbytes in
             ((gather, gathered), (new, concatenated), (kept, viewed if concatenated else earlier)) if nbytes]
-    note = (f"kept outputs: the evaluation loop keeps every batch's outputs ({per_batch:,} B a batch, what the step returns"
-            + (f", gathered from {loop.ranks} ranks" if loop.ranks > 1 else "") + f") for {loop.kept_batches} "
-            "batches" + (", concatenated batch by batch" if concatenated else ", in a list") +
+    note = (f"kept outputs: the evaluation loop keeps every batch's outputs ({per_batch:,} B a batch, what the step "
+            "returns" + (f", gathered from {loop.ranks} ranks" if loop.ranks > 1 else "") + f") for "
+            f"{loop.kept_batches} batches" + (", concatenated batch by batch" if loop.concatenated else ", in a list") +
             f": {earlier:,} B kept from the earlier batches during the last one" +
             (f", then {concatenated:,} B for the new concatenated tensor beside them" if concatenated else "") +
             (f"; {viewed:,} B of the first group moved off, a NumPy view over its storage on a CPU target"

@@ -68,3 +68,12 @@ def test_an_evaluation_keeping_every_batchs_outputs_is_predicted_at_its_last_con
     assert any(n.startswith("kept outputs:") for n in est.coverage.notes)
     alone = preflight.estimate_eval(model, batches[-1], step=lambda m, x: m(x))
     assert alone.peak_bytes + others < measured  # one forward alone is under it
+
+
+def test_a_step_returning_no_tensor_keeps_nothing():
+    model = Scorer().eval()
+    x = torch.randn(32, 64)
+    kept = preflight.estimate_eval(model, x, Run(evaluation=EvalLoop(6)), step=lambda m, b: [m(b)] and None)
+    alone = preflight.estimate_eval(model, x, step=lambda m, b: [m(b)] and None)
+    assert kept.peak_bytes == alone.peak_bytes
+    assert any("returned no tensor" in n for n in kept.coverage.notes)

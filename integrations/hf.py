@@ -302,7 +302,7 @@ class PreflightCallback(TrainerCallback):
         trainer = self.trainer
         if trainer is None:
             self._forward_lacks_labels = self._scanned_labels
-            self._unseen_loss = self._scanned_labels and not getattr(args, "label_smoothing_factor", 0)
+            self._unseen_loss = self._scanned_labels and not _smoothing(args)
             return
         if not _custom_loss(trainer) or "compute_loss" in vars(trainer):
             return
@@ -577,8 +577,13 @@ def _loss_step(trainer: Trainer | None, args: Any = None) -> Any:
         if not _custom_loss(trainer):
             return None
         return lambda model, batch: trainer.compute_loss(model, _copied(batch))
-    epsilon = getattr(args, "label_smoothing_factor", 0) or 0
+    epsilon = _smoothing(args)
     return None if not epsilon else _smoothed_step(epsilon, keep_outputs=False)
+
+
+def _smoothing(args: Any) -> float:
+    """The arguments' ``label_smoothing_factor`` (0: none)."""
+    return getattr(args, "label_smoothing_factor", 0) or 0
 
 
 def _custom_loss(trainer: Trainer) -> bool:
@@ -623,9 +628,9 @@ def _generation(trainer: Trainer | None, args: Any) -> dict[str, Any] | None:
 
 def _generates_in_evaluation(trainer: Trainer | None, args: Any) -> bool:
     """Whether the Trainer's evaluation generates: ``predict_with_generate``, and predictions asked for
-    (``Trainer.evaluate`` asks for the loss alone when there is no ``compute_metrics``)."""
+    (`_loss_only`)."""
     return (trainer is not None and bool(getattr(args, "predict_with_generate", False))
-            and not args.prediction_loss_only and trainer.compute_metrics is not None)
+            and not _loss_only(trainer, args))
 
 
 def _prediction_step(trainer: Trainer | None, args: Any, run: Run) -> Any:
@@ -638,7 +643,7 @@ def _prediction_step(trainer: Trainer | None, args: Any, run: Run) -> Any:
     otherwise (the default eval step: the forward). The model's ``generation_config``, which ``prediction_step``
     updates, is put back after the trace."""
     if trainer is None:
-        epsilon = getattr(args, "label_smoothing_factor", 0) or 0
+        epsilon = _smoothing(args)
         return None if not epsilon else _smoothed_step(epsilon, keep_outputs=True)
     generation = dict(run.generation or {}) if _generates_in_evaluation(trainer, args) else None
     kept = _keeps_predictions(trainer, args)

@@ -192,17 +192,18 @@ class PreflightCallback(*_callback_bases()):
             if is_rank_zero():
                 warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning)
             return
+        held = None  # counted once: for the prediction and for the verification's resident bytes
+        with internal_failures("counting the model copies other callbacks keep"):
+            held = _held_by_callbacks(trainer, pl_module)
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
-        report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module), pl_module, trainer.optimizers[0],
-                                        self.options, self._run(trainer), device=pl_module.device)
+        report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module, held), pl_module,
+                                        trainer.optimizers[0], self.options, self._run(trainer),
+                                        device=pl_module.device)
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
         decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
         if self.options.verify_steps:
-            held = None
-            with internal_failures("counting the model copies other callbacks keep"):
-                held = _held_by_callbacks(trainer, pl_module)
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer) + (held[0] if held else 0))
 
@@ -262,7 +263,8 @@ class PreflightCallback(*_callback_bases()):
 
     # ---- translation ------------------------------------------------------------------------------------------
 
-    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Report:
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                 held: tuple[int, str] | None = None) -> Report:
         loader = _single_loader(trainer.train_dataloader, "train")
         samples = scan(loader, time_limit=self.scan_seconds, on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
@@ -284,7 +286,7 @@ class PreflightCallback(*_callback_bases()):
                 make_batch=lambda b: convert(samples.batch(b)),
                 eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
                 sample_batches=lambda n: [convert(b) for b in sample_batches(loader, n)],
-                held=_held_by_callbacks(trainer, pl_module),
+                held=held,
             )
         if note:
             report.warnings.append(note)

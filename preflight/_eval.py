@@ -252,8 +252,8 @@ def _kept_outputs(events: list[Event], categories: dict[int, Category], loop: Ev
     earlier, previous, gathered, concatenated = loop.kept_bytes(per_batch)
     viewed = loop.kept_batches * per_batch * loop.ranks if loop.moved_off and host_is_device else 0
     earlier += viewed  # the first group moved off, a NumPy view over its storage while the second is kept
-    uids = iter(range(max(categories, default=-1) + 1, max(categories, default=-1) + 5))
-    kept, prior, gather, new = next(uids), next(uids), next(uids), next(uids)
+    base = max(categories, default=-1) + 1
+    kept, prior, gather, new = range(base, base + 4)
     for uid in (kept, prior, gather, new):
         categories[uid] = Category.ACTIVATIONS
     last = max((e.op for e in events), default=-1)

@@ -17,5 +17,5 @@ from preflight.verdict._ranks import internal_failures, is_rank_zero
 from preflight.verdict._session import VerifySession, training_state
 
 __all__ = ["ON_OVERFLOW_CHOICES", "REMEDY_MAX_BATCH_SIZE", "Options", "VerifySession", "check", "ddp_bucket_bytes",
-           "held_module_bytes", "decide", "eval_resident", "internal_failures", "is_rank_zero", "lower_bound_report", "options_plan",
-           "predict", "predict_or_lower_bound", "training_state"]
+           "decide", "eval_resident", "held_module_bytes", "internal_failures", "is_rank_zero", "lower_bound_report",
+           "options_plan", "predict", "predict_or_lower_bound", "training_state"]

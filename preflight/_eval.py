@@ -193,7 +193,9 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
             events.insert(0, Event(base + i, nbytes, -1, phase))
         notes.append("counts the training state alive during evaluation: " +
                      ", ".join(f"{k} {v} B" for k, v in sorted(resident.items())))
-    if run.evaluation is not None and run.evaluation.kept_batches > 1 and phase != "generate":
+    kept = run.evaluation
+    # One batch kept and moved off each step still leaves a NumPy view over it on a CPU target (`_kept_outputs`).
+    if kept is not None and (kept.kept_batches > 1 or kept.moved_off) and phase != "generate":
         events, note = _kept_outputs(events, categories, run.evaluation, result.output_bytes, phase,
                                      host_is_device=target.type == "cpu")
         notes.append(note)

@@ -169,6 +169,7 @@ def test_suggestions_are_ranked_into_the_error(monkeypatch):
         def __init__(self, description, peak, fits):
             self.description, self.predicted_peak_bytes, self.fits = description, peak, fits
             self.change, self.cost = {"micro_batch_size": 1}, "slower"
+            self.changes = ("micro_batch",)
 
         def to_dict(self):
             return {"description": self.description, "predicted_peak_bytes": self.predicted_peak_bytes,

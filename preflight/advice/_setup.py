@@ -37,6 +37,7 @@ from preflight.trace import restored_module
 # its costliest change costs.
 COST_ORDER = (
     "allocator",  # an environment variable
+    "eval_kept",  # the evaluation's kept predictions moved to the host every k batches: a slower evaluation
     "meta-init",  # how the script builds and loads the model, not how it trains
     "fused",  # the same updates in one kernel: usually faster
     "micro_batch",  # same updates, lower throughput

@@ -89,15 +89,17 @@ class Report:
         """What the verdict compares with the usable budget: the largest need of the run's phases: training (the
         device total when a GPU target was simulated: reserved memory + CUDA context + cuBLAS workspace; else the
         peak of tensor storages), evaluation, loading and saving (likewise)."""
-        return max(self._needs().values())
+        return max(self.phase_needs().values())
 
     @property
     def run_peak_phase(self) -> str:
         """The phase whose need the verdict compares: ``"training"``, ``"evaluation"``, ``"loading"``, ``"saving"``."""
-        needs = self._needs()
+        needs = self.phase_needs()
         return max(needs, key=lambda name: needs[name])
 
-    def _needs(self) -> dict[str, int]:
+    def phase_needs(self) -> dict[str, int]:
+        """What each phase of the run needs, as the verdict compares it (`verdict_bytes`): ``{"training": ...,
+        "evaluation": ... (0 without one), "loading": ..., "saving": ...}`` (the phases the run has)."""
         train = self.predicted_device_total_bytes
         if train is None:
             train = self.predicted_peak_bytes

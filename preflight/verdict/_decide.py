@@ -208,6 +208,10 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     ]
     if report.eval_predicted_peak_bytes is not None:
         lines.append(f"  evaluation step: {format_bytes(report.eval_predicted_peak_bytes)}")
+        if report.run_peak_phase == "evaluation" and not report.suggestions:
+            lines.append("  The evaluation is the peak: a smaller evaluation batch, or fewer predictions kept on the "
+                         "device (the HF Trainer's eval_accumulation_steps, or a preprocess_logits_for_metrics that "
+                         "keeps the argmax instead of the logits), lowers it.")
     saving = next((p for p in report.phases if p["name"] == "saving"), None)
     if saving is not None:
         lines.append(f"  checkpoint save: {format_bytes(saving['peak_bytes'])}")

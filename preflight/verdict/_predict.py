@@ -24,6 +24,7 @@ from preflight._estimate import _allocator_config, estimate, estimate_evaluating
 from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_terms
 from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._eval import EvalStepFn, estimate_eval
+from preflight._eval_loop import EvalLoop
 from preflight._result import Category, Estimate, PhaseEstimate
 from preflight._run import Run, check_run, pinned, run_budget
 from preflight._steps import Evaluation, Loop, StepFn
@@ -36,6 +37,7 @@ from preflight.parallel import held_tensors, read_ep, read_tp, stand_in
 from preflight.parallel._pipeline import read_pp
 from preflight.trace import float_dtype_for, gradients_held_by
 
+from preflight.advice import Suggestion, fewer_kept_batches, ranking, with_evaluation
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
@@ -373,11 +375,38 @@ def predict(
     # A laid-out model's options are traced on the model as it is laid out (`estimate` reads the layout each time).
     if report.fits is False and options.suggest and talk and (unwrapped or laid_out is not None or
                                                               spread is not None):
-        with progress("it does not fit: predicting what to change (about ten traces)"):
-            advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
-            report.suggestions = _suggestions(base_model, base_optimizer, batch, step, pinned(advised, target),
-                                              options, make_batch, report)
+        needs = report.phase_needs()
+        evaluation_need, rest = needs.pop("evaluation"), max(needs.values())
+        fix = None
+        if eval_est is not None and usable is not None and evaluation_need > usable and eval_run.evaluation:
+            def evaluate(loop: EvalLoop) -> int:  # the evaluation's need as the verdict compares it, traced again
+                one = estimate_eval(base_model, eval_batch, eval_run.replace(evaluation=loop), step=eval_step,
+                                    resident=resident)
+                figure, device_total = eval_figures(one)
+                return (device_total if total is not None else None) or figure
+
+            with progress("the evaluation does not fit: predicting how many batches' predictions it may keep"):
+                fix = _kept_batches_fix(evaluate, run, usable, rest, report)
+        found = [] if fix is None else [fix[0]]
+        if rest > usable or (fix is not None and not fix[0].fits):
+            with progress("it does not fit: predicting what to change (about ten traces)"):
+                advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
+                found += with_evaluation(_suggestions(base_model, base_optimizer, batch, step,
+                                                      pinned(advised, target), options, make_batch, report),
+                                         evaluation=evaluation_need, fix=fix, limit=usable)
+        report.suggestions = [s.to_dict() for s in sorted(found, key=ranking)]
     return report
+
+
+def _kept_batches_fix(evaluate: Callable[[EvalLoop], int], run: Run, usable: int, rest: int, report: Report
+                      ) -> tuple[Suggestion, int] | None:
+    """`preflight.advice.fewer_kept_batches` for a run whose evaluation keeps predictions; None, with a warning in
+    the report, when an evaluation trace fails (the other suggestions stand)."""
+    try:
+        return fewer_kept_batches(evaluate, run, limit=usable, others=rest)
+    except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
+        report.warnings.append(f"no evaluation suggestion: {type(err).__name__}: {err}".splitlines()[0][:300])
+        return None
 
 
 def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepFn | None, run: Run,
@@ -580,10 +609,10 @@ def _with_environment(options: Options) -> tuple[Options, Any]:
 
 
 def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, step: StepFn | None, run: Run,
-                 options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[dict[str, Any]]:
+                 options: Options, make_batch: Callable[[int], Any] | None, report: Report) -> list[Suggestion]:
     run = run.replace(target=dataclasses.replace(run.target, budget=report.budget_bytes))
     try:
-        from preflight.advice import advise
+        from preflight.advice import advise  # looked up at the call: a test replaces it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # options advise leaves out are not the user's concern here
@@ -591,7 +620,7 @@ def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no suggestions: {type(err).__name__}: {err}".splitlines()[0][:300])
         return []
-    return [s.to_dict() for s in found]
+    return found
 
 
 def _without_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -354,7 +354,8 @@ def _metrics_trainer(tmp_path, **args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [{}, {"eval_accumulation_steps": 3}, {"eval_do_concat_batches": False}])
+@pytest.mark.parametrize("args", [{}, {"eval_accumulation_steps": 3}, {"eval_accumulation_steps": 1},
+                                  {"eval_do_concat_batches": False}])
 def test_predictions_the_evaluation_loop_keeps_are_predicted(tmp_path, args):
     # The whole trainer.train() peaks in evaluation, where transformers' EvalLoopContainer keeps the logits of every
     # batch. Before: the evaluation was predicted as one batch's forward, 68% under the measured peak (41% with
@@ -379,6 +380,40 @@ def test_predictions_the_evaluation_loop_keeps_are_predicted(tmp_path, args):
     assert abs(report.verdict_bytes - measured) <= 0.005 * measured, (report.verdict_bytes, measured)
     assert any(n.startswith("evaluation: kept outputs: the evaluation loop keeps every batch's outputs")
                for n in report.coverage["notes"])
+
+
+def _measured_train(trainer) -> int:
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    before = live_storages([list(trainer.model.parameters()), list(trainer.model.buffers())], torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(trainer.train, resident=before)
+    return sum(before.values()) + peak
+
+
+@pytest.mark.slow
+def test_an_evaluation_over_the_budget_is_told_how_many_batches_to_keep(tmp_path):
+    # Training fits, evaluation does not (6 batches of logits kept): the suggestion is the largest
+    # eval_accumulation_steps whose evaluation fits, and the whole train() with it peaks at its figure. Before, the
+    # suggestions were the training changes, each said to fit, none touching the evaluation.
+    trainer = _metrics_trainer(tmp_path)
+    probe = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
+    trainer.train()
+    needs = probe.report.phase_needs()
+    budget = (needs["training"] + needs["evaluation"]) // 2
+    trainer = _metrics_trainer(tmp_path)
+    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
+                      on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match="eval_accumulation_steps="):
+        trainer.train()
+    best = callback.report.suggestions[0]
+    k = best["change"]["eval_accumulation_steps"]
+    assert best["fits"] and best["changes"] == ["eval_kept"] and 1 < k < 6
+    assert best["run"]["evaluation"] == {"kept_batches": k, "concatenated": True, "ranks": 1, "moved_off": True}
+    assert all("eval_accumulation_steps" in s["change"] for s in callback.report.suggestions)
+    measured = _measured_train(_metrics_trainer(tmp_path, eval_accumulation_steps=k))
+    assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
+    assert _measured_train(_metrics_trainer(tmp_path, eval_accumulation_steps=k + 1)) > budget  # the largest
 
 
 @pytest.mark.slow

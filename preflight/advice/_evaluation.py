@@ -1,0 +1,105 @@
+"""What to change when a run's evaluation is over the budget, and what the evaluation adds to a training change.
+
+The evaluation loop of the HF Trainer with a ``compute_metrics`` keeps every batch's predictions on the device until
+the end of the evaluation set (`preflight.EvalLoop`); moving them to the host every k batches
+(``eval_accumulation_steps=k``) keeps at most k. `fewer_kept_batches` finds the largest k that fits, each k's
+figure traced by the caller's ``evaluate(loop)`` (the evaluation step as `preflight.estimate_eval` predicts it, with
+the run's resident training state). `with_evaluation` makes each training suggestion's figure the run's: the larger
+of its own (training, loading, saving) and the evaluation's, with the evaluation change made where it is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from preflight._eval_loop import EvalLoop
+from preflight._run import Run
+from preflight._units import format_bytes
+from preflight.advice._setup import Suggestion
+
+__all__ = ["KEPT_COST", "fewer_kept_batches", "with_evaluation"]
+
+KEPT_COST = ("the kept predictions copied to the host every {k} batches, and held there (host memory) until the "
+             "metrics are computed: a slower evaluation, the same metrics")
+
+
+def fewer_kept_batches(evaluate: Callable[[EvalLoop], int], run: Run, *, limit: int, others: int
+                       ) -> tuple[Suggestion, int] | None:
+    """The run with the evaluation loop keeping the largest number of batches on the device whose evaluation fits in
+    ``limit`` (moved to the host every k batches), or the fewest (1) when none does, with the evaluation's need
+    there; None when the loop keeps nothing across batches. The suggestion fits when the rest of the run fits too.
+
+    ``evaluate(loop)`` is the evaluation's need with the evaluation loop ``loop`` (what the verdict compares: the
+    device total on a simulated GPU, else the allocated peak), traced; ``others`` is the largest need of the run's other phases
+    (training, loading, saving), which this change leaves as they are. The need grows with k, so k is found by
+    bisection: about log2(kept batches) traces."""
+    loop = run.evaluation
+    if loop is None or loop.kept_batches < 2:
+        return None
+    figures: dict[int, int] = {}
+
+    def need(k: int) -> int:
+        if k not in figures:
+            figures[k] = evaluate(_keeping(loop, k))
+        return figures[k]
+
+    best = 1
+    if need(1) <= limit:
+        low, high = 1, loop.kept_batches - 1  # need(low) fits; the largest k in [low, high] that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            if need(middle) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        best = low
+    evaluation = need(best)
+    figure = max(evaluation, others)
+    if figure <= limit:
+        verdict = "fits"
+    elif evaluation > limit:
+        verdict = (f"still {format_bytes(figure - limit)} over: the evaluation step itself needs more than the budget "
+                   "with one batch kept; a smaller evaluation batch is needed too")
+    else:
+        verdict = (f"the evaluation fits, but the rest of the run needs {format_bytes(others)}, "
+                   f"{format_bytes(others - limit)} over: a training change is needed too")
+    text = (f"keep at most {best} evaluation batch(es) of predictions on the device, moving them to the host every "
+            f"{best} (the HF Trainer's eval_accumulation_steps={best}; {loop.kept_batches} kept now): evaluation "
+            f"{format_bytes(evaluation)}; {verdict} ({len(figures)} evaluation trace(s))")
+    return Suggestion({"eval_accumulation_steps": best}, text, figure, figure <= limit, KEPT_COST.format(k=best),
+                      run.replace(evaluation=_keeping(loop, best)), changes=("eval_kept",)), evaluation
+
+
+def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Suggestion, int] | None, limit: int
+                    ) -> list[Suggestion]:
+    """``found`` (training suggestions: their figures cover training, loading and saving) with the evaluation's need
+    counted: ``evaluation`` as predicted for the run as it is, which a training change is taken not to raise (each
+    lowers the resident training state or leaves the evaluation step as it is). Where that is over ``limit``,
+    ``fix`` (`fewer_kept_batches`: the suggestion and its evaluation's need) is made with each training change; a
+    suggestion fits only where its training and that evaluation both do."""
+    kept, kept_need = fix if fix is not None else (None, 0)
+    out = []
+    for s in found:
+        if kept is not None and kept.run.evaluation is not None and evaluation > limit:
+            figure = max(s.predicted_peak_bytes, kept_need)
+            text = (f"{s.description}; with eval_accumulation_steps={kept.run.evaluation.kept_batches} (the "
+                    f"evaluation {format_bytes(kept_need)} as predicted for the run as it is: this change does not "
+                    "raise it" + (", still over the budget)" if kept_need > limit else ")"))
+            out.append(dataclasses.replace(
+                s, change={**s.change, **kept.change}, description=text, predicted_peak_bytes=figure,
+                fits=s.fits and figure <= limit, cost=f"{s.cost}; {kept.cost}",
+                run=s.run.replace(evaluation=kept.run.evaluation), changes=(*s.changes, "eval_kept")))
+        elif evaluation > s.predicted_peak_bytes:
+            fits = s.fits and evaluation <= limit
+            text = (f"{s.description}; " + ("" if fits else "but ") + f"the evaluation needs "
+                    f"{format_bytes(evaluation)} (as predicted for the run as it is: this change does not raise it)"
+                    + ("" if fits else ", over the budget"))
+            out.append(dataclasses.replace(s, description=text, predicted_peak_bytes=evaluation, fits=fits))
+        else:
+            out.append(s)
+    return out
+
+
+def _keeping(loop: EvalLoop, k: int) -> EvalLoop:
+    return dataclasses.replace(loop, kept_batches=k, moved_off=True)

@@ -1,0 +1,75 @@
+"""`preflight.advice._evaluation`: fewer kept evaluation batches, and the evaluation counted in training changes."""
+
+from __future__ import annotations
+
+from preflight import EvalLoop, Run
+from preflight.advice import Suggestion, fewer_kept_batches, with_evaluation
+
+
+def _need(per_batch: int, step: int, calls: list[int]):
+    def evaluate(loop: EvalLoop) -> int:
+        calls.append(loop.kept_batches)
+        assert loop.moved_off  # every k batches moved to the host
+        return step + per_batch * loop.kept_batches
+
+    return evaluate
+
+
+def test_the_largest_number_of_kept_batches_that_fits_is_found_by_bisection():
+    calls: list[int] = []
+    run = Run(precision="bf16-mixed", evaluation=EvalLoop(100))
+    # 1,000 + 10 per kept batch: 37 kept need 1,370, 38 need 1,380.
+    found = fewer_kept_batches(_need(10, 1_000, calls), run, limit=1_375, others=900)
+    assert found is not None
+    suggestion, evaluation = found
+    assert suggestion.change == {"eval_accumulation_steps": 37} and evaluation == 1_370
+    assert suggestion.fits and suggestion.predicted_peak_bytes == 1_370
+    assert suggestion.run == Run(precision="bf16-mixed", evaluation=EvalLoop(37, moved_off=True))
+    assert suggestion.changes == ("eval_kept",) and "eval_accumulation_steps=37" in suggestion.description
+    assert len(calls) == len(set(calls)) <= 8  # log2(99) traces, none twice
+
+
+def test_the_rest_of_the_run_decides_whether_it_fits():
+    found = fewer_kept_batches(_need(10, 1_000, []), Run(evaluation=EvalLoop(10)), limit=1_375, others=2_000)
+    suggestion, evaluation = found
+    assert suggestion.change == {"eval_accumulation_steps": 9} and evaluation == 1_090  # 9 of the 10 kept now
+    assert not suggestion.fits and suggestion.predicted_peak_bytes == 2_000
+    assert "a training change is needed too" in suggestion.description
+
+
+def test_no_number_fits_when_one_batch_is_over():
+    calls: list[int] = []
+    suggestion, evaluation = fewer_kept_batches(_need(10, 2_000, calls), Run(evaluation=EvalLoop(10)), limit=1_375,
+                                                others=0)
+    assert calls == [1] and evaluation == 2_010 and not suggestion.fits
+    assert "a smaller evaluation batch" in suggestion.description
+
+
+def test_a_loop_keeping_nothing_has_no_such_change():
+    assert fewer_kept_batches(_need(10, 0, []), Run(), limit=10, others=0) is None
+    assert fewer_kept_batches(_need(10, 0, []), Run(evaluation=EvalLoop(1)), limit=10, others=0) is None
+
+
+def _training(figure: int, fits: bool) -> Suggestion:
+    return Suggestion({"gradient_checkpointing": True}, "activation checkpointing", figure, fits, "recompute",
+                      Run(precision="bf16-mixed"), changes=("checkpointing",))
+
+
+def test_a_training_change_is_made_with_the_evaluation_change_where_the_evaluation_is_over():
+    fix = fewer_kept_batches(_need(10, 1_000, []), Run(evaluation=EvalLoop(100)), limit=1_375, others=1_500)
+    (made,) = with_evaluation([_training(1_200, True)], evaluation=2_000, fix=fix, limit=1_375)
+    assert made.fits and made.predicted_peak_bytes == 1_370  # the evaluation with 37 kept is now the run's peak
+    assert made.change == {"gradient_checkpointing": True, "eval_accumulation_steps": 37}
+    assert made.run == Run(precision="bf16-mixed", evaluation=EvalLoop(37, moved_off=True))
+    assert made.changes == ("checkpointing", "eval_kept")
+    (over,) = with_evaluation([_training(1_400, False)], evaluation=2_000, fix=fix, limit=1_375)
+    assert not over.fits and over.predicted_peak_bytes == 1_400
+
+
+def test_without_an_evaluation_change_the_evaluation_bounds_each_training_change():
+    (s,) = with_evaluation([_training(1_200, True)], evaluation=2_000, fix=None, limit=1_375)
+    assert not s.fits and s.predicted_peak_bytes == 2_000 and "the evaluation needs" in s.description
+    (s,) = with_evaluation([_training(1_200, True)], evaluation=1_300, fix=None, limit=1_375)
+    assert s.fits and s.predicted_peak_bytes == 1_300 and s.change == {"gradient_checkpointing": True}
+    (s,) = with_evaluation([_training(1_200, True)], evaluation=1_000, fix=None, limit=1_375)
+    assert s == _training(1_200, True)

@@ -3,9 +3,11 @@
 The evaluation loop of the HF Trainer with a ``compute_metrics`` keeps every batch's predictions on the device until
 the end of the evaluation set (`preflight.EvalLoop`); moving them to the host every k batches
 (``eval_accumulation_steps=k``) keeps at most k. `fewer_kept_batches` finds the largest k that fits, each k's
-figure traced by the caller's ``evaluate(loop)`` (the evaluation step as `preflight.estimate_eval` predicts it, with
-the run's resident training state). `with_evaluation` makes each training suggestion's figure the run's: the larger
-of its own (training, loading, saving) and the evaluation's, with the evaluation change made where it is needed.
+figure traced by the caller's ``evaluate`` (the evaluation step as `preflight.estimate_eval` predicts it, with the
+run's resident training state); where even one batch kept is over, or the loop keeps nothing, `smaller_eval_batch`
+finds the largest evaluation batch that fits the same way. `with_evaluation` makes each training suggestion's
+figure the run's: the larger of its own (training, loading, saving) and the evaluation's, with the evaluation
+change made where it is needed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from preflight._run import Run
 from preflight._units import format_bytes
 from preflight.advice._setup import Suggestion
 
-__all__ = ["KEPT_COST", "fewer_kept_batches", "with_evaluation"]
+__all__ = ["KEPT_COST", "fewer_kept_batches", "smaller_eval_batch", "with_evaluation"]
 
 KEPT_COST = ("the kept predictions copied to the host every {k} batches, and held there (host memory) until the "
              "metrics are computed: a slower evaluation, the same metrics")
@@ -71,25 +73,75 @@ def fewer_kept_batches(evaluate: Callable[[EvalLoop], int], run: Run, *, limit: 
                       run.replace(evaluation=_keeping(loop, best)), changes=("eval_kept",)), evaluation
 
 
+def smaller_eval_batch(evaluate: Callable[[EvalLoop | None, int], int], run: Run, size: int, *,
+                       kept: Suggestion | None, limit: int, others: int) -> tuple[Suggestion, int] | None:
+    """The run evaluating in the largest batch below ``size`` samples whose evaluation fits in ``limit``, or in
+    batches of 1 when none does, with the evaluation's need there; None for a batch of 1 already.
+
+    ``evaluate(loop, b)`` is the evaluation's need on a batch of ``b`` samples (the traced batch resized) with the
+    evaluation loop ``loop``; ``kept`` is `fewer_kept_batches`'s suggestion where the loop keeps predictions (its
+    fewest kept batches are made with the smaller batch: the kept number counts batches, so they shrink with it).
+    The need grows with the batch, so the size is found by bisection: about log2(size) traces."""
+    if size < 2:
+        return None
+    loop = run.evaluation if kept is None else kept.run.evaluation
+    figures: dict[int, int] = {}
+
+    def need(b: int) -> int:
+        if b not in figures:
+            figures[b] = evaluate(loop, b)
+        return figures[b]
+
+    best = 1
+    if need(1) <= limit:
+        low, high = 1, size - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if need(middle) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        best = low
+    evaluation = need(best)
+    figure = max(evaluation, others)
+    if figure <= limit:
+        verdict = "fits"
+    elif evaluation > limit:
+        verdict = f"still {format_bytes(evaluation - limit)} over with one sample a batch"
+    else:
+        verdict = (f"the evaluation fits, but the rest of the run needs {format_bytes(others)}, "
+                   f"{format_bytes(others - limit)} over: a training change is needed too")
+    also = "" if kept is None else f", with eval_accumulation_steps={kept.change['eval_accumulation_steps']}"
+    text = (f"evaluate in batches of {best} instead of {size} (the HF Trainer's per_device_eval_batch_size, the "
+            f"evaluation DataLoader's batch_size){also}: evaluation {format_bytes(evaluation)}; {verdict} "
+            f"({len(figures)} evaluation trace(s))")
+    cost = ("more, smaller evaluation steps: a slower evaluation, the same metrics"
+            + ("" if kept is None else f"; {kept.cost}"))
+    change = {**({} if kept is None else kept.change), "eval_batch_size": best}
+    return Suggestion(change, text, figure, figure <= limit, cost, run.replace(evaluation=loop),
+                      changes=("eval_batch",) + (() if kept is None else kept.changes)), evaluation
+
+
 def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Suggestion, int] | None, limit: int
                     ) -> list[Suggestion]:
     """``found`` (training suggestions: their figures cover training, loading and saving) with the evaluation's need
     counted: ``evaluation`` as predicted for the run as it is, which a training change is taken not to raise (each
     lowers the resident training state or leaves the evaluation step as it is). Where that is over ``limit``,
-    ``fix`` (`fewer_kept_batches`: the suggestion and its evaluation's need) is made with each training change; a
-    suggestion fits only where its training and that evaluation both do."""
+    ``fix`` (`fewer_kept_batches` or `smaller_eval_batch`: the suggestion and its evaluation's need) is made with
+    each training change; a suggestion fits only where its training and that evaluation both do."""
     kept, kept_need = fix if fix is not None else (None, 0)
     out = []
     for s in found:
-        if kept is not None and kept.run.evaluation is not None and evaluation > limit:
+        if kept is not None and evaluation > limit:
             figure = max(s.predicted_peak_bytes, kept_need)
-            text = (f"{s.description}; with eval_accumulation_steps={kept.run.evaluation.kept_batches} (the "
-                    f"evaluation {format_bytes(kept_need)} as predicted for the run as it is: this change does not "
-                    "raise it" + (", still over the budget)" if kept_need > limit else ")"))
+            made = ", ".join(f"{k}={v}" for k, v in kept.change.items())
+            text = (f"{s.description}; with {made} (the evaluation {format_bytes(kept_need)} as predicted for the "
+                    "run as it is: this change does not raise it" + (", still over the budget)" if kept_need > limit
+                                                                      else ")"))
             out.append(dataclasses.replace(
                 s, change={**s.change, **kept.change}, description=text, predicted_peak_bytes=figure,
                 fits=s.fits and figure <= limit, cost=f"{s.cost}; {kept.cost}",
-                run=s.run.replace(evaluation=kept.run.evaluation), changes=(*s.changes, "eval_kept")))
+                run=s.run.replace(evaluation=kept.run.evaluation), changes=(*s.changes, *kept.changes)))
         elif evaluation > s.predicted_peak_bytes:
             fits = s.fits and evaluation <= limit
             text = (f"{s.description}; " + ("" if fits else "but ") + f"the evaluation needs "

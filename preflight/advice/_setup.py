@@ -38,6 +38,7 @@ from preflight.trace import restored_module
 COST_ORDER = (
     "allocator",  # an environment variable
     "eval_kept",  # the evaluation's kept predictions moved to the host every k batches: a slower evaluation
+    "eval_batch",  # smaller evaluation batches: more evaluation steps, a slower evaluation
     "meta-init",  # how the script builds and loads the model, not how it trains
     "fused",  # the same updates in one kernel: usually faster
     "micro_batch",  # same updates, lower throughput

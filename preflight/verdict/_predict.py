@@ -37,7 +37,8 @@ from preflight.parallel import held_tensors, read_ep, read_tp, stand_in
 from preflight.parallel._pipeline import read_pp
 from preflight.trace import float_dtype_for, gradients_held_by
 
-from preflight.advice import Suggestion, fewer_kept_batches, ranking, with_evaluation
+from preflight.advice import Suggestion, batch_size_of, fewer_kept_batches, ranking, resize_batch
+from preflight.advice import smaller_eval_batch, with_evaluation
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
@@ -377,18 +378,22 @@ def predict(
                                                               spread is not None):
         needs = report.phase_needs()
         evaluation_need, rest = needs.pop("evaluation"), max(needs.values())
-        fix = None
-        if eval_est is not None and usable is not None and evaluation_need > usable and eval_run.evaluation:
-            def evaluate(loop: EvalLoop) -> int:  # the evaluation's need as the verdict compares it, traced again
-                one = estimate_eval(base_model, eval_batch, eval_run.replace(evaluation=loop), step=eval_step,
-                                    resident=resident)
+        fixes: list[tuple[Suggestion, int]] = []
+        if eval_est is not None and usable is not None and evaluation_need > usable:
+            size = batch_size_of(eval_batch)
+
+            def evaluate(loop: EvalLoop | None, b: int | None = None) -> int:  # the evaluation's need, traced again
+                one = estimate_eval(base_model, eval_batch if b in (None, size) else resize_batch(eval_batch, b),
+                                    eval_run.replace(evaluation=loop), step=eval_step, resident=resident)
                 figure, device_total = eval_figures(one)
                 return (device_total if total is not None else None) or figure
 
-            with progress("the evaluation does not fit: predicting how many batches' predictions it may keep"):
-                fix = _kept_batches_fix(evaluate, run, usable, rest, report)
-        found = [] if fix is None else [fix[0]]
-        if rest > usable or (fix is not None and not fix[0].fits):
+            with progress("the evaluation does not fit: predicting what to change in it"):
+                fixes = _evaluation_fixes(evaluate, run, size, usable, rest, report)
+        # The cheapest evaluation change that fits, else the one that lowers it most, is made with training changes.
+        fix = next((f for f in fixes if f[1] <= usable), min(fixes, key=lambda f: f[1], default=None))
+        found = [f[0] for f in fixes]
+        if rest > usable or not any(s.fits for s in found):
             with progress("it does not fit: predicting what to change (about ten traces)"):
                 advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
                 found += with_evaluation(_suggestions(base_model, base_optimizer, batch, step,
@@ -398,15 +403,25 @@ def predict(
     return report
 
 
-def _kept_batches_fix(evaluate: Callable[[EvalLoop], int], run: Run, usable: int, rest: int, report: Report
-                      ) -> tuple[Suggestion, int] | None:
-    """`preflight.advice.fewer_kept_batches` for a run whose evaluation keeps predictions; None, with a warning in
-    the report, when an evaluation trace fails (the other suggestions stand)."""
+def _evaluation_fixes(evaluate: Callable[..., int], run: Run, size: int | None, usable: int, rest: int,
+                      report: Report) -> list[tuple[Suggestion, int]]:
+    """For a run whose evaluation is over: fewer kept batches where the loop keeps predictions
+    (`preflight.advice.fewer_kept_batches`), then, where one kept batch is still over or nothing is kept, a smaller
+    evaluation batch (`smaller_eval_batch`), each with its evaluation's need. An evaluation trace that fails leaves a
+    warning in the report; the other suggestions stand."""
+    fixes: list[tuple[Suggestion, int]] = []
     try:
-        return fewer_kept_batches(evaluate, run, limit=usable, others=rest)
+        kept = fewer_kept_batches(evaluate, run, limit=usable, others=rest)
+        if kept is not None:
+            fixes.append(kept)
+        if size is not None and (kept is None or kept[1] > usable):
+            smaller = smaller_eval_batch(evaluate, run, size, kept=None if kept is None else kept[0], limit=usable,
+                                         others=rest)
+            if smaller is not None:
+                fixes.append(smaller)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it
         report.warnings.append(f"no evaluation suggestion: {type(err).__name__}: {err}".splitlines()[0][:300])
-        return None
+    return fixes
 
 
 def _over_sampled_steps(model: nn.Module, optimizer: torch.optim.Optimizer, step: StepFn | None, run: Run,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from preflight import EvalLoop, Run
-from preflight.advice import Suggestion, fewer_kept_batches, with_evaluation
+from preflight.advice import Suggestion, fewer_kept_batches, smaller_eval_batch, with_evaluation
 
 
 def _need(per_batch: int, step: int, calls: list[int]):
@@ -73,3 +73,29 @@ def test_without_an_evaluation_change_the_evaluation_bounds_each_training_change
     assert s.fits and s.predicted_peak_bytes == 1_300 and s.change == {"gradient_checkpointing": True}
     (s,) = with_evaluation([_training(1_200, True)], evaluation=1_000, fix=None, limit=1_375)
     assert s == _training(1_200, True)
+
+
+def test_the_largest_evaluation_batch_that_fits_is_found_with_the_fewest_kept_batches():
+    calls: list[tuple[int, int]] = []
+
+    def evaluate(loop, b=None):
+        calls.append((loop.kept_batches, b))
+        return 1_000 + 100 * (b or 32) + 10 * loop.kept_batches * (b or 32)
+
+    run = Run(evaluation=EvalLoop(6))
+    kept = fewer_kept_batches(evaluate, run, limit=3_000, others=0)
+    assert kept[1] > 3_000 and not kept[0].fits  # one kept batch of 32 is still over
+    suggestion, evaluation = smaller_eval_batch(evaluate, run, 32, kept=kept[0], limit=3_000, others=0)
+    # 1,000 + 110 b <= 3,000: b = 18 (2,980); 19 needs 3,090
+    assert suggestion.change == {"eval_accumulation_steps": 1, "eval_batch_size": 18} and evaluation == 2_980
+    assert suggestion.fits and suggestion.run.evaluation == EvalLoop(1, moved_off=True)
+    assert suggestion.changes == ("eval_batch", "eval_kept")
+    assert all(k == 1 for k, b in calls if b is not None)
+
+
+def test_a_smaller_evaluation_batch_without_kept_predictions():
+    suggestion, evaluation = smaller_eval_batch(lambda loop, b: 500 * b, Run(), 8, kept=None, limit=1_999, others=0)
+    assert suggestion.change == {"eval_batch_size": 3} and evaluation == 1_500 and suggestion.run == Run()
+    over, _ = smaller_eval_batch(lambda loop, b: 5_000 * b, Run(), 8, kept=None, limit=1_999, others=0)
+    assert over.change == {"eval_batch_size": 1} and not over.fits and "one sample a batch" in over.description
+    assert smaller_eval_batch(lambda loop, b: 0, Run(), 1, kept=None, limit=1, others=0) is None

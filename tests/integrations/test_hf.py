@@ -417,6 +417,36 @@ def test_an_evaluation_over_the_budget_is_told_how_many_batches_to_keep(tmp_path
 
 
 @pytest.mark.slow
+def test_when_training_and_evaluation_are_both_over_a_suggestion_changes_both(tmp_path):
+    # 7,000,000 B: under the training's need (8,463,864 B) and under the evaluation's with one batch kept (8,470,236
+    # B); the suggestions that fit make a training change, one batch kept and a smaller evaluation batch.
+    budget = 7_000_000
+    trainer = _metrics_trainer(tmp_path)
+    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
+                      on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match="eval_batch_size="):
+        trainer.train()
+    suggestions = callback.report.suggestions
+    fitting = [s for s in suggestions if s["fits"]]
+    assert fitting and all({"eval_accumulation_steps", "eval_batch_size"} <= set(s["change"]) for s in fitting)
+    best = fitting[0]
+    change = best["change"]
+    assert change["eval_accumulation_steps"] == 1 and 1 < change["eval_batch_size"] < 8
+    args = {"eval_accumulation_steps": 1, "per_device_eval_batch_size": change["eval_batch_size"]}
+    if "micro_batch_size" in change:
+        args.update(per_device_train_batch_size=change["micro_batch_size"],
+                    gradient_accumulation_steps=change["accumulate_grad_batches"])
+    elif "gradient_checkpointing" in change:
+        args.update(gradient_checkpointing=True)
+    else:
+        pytest.fail(f"the first suggestion that fits is {best['description']}")
+    measured = _measured_train(_metrics_trainer(tmp_path, **args))
+    assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
+    args["per_device_eval_batch_size"] += 1
+    assert _measured_train(_metrics_trainer(tmp_path, **args)) > budget  # the largest evaluation batch that fits
+
+
+@pytest.mark.slow
 def test_evaluation_that_keeps_outputs_is_measured_but_not_compared_batch_by_batch(tmp_path):
     # A batch's measurement starts at its forward: it cannot see the logits kept from earlier batches, which the
     # evaluation peak counts. Before, the comparison read +62% on this run; now the batch is measured, not compared.

@@ -822,3 +822,45 @@ def test_a_weight_averaging_callbacks_model_copy_is_counted(averaging):
     assert abs(report.verdict_bytes - measured) <= 0.001 * measured, (report.verdict_bytes, measured)
     assert any(n.startswith(f"the model copies {averaging} keeps") for n in report.coverage["notes"])
     assert report.steps_measured == 2 and abs(report.relative_error) < 0.005
+
+
+@pytest.mark.slow
+def test_a_validation_over_the_budget_is_told_its_largest_batch():
+    # Validation in batches of 32 needs 21.3 MB, training 11.0 MB; with 16,000,000 B the suggestion is the largest
+    # validation batch that fits, and the whole fit() with it peaks at its figure. Before, the suggestions were
+    # training changes, each marked as fitting, none of which changes the validation.
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    GPT = CLASSES[L.__name__][0]
+
+    class WideValidation(GPT):
+        def __init__(self, val_batch: int = 32) -> None:
+            super().__init__(fixed=64)
+            self.val_batch = val_batch
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(VariableTokens(32, fixed=64), batch_size=self.val_batch,
+                                               collate_fn=pad_tokens)
+
+    def measured(val_batch: int) -> int:
+        torch.manual_seed(0)
+        module = WideValidation(val_batch)
+        before = live_storages([list(module.parameters()), list(module.buffers())], torch.device("cpu"))
+        peak, _ = cpu_profiled_peak(lambda: fit(module, steps=2, limit_train_batches=2), resident=before)
+        return sum(before.values()) + peak
+
+    budget = 16_000_000
+    torch.manual_seed(0)
+    callback = PreflightCallback(Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0, on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match="evaluate in batches of"):
+        fit(WideValidation(), [callback], steps=2, limit_train_batches=2)
+    report = callback.report
+    assert report.run_peak_phase == "evaluation" and report.fits is False
+    best = report.suggestions[0]
+    size = best["change"]["eval_batch_size"]
+    assert best["fits"] and best["changes"] == ["eval_batch"] and 1 < size < 32
+    assert len(report.suggestions) == 1  # the training fits: no training change is offered
+    at = measured(size)
+    assert at <= budget and abs(best["predicted_peak_bytes"] - at) <= 0.005 * at
+    assert measured(size + 1) > budget

@@ -44,6 +44,7 @@ from preflight.report._console import progress
 from preflight._guard import untouched
 from preflight.trace import isolated_rng
 from preflight._epoch import sample_batches
+from preflight._optimizer_group import OptimizerGroup
 from preflight._run import Checkpoint, Loop, Run, check_run, run_budget
 from preflight._steps import PRECISIONS
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
@@ -197,7 +198,7 @@ class PreflightCallback(*_callback_bases()):
             held = _held_by_callbacks(trainer, pl_module)
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
         report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module, held), pl_module,
-                                        trainer.optimizers[0], self.options, self._run(trainer),
+                                        _optimizer(trainer), self.options, self._run(trainer),
                                         device=pl_module.device)
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
@@ -280,8 +281,8 @@ class PreflightCallback(*_callback_bases()):
         _, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(
-                pl_module, trainer.optimizers[0], batch, self._run(trainer), options=self.options,
-                step=_training_step, batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
+                pl_module, _optimizer(trainer), batch, self._run(trainer), options=self.options,
+                step=_step_for(pl_module), batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=lambda b: convert(samples.batch(b)),
                 eval_frees_gradients=_frees_gradients_before_eval(trainer, pl_module),
@@ -301,6 +302,11 @@ class PreflightCallback(*_callback_bases()):
         parsing = importlib.import_module(_lightning(trainer).__name__ + ".utilities.parsing")
         lightning_getattr, lightning_hasattr, lightning_setattr = (parsing.lightning_getattr, parsing.lightning_hasattr,
                                                                    parsing.lightning_setattr)
+        if not pl_module.automatic_optimization:
+            warn("preflight: autotune keeps the global batch with accumulate_grad_batches, which manual optimization "
+                 "does not use; the batch size was not tuned (preflight.max_batch_size predicts a size that fits).",
+                 RuntimeWarning)
+            return
         if not lightning_hasattr(pl_module, "batch_size"):
             warn("preflight: autotune needs a `batch_size` attribute on the LightningModule, its hparams or "
                  "the datamodule (as BatchSizeFinder does); the batch size was not tuned.", RuntimeWarning)
@@ -330,8 +336,8 @@ class PreflightCallback(*_callback_bases()):
         with _quiet_logging(pl_module), progress("autotune: finding the largest micro-batch that fits",
                                                   enabled=is_rank_zero()):
             convert = trainer.precision_plugin.convert_input  # as the loop does before `training_step`
-            result = max_batch_size(pl_module, trainer.optimizers[0], lambda b: convert(samples.batch(b)), run,
-                                    step=_training_step,
+            result = max_batch_size(pl_module, _optimizer(trainer), lambda b: convert(samples.batch(b)), run,
+                                    step=_step_for(pl_module),
                                     max_batch=min(global_batch, self.max_batch_size or global_batch),
                                     multiple_of=self.multiple_of, headroom=self.options.headroom)
         if result.batch_size == 0:
@@ -355,6 +361,91 @@ class PreflightCallback(*_callback_bases()):
 
 def _training_step(module: pl.LightningModule, batch: Any) -> Any:
     return module.training_step(*_step_args(module.training_step, batch))
+
+
+def _step_for(module: pl.LightningModule) -> Any:
+    """The step preflight traces: ``training_step`` (automatic optimization: the loss it returns; preflight runs the
+    backward and the optimizer step as Lightning's loop does), or, under manual optimization, ``training_step`` as
+    the whole step, with `_manual_surface`."""
+    return _training_step if module.automatic_optimization else _manual_step
+
+
+def _manual_step(module: pl.LightningModule, batch: Any) -> Any:
+    with _manual_surface(module):
+        return _training_step(module, batch)
+
+
+def _optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer:
+    """The trainer's optimizer, or its optimizers as one `preflight.OptimizerGroup` (manual optimization)."""
+    optimizers = list(trainer.optimizers)
+    return optimizers[0] if len(optimizers) == 1 else OptimizerGroup(optimizers)
+
+
+class _Stepping:
+    """What ``self.optimizers()`` gives a manual ``training_step`` while it is traced: the optimizer's own ``step``
+    and ``zero_grad``, without Lightning's loop around them (its step counters, which set ``global_step`` under
+    manual optimization, the profiler, the callbacks' ``on_before_optimizer_step``); a closure is evaluated by the
+    optimizer's step, as Lightning's precision plugins pass it. Anything else is the optimizer's."""
+
+    def __init__(self, module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._module, self.optimizer = module, optimizer
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
+        self._module.toggle_optimizer(self)
+        try:
+            yield
+        finally:
+            self._module.untoggle_optimizer(self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class _Scheduling:
+    """What ``self.lr_schedulers()`` gives a manual ``training_step`` while it is traced: ``step`` does nothing (the
+    learning rate changes no memory, and the user's scheduler must not count a step that never trained)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+@contextlib.contextmanager
+def _manual_surface(module: pl.LightningModule) -> Iterator[None]:
+    """For a manual ``training_step`` traced on fake tensors: ``self.manual_backward(loss)`` is ``loss.backward()``
+    (Lightning's adds its callbacks' hooks and the precision plugin's scaling around it), ``self.optimizers()`` and
+    ``self.lr_schedulers()`` give `_Stepping` and `_Scheduling` stand-ins; the instance attributes are removed
+    afterwards."""
+    trainer = module.trainer
+    steppers = [_Stepping(module, opt) for opt in trainer.optimizers]
+    schedulers = [_Scheduling(config.scheduler) for config in trainer.lr_scheduler_configs]
+
+    def optimizers(use_pl_optimizer: bool = True) -> Any:
+        return steppers[0] if len(steppers) == 1 else steppers
+
+    def lr_schedulers() -> Any:
+        return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    module.optimizers, module.lr_schedulers, module.manual_backward = optimizers, lr_schedulers, manual_backward
+    try:
+        yield
+    finally:
+        del module.optimizers, module.lr_schedulers, module.manual_backward
 
 
 def _validation_step(module: pl.LightningModule, batch: Any) -> Any:
@@ -408,7 +499,11 @@ def _schedule(trainer: pl.Trainer) -> Loop:
     """Lightning's automatic-optimization step: zero_grad before backward, accumulation, clipping by norm when
     ``gradient_clip_val`` is set with the "norm" algorithm (value clipping allocates nothing), and the precision
     plugin's GradScaler when it has one (``16-mixed``); each module in the mode the user left it (Lightning's fit
-    loop calls no ``train()``: it warns about modules in eval mode and keeps them so)."""
+    loop calls no ``train()``: it warns about modules in eval mode and keeps them so). Under manual optimization
+    ``training_step`` runs the whole step (`preflight.Loop.manual`): Lightning refuses accumulation and clipping
+    there, and the step's ``manual_backward`` is traced without the ``16-mixed`` loss scaler."""
+    if not trainer.lightning_module.automatic_optimization:
+        return Loop(manual=True, module_modes="as_set")
     clip = trainer.gradient_clip_val
     by_norm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower().endswith("norm")
     return Loop(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
@@ -417,10 +512,10 @@ def _schedule(trainer: pl.Trainer) -> Loop:
 
 
 def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-    if not pl_module.automatic_optimization:
-        return "manual optimization is not supported (preflight traces Lightning's automatic optimization step)"
-    if len(trainer.optimizers) != 1:
-        return f"{len(trainer.optimizers)} optimizers are not supported"
+    if not trainer.optimizers:
+        return "configure_optimizers returned no optimizer, so there is no training step to predict"
+    if pl_module.automatic_optimization and len(trainer.optimizers) != 1:
+        return f"{len(trainer.optimizers)} optimizers under automatic optimization are not supported"
     if trainer.train_dataloader is None:
         return "there is no train dataloader"
     return None

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what each name is, for type checkers; at run time they load
     from preflight._checkpoint import Checkpoint
     from preflight._eval_loop import EvalLoop
     from preflight._loading import Loading
+    from preflight._optimizer_group import OptimizerGroup
     from preflight._run import Loop, Run, Target
     from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
     from preflight._steps import PRECISIONS
@@ -67,6 +68,7 @@ _WHERE = {
     "Checkpoint": "preflight._checkpoint",
     "EvalLoop": "preflight._eval_loop",
     "Loading": "preflight._loading",
+    "OptimizerGroup": "preflight._optimizer_group",
     "Loop": "preflight._run",
     "Run": "preflight._run",
     "Target": "preflight._run",
@@ -99,6 +101,7 @@ __all__ = [
     "EvalLoop",
     "Loading",
     "Loop",
+    "OptimizerGroup",
     "ParallelPlan",
     "Run",
     "Target",

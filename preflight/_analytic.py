@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from preflight._device import iter_tensors
+from preflight._optimizer_group import OptimizerGroup
 from preflight.trace._library_kernels import PAGED_MIN_NUMEL
 
 __all__ = ["ModelState", "model_state", "optimizer_state_bytes", "sparse_gradient_parameters"]
@@ -89,6 +90,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param_dtype: torch.d
     """Steady-state bytes of ``optimizer``'s state, or None for an optimizer this module does not know.
     ``paged_only``: of a bitsandbytes optimizer, only the states it pages on CUDA (`PAGED_MIN_NUMEL`). ``sparse``:
     ids of parameters with sparse gradients, whose SGD momentum is a sparse clone of the gradient (not counted)."""
+    if isinstance(optimizer, OptimizerGroup):  # each member's, where each is known
+        each = [optimizer_state_bytes(opt, param_dtype, paged_only=paged_only, sparse=sparse)
+                for opt in optimizer.optimizers]
+        return None if None in each else sum(each)
     name = type(optimizer).__name__
     # bitsandbytes optimizers are known by their configuration (``args.optim_bits``, resolved per parameter by
     # ``get_config`` with any ``GlobalOptimManager`` override), not by class name: HF's "adamw_bnb_8bit" is

@@ -290,6 +290,15 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     if any(x is not None for x in (wrapped, laid_out, ep_read, ddp_note, job)):
         options["loading"] = None  # its loading is over: the model is already wrapped or laid out in this job
     tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
+    if schedule.manual and (world_size > 1 or any(x is not None for x in (wrapped, laid_out, ep_read, job))):
+        raise ValueError("`Loop(manual=True)` is traced on one device: a step that runs its own optimizers is not "
+                         "traced per rank yet. Leave `run.parallel` out (data-parallel replicas hold what one device "
+                         "does, plus DDP's gradient buckets: a copy of the gradients).")
+    if schedule.manual and step is None:
+        raise ValueError("`Loop(manual=True)` needs `step=`: the function that runs the step's forwards, backward "
+                         "passes and optimizer steps (step(model, batch)).")
+    if schedule.manual and fast:
+        fast = False  # the shallow models would have to be met by the user's own optimizers: traced whole
     if job is not None:
         return _pp_job_estimate(job, optimizer, batch, options, fast=fast, gpu_info=gpu_info, allocator=allocator)
     if pp is not None:
@@ -372,6 +381,9 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     else:
         result = trace_steps(model, optimizer, batch, **traced)
     notes = list(result.notes) + ([composed_note] if composed_note else []) + ([rank_note] if rank_note else [])
+    if schedule.manual:
+        notes.append("manual optimization: the step's own forwards, backward passes and optimizer steps traced as it "
+                      "runs them, every block of the model (fast composition does not apply)")
     if ddp_note:
         notes.append(ddp_note)
     if target != trace_device:

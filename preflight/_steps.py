@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from preflight._activation_offload import OFFLOAD_MODES, offloading
+from preflight._optimizer_group import OptimizerGroup
 
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
@@ -122,6 +123,12 @@ class Loop:
             steps, so every module trains (the HF Trainer at every step, most hand-written loops); ``"as_set"``:
             each module keeps the mode it has (Lightning keeps the modes the user set, e.g. a frozen backbone left
             in ``eval()``, whose dropout saves no masks and whose BatchNorm uses its running statistics).
+        manual: the step function runs the whole training step itself: its forwards, its backward passes and its
+            optimizers' steps and zero_grads (Lightning's manual optimization, a GAN's alternating updates of a
+            generator and a discriminator). Preflight calls ``step(model, batch)`` once per step and counts what it
+            does; the optimizers it calls are the user's (an `preflight.OptimizerGroup` of them where there are
+            several), each pointed at its fake clone while the step runs. Accumulation, clipping and loss scaling
+            are then the step's own business, not the loop's (leave them at their defaults).
     """
 
     accumulate: int = 1
@@ -134,6 +141,7 @@ class Loop:
     sampled_steps: int = 0
     offload_activations: str | None = None
     module_modes: str = "train"
+    manual: bool = False
 
     def __post_init__(self) -> None:
         if self.module_modes not in MODULE_MODES:
@@ -157,6 +165,15 @@ class Loop:
         if self.offload_activations not in OFFLOAD_MODES:
             raise ValueError(f"`offload_activations` should be one of {OFFLOAD_MODES}, got "
                              f"{self.offload_activations!r}.")
+        if not isinstance(self.manual, bool):
+            raise ValueError(f"`manual` should be True or False, got {self.manual!r}.")
+        owned = {"accumulate": self.accumulate != 1, "max_grad_norm": self.max_grad_norm is not None,
+                 "grad_scaler": self.grad_scaler, "offload_activations": self.offload_activations is not None}
+        if self.manual and any(owned.values()):
+            names = ", ".join(f"`{k}`" for k, v in owned.items() if v)
+            raise ValueError(f"With `manual=True` the step runs its own backward passes and optimizer steps, so "
+                             f"{names} would be the step's own doing: leave them at their defaults and do them in "
+                             "the step (Lightning's manual optimization does).")
 
     @property
     def micro_steps(self) -> int:
@@ -215,6 +232,11 @@ def with_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str | None) -> t
     """
     if impl is None:
         return optimizer
+    if isinstance(optimizer, OptimizerGroup):
+        changed_members = [with_optimizer_impl(opt, impl) for opt in optimizer.optimizers]
+        if all(new is opt for new, opt in zip(changed_members, optimizer.optimizers)):
+            return optimizer
+        return OptimizerGroup(changed_members)
     wanted = {"for-loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True, "fused": False},
               "fused": {"foreach": False, "fused": True}}[impl]
     cls = type(optimizer)
@@ -388,6 +410,7 @@ def run_steps(
     drive: Callable[[Any], None] | None = None,
     save: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
     batches: Callable[[int], Any] | None = None,
+    manual: Callable[[Callable[[bool], None]], Any] | None = None,
 ) -> None:
     """Run ``steps`` optimizer steps in ``schedule``'s order, calling ``on_phase(step_index, phase)`` as each
     phase starts (``forward``, ``backward``, ``optimizer``, ``zero_grad``, and ``end`` once at the end), and
@@ -401,10 +424,19 @@ def run_steps(
     with the training state the steps leave: `preflight._checkpoint.collect_state`).
 
     ``batches``: ``batches(i)`` is step ``i``'s batch (from 1), fetched as the step starts, as a loader yields a new
-    one each step; ``batch`` is then not used."""
+    one each step; ``batch`` is then not used.
+
+    ``manual`` (with `Loop.manual`): ``manual(on_step)`` is a context in which the optimizers the user's step calls
+    step ``optimizer``'s parameters and state, calling ``on_step(True)`` as each step starts and ``on_step(False)``
+    as it ends (`preflight._optimizer_group.manual_optimizers`); None: they are stepped as they are (a real run).
+    The whole step is one phase named ``manual``, with ``optimizer`` phases inside it."""
     # A training step records gradients, whatever the caller's mode.
     with torch.inference_mode(False), torch.enable_grad():
-        if drive is not None:
+        if schedule.manual:
+            _run_manual_steps(model, batch, step=step, precision=precision, device_type=device_type, steps=steps,
+                              schedule=schedule, on_phase=on_phase, before_backward=before_backward,
+                              batches=batches, manual=manual)
+        elif drive is not None:
             _run_driven_steps(optimizer, batch, drive=drive, precision=precision, device_type=device_type,
                               steps=steps, schedule=schedule, on_phase=on_phase, before_backward=before_backward)
         else:
@@ -414,6 +446,29 @@ def run_steps(
         on_phase(steps, "save")
         with torch.no_grad():  # trainers save outside autograd
             save(model, optimizer)
+
+
+def _run_manual_steps(model: nn.Module, batch: Any, *, step: StepFn | None, precision: str | None, device_type: str,
+                      steps: int, schedule: Loop, on_phase: Callable[[int, str], None],
+                      before_backward: Callable[[torch.Tensor], None], batches: Callable[[int], Any] | None,
+                      manual: Callable[[Callable[[bool], None]], Any] | None) -> None:
+    """`run_steps` with `Loop.manual`: ``step(model, batch)`` runs the whole step (forwards, backwards, optimizer
+    steps), under the precision's autocast as Lightning runs ``training_step``; what it returns is not used."""
+    if step is None:
+        raise ValueError("`Loop(manual=True)` needs `step=`: the function that runs the step's forwards, backward "
+                         "passes and optimizer steps (step(model, batch)).")
+    for i in range(1, steps + 1):
+        on_phase(i, "manual")
+        if batches is not None:
+            batch = batches(i)  # the previous step's batch is released here, as a loader's is
+
+        def on_step(starting: bool, i: int = i) -> None:
+            on_phase(i, "optimizer" if starting else "manual")
+
+        with manual(on_step) if manual is not None else contextlib.nullcontext():
+            with forward_context(precision, device_type, schedule), _watching_backward(before_backward):
+                step(model, batch)
+    on_phase(steps, "end")
 
 
 def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Callable[[Any], None],

@@ -151,9 +151,15 @@ def advise(
           live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
         - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
         - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
+        - A step that runs its own optimizers (`Loop(manual=True)`, Lightning's manual optimization) gets no
+          suggestions (a ValueError): each option would change what that step calls.
     """
     run = check_run(run)
     refuse_job_pipeline(model, "advise")
+    if run.loop.manual:
+        raise ValueError("`advise` does not trace its options for a step that runs its own optimizers "
+                         "(`Loop(manual=True)`) yet: each option changes the model or the optimizer the step calls. "
+                         "Trace a change yourself with `preflight.estimate` (a smaller batch, bf16, checkpointing).")
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):

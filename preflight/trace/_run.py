@@ -27,6 +27,7 @@ from preflight.trace._compat import real_run_paths
 from preflight._checkpoint import Checkpoint
 from preflight._device import iter_tensors, named_tensors, planned_fill
 from preflight._errors import StepWouldFailError
+from preflight._optimizer_group import manual_optimizers
 from preflight._quiet import handled_fake_tensor_errors
 from preflight.trace import _interrupts as interrupts
 from preflight.trace._blame import is_user_error, mark_user_error
@@ -112,7 +113,7 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
             for p in fake_params:
                 if p.grad is not None:
                     tracker.label(p.grad, Category.GRADIENTS)
-        if phase in ("zero_grad", "end"):  # state exists once the step ran
+        if phase in ("zero_grad", "end", "manual"):  # state exists once the step ran
             for st in fake_opt.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
@@ -121,7 +122,8 @@ def phase_bookkeeping(tracker: StorageTracker, fake_opt: torch.optim.Optimizer) 
         tracker.placeholders_allowed = phase == "optimizer"
         tracker.phase = f"step{i}/{phase}"
         # A pipeline schedule interleaves forwards and backwards: what it allocates is counted as activations.
-        tracker.phase_category = Category.ACTIVATIONS if phase in ("forward", "pipeline") else Category.TEMPORARIES
+        tracker.phase_category = Category.ACTIVATIONS if phase in ("forward", "pipeline", "manual") \
+            else Category.TEMPORARIES
 
     return on_phase
 
@@ -267,7 +269,9 @@ def trace_steps(
                       steps=steps, schedule=schedule, on_phase=on_phase, before_backward=tracker.watch_backward,
                       save=checkpoint_saver(tracker, checkpoint, host_is_device=target_device.type == "cpu",
                                             fake_world=False, notes=run.notes),
-                      batches=None if batches is None else lambda i: run.step_batch(batches[i - 1]))
+                      batches=None if batches is None else lambda i: run.step_batch(batches[i - 1]),
+                      manual=(lambda on_step: manual_optimizers(optimizer, fake_opt, on_step)) if schedule.manual
+                      else None)
     except BaseException:
         run.finish()  # the tracker lets go of its callbacks on every way out (`StorageTracker.detach`)
         raise

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from preflight._device import iter_tensors, map_held_tensors, map_tensors
+from preflight._optimizer_group import OptimizerGroup
 
 __all__ = ["TwinMaker", "clone_optimizer", "cuda_capturable_off", "cuda_default_impl", "float_dtype_for", "gradients_held_by"]
 
@@ -213,6 +214,11 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, twins: Any, *, foreach: bo
     Raises:
         TypeError: the class cannot be rebuilt from its ``param_groups`` and ``defaults``.
     """
+    if isinstance(optimizer, OptimizerGroup):  # each member cloned over its own twins
+        if param_groups is not None:
+            raise TypeError("an OptimizerGroup's parameters map one to one: it takes no param_groups")
+        return OptimizerGroup([clone_optimizer(opt, twins, foreach=foreach, keep_state=keep_state)
+                               for opt in optimizer.optimizers])
     groups = []
     if param_groups is None:
         param_groups = [(i, [twins.tensor(p) for p in group["params"]])

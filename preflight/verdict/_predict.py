@@ -25,6 +25,7 @@ from preflight.parallel._deepspeed import deepspeed_precision, deepspeed_terms
 from preflight._sharding import hf_hidden_size, read_deepspeed_config
 from preflight._eval import EvalStepFn, estimate_eval
 from preflight._eval_loop import EvalLoop
+from preflight._optimizer_group import STANDS_FOR, OptimizerGroup, stands_for
 from preflight._result import Category, Estimate, PhaseEstimate
 from preflight._run import Run, check_run, pinned, run_budget
 from preflight._steps import Evaluation, Loop, StepFn
@@ -641,10 +642,14 @@ def _suggestions(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
 def _without_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A shallow copy of ``optimizer`` with an empty ``state``, for tracing a first step again. The original is
     never written: the copy gets its own ``state`` in its instance dict (a wrapper whose ``state`` is a property
-    keeps reading its inner optimizer's)."""
+    keeps reading its inner optimizer's). It stands for the original (`stands_for`): a step that calls the user's own
+    optimizers (`Loop.manual`) is pointed at the trace's clone of the copy. An `OptimizerGroup`: a group of copies."""
+    if isinstance(optimizer, OptimizerGroup):
+        return OptimizerGroup([_without_state(opt) for opt in optimizer.optimizers])
     fresh = object.__new__(type(optimizer))
     fresh.__dict__.update(optimizer.__dict__)
     fresh.__dict__["state"] = collections.defaultdict(dict)
+    fresh.__dict__[STANDS_FOR] = stands_for(optimizer)
     return fresh
 
 

@@ -864,3 +864,96 @@ def test_a_validation_over_the_budget_is_told_its_largest_batch():
     at = measured(size)
     assert at <= budget and abs(best["predicted_peak_bytes"] - at) <= 0.005 * at
     assert measured(size + 1) > budget
+
+
+_GAN_DATA = torch.utils.data.TensorDataset(torch.randn(64, 784))  # built once, outside every measured fit()
+
+
+class _GAN(L.LightningModule):
+    """Lightning's manual-optimization GAN: two optimizers, each stepped in ``training_step``, the generator's
+    learning rate scheduled there too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 784))
+        self.disc = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.LeakyReLU(0.2), torch.nn.Linear(512, 1))
+
+    def training_step(self, batch, batch_idx):
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        real = batch[0]
+        n = real.shape[0]
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(torch.randn(n, 64, device=real.device))
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.disc(fake), torch.ones(n, 1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = (bce(self.disc(real), torch.ones(n, 1)) + bce(self.disc(fake.detach()), torch.zeros(n, 1))) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.lr_schedulers().step()
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
+
+    def configure_optimizers(self):
+        opt_g = torch.optim.Adam(self.gen.parameters(), lr=2e-4)
+        opt_d = torch.optim.Adam(self.disc.parameters(), lr=2e-4)
+        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.5)]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_GAN_DATA, batch_size=32)
+
+
+@pytest.mark.slow
+def test_manual_optimization_with_two_optimizers_is_predicted_and_verified():
+    # Before: "manual optimization is not supported", nothing predicted. Now the training_step is the traced step,
+    # its optimizers pointed at their fake clones: the verdict against the whole fit() under the profiler, and the
+    # verification's own comparison.
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    torch.manual_seed(0)
+    plain = _GAN()
+    before = live_storages([list(plain.parameters()), list(plain.buffers())], torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(lambda: fit(plain, steps=4), resident=before)
+    measured = sum(before.values()) + peak
+
+    torch.manual_seed(0)
+    callback = PreflightCallback(Run(target=Target(budget="1GiB")), verify_steps=2)
+    fit(_GAN(), [callback], steps=4)
+    report = callback.report
+    assert report.schedule["manual"] and report.peak_phase == "step2/optimizer"
+    assert abs(report.verdict_bytes - measured) <= 0.001 * measured, (report.verdict_bytes, measured)
+    assert report.steps_measured == 2 and abs(report.relative_error) < 0.001
+    assert report.predicted_step_peaks[0] < report.predicted_step_peaks[1]  # step 1 starts without Adam's state
+
+
+@pytest.mark.slow
+def test_manual_optimization_trains_as_without_preflight():
+    # The traced step calls the user's optimizers and scheduler: their state, the weights, the step counter that sets
+    # global_step under manual optimization, the random stream and the logs are as without the callback.
+    def trained(callbacks):
+        torch.manual_seed(0)
+        module = _GAN()
+        trainer = fit(module, callbacks, steps=3, logger=Metrics())
+        return module, trainer
+
+    plain, plain_trainer = trained([])
+    watched, watched_trainer = trained([PreflightCallback(Run(target=Target(budget="1GiB")), verify_steps=2)])
+    # Two optimizer steps per batch: max_steps=3 stops after the second batch
+    assert watched_trainer.global_step == plain_trainer.global_step == 4
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_trainer.optimizers, watched_trainer.optimizers):
+        assert a.state_dict()["param_groups"] == b.state_dict()["param_groups"]
+        for sa, sb in zip(a.state_dict()["state"].values(), b.state_dict()["state"].values()):
+            assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    scheduler = lambda t: t.lr_scheduler_configs[0].scheduler  # noqa: E731
+    assert scheduler(watched_trainer).last_epoch == scheduler(plain_trainer).last_epoch == 2
+    logged = lambda t: {k: v for k, v in t.logger.logged.items() if not k.startswith("preflight/")}  # noqa: E731
+    assert logged(watched_trainer) == logged(plain_trainer)

@@ -501,12 +501,13 @@ def _schedule(trainer: pl.Trainer) -> Loop:
     plugin's GradScaler when it has one (``16-mixed``); each module in the mode the user left it (Lightning's fit
     loop calls no ``train()``: it warns about modules in eval mode and keeps them so). Under manual optimization
     ``training_step`` runs the whole step (`preflight.Loop.manual`): Lightning refuses accumulation and clipping
-    there, and the step's ``manual_backward`` is traced without the ``16-mixed`` loss scaler."""
+    there, and the step's ``manual_backward`` is traced without the ``16-mixed`` loss scaler. Lightning's precision
+    plugins autocast with ``cache_enabled=False`` (`preflight.Loop.autocast_cache`)."""
     if not trainer.lightning_module.automatic_optimization:
-        return Loop(manual=True, module_modes="as_set")
+        return Loop(manual=True, module_modes="as_set", autocast_cache=False)
     clip = trainer.gradient_clip_val
     by_norm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower().endswith("norm")
-    return Loop(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward",
+    return Loop(accumulate=trainer.accumulate_grad_batches, zero_grad="before_backward", autocast_cache=False,
                     max_grad_norm=float(clip) if clip and by_norm else None,
                     grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None, module_modes="as_set")
 

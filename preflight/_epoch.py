@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from preflight._device import resolve_device, trace_device_for, unmodelled_device_note
-from preflight._estimate import _allocator_config, _traced_coverage, _uncalibrated_notes, summarize_events
+from preflight._estimate import _allocator_config, _traced_coverage, uncalibrated_notes, summarize_events
 from preflight._gpus import with_context
 from preflight._guard import untouched
 from preflight._result import Estimate
@@ -136,7 +136,7 @@ def estimate_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
     calibrator = Calibrator(target, can_run=(trace_device == target), gpu=gpu_info)
     scratch = calibrator(result.events, result.op_log)
-    notes.extend(_uncalibrated_notes(calibrator.skipped, target))
+    notes.extend(uncalibrated_notes(calibrator.skipped, target))
     notes.extend(n for n in [calibrator.reduction_note()] if n)
     events, categories = scratch.events, {**result.categories, **scratch.categories}
     if target.type == "cuda":

@@ -404,7 +404,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
                          offload=offload, ds=ds)
 
     scratch = calibrator(result.events, result.op_log)
-    notes.extend(_uncalibrated_notes(calibrator.skipped, target))
+    notes.extend(uncalibrated_notes(calibrator.skipped, target))
     notes.extend(n for n in [calibrator.reduction_note()] if n)
     categories = {**result.categories, **scratch.categories}
     events = scratch.events
@@ -1215,7 +1215,7 @@ def _traced_coverage(result: TraceResult, skipped: list[str], calibrated: list[s
                     calibrated=tuple(calibrated), notes=tuple(notes))
 
 
-def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
+def uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
     """Coverage notes for kernel scratch that could not be measured here: on a CUDA target planned from a CPU host,
     cuDNN's convolution workspace (`preflight.cuda.cudnn_workspace_note`), otherwise the configurations."""
     if not skipped:
@@ -1224,7 +1224,7 @@ def _uncalibrated_notes(skipped: list[str], target: torch.device) -> list[str]:
         convolutions = [label for label in skipped if label.startswith("convolution")]
         others = [label for label in skipped if not label.startswith("convolution")]
         notes = [cudnn_workspace_note(convolutions)] if convolutions else []
-        return notes + _uncalibrated_notes(others, torch.device("cpu"))
+        return notes + uncalibrated_notes(others, torch.device("cpu"))
     return [f"kernel scratch not calibrated for {len(skipped)} configuration(s): {', '.join(skipped[:3])}"]
 
 
@@ -1243,7 +1243,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         notes = list(result.notes)
         calibrator = Calibrator(target, can_run=(trace_device == target), gpu=gpu_info)
         scratch = calibrator(result.events, result.op_log)
-        notes.extend(_uncalibrated_notes(scratch.skipped, target))
+        notes.extend(uncalibrated_notes(scratch.skipped, target))
         notes.extend(n for n in [calibrator.reduction_note()] if n)
         events = scratch.events
         reserved = total = allocated = None

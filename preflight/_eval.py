@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from preflight._warnings import warn
 from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
 from preflight.parallel import read_ddp, read_zero
-from preflight._estimate import _allocator_config, nccl_term, summarize_events
+from preflight._estimate import _allocator_config, nccl_term, summarize_events, uncalibrated_notes
 from preflight._generation import kv_cache_note
 from preflight._units import format_bytes
 from preflight._gpus import get_gpu, with_context
@@ -29,10 +30,11 @@ from preflight._result import Category, Coverage, Estimate, Event, TimelinePoint
 from preflight._eval_loop import EvalLoop
 from preflight._run import Run, check_run
 from preflight._steps import autocast_for, check_step
-from preflight._target import add_workspaces, cuda_terms, round_events
+from preflight._target import add_workspaces, cuda_terms, resolve_gpu, round_events
 from preflight.cuda import CudaTarget
 from preflight.parallel._pipeline import refuse_job_pipeline
-from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, gradients_held_by, swept
+from preflight._scratch import Calibrator, scratch_ops
+from preflight.trace import FakeRun, Sweep, TensorSpec, TraceResult, float_dtype_for, gradients_held_by, swept
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
 
@@ -175,7 +177,8 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
     cuda = CudaTarget.of(gpu_info) if target.type == "cuda" and trace_device.type != "cuda" else None
     with carried:
         result = _trace_eval(model, batch, step=step, precision=precision, trace_device=trace_device,
-                             layouts=target.type == trace_device.type == "cpu", cuda=cuda, phase=phase)
+                             layouts=target.type == trace_device.type == "cpu", cuda=cuda, phase=phase,
+                             cache=run.loop.autocast_cache, target=target)
     notes = result.notes
     if target != trace_device:
         notes.append(f"traced on {trace_device.type} for a {target.type} target")
@@ -184,8 +187,15 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
         return _lower_bound(model, batch, target, precision, resident, result.error, result.failed_op, notes,
                             result.seconds, phase)
 
-    events = list(result.events)
-    categories = dict(result.categories)
+    # Memory kernels hold of their own (convolutions' workspace, CPU low-precision matrix products, CUDA reductions'
+    # staging), measured or modelled as the training estimate does.
+    calibrator = Calibrator(target, can_run=(trace_device == target),
+                            gpu=gpu_info if gpu_info is not None else resolve_gpu(None, target))
+    scratch = calibrator(list(result.events), result.op_log)
+    notes.extend(uncalibrated_notes(calibrator.skipped, target))
+    notes.extend(n for n in [calibrator.reduction_note()] if n)
+    events = list(scratch.events)
+    categories = {**result.categories, **scratch.categories}
     if resident:  # alive before and after the step: one event each at the start
         base = max(categories, default=-1) + 1
         for i, (name, nbytes) in enumerate(sorted(resident.items())):
@@ -211,7 +221,8 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
         notes.extend(terms.notes)
     peak, breakdown, phase, timeline = summarize_events(events, categories)
     return Estimate(peak_bytes=peak, breakdown=breakdown, peak_phase=phase, device=str(target),
-                    coverage=Coverage(traced=True, notes=tuple(notes)), timeline=timeline, steps=1,
+                    coverage=Coverage(traced=True, notes=tuple(notes), calibrated=tuple(calibrator.calibrated)),
+                    timeline=timeline, steps=1,
                     trace_seconds=result.seconds, num_ops=result.num_ops, events=tuple(events),
                     peak_reserved_bytes=reserved, peak_allocated_bytes=allocated, device_total_bytes=total,
                     gpu=None if gpu_info is None else gpu_info.name)
@@ -220,24 +231,33 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
 @swept
 def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
                 trace_device: torch.device, layouts: bool, cuda: CudaTarget | None, phase: str,
-                sweep: Sweep) -> TraceResult:
-    """Trace one evaluation forward on fake tensors (the eval twin of `preflight.trace._run.trace_steps`)."""
+                sweep: Sweep, cache: bool = True, target: torch.device | None = None) -> TraceResult:
+    """Trace one evaluation forward on fake tensors (the eval twin of `preflight.trace._run.trace_steps`), logging
+    the operator calls whose kernels hold memory of their own on ``target`` (`preflight._scratch`), as shapes."""
     start = time.perf_counter()
+    record = scratch_ops(target or trace_device)
+    op_log: list[tuple[int, int, Any, Any, Any]] = []
+
+    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if record(func, args):  # shapes only: holding the fake tensors would keep their storages alive
+            op_log.append((index, len(run.tracker.events), func, tree_map(TensorSpec.of, args),
+                           tree_map(TensorSpec.of, kwargs)))
+
     run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts,
-                  cuda=cuda)
+                  cuda=cuda, on_op=on_op)
     tracker = run.tracker
     run.what = "the generate call" if phase == "generate" else "the evaluation step"
     tracker.phase, tracker.phase_category = phase, Category.ACTIVATIONS
     with run.active(model):
         model.eval()
-        with torch.no_grad(), autocast_for(precision, trace_device.type):
+        with torch.no_grad(), autocast_for(precision, trace_device.type, cache):
             out = step(model, run.batch) if step is not None else _forward(model, run.batch)
         tracker.phase = phase.split("/")[0] + "/end"
         output_bytes = tracker.bytes_of(iter_tensors(out))
         del out
     run.finish()
     return TraceResult(events=tracker.events, categories=tracker.categories, num_ops=tracker.num_ops,
-                       output_bytes=output_bytes,
+                       output_bytes=output_bytes, op_log=op_log,
                        seconds=time.perf_counter() - start, error=run.error, failed_op=run.failed_op,
                        notes=run.notes + tracker.assumption_notes() +
                        ([tracker.layouts.note()] if tracker.layouts is not None and tracker.layouts.note() else []))

@@ -123,6 +123,12 @@ class Loop:
             steps, so every module trains (the HF Trainer at every step, most hand-written loops); ``"as_set"``:
             each module keeps the mode it has (Lightning keeps the modes the user set, e.g. a frozen backbone left
             in ``eval()``, whose dropout saves no masks and whose BatchNorm uses its running statistics).
+        autocast_cache: autocast's cache of casts (torch's ``cache_enabled``) under a ``*-mixed`` precision: True,
+            torch's default and accelerate's (the HF Trainer): the low-precision copy of each weight a forward casts
+            is kept until the autocast region ends, so an evaluation forward ends holding a copy of every weight it
+            used; False, Lightning's precision plugins (``torch.autocast(..., cache_enabled=False)``): each copy is
+            freed when its last user is (measured on Lightning bf16-mixed GPT-2: +4.2% in training and evaluation
+            when traced with the cache).
         manual: the step function runs the whole training step itself: its forwards, its backward passes and its
             optimizers' steps and zero_grads (Lightning's manual optimization, a GAN's alternating updates of a
             generator and a discriminator). Preflight calls ``step(model, batch)`` once per step and counts what it
@@ -141,6 +147,7 @@ class Loop:
     sampled_steps: int = 0
     offload_activations: str | None = None
     module_modes: str = "train"
+    autocast_cache: bool = True
     manual: bool = False
 
     def __post_init__(self) -> None:
@@ -165,8 +172,9 @@ class Loop:
         if self.offload_activations not in OFFLOAD_MODES:
             raise ValueError(f"`offload_activations` should be one of {OFFLOAD_MODES}, got "
                              f"{self.offload_activations!r}.")
-        if not isinstance(self.manual, bool):
-            raise ValueError(f"`manual` should be True or False, got {self.manual!r}.")
+        for name in ("manual", "autocast_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` should be True or False, got {getattr(self, name)!r}.")
         owned = {"accumulate": self.accumulate != 1, "max_grad_norm": self.max_grad_norm is not None,
                  "grad_scaler": self.grad_scaler, "offload_activations": self.offload_activations is not None}
         if self.manual and any(owned.values()):
@@ -304,12 +312,13 @@ def half_dtype(precision: str | None) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "16": torch.float16}.get((precision or "").split("-")[0])
 
 
-def autocast_for(precision: str | None, device_type: str) -> contextlib.AbstractContextManager:
-    """The autocast context a ``*-mixed`` precision runs the forward under (a null context otherwise)."""
+def autocast_for(precision: str | None, device_type: str, cache: bool = True) -> contextlib.AbstractContextManager:
+    """The autocast context a ``*-mixed`` precision runs the forward under (a null context otherwise), with its cast
+    cache on or off (`Loop.autocast_cache`)."""
     if precision == "bf16-mixed":
-        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16, cache_enabled=cache)
     if precision == "16-mixed":
-        return torch.autocast(device_type=device_type, dtype=torch.float16)
+        return torch.autocast(device_type=device_type, dtype=torch.float16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -317,7 +326,7 @@ def autocast_for(precision: str | None, device_type: str) -> contextlib.Abstract
 def forward_context(precision: str | None, device_type: str, schedule: Loop) -> Iterator[None]:
     """What a training forward runs under: the precision's autocast, and torch's ``save_on_cpu`` where the loop
     offloads activations that way (users enter it around the forward)."""
-    with autocast_for(precision, device_type), \
+    with autocast_for(precision, device_type, schedule.autocast_cache), \
             offloading(schedule.offload_activations if schedule.offload_activations == "save_on_cpu" else None, None):
         yield
 

@@ -590,3 +590,26 @@ def test_a_lazy_module_not_yet_initialized_is_refused_with_how_to_initialize_it(
     est = preflight.estimate(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum())
     measured = preflight.measure(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=lambda m, b: m(b).sum())
     assert est.peak_bytes == measured.peak_bytes
+
+
+def test_an_evaluation_step_counts_the_memory_its_kernels_hold():
+    # Convolutions hold workspace inside the kernel (oneDNN on CPU): measured once per configuration, as the
+    # training estimate does. Before, the evaluation step left it out: 1,054,848 B under this CNN's measured peak.
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 7, padding=3, groups=32), torch.nn.Flatten(),
+                                torch.nn.Linear(32 * 32 * 32, 10)).eval()
+    x = torch.randn(8, 3, 32, 32)
+
+    def evaluate():
+        with torch.no_grad():
+            model(x)
+
+    resident = live_storages([list(model.parameters()), [x]], torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(evaluate, resident=resident)
+    est = preflight.estimate_eval(model, x)
+    assert est.peak_bytes == sum(resident.values()) + peak
+    assert len(est.coverage.calibrated) == 2 and all(c.startswith("convolution") for c in est.coverage.calibrated)

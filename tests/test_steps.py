@@ -182,3 +182,37 @@ def test_a_data_parallel_rank_keeps_the_modes_the_loop_gives_them():
     # The same difference (the backbone's dropout masks) on a rank as on one device.
     assert ranks["train"].peak_bytes - ranks["as_set"].peak_bytes == \
         single["train"].peak_bytes - single["as_set"].peak_bytes > 0
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_autocasts_cache_of_casts_is_traced_as_the_run_has_it(cache):
+    # Under bf16 autocast an evaluation forward keeps a copy of every weight it cast until the region ends when the
+    # cache is on (torch's default, accelerate's); Lightning's precision plugins turn it off. Before, the cache was
+    # always traced on: +4.2% on a Lightning bf16-mixed validation step.
+    from preflight._device import live_storages
+    from preflight._measure import cpu_profiled_peak
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]).eval()
+    x = torch.randn(8, 512)
+
+    def evaluate():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            model(x)
+
+    resident = live_storages([list(model.parameters()), [x]], torch.device("cpu"))
+    peak, _ = cpu_profiled_peak(evaluate, resident=resident)
+    run = preflight.Run(precision="bf16-mixed", loop=Loop(autocast_cache=cache))
+    est = preflight.estimate_eval(model, x, run)
+    assert est.peak_bytes == sum(resident.values()) + peak
+    # The training step takes it too: a step that runs its backward inside the region keeps the copies through it.
+    opt = torch.optim.SGD(model.parameters())
+
+    def step(m, b):
+        m(b).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    manual = preflight.Run(precision="bf16-mixed", loop=Loop(manual=True, autocast_cache=cache))
+    measured = preflight.measure(model, opt, x, manual, step=step)
+    assert abs(preflight.estimate(model, opt, x, manual, step=step).peak_bytes - measured.peak_bytes) <= 16

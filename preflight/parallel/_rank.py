@@ -635,7 +635,7 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
                         fake_batch = None
                         twins.forget(batch)
                     evaluated = _evaluate(evaluation, wrapped, fake_opt, twins, tracker, precision, on_phase, steps,
-                                          notes)
+                                          notes, cache=schedule.autocast_cache)
                     if save is not None and evaluated:
                         on_phase(steps, SAVE_PHASE)
                         with torch.no_grad():
@@ -681,7 +681,7 @@ def _counted_batch(batch: Any, what: str, twins: TwinMaker, tracker: StorageTrac
 
 def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.Optimizer, twins: TwinMaker,
               tracker: StorageTracker, precision: str | None, on_phase: Callable[[int, str], None],
-              steps: int, notes: list[str]) -> bool:
+              steps: int, notes: list[str], *, cache: bool = True) -> bool:
     """The evaluation forward after the steps, on the rank's wrapped copy, in eval mode and without gradients (as
     `preflight.estimate_eval` traces one device's), with the training state the steps left: the gradients set to
     None first where the trainer frees them. False, with a note, where the evaluation could not be traced: the
@@ -692,7 +692,7 @@ def _evaluate(evaluation: Evaluation, wrapped: nn.Module, fake_opt: torch.optim.
         fake_opt.zero_grad(set_to_none=True)
     eval_batch = _counted_batch(evaluation.batch, "the evaluation batch", twins, tracker, precision)
     try:
-        with evaluating(wrapped), torch.no_grad(), autocast_for(precision, "cpu"):
+        with evaluating(wrapped), torch.no_grad(), autocast_for(precision, "cpu", cache):
             out = evaluation.forward(wrapped, eval_batch)
         del out
         return True

@@ -37,7 +37,8 @@ def test_custom_loop_prediction_matches_the_measured_peak(tmp_path, monkeypatch)
                                                      "max_grad_norm": None, "grad_scaler": False,
                                                      "steps": 2, "optimizer_impl": None,
                                                      "sampled_steps": 0, "offload_activations": None,
-                                                     "module_modes": "train"}
+                                                     "module_modes": "train", "autocast_cache": True,
+                                                     "manual": False}
     assert report.eval_predicted_peak_bytes is not None
 
     verifier = StepVerifier(accelerator, model, optimizer, report, steps=2, report_path=str(tmp_path / "r.json"))

@@ -69,7 +69,8 @@ def test_prediction_matches_the_measured_peak_with_accumulation(tmp_path):
                                   "steps": 2, "optimizer_impl": None,
                                   "sampled_steps": 0,
                                   "offload_activations": None,  # the Trainer clips at 1.0 by default
-                                  "module_modes": "train"}  # and calls model.train() at every step
+                                  "module_modes": "train",  # and calls model.train() at every step
+                                  "autocast_cache": True, "manual": False}  # accelerate's autocast keeps its cache
     assert report["eval_predicted_peak_bytes"] > 0 and report["eval_batch_shape"]["input_ids"] == [8, 48]
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"preflight/predicted_peak_bytes", "preflight/measured_peak_bytes", "preflight/relative_error"} <= logged

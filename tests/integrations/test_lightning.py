@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VariableTokens, make_gpt2, pad_tokens, run_processes  # noqa: E402
+from conftest import VariableTokens, example_output, make_gpt2, pad_tokens, run_processes  # noqa: E402
 
 # Lightning 2 ships as `lightning` (lightning.pytorch) and as the standalone `pytorch-lightning`: the callback must
 # work in a Trainer of either, with modules, loggers and utilities of the same package.
@@ -972,3 +972,14 @@ def test_a_bf16_mixed_validation_is_predicted_without_autocasts_cache():
     assert report.schedule["autocast_cache"] is False
     assert report.eval_measured_peak_bytes is not None and abs(report.eval_relative_error) < 0.001, \
         (report.eval_predicted_measured_bytes, report.eval_measured_peak_bytes)
+
+
+def test_the_gan_example_is_predicted_and_verified():
+    # examples/lightning_gan.py as a user runs it: two optimizers in a manual training_step, predicted before step
+    # one and measured over the first two steps.
+    import re
+
+    stdout = example_output("lightning_gan.py", timeout=300)
+    assert "preflight: verified 2 step(s)" in stdout
+    error = float(re.search(r"\(error ([-+][0-9.]+)%\)", stdout).group(1))
+    assert abs(error) < 0.01, stdout[-500:]

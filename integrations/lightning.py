@@ -213,7 +213,8 @@ class PreflightCallback(*_callback_bases()):
         session = self._session
         if session is None or not session.active or batch_idx % trainer.accumulate_grad_batches:
             return
-        session.step_started([*training_state(pl_module, trainer.optimizers), batch], batch=batch)
+        session.step_started([*training_state(pl_module, trainer.optimizers), batch], batch=batch,
+                             gradients=any(p.grad is not None for p in pl_module.parameters()))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -80,7 +80,7 @@ class Report:
     estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     eval_estimate: Estimate | None = dataclasses.field(default=None, repr=False)
     # step_predictor(batch) -> {step: peak bytes}: the same prediction for another batch (`VerifySession`).
-    step_predictor: Callable[[Any], dict[int, int]] | None = dataclasses.field(default=None, repr=False)
+    step_predictor: Callable[..., dict[int, int]] | None = dataclasses.field(default=None, repr=False)
     # eval_predictor(batch) -> bytes: the eval prediction for another eval batch.
     eval_predictor: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False)
 

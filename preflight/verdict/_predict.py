@@ -180,18 +180,21 @@ def predict(
     # with those the real steps left.
     held_at_start = [p for p in model.parameters() if p.grad is not None]
 
-    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer, evaluated: Evaluation | None = None) -> Estimate:
-        with gradients_held_by(held_at_start):
+    def run_estimate(b: Any, opt: torch.optim.Optimizer = optimizer, evaluated: Evaluation | None = None,
+                     held: list[torch.Tensor] | None = None) -> Estimate:
+        with gradients_held_by(held_at_start if held is None else held):
             if job is not None:
                 return estimate(schedule_object, opt, b, estimate_run, step=step)
             if evaluated is not None:
                 return estimate_evaluating(model, opt, b, estimate_run, step=step, evaluation=evaluated)
             return estimate(model, opt, b, estimate_run, step=step)
 
-    def step_predictor(b: Any) -> dict[int, int]:
-        # After the measured steps the optimizer has state; the measured run's first step had none.
+    def step_predictor(b: Any, resumed: bool = False) -> dict[int, int]:
+        # After the measured steps the optimizer has state; the measured run's first step had none. ``resumed``: a
+        # step that begins with the optimizer's state and no gradients (a trainer freed them to evaluate): the
+        # traced step 1 of the optimizer as the measured steps left it, without gradients.
         # Under a per-rank trace inside a job, this rank's own steps (its shards may differ from the peak rank's).
-        one = run_estimate(b, _without_state(optimizer))
+        one = run_estimate(b, optimizer, held=[]) if resumed else run_estimate(b, _without_state(optimizer))
         rank = _traced_rank(one.per_rank_peak_bytes)
         # On a CUDA target, what max_memory_allocated will read: the allocator's blocks, not the tensors' bytes.
         peaks = one.step_allocated_peaks(rank, _allocator_config(estimate_run.target.allocator))

@@ -58,6 +58,10 @@ class VerifySession:
         self._step_shapes: list[str | None] = []
         self._batches: dict[str, Any] = {}
         self._pending_shape: str | None = None
+        # Whether each measured step began with gradients (None: the adapter does not say): under a loop that frees
+        # them before backward, a step after an evaluation that freed them begins without (`_own_predictions`).
+        self._step_gradients: list[bool | None] = []
+        self._pending_gradients: bool | None = None
         # The step's largest micro-batch so far: its elements, and the batch itself when it came after the meter
         # started (copied once the meter has stopped: a copy made inside the window would be measured).
         self._pending_size = -1
@@ -75,11 +79,13 @@ class VerifySession:
         """Still measuring (the adapter should call the step hooks)."""
         return not self.done
 
-    def step_started(self, resident: Any, batch: Any = None) -> None:
+    def step_started(self, resident: Any, batch: Any = None, gradients: bool | None = None) -> None:
         """A step begins; ``resident`` holds every tensor alive now that the step uses (see `StepPeakMeter`);
-        ``batch``, when the adapter has it now, is the step's (first micro-)batch."""
+        ``batch``, when the adapter has it now, is the step's (first micro-)batch; ``gradients``: whether the model
+        holds gradients now (None: not said)."""
         if self.done or self.meter is None:
             return
+        self._pending_gradients = gradients
         self._pending_shape, self._pending_size, self._pending_batch = self._remember(batch), _elements(batch), None
         ok = False
         with internal_failures("measuring the peak"):
@@ -123,6 +129,7 @@ class VerifySession:
                 if self._pending_batch is not None:  # the meter has stopped: copying it now is not measured
                     self._pending_shape = self._remember(self._pending_batch)
                 self._step_shapes.append(self._pending_shape)
+                self._step_gradients.append(self._pending_gradients)
         self._pending_shape, self._pending_size, self._pending_batch = None, -1, None
         self.ended += 1
         if self.ended >= self.steps:
@@ -255,15 +262,26 @@ class VerifySession:
 
     def _own_predictions(self) -> list[int | None]:
         """For each measured step, the prediction for its own batch's shapes: the first step against the traced
-        step 1 (it creates the optimizer state), later steps against the steady state. Traced once per shape."""
+        step 1 (it creates the optimizer state), later steps against the steady state, except a later step that
+        began without the gradients the loop keeps until its next backward (``zero_grad="before_backward"``, seen
+        on the parameters at another step's start; Lightning frees them to evaluate), against a step 1 traced with
+        the optimizer's state. Traced once per shape."""
         predictor = None if self.report is None else self.report.step_predictor
         if predictor is None or not any(self._step_shapes):
             return []
-        per_shape = {}
+        # A loop that keeps the gradients between steps, seen doing so (a strategy that holds them elsewhere, as
+        # DeepSpeed does, never shows them on the parameters).
+        keeps = (self.report.schedule or {}).get("zero_grad") == "before_backward" and any(self._step_gradients)
+        per_shape, resumed = {}, {}
         for key in dict.fromkeys(k for k in self._step_shapes if k is not None):
             per_shape[key] = predictor(self._batches[key])
         own: list[int | None] = []
-        for i, key in enumerate(self._step_shapes, start=1):
+        for i, (key, gradients) in enumerate(zip(self._step_shapes, self._step_gradients), start=1):
+            if key is not None and keeps and i > 1 and gradients is False:
+                if key not in resumed:
+                    resumed[key] = predictor(self._batches[key], resumed=True)
+                own.append(resumed[key].get(1))
+                continue
             peaks = per_shape.get(key) if key is not None else None
             own.append(peaks.get(min(i, max(peaks))) if peaks else None)
         return own

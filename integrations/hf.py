@@ -687,9 +687,9 @@ def _keeps_predictions(trainer: Trainer | None, args: Any) -> bool:
 def _eval_loop(trainer: Trainer | None, args: Any) -> EvalLoop | None:
     """What the Trainer's evaluation loop keeps of each batch (`preflight.EvalLoop`): with predictions asked for,
     every batch of the largest evaluation set this rank sees, or ``eval_accumulation_steps`` of them, gathered from
-    every rank (``gather_for_metrics``). None where it keeps nothing across batches (one batch, or the set has no
-    length); one batch moved off at each step is kept (a NumPy view over it is alive during the next, on a CPU
-    target)."""
+    every rank (``gather_for_metrics``), with the samples they hold (a set of one batch keeps nothing across
+    batches now, but would in smaller batches). None where the set has no length; one batch moved off at each step
+    is kept (a NumPy view over it is alive during the next, on a CPU target)."""
     if not _keeps_predictions(trainer, args):
         return None
     sets = trainer.eval_dataset
@@ -701,10 +701,11 @@ def _eval_loop(trainer: Trainer | None, args: Any) -> EvalLoop | None:
     per_rank = math.ceil(max(sizes, default=0) / world)
     batches = per_rank // size if args.dataloader_drop_last else math.ceil(per_rank / size)
     kept = min(args.eval_accumulation_steps or batches, batches)
-    if batches < 2:
+    if batches < 1:
         return None
+    samples = batches * size if args.dataloader_drop_last else per_rank
     return EvalLoop(kept_batches=kept, concatenated=bool(args.eval_do_concat_batches), ranks=world,
-                    moved_off=batches > kept)
+                    moved_off=batches > kept, samples=samples)
 
 
 def _eval_loader(trainer: Trainer | None, args: Any) -> Any:

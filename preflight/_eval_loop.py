@@ -41,12 +41,16 @@ class EvalLoop:
             device: the first group moved off stays a NumPy view over its storage until the second group is moved
             (transformers' ``nested_numpify``, then a NumPy concatenation into NumPy's own memory), so it is alive
             while the second group is kept; NumPy's own memory is not torch's and is not counted.
+        samples: the samples of the evaluation set this rank's loop keeps outputs for (None: not known), so that a
+            different evaluation batch size keeps the number of batches it makes (`at_batch_size`); a loop over a
+            single batch says this too, with ``kept_batches=1``.
     """
 
     kept_batches: int = 1
     concatenated: bool = True
     ranks: int = 1
     moved_off: bool = False
+    samples: int | None = None
 
     def __post_init__(self) -> None:
         kept = self.kept_batches
@@ -55,12 +59,28 @@ class EvalLoop:
                              f"across batches), got {kept!r}.")
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"`EvalLoop.ranks` should be a positive whole number of ranks, got {self.ranks!r}.")
+        if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(self.samples, int)
+                                         or self.samples < 1):
+            raise ValueError(f"`EvalLoop.samples` should be a positive whole number of samples or None, got "
+                             f"{self.samples!r}.")
         for name in ("concatenated", "moved_off"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`EvalLoop.{name}` should be True or False, got {getattr(self, name)!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def at_batch_size(self, batch_size: int, current: int) -> EvalLoop:
+        """The loop with evaluation batches of ``batch_size`` samples instead of ``current``: the same samples in
+        ``ceil(samples / batch_size)`` batches, all kept, or at most ``kept_batches`` where the loop moves them off
+        every ``kept_batches`` (that number counts batches). Without ``samples``, the samples of the batches kept
+        now (``kept_batches * current``, an upper bound when the last batch is short)."""
+        samples = self.samples if self.samples is not None else self.kept_batches * current
+        batches = -(-samples // batch_size)
+        if self.moved_off:
+            return dataclasses.replace(self, kept_batches=min(self.kept_batches, batches),
+                                       moved_off=batches > self.kept_batches)
+        return dataclasses.replace(self, kept_batches=batches)
 
     def kept_bytes(self, per_batch: int) -> tuple[int, int, int, int]:
         """For a step whose outputs hold ``per_batch`` bytes, around the last kept batch's step: the earlier

@@ -22,7 +22,17 @@ def test_the_section_checks_its_fields():
     with pytest.raises(TypeError, match="Run.evaluation"):
         Run(evaluation=3)
     assert Run(evaluation=EvalLoop(5)).to_dict()["evaluation"] == {"kept_batches": 5, "concatenated": True,
-                                                                    "ranks": 1, "moved_off": False}
+                                                                    "ranks": 1, "moved_off": False, "samples": None}
+    with pytest.raises(ValueError, match="samples"):
+        EvalLoop(samples=0)
+
+
+def test_a_smaller_evaluation_batch_keeps_the_same_samples_in_more_batches():
+    assert EvalLoop(1, samples=64).at_batch_size(24, 64) == EvalLoop(3, samples=64)
+    assert EvalLoop(4).at_batch_size(3, 8) == EvalLoop(11)  # 32 samples kept now, in batches of 3
+    # Moved off every 2 batches: at most 2 kept, however small the batches
+    assert EvalLoop(2, moved_off=True, samples=64).at_batch_size(4, 16) == EvalLoop(2, moved_off=True, samples=64)
+    assert EvalLoop(2, moved_off=True, samples=64).at_batch_size(64, 16) == EvalLoop(1, moved_off=False, samples=64)
 
 
 def test_kept_bytes_follow_the_loop():

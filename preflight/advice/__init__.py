@@ -8,8 +8,8 @@ device where the evaluation is over, or evaluates in smaller batches, and counts
 for good; imports go to `estimate`, `autotune` and `trace`, nothing here is imported by them.
 """
 
-from preflight.advice._evaluation import fewer_kept_batches, smaller_eval_batch, with_evaluation
+from preflight.advice._evaluation import fewer_kept_batches, moving_every_batch, smaller_eval_batch, with_evaluation
 from preflight.advice._options import Suggestion, advise, batch_size_of, ranking, repeated_blocks, resize_batch
 
-__all__ = ["Suggestion", "advise", "batch_size_of", "fewer_kept_batches", "ranking", "repeated_blocks", "resize_batch",
-           "smaller_eval_batch", "with_evaluation"]
+__all__ = ["Suggestion", "advise", "batch_size_of", "fewer_kept_batches", "moving_every_batch", "ranking",
+           "repeated_blocks", "resize_batch", "smaller_eval_batch", "with_evaluation"]

@@ -20,7 +20,7 @@ from preflight._run import Run
 from preflight._units import format_bytes
 from preflight.advice._setup import Suggestion
 
-__all__ = ["KEPT_COST", "fewer_kept_batches", "smaller_eval_batch", "with_evaluation"]
+__all__ = ["KEPT_COST", "fewer_kept_batches", "moving_every_batch", "smaller_eval_batch", "with_evaluation"]
 
 KEPT_COST = ("the kept predictions copied to the host every {k} batches, and held there (host memory) until the "
              "metrics are computed: a slower evaluation, the same metrics")
@@ -80,16 +80,20 @@ def smaller_eval_batch(evaluate: Callable[[EvalLoop | None, int], int], run: Run
 
     ``evaluate(loop, b)`` is the evaluation's need on a batch of ``b`` samples (the traced batch resized) with the
     evaluation loop ``loop``; ``kept`` is `fewer_kept_batches`'s suggestion where the loop keeps predictions (its
-    fewest kept batches are made with the smaller batch: the kept number counts batches, so they shrink with it).
+    fewest kept batches are made with the smaller batch: the kept number counts batches, so they shrink with it);
+    a loop that keeps every batch keeps the same samples in more batches (`preflight.EvalLoop.at_batch_size`).
     The need grows with the batch, so the size is found by bisection: about log2(size) traces."""
     if size < 2:
         return None
     loop = run.evaluation if kept is None else kept.run.evaluation
     figures: dict[int, int] = {}
 
+    def at(b: int) -> EvalLoop | None:  # the same samples in more, smaller batches, kept as the loop keeps them
+        return None if loop is None else loop.at_batch_size(b, size)
+
     def need(b: int) -> int:
         if b not in figures:
-            figures[b] = evaluate(loop, b)
+            figures[b] = evaluate(at(b), b)
         return figures[b]
 
     best = 1
@@ -118,8 +122,20 @@ def smaller_eval_batch(evaluate: Callable[[EvalLoop | None, int], int], run: Run
     cost = ("more, smaller evaluation steps: a slower evaluation, the same metrics"
             + ("" if kept is None else f"; {kept.cost}"))
     change = {**({} if kept is None else kept.change), "eval_batch_size": best}
-    return Suggestion(change, text, figure, figure <= limit, cost, run.replace(evaluation=loop),
+    return Suggestion(change, text, figure, figure <= limit, cost, run.replace(evaluation=at(best)),
                       changes=("eval_batch",) + (() if kept is None else kept.changes)), evaluation
+
+
+def moving_every_batch(run: Run) -> Suggestion | None:
+    """The change that moves the kept predictions to the host after every batch (``eval_accumulation_steps=1``),
+    to make with a smaller evaluation batch (`smaller_eval_batch`'s ``kept``) where the loop keeps every batch now
+    (one batch, or several that `fewer_kept_batches` leaves as they are): smaller batches alone keep the same
+    samples' outputs. None where the loop keeps nothing, or moves each batch off already. Not traced itself."""
+    loop = run.evaluation
+    if loop is None or (loop.moved_off and loop.kept_batches == 1):
+        return None
+    return Suggestion({"eval_accumulation_steps": 1}, "", 0, False, KEPT_COST.format(k=1),
+                      run.replace(evaluation=_keeping(loop, 1)), changes=("eval_kept",))
 
 
 def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Suggestion, int] | None, limit: int

@@ -39,7 +39,7 @@ from preflight.parallel._pipeline import read_pp
 from preflight.trace import float_dtype_for, gradients_held_by
 
 from preflight.advice import Suggestion, batch_size_of, fewer_kept_batches, ranking, resize_batch
-from preflight.advice import smaller_eval_batch, with_evaluation
+from preflight.advice import moving_every_batch, smaller_eval_batch, with_evaluation
 from preflight.report._report import Report
 from preflight.verdict._options import Options
 from preflight.verdict._ranks import _rank, _world_size, internal_failures, is_rank_zero
@@ -411,7 +411,8 @@ def _evaluation_fixes(evaluate: Callable[..., int], run: Run, size: int | None, 
                       report: Report) -> list[tuple[Suggestion, int]]:
     """For a run whose evaluation is over: fewer kept batches where the loop keeps predictions
     (`preflight.advice.fewer_kept_batches`), then, where one kept batch is still over or nothing is kept, a smaller
-    evaluation batch (`smaller_eval_batch`), each with its evaluation's need. An evaluation trace that fails leaves a
+    evaluation batch (`smaller_eval_batch`; with the predictions moved off after every batch where the loop keeps
+    them), each with its evaluation's need. An evaluation trace that fails leaves a
     warning in the report; the other suggestions stand."""
     fixes: list[tuple[Suggestion, int]] = []
     try:
@@ -419,8 +420,10 @@ def _evaluation_fixes(evaluate: Callable[..., int], run: Run, size: int | None, 
         if kept is not None:
             fixes.append(kept)
         if size is not None and (kept is None or kept[1] > usable):
-            smaller = smaller_eval_batch(evaluate, run, size, kept=None if kept is None else kept[0], limit=usable,
-                                         others=rest)
+            # Where the loop keeps every batch's predictions, smaller batches keep the same samples' outputs: they
+            # are made with the predictions moved off after every batch.
+            stub = kept[0] if kept is not None else moving_every_batch(run)
+            smaller = smaller_eval_batch(evaluate, run, size, kept=stub, limit=usable, others=rest)
             if smaller is not None:
                 fixes.append(smaller)
     except Exception as err:  # noqa: BLE001 - advice is optional: the verdict stands without it

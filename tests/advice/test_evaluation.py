@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from preflight import EvalLoop, Run
-from preflight.advice import Suggestion, fewer_kept_batches, smaller_eval_batch, with_evaluation
+from preflight.advice import Suggestion, fewer_kept_batches, moving_every_batch, smaller_eval_batch, with_evaluation
 
 
 def _need(per_batch: int, step: int, calls: list[int]):
@@ -99,3 +99,31 @@ def test_a_smaller_evaluation_batch_without_kept_predictions():
     over, _ = smaller_eval_batch(lambda loop, b: 5_000 * b, Run(), 8, kept=None, limit=1_999, others=0)
     assert over.change == {"eval_batch_size": 1} and not over.fits and "one sample a batch" in over.description
     assert smaller_eval_batch(lambda loop, b: 0, Run(), 1, kept=None, limit=1, others=0) is None
+
+
+def test_a_single_batch_that_keeps_its_outputs_keeps_them_in_every_smaller_batch():
+    # 64 samples in one batch now: in batches of b the loop keeps ceil(64 / b) of them, each traced so.
+    seen = {}
+
+    def evaluate(loop, b):
+        seen[b] = loop.kept_batches
+        return 100 * b + 10 * 64  # the step, and the kept outputs of every sample
+
+    run = Run(evaluation=EvalLoop(1, samples=64))
+    suggestion, evaluation = smaller_eval_batch(evaluate, run, 64, kept=None, limit=3_000, others=0)
+    assert suggestion.change == {"eval_batch_size": 23} and evaluation == 2_940
+    assert all(k == -(-64 // b) for b, k in seen.items())
+    assert suggestion.run.evaluation == EvalLoop(3, samples=64)
+
+
+def test_a_loop_keeping_every_batch_is_split_with_its_predictions_moved_off():
+    run = Run(evaluation=EvalLoop(1, samples=64))
+    stub = moving_every_batch(run)
+    assert stub.change == {"eval_accumulation_steps": 1} and stub.run.evaluation == EvalLoop(1, moved_off=True,
+                                                                                              samples=64)
+    suggestion, _ = smaller_eval_batch(lambda loop, b: 100 * b + (10 * b if loop.moved_off else 640), run, 64,
+                                       kept=stub, limit=3_000, others=0)
+    assert suggestion.change == {"eval_accumulation_steps": 1, "eval_batch_size": 27}  # 110 x 27 = 2,970
+    assert suggestion.changes == ("eval_batch", "eval_kept")
+    assert moving_every_batch(Run()) is None
+    assert moving_every_batch(Run(evaluation=EvalLoop(1, moved_off=True))) is None

@@ -376,7 +376,7 @@ def test_predictions_the_evaluation_loop_keeps_are_predicted(tmp_path, args):
     report = callback.report
     kept = args.get("eval_accumulation_steps", 6)
     assert report.run["evaluation"] == {"kept_batches": kept, "concatenated": "eval_do_concat_batches" not in args,
-                                        "ranks": 1, "moved_off": kept < 6}
+                                        "ranks": 1, "moved_off": kept < 6, "samples": 48}
     assert report.run_peak_phase == "evaluation"
     assert abs(report.verdict_bytes - measured) <= 0.005 * measured, (report.verdict_bytes, measured)
     assert any(n.startswith("evaluation: kept outputs: the evaluation loop keeps every batch's outputs")
@@ -410,7 +410,8 @@ def test_an_evaluation_over_the_budget_is_told_how_many_batches_to_keep(tmp_path
     best = callback.report.suggestions[0]
     k = best["change"]["eval_accumulation_steps"]
     assert best["fits"] and best["changes"] == ["eval_kept"] and 1 < k < 6
-    assert best["run"]["evaluation"] == {"kept_batches": k, "concatenated": True, "ranks": 1, "moved_off": True}
+    assert best["run"]["evaluation"] == {"kept_batches": k, "concatenated": True, "ranks": 1, "moved_off": True,
+                                         "samples": 48}
     assert all("eval_accumulation_steps" in s["change"] for s in callback.report.suggestions)
     measured = _measured_train(_metrics_trainer(tmp_path, eval_accumulation_steps=k))
     assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
@@ -445,6 +446,30 @@ def test_when_training_and_evaluation_are_both_over_a_suggestion_changes_both(tm
     assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
     args["per_device_eval_batch_size"] += 1
     assert _measured_train(_metrics_trainer(tmp_path, **args)) > budget  # the largest evaluation batch that fits
+
+
+@pytest.mark.slow
+def test_one_evaluation_batch_keeping_its_logits_is_told_to_split_and_move_them(tmp_path):
+    # The whole evaluation set in one batch of 48 with a compute_metrics: smaller batches alone would keep the same
+    # 48 samples' logits (measured: 26.8 MB in batches of 1 or 2), so the suggestion makes them with
+    # eval_accumulation_steps=1; the whole train() with it peaks at its figure, and one sample more is over.
+    trainer = _metrics_trainer(tmp_path, per_device_eval_batch_size=48)
+    probe = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
+    trainer.train()
+    needs = probe.report.phase_needs()
+    budget = (needs["training"] + needs["evaluation"]) // 2
+    trainer = _metrics_trainer(tmp_path, per_device_eval_batch_size=48)
+    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
+                      on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match="eval_accumulation_steps=1"):
+        trainer.train()
+    best = callback.report.suggestions[0]
+    size = best["change"]["eval_batch_size"]
+    assert best["fits"] and best["change"]["eval_accumulation_steps"] == 1 and 1 < size < 48
+    measured = _measured_train(_metrics_trainer(tmp_path, per_device_eval_batch_size=size, eval_accumulation_steps=1))
+    assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
+    over = _measured_train(_metrics_trainer(tmp_path, per_device_eval_batch_size=size + 1, eval_accumulation_steps=1))
+    assert over > budget
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ from preflight.trace import isolated_rng
 from preflight._epoch import sample_batches
 from preflight._optimizer_group import OptimizerGroup
 from preflight._run import Checkpoint, Loop, Run, check_run, run_budget
-from preflight._steps import PRECISIONS
+from preflight._steps import PRECISIONS, needs_closure
 from preflight.parallel import ParallelPlan, deepspeed_plan, fsdp_plan
 
 if TYPE_CHECKING:
@@ -189,6 +189,11 @@ class PreflightCallback(*_callback_bases()):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report = None
         supported = _unsupported_reason(trainer, pl_module)
+        if supported is None:
+            try:  # the user's Run laid over what the trainer says: a contradiction (clipping under manual optimization)
+                self._run(trainer)
+            except ValueError as err:
+                supported = f"the Run contradicts the trainer: {err}"
         if supported is not None:
             if is_rank_zero():
                 warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning)
@@ -203,7 +208,8 @@ class PreflightCallback(*_callback_bases()):
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
-        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False), remedy=_REMEDY)
+        decide(report, self.options, emit=lambda r: _log(trainer, r, verified=False),
+               remedy=_REMEDY if pl_module.automatic_optimization else "")
         if self.options.verify_steps:
             self._session = VerifySession(self.report, self.options, pl_module.device,
                                           extra_resident_bytes=_ddp_buckets(trainer) + (held[0] if held else 0))
@@ -392,7 +398,14 @@ class _Stepping:
         self._module, self.optimizer = module, optimizer
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
-        return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+        if closure is None:
+            return self.optimizer.step(**kwargs)
+        if needs_closure(self.optimizer):  # LBFGS evaluates it as many times as it decides
+            return self.optimizer.step(closure, **kwargs)
+        with torch.enable_grad():  # the closure's forward and backward before the step, as Lightning's plugins
+            result = closure()
+        self.optimizer.step(**kwargs)
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -434,7 +447,8 @@ def _manual_surface(module: pl.LightningModule) -> Iterator[None]:
     schedulers = [_Scheduling(config.scheduler) for config in trainer.lr_scheduler_configs]
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
-        return steppers[0] if len(steppers) == 1 else steppers
+        chosen = steppers if use_pl_optimizer else list(trainer.optimizers)  # those point at the clones already
+        return chosen[0] if len(chosen) == 1 else chosen
 
     def lr_schedulers() -> Any:
         return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
@@ -518,6 +532,13 @@ def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> s
         return "configure_optimizers returned no optimizer, so there is no training step to predict"
     if pl_module.automatic_optimization and len(trainer.optimizers) != 1:
         return f"{len(trainer.optimizers)} optimizers under automatic optimization are not supported"
+    seen: set[int] = set()
+    for opt in trainer.optimizers:
+        ids = {id(p) for group in opt.param_groups for p in group["params"]}
+        if ids & seen:
+            return ("a parameter is trained by two of configure_optimizers' optimizers, which preflight does not "
+                    "trace (each parameter should belong to one)")
+        seen |= ids
     if trainer.train_dataloader is None:
         return "there is no train dataloader"
     return None

@@ -290,7 +290,9 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
     if any(x is not None for x in (wrapped, laid_out, ep_read, ddp_note, job)):
         options["loading"] = None  # its loading is over: the model is already wrapped or laid out in this job
     tp, pp = plan_kwargs.get("tp"), plan_kwargs.get("pp")
-    if schedule.manual and (world_size > 1 or any(x is not None for x in (wrapped, laid_out, ep_read, job))):
+    ranked = any(plan_kwargs.get(k) is not None for k in ("tp", "pp", "cp", "ep", "fsdp", "deepspeed_config"))
+    if schedule.manual and (world_size > 1 or sharding is not None or ranked
+                            or any(x is not None for x in (wrapped, laid_out, ep_read, job))):
         raise ValueError("`Loop(manual=True)` is traced on one device: a step that runs its own optimizers is not "
                          "traced per rank yet. Leave `run.parallel` out (data-parallel replicas hold what one device "
                          "does, plus DDP's gradient buckets: a copy of the gradients).")

@@ -35,6 +35,12 @@ class _UnionState(Mapping):
     def __getitem__(self, p: Any) -> Any:
         return self._owner(p).state[p]
 
+    def __contains__(self, p: Any) -> bool:  # without the members' defaultdicts making an entry
+        return any(p in opt.state for opt in self._group.optimizers)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        return next((opt.state[p] for opt in self._group.optimizers if p in opt.state), default)
+
     def __setitem__(self, p: Any, value: Any) -> None:
         self._owner(p).state[p] = value
 
@@ -147,22 +153,23 @@ def stands_for(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def manual_optimizers(real: torch.optim.Optimizer, fake: torch.optim.Optimizer,
                       on_step: Callable[[bool], None]) -> Iterator[None]:
     """For the block, each of ``real``'s optimizers (`members`, or the user's optimizer a copy stands for) steps its
-    fake clone's parameters and state: a step
-    that calls the user's own optimizers (manual optimization) updates the trace's twins, not the weights.
-    ``on_step(True)`` is called as each one's ``step`` starts, ``on_step(False)`` as it ends. Everything is put back
-    on the way out: groups, state, defaults, and the hooks added here."""
+    fake clone's parameters and state: a step that calls the user's own optimizers (manual optimization) updates
+    the trace's twins, not the weights. ``on_step(True)`` is called as each one's ``step`` starts, ``on_step(False)``
+    as it ends; the user's own step hooks do not run (the loop's own step runs none either). Each optimizer's
+    instance dict is put back as it was on the way out (groups, state, defaults, hooks, and whatever a step sets
+    on it, such as the flag an LR scheduler's wrapper of ``step`` sets)."""
     pairs = list(zip((stands_for(opt) for opt in members(real)), members(fake), strict=True))
-    kept = [{name: opt.__dict__[name] for name in _SWAPPED} for opt, _ in pairs]
-    handles = []
+    kept = [dict(opt.__dict__) for opt, _ in pairs]
     try:
         for opt, clone in pairs:
             for name in _SWAPPED:
                 opt.__dict__[name] = clone.__dict__[name]
-            handles.append(opt.register_step_pre_hook(lambda *_: on_step(True)))
-            handles.append(opt.register_step_post_hook(lambda *_: on_step(False)))
+            opt.__dict__["_optimizer_step_pre_hooks"] = collections.OrderedDict()
+            opt.__dict__["_optimizer_step_post_hooks"] = collections.OrderedDict()
+            opt.register_step_pre_hook(lambda *_: on_step(True))
+            opt.register_step_post_hook(lambda *_: on_step(False))
         yield
     finally:
-        for handle in handles:
-            handle.remove()
         for (opt, _), own in zip(pairs, kept, strict=True):
+            opt.__dict__.clear()
             opt.__dict__.update(own)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from preflight._activation_offload import OFFLOAD_MODES, offloading
-from preflight._optimizer_group import OptimizerGroup
+from preflight._optimizer_group import STANDS_FOR, OptimizerGroup, stands_for
 
 __all__ = [
     "PRECISIONS", "ZERO_GRAD_CHOICES", "Evaluation", "Loop", "StepFn", "check_precision", "check_step", "check_steps",
@@ -263,6 +263,7 @@ def with_optimizer_impl(optimizer: torch.optim.Optimizer, impl: str | None) -> t
     changed = cls(groups, **{**defaults, **wanted})
     for p, state in optimizer.state.items():
         changed.state[p] = state
+    changed.__dict__[STANDS_FOR] = stands_for(optimizer)  # a step calling the user's optimizer steps this one's clone
     return changed
 
 
@@ -475,7 +476,8 @@ def _run_manual_steps(model: nn.Module, batch: Any, *, step: StepFn | None, prec
             on_phase(i, "optimizer" if starting else "manual")
 
         with manual(on_step) if manual is not None else contextlib.nullcontext():
-            with forward_context(precision, device_type, schedule), _watching_backward(before_backward):
+            with forward_context(precision, device_type, schedule), \
+                    _watching_backward(before_backward, after=lambda i=i: on_phase(i, "manual")):
                 step(model, batch)
     on_phase(steps, "end")
 
@@ -504,7 +506,8 @@ def _run_driven_steps(optimizer: torch.optim.Optimizer, batch: Any, *, drive: Ca
 
 
 @contextlib.contextmanager
-def _watching_backward(before_backward: Callable[[torch.Tensor], None]) -> Iterator[None]:
+def _watching_backward(before_backward: Callable[[torch.Tensor], None],
+                       after: Callable[[], None] | None = None) -> Iterator[None]:
     """For the block, call ``before_backward(root)`` for each root of every ``torch.autograd.backward`` and
     ``torch.autograd.grad`` (a schedule runs its own backwards, one per micro-batch), then run it. Only fake roots
     (the trace's own) are passed on: a real backward another thread runs meanwhile is left alone."""
@@ -519,11 +522,17 @@ def _watching_backward(before_backward: Callable[[torch.Tensor], None]) -> Itera
 
     def watched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         announce(tensors)
-        return backward(tensors, *args, **kwargs)
+        out = backward(tensors, *args, **kwargs)
+        if after is not None:  # what runs next is not the backward (a manual step's own code)
+            after()
+        return out
 
     def watched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
         announce(outputs)
-        return grad(outputs, *args, **kwargs)
+        out = grad(outputs, *args, **kwargs)
+        if after is not None:
+            after()
+        return out
 
     torch.autograd.backward, torch.autograd.grad = watched_backward, watched_grad
     try:

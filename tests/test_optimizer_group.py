@@ -150,3 +150,58 @@ def test_a_manual_loop_leaves_the_loops_own_settings_to_the_step():
     with pytest.raises(ValueError, match="runs its own optimizers"):
         preflight.advise(model, group, torch.randn(4, 784), Run(loop=Loop(manual=True), target=preflight.Target(
             budget="1GiB")), step=_gan_step(*group.optimizers))
+
+
+def test_the_users_optimizer_is_left_exactly_as_it_was():
+    # Its gradients, its instance dict (the LR scheduler's step wrapper and the flag it sets), its own step hooks
+    # (not run on the trace's steps, as the loop's own step runs none); with the step's implementation changed too.
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.Adam(model.parameters())
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    ran = []
+    opt.register_step_post_hook(lambda *a: ran.append(1))
+    x = torch.randn(4, 16)
+
+    def step(m, b):
+        m(b).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model(x).sum().backward()
+    grad = model.weight.grad.clone()
+    before = dict(opt.__dict__)
+    for impl in (None, "foreach"):
+        est = preflight.estimate(model, opt, x, Run(loop=Loop(manual=True, optimizer_impl=impl)), step=step)
+        assert est.breakdown["optimizer_state"] == 2 * 4 * (16 * 16 + 16) + 2 * 4  # traced on the clone
+    assert torch.equal(model.weight.grad, grad) and not ran and not opt.state
+    assert opt.__dict__.keys() == before.keys() and all(opt.__dict__[k] is v for k, v in before.items())
+    with pytest.raises(ValueError, match="traced on one device"):
+        preflight.estimate(model, opt, x, Run(loop=Loop(manual=True), parallel=preflight.ParallelPlan(1, "fsdp2")),
+                           step=step)
+
+
+def test_work_after_a_backward_is_counted_as_before_it():
+    # A manual step runs its own code between a backward and the optimizer step (a no-grad sample, metrics):
+    # counted as any forward is, not as the backward's gradient accumulation (which adds in place).
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters())
+
+        def step(m, b):
+            m(b).sum().backward()
+            with torch.no_grad():
+                m(b) + m(b)
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    x = torch.randn(32, 64)
+    run = Run(loop=Loop(manual=True))
+    model, opt, step = make()
+    predicted = preflight.estimate(model, opt, x, run, step=step).peak_bytes
+    model, opt, step = make()
+    measured = preflight.measure(model, opt, x, run, step=step).peak_bytes
+    assert abs(predicted - measured) <= 16, (predicted, measured)

@@ -33,9 +33,9 @@ def fewer_kept_batches(evaluate: Callable[[EvalLoop], int], run: Run, *, limit: 
     there; None when the loop keeps nothing across batches. The suggestion fits when the rest of the run fits too.
 
     ``evaluate(loop)`` is the evaluation's need with the evaluation loop ``loop`` (what the verdict compares: the
-    device total on a simulated GPU, else the allocated peak), traced; ``others`` is the largest need of the run's other phases
-    (training, loading, saving), which this change leaves as they are. The need grows with k, so k is found by
-    bisection: about log2(kept batches) traces."""
+    device total on a simulated GPU, else the allocated peak), traced; ``others`` is the largest need of the run's
+    other phases (training, loading, saving), which this change leaves as they are. The need grows with k, so k is
+    found by bisection: about log2(kept batches) traces."""
     loop = run.evaluation
     if loop is None or loop.kept_batches < 2:
         return None
@@ -138,22 +138,33 @@ def moving_every_batch(run: Run) -> Suggestion | None:
                       run.replace(evaluation=_keeping(loop, 1)), changes=("eval_kept",))
 
 
-def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Suggestion, int] | None, limit: int
+def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Suggestion, int] | None, limit: int,
+                    retraced: Callable[[Suggestion, Suggestion | None], int | None] | None = None
                     ) -> list[Suggestion]:
     """``found`` (training suggestions: their figures cover training, loading and saving) with the evaluation's need
     counted: ``evaluation`` as predicted for the run as it is, which a training change is taken not to raise (each
     lowers the resident training state or leaves the evaluation step as it is). Where that is over ``limit``,
     ``fix`` (`fewer_kept_batches` or `smaller_eval_batch`: the suggestion and its evaluation's need) is made with
-    each training change; a suggestion fits only where its training and that evaluation both do."""
-    kept, kept_need = fix if fix is not None else (None, 0)
+    each training change; a suggestion fits only where its training and that evaluation both do. A change that can
+    raise the evaluation (mixed precision: autocast's cached low-precision copies of the weights) has its
+    evaluation traced again where ``retraced(suggestion, fix)`` gives it, with the fix's evaluation changes made
+    (None: not a change that needs it)."""
+    kept, base_kept_need = fix if fix is not None else (None, 0)
+    base_evaluation = evaluation
     out = []
     for s in found:
+        evaluation, kept_need = base_evaluation, base_kept_need
+        how = "as predicted for the run as it is: this change does not raise it"
+        if retraced is not None:
+            again = retraced(s, kept)
+            if again is not None:
+                evaluation = kept_need = again
+                how = "traced with this change"
         if kept is not None and evaluation > limit:
             figure = max(s.predicted_peak_bytes, kept_need)
             made = ", ".join(f"{k}={v}" for k, v in kept.change.items())
-            text = (f"{s.description}; with {made} (the evaluation {format_bytes(kept_need)} as predicted for the "
-                    "run as it is: this change does not raise it" + (", still over the budget)" if kept_need > limit
-                                                                      else ")"))
+            text = (f"{s.description}; with {made} (the evaluation {format_bytes(kept_need)} {how}"
+                    + (", still over the budget)" if kept_need > limit else ")"))
             out.append(dataclasses.replace(
                 s, change={**s.change, **kept.change}, description=text, predicted_peak_bytes=figure,
                 fits=s.fits and figure <= limit, cost=f"{s.cost}; {kept.cost}",
@@ -161,8 +172,7 @@ def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Sugg
         elif evaluation > s.predicted_peak_bytes:
             fits = s.fits and evaluation <= limit
             text = (f"{s.description}; " + ("" if fits else "but ") + f"the evaluation needs "
-                    f"{format_bytes(evaluation)} (as predicted for the run as it is: this change does not raise it)"
-                    + ("" if fits else ", over the budget"))
+                    f"{format_bytes(evaluation)} ({how})" + ("" if fits else ", over the budget"))
             out.append(dataclasses.replace(s, description=text, predicted_peak_bytes=evaluation, fits=fits))
         else:
             out.append(s)

@@ -228,7 +228,7 @@ def _overflow_message(report: Report | None, ranks: list[tuple | None], local_fi
     else:
         lines.append("  What to change: a smaller micro-batch with gradient accumulation, activation checkpointing, "
                      "bf16 mixed precision, an 8-bit optimizer or LoRA; preflight.advise(...) predicts each.")
-    if report.run_peak_phase == "training":  # the micro-batch search lowers the training step, not the other phases
+    if remedy and report.run_peak_phase == "training":  # the micro-batch search lowers the training step only
         lines.append(f"  {remedy}")
     if stops:
         lines.append("  Nothing was trained. Set on_overflow='warn' to train anyway, or a larger `budget`.")

@@ -394,6 +394,20 @@ def predict(
 
             with progress("the evaluation does not fit: predicting what to change in it"):
                 fixes = _evaluation_fixes(evaluate, run, size, usable, rest, report)
+        def retraced(s: Suggestion, fix: Suggestion | None) -> int | None:
+            # Autocast with its cache (the HF Trainer's) keeps a low-precision copy of each weight an evaluation
+            # uses: a change to mixed precision can raise the evaluation, which is traced again with it (and with
+            # the evaluation change made with it).
+            if s.run.precision == run.precision or not str(s.run.precision).endswith("-mixed"):
+                return None
+            loop = fix.run.evaluation if fix is not None else eval_run.evaluation
+            b = None if fix is None else fix.change.get("eval_batch_size")
+            one = estimate_eval(base_model, eval_batch if b is None else resize_batch(eval_batch, b),
+                                eval_run.replace(precision=s.run.precision, evaluation=loop), step=eval_step,
+                                resident=resident)
+            figure, device_total = eval_figures(one)
+            return (device_total if total is not None else None) or figure
+
         # The cheapest evaluation change that fits, else the one that lowers it most, is made with training changes.
         fix = next((f for f in fixes if f[1] <= usable), min(fixes, key=lambda f: f[1], default=None))
         found = [f[0] for f in fixes]
@@ -402,7 +416,8 @@ def predict(
                 advised = run.replace(parallel=sharded if own is not None else options_plan(model, run.parallel))
                 found += with_evaluation(_suggestions(base_model, base_optimizer, batch, step,
                                                       pinned(advised, target), options, make_batch, report),
-                                         evaluation=evaluation_need, fix=fix, limit=usable)
+                                         evaluation=evaluation_need, fix=fix, limit=usable,
+                                         retraced=retraced if eval_est is not None else None)
         report.suggestions = [s.to_dict() for s in sorted(found, key=ranking)]
     return report
 

@@ -279,9 +279,12 @@ class VerifySession:
         for i, (key, gradients) in enumerate(zip(self._step_shapes, self._step_gradients), start=1):
             if key is not None and keeps and i > 1 and gradients is False:
                 if key not in resumed:
-                    resumed[key] = predictor(self._batches[key], resumed=True)
-                own.append(resumed[key].get(1))
-                continue
+                    resumed[key] = None
+                    with internal_failures("tracing a step that begins without gradients"):
+                        resumed[key] = predictor(self._batches[key], resumed=True)
+                if resumed[key] is not None:
+                    own.append(resumed[key].get(1))
+                    continue
             peaks = per_shape.get(key) if key is not None else None
             own.append(peaks.get(min(i, max(peaks))) if peaks else None)
         return own

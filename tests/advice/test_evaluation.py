@@ -127,3 +127,21 @@ def test_a_loop_keeping_every_batch_is_split_with_its_predictions_moved_off():
     assert suggestion.changes == ("eval_batch", "eval_kept")
     assert moving_every_batch(Run()) is None
     assert moving_every_batch(Run(evaluation=EvalLoop(1, moved_off=True))) is None
+
+
+def test_a_change_that_can_raise_the_evaluation_has_it_traced_again():
+    # Mixed precision under autocast's cache keeps a bf16 copy of each weight the evaluation uses: its evaluation is
+    # traced again (here by the caller's stand-in), not bounded by the run's as it is.
+    mixed = Suggestion({"precision": "bf16-mixed"}, "bf16-mixed", 1_000, True, "none", Run(precision="bf16-mixed"),
+                       changes=("bf16-mixed",))
+    asked = []
+
+    def retraced(s, fix):
+        asked.append((s.change, fix))
+        return 1_500 if s.change.get("precision") == "bf16-mixed" else None
+
+    made, other = with_evaluation([mixed, _training(1_200, True)], evaluation=1_300, fix=None, limit=1_375,
+                                  retraced=retraced)
+    assert not made.fits and made.predicted_peak_bytes == 1_500 and "traced with this change" in made.description
+    assert other.fits and other.predicted_peak_bytes == 1_300
+    assert asked[0] == ({"precision": "bf16-mixed"}, None)

@@ -46,16 +46,7 @@ def fewer_kept_batches(evaluate: Callable[[EvalLoop], int], run: Run, *, limit: 
             figures[k] = evaluate(_keeping(loop, k))
         return figures[k]
 
-    best = 1
-    if need(1) <= limit:
-        low, high = 1, loop.kept_batches - 1  # need(low) fits; the largest k in [low, high] that fits
-        while low < high:
-            middle = (low + high + 1) // 2
-            if need(middle) <= limit:
-                low = middle
-            else:
-                high = middle - 1
-        best = low
+    best = _largest_fitting(need, loop.kept_batches - 1, limit)
     evaluation = need(best)
     figure = max(evaluation, others)
     if figure <= limit:
@@ -96,16 +87,7 @@ def smaller_eval_batch(evaluate: Callable[[EvalLoop | None, int], int], run: Run
             figures[b] = evaluate(at(b), b)
         return figures[b]
 
-    best = 1
-    if need(1) <= limit:
-        low, high = 1, size - 1
-        while low < high:
-            middle = (low + high + 1) // 2
-            if need(middle) <= limit:
-                low = middle
-            else:
-                high = middle - 1
-        best = low
+    best = _largest_fitting(need, size - 1, limit)
     evaluation = need(best)
     figure = max(evaluation, others)
     if figure <= limit:
@@ -177,6 +159,21 @@ def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Sugg
         else:
             out.append(s)
     return out
+
+
+def _largest_fitting(need: Callable[[int], int], high: int, limit: int) -> int:
+    """The largest n in [1, ``high``] with ``need(n) <= limit``, by bisection over a need that grows with n; 1 when
+    even that is over (the caller says so)."""
+    low = 1
+    if need(1) > limit:
+        return 1
+    while low < high:  # need(low) fits; the largest n in [low, high] that fits
+        middle = (low + high + 1) // 2
+        if need(middle) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _keeping(loop: EvalLoop, k: int) -> EvalLoop:

@@ -392,27 +392,38 @@ def _measured_train(trainer) -> int:
     return sum(before.values()) + peak
 
 
+def _advised(tmp_path, budget: int, match: str, **args):
+    """The report of a `_metrics_trainer` run under ``budget`` (no headroom), whose overflow warning names ``match``."""
+    trainer = _metrics_trainer(tmp_path, **args)
+    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
+                      on_overflow="warn")
+    with pytest.warns(RuntimeWarning, match=match):
+        trainer.train()
+    return callback.report
+
+
+def _halfway(tmp_path, **args) -> int:
+    """A budget halfway between the training's need and the evaluation's, as the callback predicts them."""
+    trainer = _metrics_trainer(tmp_path, **args)
+    probe = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
+    trainer.train()
+    needs = probe.report.phase_needs()
+    return (needs["training"] + needs["evaluation"]) // 2
+
+
 @pytest.mark.slow
 def test_an_evaluation_over_the_budget_is_told_how_many_batches_to_keep(tmp_path):
     # Training fits, evaluation does not (6 batches of logits kept): the suggestion is the largest
     # eval_accumulation_steps whose evaluation fits, and the whole train() with it peaks at its figure. Before, the
     # suggestions were the training changes, each said to fit, none touching the evaluation.
-    trainer = _metrics_trainer(tmp_path)
-    probe = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
-    trainer.train()
-    needs = probe.report.phase_needs()
-    budget = (needs["training"] + needs["evaluation"]) // 2
-    trainer = _metrics_trainer(tmp_path)
-    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
-                      on_overflow="warn")
-    with pytest.warns(RuntimeWarning, match="eval_accumulation_steps="):
-        trainer.train()
-    best = callback.report.suggestions[0]
+    budget = _halfway(tmp_path)
+    report = _advised(tmp_path, budget, "eval_accumulation_steps=")
+    best = report.suggestions[0]
     k = best["change"]["eval_accumulation_steps"]
     assert best["fits"] and best["changes"] == ["eval_kept"] and 1 < k < 6
     assert best["run"]["evaluation"] == {"kept_batches": k, "concatenated": True, "ranks": 1, "moved_off": True,
                                          "samples": 48}
-    assert all("eval_accumulation_steps" in s["change"] for s in callback.report.suggestions)
+    assert all("eval_accumulation_steps" in s["change"] for s in report.suggestions)
     measured = _measured_train(_metrics_trainer(tmp_path, eval_accumulation_steps=k))
     assert measured <= budget and abs(best["predicted_peak_bytes"] - measured) <= 0.005 * measured
     assert _measured_train(_metrics_trainer(tmp_path, eval_accumulation_steps=k + 1)) > budget  # the largest
@@ -423,12 +434,7 @@ def test_when_training_and_evaluation_are_both_over_a_suggestion_changes_both(tm
     # 7,000,000 B: under the training's need (8,463,864 B) and under the evaluation's with one batch kept (8,470,236
     # B); the suggestions that fit make a training change, one batch kept and a smaller evaluation batch.
     budget = 7_000_000
-    trainer = _metrics_trainer(tmp_path)
-    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
-                      on_overflow="warn")
-    with pytest.warns(RuntimeWarning, match="eval_batch_size="):
-        trainer.train()
-    suggestions = callback.report.suggestions
+    suggestions = _advised(tmp_path, budget, "eval_batch_size=").suggestions
     fitting = [s for s in suggestions if s["fits"]]
     assert fitting and all({"eval_accumulation_steps", "eval_batch_size"} <= set(s["change"]) for s in fitting)
     best = fitting[0]
@@ -453,17 +459,8 @@ def test_one_evaluation_batch_keeping_its_logits_is_told_to_split_and_move_them(
     # The whole evaluation set in one batch of 48 with a compute_metrics: smaller batches alone would keep the same
     # 48 samples' logits (measured: 26.8 MB in batches of 1 or 2), so the suggestion makes them with
     # eval_accumulation_steps=1; the whole train() with it peaks at its figure, and one sample more is over.
-    trainer = _metrics_trainer(tmp_path, per_device_eval_batch_size=48)
-    probe = attach(trainer, run=Run(target=Target(budget="1GiB")), verify_steps=0)
-    trainer.train()
-    needs = probe.report.phase_needs()
-    budget = (needs["training"] + needs["evaluation"]) // 2
-    trainer = _metrics_trainer(tmp_path, per_device_eval_batch_size=48)
-    callback = attach(trainer, run=Run(target=Target(budget=budget)), verify_steps=0, headroom=0.0,
-                      on_overflow="warn")
-    with pytest.warns(RuntimeWarning, match="eval_accumulation_steps=1"):
-        trainer.train()
-    best = callback.report.suggestions[0]
+    budget = _halfway(tmp_path, per_device_eval_batch_size=48)
+    best = _advised(tmp_path, budget, "eval_accumulation_steps=1", per_device_eval_batch_size=48).suggestions[0]
     size = best["change"]["eval_batch_size"]
     assert best["fits"] and best["change"]["eval_accumulation_steps"] == 1 and 1 < size < 48
     measured = _measured_train(_metrics_trainer(tmp_path, per_device_eval_batch_size=size, eval_accumulation_steps=1))

@@ -190,10 +190,14 @@ class PreflightCallback(*_callback_bases()):
         report = None
         supported = _unsupported_reason(trainer, pl_module)
         if supported is None:
-            try:  # the user's Run laid over what the trainer says: a contradiction (clipping under manual optimization)
-                self._run(trainer)
+            # The user's Run laid over what the trainer says may contradict it (clipping under manual optimization),
+            # and several optimizers may share a parameter, which `OptimizerGroup` refuses.
+            try:
+                run = self._run(trainer)
+                optimizer = _optimizer(trainer)
             except ValueError as err:
-                supported = f"the Run contradicts the trainer: {err}"
+                reason = str(err).rstrip(".")
+                supported = f"the Run or configure_optimizers' optimizers cannot be traced as given: {reason}"
         if supported is not None:
             if is_rank_zero():
                 warn(f"preflight: {supported}; the run is not predicted.", RuntimeWarning)
@@ -202,9 +206,8 @@ class PreflightCallback(*_callback_bases()):
         with internal_failures("counting the model copies other callbacks keep"):
             held = _held_by_callbacks(trainer, pl_module)
         # A failure here still leaves this rank a labelled lower bound, so that every rank takes part in the verdict.
-        report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module, held), pl_module,
-                                        _optimizer(trainer), self.options, self._run(trainer),
-                                        device=pl_module.device)
+        report = predict_or_lower_bound(lambda: self._predict(trainer, pl_module, run, optimizer, held), pl_module,
+                                        optimizer, self.options, run, device=pl_module.device)
         if report is not None and self._autotuned is not None:
             report.autotune = self._autotuned
         self.report = report  # kept when decide raises
@@ -271,8 +274,8 @@ class PreflightCallback(*_callback_bases()):
 
     # ---- translation ------------------------------------------------------------------------------------------
 
-    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                 held: tuple[int, str] | None = None) -> Report:
+    def _predict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: Run,
+                 optimizer: torch.optim.Optimizer, held: tuple[int, str] | None = None) -> Report:
         loader = _single_loader(trainer.train_dataloader, "train")
         samples = scan(loader, time_limit=self.scan_seconds, on_error=self.options.scan_on_error)
         batch, info = samples.worst_case()
@@ -288,7 +291,7 @@ class PreflightCallback(*_callback_bases()):
         _, note = _precision(trainer)
         with _quiet_logging(pl_module):
             report = predict(
-                pl_module, _optimizer(trainer), batch, self._run(trainer), options=self.options,
+                pl_module, optimizer, batch, run, options=self.options,
                 step=_step_for(pl_module), batch_info=info, eval_batch=eval_batch, eval_step=_validation_step,
                 eval_batch_info=eval_info, ddp_gradient_buckets=_ddp_buckets(trainer) > 0,
                 make_batch=lambda b: convert(samples.batch(b)),
@@ -391,8 +394,9 @@ def _optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer:
 class _Stepping:
     """What ``self.optimizers()`` gives a manual ``training_step`` while it is traced: the optimizer's own ``step``
     and ``zero_grad``, without Lightning's loop around them (its step counters, which set ``global_step`` under
-    manual optimization, the profiler, the callbacks' ``on_before_optimizer_step``); a closure is evaluated by the
-    optimizer's step, as Lightning's precision plugins pass it. Anything else is the optimizer's."""
+    manual optimization, the profiler, the callbacks' ``on_before_optimizer_step``); a closure is evaluated before
+    the step, as Lightning's precision plugins do (by the step itself for an optimizer that needs it, LBFGS).
+    Anything else is the optimizer's."""
 
     def __init__(self, module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         self._module, self.optimizer = module, optimizer
@@ -532,13 +536,6 @@ def _unsupported_reason(trainer: pl.Trainer, pl_module: pl.LightningModule) -> s
         return "configure_optimizers returned no optimizer, so there is no training step to predict"
     if pl_module.automatic_optimization and len(trainer.optimizers) != 1:
         return f"{len(trainer.optimizers)} optimizers under automatic optimization are not supported"
-    seen: set[int] = set()
-    for opt in trainer.optimizers:
-        ids = {id(p) for group in opt.param_groups for p in group["params"]}
-        if ids & seen:
-            return ("a parameter is trained by two of configure_optimizers' optimizers, which preflight does not "
-                    "trace (each parameter should belong to one)")
-        seen |= ids
     if trainer.train_dataloader is None:
         return "there is no train dataloader"
     return None

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from preflight._warnings import warn
 from preflight._device import iter_tensors, resolve_device, trace_device_for, unmodelled_device_note
@@ -34,7 +33,8 @@ from preflight._target import add_workspaces, cuda_terms, resolve_gpu, round_eve
 from preflight.cuda import CudaTarget
 from preflight.parallel._pipeline import refuse_job_pipeline
 from preflight._scratch import Calibrator, scratch_ops
-from preflight.trace import FakeRun, Sweep, TensorSpec, TraceResult, float_dtype_for, gradients_held_by, swept
+from preflight.trace import FakeRun, Sweep, TraceResult, float_dtype_for, gradients_held_by, swept
+from preflight.trace._run import op_logger
 
 __all__ = ["EvalStepFn", "estimate_eval", "estimate_generation"]
 
@@ -191,11 +191,11 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
     # staging), measured or modelled as the training estimate does.
     calibrator = Calibrator(target, can_run=(trace_device == target),
                             gpu=gpu_info if gpu_info is not None else resolve_gpu(None, target))
-    scratch = calibrator(list(result.events), result.op_log)
+    result = calibrator.apply(result)
     notes.extend(uncalibrated_notes(calibrator.skipped, target))
     notes.extend(n for n in [calibrator.reduction_note()] if n)
-    events = list(scratch.events)
-    categories = {**result.categories, **scratch.categories}
+    events = list(result.events)
+    categories = dict(result.categories)
     if resident:  # alive before and after the step: one event each at the start
         base = max(categories, default=-1) + 1
         for i, (name, nbytes) in enumerate(sorted(resident.items())):
@@ -231,18 +231,12 @@ def _estimate_forward(model: nn.Module, batch: Any, run: Run, *, step: EvalStepF
 @swept
 def _trace_eval(model: nn.Module, batch: Any, *, step: EvalStepFn | None, precision: str | None,
                 trace_device: torch.device, layouts: bool, cuda: CudaTarget | None, phase: str,
-                sweep: Sweep, cache: bool = True, target: torch.device | None = None) -> TraceResult:
+                sweep: Sweep, cache: bool, target: torch.device) -> TraceResult:
     """Trace one evaluation forward on fake tensors (the eval twin of `preflight.trace._run.trace_steps`), logging
     the operator calls whose kernels hold memory of their own on ``target`` (`preflight._scratch`), as shapes."""
     start = time.perf_counter()
-    record = scratch_ops(target or trace_device)
     op_log: list[tuple[int, int, Any, Any, Any]] = []
-
-    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if record(func, args):  # shapes only: holding the fake tensors would keep their storages alive
-            op_log.append((index, len(run.tracker.events), func, tree_map(TensorSpec.of, args),
-                           tree_map(TensorSpec.of, kwargs)))
-
+    on_op = op_logger(scratch_ops(target), op_log, lambda: len(run.tracker.events))
     run = FakeRun(model, batch, precision=precision, trace_device=trace_device, sweep=sweep, layouts=layouts,
                   cuda=cuda, on_op=on_op)
     tracker = run.tracker

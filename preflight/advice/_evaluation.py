@@ -39,27 +39,14 @@ def fewer_kept_batches(evaluate: Callable[[EvalLoop], int], run: Run, *, limit: 
     loop = run.evaluation
     if loop is None or loop.kept_batches < 2:
         return None
-    figures: dict[int, int] = {}
-
-    def need(k: int) -> int:
-        if k not in figures:
-            figures[k] = evaluate(_keeping(loop, k))
-        return figures[k]
-
-    best = _largest_fitting(need, loop.kept_batches - 1, limit)
-    evaluation = need(best)
+    best, evaluation, traces = _searched(lambda k: evaluate(_keeping(loop, k)), loop.kept_batches - 1, limit)
     figure = max(evaluation, others)
-    if figure <= limit:
-        verdict = "fits"
-    elif evaluation > limit:
-        verdict = (f"still {format_bytes(figure - limit)} over: the evaluation step itself needs more than the budget "
-                   "with one batch kept; a smaller evaluation batch is needed too")
-    else:
-        verdict = (f"the evaluation fits, but the rest of the run needs {format_bytes(others)}, "
-                   f"{format_bytes(others - limit)} over: a training change is needed too")
+    verdict = _verdict(evaluation, others, limit, alone=f"still {format_bytes(figure - limit)} over: the evaluation "
+                       "step itself needs more than the budget with one batch kept; a smaller evaluation batch is "
+                       "needed too")
     text = (f"keep at most {best} evaluation batch(es) of predictions on the device, moving them to the host every "
             f"{best} (the HF Trainer's eval_accumulation_steps={best}; {loop.kept_batches} kept now): evaluation "
-            f"{format_bytes(evaluation)}; {verdict} ({len(figures)} evaluation trace(s))")
+            f"{format_bytes(evaluation)}; {verdict} ({traces} evaluation trace(s))")
     return Suggestion({"eval_accumulation_steps": best}, text, figure, figure <= limit, KEPT_COST.format(k=best),
                       run.replace(evaluation=_keeping(loop, best)), changes=("eval_kept",)), evaluation
 
@@ -77,30 +64,18 @@ def smaller_eval_batch(evaluate: Callable[[EvalLoop | None, int], int], run: Run
     if size < 2:
         return None
     loop = run.evaluation if kept is None else kept.run.evaluation
-    figures: dict[int, int] = {}
 
     def at(b: int) -> EvalLoop | None:  # the same samples in more, smaller batches, kept as the loop keeps them
         return None if loop is None else loop.at_batch_size(b, size)
 
-    def need(b: int) -> int:
-        if b not in figures:
-            figures[b] = evaluate(at(b), b)
-        return figures[b]
-
-    best = _largest_fitting(need, size - 1, limit)
-    evaluation = need(best)
+    best, evaluation, traces = _searched(lambda b: evaluate(at(b), b), size - 1, limit)
     figure = max(evaluation, others)
-    if figure <= limit:
-        verdict = "fits"
-    elif evaluation > limit:
-        verdict = f"still {format_bytes(evaluation - limit)} over with one sample a batch"
-    else:
-        verdict = (f"the evaluation fits, but the rest of the run needs {format_bytes(others)}, "
-                   f"{format_bytes(others - limit)} over: a training change is needed too")
+    verdict = _verdict(evaluation, others, limit,
+                       alone=f"still {format_bytes(evaluation - limit)} over with one sample a batch")
     also = "" if kept is None else f", with eval_accumulation_steps={kept.change['eval_accumulation_steps']}"
     text = (f"evaluate in batches of {best} instead of {size} (the HF Trainer's per_device_eval_batch_size, the "
             f"evaluation DataLoader's batch_size){also}: evaluation {format_bytes(evaluation)}; {verdict} "
-            f"({len(figures)} evaluation trace(s))")
+            f"({traces} evaluation trace(s))")
     cost = ("more, smaller evaluation steps: a slower evaluation, the same metrics"
             + ("" if kept is None else f"; {kept.cost}"))
     change = {**({} if kept is None else kept.change), "eval_batch_size": best}
@@ -161,19 +136,36 @@ def with_evaluation(found: list[Suggestion], *, evaluation: int, fix: tuple[Sugg
     return out
 
 
-def _largest_fitting(need: Callable[[int], int], high: int, limit: int) -> int:
-    """The largest n in [1, ``high``] with ``need(n) <= limit``, by bisection over a need that grows with n; 1 when
-    even that is over (the caller says so)."""
+def _searched(need: Callable[[int], int], high: int, limit: int) -> tuple[int, int, int]:
+    """The largest n in [1, ``high``] with ``need(n) <= limit``, found by bisection over a need that grows with n (1
+    when even that is over: the caller says so), its need, and how many needs were traced (each once)."""
+    figures: dict[int, int] = {}
+
+    def traced(n: int) -> int:
+        if n not in figures:
+            figures[n] = need(n)
+        return figures[n]
+
     low = 1
-    if need(1) > limit:
-        return 1
-    while low < high:  # need(low) fits; the largest n in [low, high] that fits
-        middle = (low + high + 1) // 2
-        if need(middle) <= limit:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    if traced(1) <= limit:
+        while low < high:  # traced(low) fits; the largest n in [low, high] that fits
+            middle = (low + high + 1) // 2
+            if traced(middle) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+    return low, traced(low), len(figures)
+
+
+def _verdict(evaluation: int, others: int, limit: int, *, alone: str) -> str:
+    """In words, whether a run whose evaluation needs ``evaluation`` and whose other phases need ``others`` fits in
+    ``limit``: ``alone`` where the evaluation itself is over."""
+    if max(evaluation, others) <= limit:
+        return "fits"
+    if evaluation > limit:
+        return alone
+    return (f"the evaluation fits, but the rest of the run needs {format_bytes(others)}, "
+            f"{format_bytes(others - limit)} over: a training change is needed too")
 
 
 def _keeping(loop: EvalLoop, k: int) -> EvalLoop:

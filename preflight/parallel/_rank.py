@@ -38,13 +38,13 @@ from preflight._steps import (Evaluation, LossNotFoundError, Loop, StepFn, autoc
                               run_steps)
 from preflight.cuda import CudaTarget, emulate_cuda
 from preflight.parallel._fake_group import fake_world
-from preflight.trace import (TensorSpec, TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
+from preflight.trace import (TraceResult, float_dtype_for, is_user_error, isolated_process, isolated_rng,
                              mark_user_error)
 from preflight.trace import Sweep
 from preflight.trace._compat import real_run_paths
 from preflight.trace._library_kernels import cuda_training_paths, layer_notes
 from preflight.trace._run import (EVAL_NOT_TRACED, EVAL_PHASE, SAVE_NOT_TRACED, SAVE_PHASE, checkpoint_saver,
-                                  counted_rng_snapshots, phase_bookkeeping, settled_frees, shadow_value)
+                                  counted_rng_snapshots, op_logger, phase_bookkeeping, settled_frees, shadow_value)
 from preflight.trace._tracker import StorageTracker, failed_op_of
 from preflight.trace._step_checks import mixed_dtensor_failure
 from preflight.trace._twin import TwinMaker, cuda_capturable_off, cuda_default_impl
@@ -368,14 +368,8 @@ def trace_rank(
     device = torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     op_log: list[tuple[int, int, Any, Any, Any]] = []
-
-    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if record_op is not None and record_op(func, args):
-            op_log.append((index, len(tracker.events), func, torch.utils._pytree.tree_map(TensorSpec.of, args),
-                           torch.utils._pytree.tree_map(TensorSpec.of, kwargs)))
-
-    tracker = StorageTracker(fake_mode, on_op=on_op, routing=routing, layouts=cuda is None,
-                             cuda=cuda is not None)
+    tracker = StorageTracker(fake_mode, on_op=op_logger(record_op, op_log, lambda: len(tracker.events)),
+                             routing=routing, layouts=cuda is None, cuda=cuda is not None)
     sweep.watch(tracker.tensors)
     tracker.on_adopt = sweep.remember
     twins = TwinMaker(fake_mode, device, cast_dtype=float_dtype_for(precision))

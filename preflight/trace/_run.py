@@ -45,8 +45,8 @@ from preflight.trace._twin import (TwinMaker, clone_optimizer, cuda_capturable_o
                                   float_dtype_for)
 
 __all__ = ["EVAL_NOT_TRACED", "EVAL_PHASE", "SAVE_NOT_TRACED", "SAVE_PHASE", "FakeRun", "TensorSpec", "TraceResult",
-           "can_shadow", "checkpoint_saver", "counted_rng_snapshots", "phase_bookkeeping", "preserved_state",
-           "shadow_value", "trace_steps"]
+           "can_shadow", "checkpoint_saver", "counted_rng_snapshots", "op_logger", "phase_bookkeeping",
+           "preserved_state", "shadow_value", "trace_steps"]
 
 # The phase of a checkpoint save traced after the steps (`preflight._steps.run_steps`'s ``save``).
 SAVE_PHASE = "save"
@@ -71,6 +71,21 @@ class TensorSpec:
         if isinstance(x, torch.Tensor):
             return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset())
         return x
+
+
+def op_logger(record_op: Callable[[Any, Any], bool] | None, op_log: list[tuple[int, int, Any, Any, Any]],
+              events_so_far: Callable[[], int]) -> Callable[..., None]:
+    """A tracker's ``on_op`` that appends the operator calls ``record_op(func, args)`` selects to ``op_log`` as
+    ``(op_index, event_index, func, args, kwargs)``, ``event_index`` being ``events_so_far()`` at the call (kernel
+    scratch is calibrated from it: `preflight._scratch`). Tensors are logged as `TensorSpec`: holding the fake
+    tensors would keep their storages alive and change the trace."""
+
+    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if record_op is not None and record_op(func, args):
+            op_log.append((index, events_so_far(), func, tree_map(TensorSpec.of, args),
+                           tree_map(TensorSpec.of, kwargs)))
+
+    return on_op
 
 
 @dataclasses.dataclass
@@ -219,13 +234,7 @@ def trace_steps(
     """
     start = time.perf_counter()
     op_log: list[tuple[int, int, Any, Any, Any]] = []
-
-    def on_op(index: int, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if record_op is not None and record_op(func, args):
-            # Shapes only: holding the fake tensors would keep their storages alive and change the trace.
-            op_log.append((index, len(tracker.events), func, tree_map(TensorSpec.of, args),
-                           tree_map(TensorSpec.of, kwargs)))
-
+    on_op = op_logger(record_op, op_log, lambda: len(tracker.events))
     if cuda is None and target_device.type == "cuda" and trace_device.type != "cuda":
         cuda = CudaTarget.of(None)
     if batches is not None:

@@ -383,31 +383,30 @@ def predict(
         needs = report.phase_needs()
         evaluation_need, rest = needs.pop("evaluation"), max(needs.values())
         fixes: list[tuple[Suggestion, int]] = []
-        if eval_est is not None and usable is not None and evaluation_need > usable:
-            size = batch_size_of(eval_batch)
+        size = batch_size_of(eval_batch) if eval_est is not None else None
 
-            def evaluate(loop: EvalLoop | None, b: int | None = None) -> int:  # the evaluation's need, traced again
-                one = estimate_eval(base_model, eval_batch if b in (None, size) else resize_batch(eval_batch, b),
-                                    eval_run.replace(evaluation=loop), step=eval_step, resident=resident)
-                figure, device_total = eval_figures(one)
-                return (device_total if total is not None else None) or figure
+        def evaluate(loop: EvalLoop | None, b: int | None = None, precision: str | None = run.precision) -> int:
+            # The evaluation's need as the verdict compares it, traced again: with ``loop``, on ``b`` samples, under
+            # ``precision``.
+            one = estimate_eval(base_model, eval_batch if b in (None, size) else resize_batch(eval_batch, b),
+                                eval_run.replace(precision=precision, evaluation=loop), step=eval_step,
+                                resident=resident)
+            figure, device_total = eval_figures(one)
+            return (device_total if total is not None else None) or figure
 
-            with progress("the evaluation does not fit: predicting what to change in it"):
-                fixes = _evaluation_fixes(evaluate, run, size, usable, rest, report)
         def retraced(s: Suggestion, fix: Suggestion | None) -> int | None:
             # Autocast with its cache (the HF Trainer's) keeps a low-precision copy of each weight an evaluation
             # uses: a change to mixed precision can raise the evaluation, which is traced again with it (and with
             # the evaluation change made with it).
             if s.run.precision == run.precision or not str(s.run.precision).endswith("-mixed"):
                 return None
-            loop = fix.run.evaluation if fix is not None else eval_run.evaluation
-            b = None if fix is None else fix.change.get("eval_batch_size")
-            one = estimate_eval(base_model, eval_batch if b is None else resize_batch(eval_batch, b),
-                                eval_run.replace(precision=s.run.precision, evaluation=loop), step=eval_step,
-                                resident=resident)
-            figure, device_total = eval_figures(one)
-            return (device_total if total is not None else None) or figure
+            if fix is None:
+                return evaluate(eval_run.evaluation, precision=s.run.precision)
+            return evaluate(fix.run.evaluation, fix.change.get("eval_batch_size"), s.run.precision)
 
+        if eval_est is not None and usable is not None and evaluation_need > usable:
+            with progress("the evaluation does not fit: predicting what to change in it"):
+                fixes = _evaluation_fixes(evaluate, run, size, usable, rest, report)
         # The cheapest evaluation change that fits, else the one that lowers it most, is made with training changes.
         fix = next((f for f in fixes if f[1] <= usable), min(fixes, key=lambda f: f[1], default=None))
         found = [f[0] for f in fixes]

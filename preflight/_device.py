@@ -273,3 +273,58 @@ def is_plain_object(value: Any) -> bool:
         return type(vars(value)) is dict
     except TypeError:
         return False
+
+
+class OutsideModules:
+    """Counts the parameters and buffers of the modules a step calls that are not part of ``model`` (a distillation
+    teacher, a reference model, a loss module with class weights): allocated on the device before the step and alive
+    for the whole run, they are in a GPU's ``torch.cuda.max_memory_allocated``, though neither the model nor the
+    step's own allocations. Used as a context manager around the step (a global forward pre-hook, which reads and
+    allocates nothing); each newly seen storage on ``device`` that is not ``model``'s nor among ``known``
+    (`live_storages` keys) is added to ``counted`` and reported to ``on_new(nbytes, module)``; ``first`` is the
+    first such module called (the teacher itself, before its layers) and ``where()`` at that call. Fake tensors
+    count nothing (`live_storages`): a trace's copies of the model are never outside it. Nothing is counted for a
+    compiled model (``torch.compile(module)``, ``module.compile()``)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, known: Iterator[int] | Mapping[int, int] = (),
+                 on_new: Callable[[int, nn.Module], None] | None = None,
+                 where: Callable[[], str | None] | None = None) -> None:
+        self.device = device
+        self.first: tuple[str, str | None] | None = None  # (class name, where()) of the first outside module called
+        self._where = where
+        self._own = {id(m) for m in model.modules()}
+        self._known = set(known) | set(live_storages([list(model.parameters()), list(model.buffers())], device))
+        self.counted: dict[int, int] = {}
+        self.on_new = on_new
+        self._handle: Any = None
+        self._compiled = any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+                             for m in model.modules())
+
+    def __enter__(self) -> OutsideModules:
+        # Not for a compiled model: a global module hook changes what dynamo compiles (and so what it allocates), and
+        # torch warns about it at every call.
+        if not self._compiled:
+            self._handle = nn.modules.module.register_module_forward_pre_hook(self._called)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def nbytes(self) -> int:
+        return sum(self.counted.values())
+
+    def _called(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self._own:
+            return
+        if self.first is None:
+            self.first = (type(module).__name__, self._where() if self._where is not None else None)
+        tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        new = 0
+        for key, nbytes in live_storages(tensors, self.device).items():
+            if key not in self._known and key not in self.counted:
+                self.counted[key] = nbytes
+                new += nbytes
+        if new and self.on_new is not None:
+            self.on_new(new, module)

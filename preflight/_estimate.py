@@ -487,6 +487,7 @@ def _estimated(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, r
         events=tuple(events),
         categories=categories,
         phases=tuple(p for p in (loading, saving) if p is not None),
+        outside_parameter_bytes=result.outside_bytes,
     )
 
 
@@ -1311,6 +1312,7 @@ def _per_rank_estimate(ranks: list[tuple[list[int], Any]], note: str, *, target:
         rank_events=tuple(rank_events),
         phases=(_per_rank_phase(loadings, world_size) + _per_rank_phase(evaluations, world_size)
                 + _per_rank_phase(savings, world_size)),
+        outside_parameter_bytes=result.outside_bytes,
     )
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from preflight._device import (cuda_available, cuda_peaks, cuda_reset_peaks, held_tensors, iter_tensors, live_storages,
+from preflight._device import (OutsideModules, cuda_available, cuda_peaks, cuda_reset_peaks, held_tensors, iter_tensors, live_storages,
                                map_tensors, model_device)
 from preflight._result import Measurement
 from preflight._run import Run, check_run
@@ -44,7 +44,9 @@ def measure(
 
     - CUDA: ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the steps.
     - CPU: the profiler's allocator events (``profile_memory=True``), summed in time order, on top of the bytes
-      alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch).
+      alive before the steps. This sees allocations inside kernels too (e.g. convolution scratch). The parameters
+      and buffers of modules outside the model that the steps call (a distillation teacher) are counted too, as a
+      GPU's allocator counts them (not for a compiled model, where a module hook would change what is compiled).
 
     Args:
         model, optimizer, batch, step: as for `preflight.estimate`.
@@ -97,11 +99,15 @@ def measure(
     if device.type != "cpu":
         raise ValueError(f"Measuring on {device.type!r} is not supported; measure runs on CUDA or CPU.")
     before = _live_before(model, optimizer, batch, device)
-    peak, seconds = cpu_profiled_peak(run, resident=before)
+    # The modules outside the model that the steps call (a teacher): alive before the profiler's window, as on a GPU.
+    outside = OutsideModules(model, device, before)
+    with outside:
+        peak, seconds = cpu_profiled_peak(run, resident=before)
     return Measurement(
-        peak_bytes=sum(before.values()) + peak, device="cpu", method="cpu-profiler", steps=steps,
+        peak_bytes=sum(before.values()) + outside.nbytes() + peak, device="cpu", method="cpu-profiler", steps=steps,
         step_seconds=seconds / steps,
     )
+
 
 
 def step_events(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], *,

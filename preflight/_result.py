@@ -163,6 +163,10 @@ class Estimate:
         rank_events: each rank's ``events`` when ranks were traced (`step_peaks`' ``rank``); not shown in repr.
         phases: the run's other phases traced with the steps (`PhaseEstimate`): ``"saving"`` when ``run.checkpoint``
             says the run saves. ``peak_bytes`` and the fields above are the training step's alone.
+        outside_parameter_bytes: the parameters and buffers of the modules the step calls that are not part of the
+            model (a distillation teacher, a reference model, a loss module's class weights) on the model's device,
+            counted in ``peak_bytes`` as ``"parameters"`` from the first call on (``coverage.notes`` names the
+            module and the line): they stay on the device for the whole run. Not counted for a compiled model.
     """
 
     peak_bytes: int
@@ -189,6 +193,7 @@ class Estimate:
     categories: dict[int, Category] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     rank_events: tuple[tuple[Event, ...], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
     phases: tuple[PhaseEstimate, ...] = ()
+    outside_parameter_bytes: int = 0
 
     def phase(self, name: str) -> PhaseEstimate | None:
         """The `PhaseEstimate` called ``name`` (``"saving"``), or None when it was not predicted."""

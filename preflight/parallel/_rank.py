@@ -380,7 +380,7 @@ def trace_rank(
         tracker.detach()
         return TraceResult(events=settled_frees(tracker.events), categories=tracker.categories,
                            num_ops=tracker.num_ops, seconds=time.perf_counter() - start, error=error,
-                           failed_op=failed, op_log=op_log, notes=notes)
+                           failed_op=failed, op_log=op_log, notes=notes, outside_bytes=tracker.outside_bytes())
 
     loaded = None
     # A model built on meta that materialises only its own shards and reads them in place holds what its steps
@@ -608,7 +608,8 @@ def _run_rank(engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer
         error = failed = None
         notes.extend(layer_notes(wrapped, cuda is not None))
         with real_run_paths(notes, tracker.host_array), handled_fake_tensor_errors(), emulation as emulated, \
-                fake_mode, tracker, watched, counted_rng_snapshots(tracker, host=cuda is None), \
+                fake_mode, tracker, watched, tracker.outside_modules(model, wrapped), \
+                counted_rng_snapshots(tracker, host=cuda is None), \
                 cuda_training_paths(tracker, cuda is not None):
             try:
                 enter_training(wrapped, schedule)

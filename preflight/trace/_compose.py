@@ -104,7 +104,7 @@ def trace_composed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: An
     deepest = traces[-1]
     result = TraceResult(events=events, categories=categories, num_ops=num_ops,
                          seconds=time.perf_counter() - start, notes=scaled_notes(traces, periods - BASE_PERIODS),
-                         lower_bound=deepest.lower_bound, paged=paged)
+                         lower_bound=deepest.lower_bound, paged=paged, outside_bytes=deepest.outside_bytes)
     note = (f"depth-independent trace: the {stack.blocks} blocks of {label} (period {stack.period}) composed "
             f"from traces of {', '.join(map(str, depths))} blocks, checked event for event against the traced "
             "depths")

@@ -102,6 +102,8 @@ class TraceResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     lower_bound: str | None = None  # the trace ran to the end, but its peak is a lower bound: why
     upper_bound: str | None = None  # the trace ran to the end, but its peak is an upper bound: why
+    # Parameters of modules outside the model that the step read, counted (`StorageTracker.outside_bytes`).
+    outside_bytes: int = 0
     # A rank's loading traced before its steps (`preflight.parallel.trace_rank` with a `preflight.Loading`), apart.
     loading: TraceResult | None = None
     # uids of the optimizer state a bitsandbytes paged optimizer keeps in CUDA managed memory on a GPU
@@ -310,6 +312,7 @@ def trace_steps(
         notes=run.notes,
         lower_bound="; ".join(bound) or None,
         paged=paged,
+        outside_bytes=tracker.outside_bytes(),
     )
 
 
@@ -457,7 +460,7 @@ class FakeRun:
         with interrupts.finishing(begun=False) as finishing, dynamo_kept_out(model) as compiled, \
                 preserved_state(model, self.notes), real_run_paths(self.notes, self.tracker.host_array), \
                 longest_generation(self.tracker, self.notes), handled_fake_tensor_errors(), \
-                emulation as emulated, self.fake_mode, self.tracker, \
+                emulation as emulated, self.fake_mode, self.tracker, self.tracker.outside_modules(model), \
                 counted_rng_snapshots(self.tracker, host=self.cuda is None), \
                 cuda_training_paths(self.tracker, self.cuda is not None), \
                 _reparametrize_module(model, self.state, tie_weights=True, strict=False), \

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -48,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakTensorKeyDictionary
 from preflight.trace import _interrupts as interrupts
 from preflight.trace._fake_kernels import COMPOSITES, FAKE_KERNELS
 from preflight.trace._library_kernels import composite_kernel
+from preflight._device import OutsideModules, model_device
 from preflight._errors import StepWouldFailError
 from preflight.trace._frames import failure_site, user_frame
 from preflight.trace._in_place import IN_PLACE_IN_BACKWARD
@@ -155,6 +157,10 @@ class StorageTracker(TorchDispatchMode):
         self.on_adopt: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, its fake twin)
         self._external: set[int] = set()  # uids of adopted twins: memory that exists outside the trace, uncounted
+        # The modules outside the model that the step calls (a distillation teacher, a reference model), whose
+        # parameters and buffers sit on the device for the whole run (`outside_modules`): [modules, bytes].
+        self._outside = [0, 0]
+        self._outside_modules: OutsideModules | None = None
         self._borrowed: set[int] = set()  # ids of shadows that are the user's own tensors: read, never written
         self._host: set[int] = set()  # uids of host copies on a CUDA target (`to_host`)
         # Real host tensors the trace made for kernels that use their pointers (`_host_tensor`) -> their twins.
@@ -568,6 +574,26 @@ class StorageTracker(TorchDispatchMode):
                 self.on_adopt(real, fake)
         return tree_unflatten(flat, spec)
 
+    def outside_modules(self, model: nn.Module, *also: nn.Module) -> OutsideModules:
+        """While the user's code runs: count the parameters and buffers of the modules it calls outside ``model``
+        and ``also`` (an engine's copy of it) on ``model``'s device (`preflight._device.OutsideModules`), each from its module's first call on, as
+        parameters: they stay on the device for the whole run. `outside_bytes` sums them."""
+        self._outside_modules = OutsideModules(nn.ModuleList([model, *also]), model_device(model),
+                                               on_new=self._outside_called, where=user_frame)
+        return self._outside_modules
+
+    def _outside_called(self, nbytes: int, module: nn.Module) -> None:
+        uid = next(self._counter)
+        self._sizes[uid] = nbytes
+        self.categories[uid] = Category.PARAMETERS
+        self.events.append(Event(uid, nbytes, self.num_ops, self.phase))  # never freed: it outlives the trace
+        self._outside[0] += 1
+        self._outside[1] += nbytes
+
+    def outside_bytes(self) -> int:
+        """The bytes of the modules outside the model that the step called (`outside_modules`)."""
+        return self._outside[1]
+
     def _adopt_storage(self, fake: torch.Tensor) -> None:
         try:
             storage = fake.untyped_storage()
@@ -840,6 +866,12 @@ class StorageTracker(TorchDispatchMode):
             else:
                 notes.append(f"layerdrop/random branch: the random draw at {drawn}, read at {read} ({n} time(s)), "
                              "was traced at the top of its range (every layer kept: the worst case for memory)")
+        if self._outside[1] and self._outside_modules is not None and self._outside_modules.first is not None:
+            first, line = self._outside_modules.first
+            notes.append(f"outside the model: the step called a {first} that is not part of the model (at "
+                         f"{line or 'an unknown line'}); the parameters and buffers of its {self._outside[0]} "
+                         f"module(s) that hold some ({self._outside[1]:,} B) are counted as parameters from that call "
+                         "on: they stay on the device for the whole run")
         notes += [f"host values: a tensor computed from parameters was read into NumPy at {line} ({n} time(s)); its "
                   "values cannot be known in a trace and were taken as zeros (shapes that depend on them would "
                   "differ)" for line, n in self._host_reads.items()]

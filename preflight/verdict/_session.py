@@ -205,10 +205,15 @@ class VerifySession:
         return report
 
     def _unseen(self) -> int:
-        """``extra_resident_bytes`` where the meter cannot see them (the CPU profiler, started after they were
-        allocated); the CUDA allocator's peak counts every allocated byte already."""
+        """``extra_resident_bytes`` and the parameters outside the model the trace saw the step read, where the meter
+        cannot see them (the CPU profiler, started after they were allocated); the CUDA allocator's peak counts every
+        allocated byte already."""
         method = None if self.meter is None else self.meter.method
-        return 0 if method == "cuda-allocator" else self.extra
+        if method == "cuda-allocator":
+            return 0
+        # The parameters of modules outside the model that the step reads (a teacher): allocated before the window.
+        est = None if self.report is None else self.report.estimate
+        return self.extra + (est.outside_parameter_bytes if est is not None else 0)
 
     @staticmethod
     def _own_prediction(report: Report, method: str | None = None) -> int:

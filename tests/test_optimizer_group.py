@@ -147,9 +147,6 @@ def test_a_manual_loop_leaves_the_loops_own_settings_to_the_step():
         preflight.estimate(model, group, torch.randn(4, 784),
                            Run(loop=Loop(manual=True), parallel=preflight.ParallelPlan(2, "ddp")),
                            step=_gan_step(*group.optimizers))
-    with pytest.raises(ValueError, match="runs its own optimizers"):
-        preflight.advise(model, group, torch.randn(4, 784), Run(loop=Loop(manual=True), target=preflight.Target(
-            budget="1GiB")), step=_gan_step(*group.optimizers))
 
 
 def test_the_users_optimizer_is_left_exactly_as_it_was():
@@ -205,3 +202,32 @@ def test_work_after_a_backward_is_counted_as_before_it():
     model, opt, step = make()
     measured = preflight.measure(model, opt, x, run, step=step).peak_bytes
     assert abs(predicted - measured) <= 16, (predicted, measured)
+
+
+def test_a_manual_step_over_the_budget_is_told_the_largest_batch_that_fits():
+    # Only the options that leave the step's model and optimizers as they are: the batch (no accumulation: the
+    # manual loop has none), bf16, the allocator. The batch found fits when measured, the next one up does not.
+    model = _gan()
+    group = OptimizerGroup(_optimizers(model))
+    real = torch.randn(512, 784)
+    run = Run(loop=Loop(manual=True))
+    step = _gan_step(*group.optimizers)
+    whole = preflight.estimate(model, group, real, run, step=step).peak_bytes
+    small = preflight.estimate(model, group, real[:64], run, step=step).peak_bytes
+    budget = (whole + small) // 2
+    found = preflight.advise(model, group, real, run.replace(target=preflight.Target(budget=budget)), step=step,
+                             headroom=0.0)
+    assert found and found[0].fits and found[0].changes == ("micro_batch",), [s.description for s in found]
+    assert "micro_batch_size" in found[0].change and "accumulate_grad_batches" not in found[0].change
+    assert "accumulate the gradients of" in found[0].cost
+    assert {c for s in found for c in s.changes} <= {"micro_batch", "bf16-mixed", "bf16-true", "allocator"}
+    size = found[0].change["micro_batch_size"]
+
+    def measured(n: int) -> int:
+        fresh = _gan()
+        opts = _optimizers(fresh)
+        batch = real[:n].clone()  # its own storage, as a loader makes it (a slice would hold all 512 rows)
+        return preflight.measure(fresh, OptimizerGroup(list(opts)), batch, run, step=_gan_step(*opts)).peak_bytes
+
+    assert measured(size) <= budget < measured(size + 1)
+    assert abs(found[0].predicted_peak_bytes - measured(size)) <= 64

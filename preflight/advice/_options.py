@@ -151,15 +151,13 @@ def advise(
           live in ``nn.Sequential`` or are called in a custom loop get no checkpointing suggestion.
         - LoRA's suggestion uses r=16 on every linear layer but the output head; other ranks and targets differ.
         - Optimizer CPU offload and FSDP wrapping options are not suggested yet.
-        - A step that runs its own optimizers (`Loop(manual=True)`, Lightning's manual optimization) gets no
-          suggestions (a ValueError): each option would change what that step calls.
+        - A step that runs its own optimizers (`Loop(manual=True)`, Lightning's manual optimization) gets only the
+          options that leave its model and optimizers as they are: a smaller batch (its loop does not accumulate:
+          keeping the updates is the step's to write), bf16 precision, the allocator setting, and their
+          combinations; no plan for more GPUs (such a step is traced on one device).
     """
     run = check_run(run)
     refuse_job_pipeline(model, "advise")
-    if run.loop.manual:
-        raise ValueError("`advise` does not trace its options for a step that runs its own optimizers "
-                         "(`Loop(manual=True)`) yet: each option changes the model or the optimizer the step calls. "
-                         "Trace a change yourself with `preflight.estimate` (a smaller batch, bf16, checkpointing).")
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` should be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -184,7 +182,7 @@ def advise(
     setup = _Setup(model, optimizer, batch, step, run, target, budget_bytes, usable_bytes(budget_bytes, headroom),
                    headroom, make_batch, baseline)
     ranked: list[Suggestion] = []
-    for name, option in OPTIONS:
+    for name, option in OPTIONS if not run.loop.manual else [o for o in OPTIONS if o[0] in _MANUAL_OPTIONS]:
         try:
             ranked.extend(dataclasses.replace(s, changes=(key,)) for key, s in option(setup))
         except NotRestoredError:
@@ -193,7 +191,8 @@ def advise(
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             warn(f"preflight.advise left out the {name} option: {reason}", RuntimeWarning)
     # Searched over what the single options found: combinations, then (where one GPU cannot do it) more GPUs.
-    for name, search in (("combination option", _combination), ("plan for more GPUs", _more_gpus)):
+    searches = (("combination option", _combination), ("plan for more GPUs", _more_gpus))
+    for name, search in searches if not run.loop.manual else searches[:1]:
         try:
             ranked.extend(search(setup, ranked))
         except NotRestoredError:
@@ -250,20 +249,21 @@ def _micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
     if micro < 2:
         return []
     current = micro * setup.run.loop.accumulate  # the global batch to keep
+    manual = setup.run.loop.manual  # a loop that does not accumulate: the batch alone
     found = largest_micro_batch(setup, [], micro - 1)
     if found is None:
         one = micro_batch_move(setup, 1)
         assert one is not None
         figure = need(setup.trace_moves([one]))
-        change = {"micro_batch_size": 1, "accumulate_grad_batches": current}
-        text = (f"micro-batch 1 with {current} gradient-accumulation steps does not fit either: "
-                f"{setup.versus(figure)}; combine it with another option")
-        return [("micro_batch", Suggestion(change, text, figure, False, one.cost, setup.with_loop(accumulate=current)))]
+        change = {"micro_batch_size": 1} if manual else {"micro_batch_size": 1, "accumulate_grad_batches": current}
+        text = (f"{'a batch of 1' if manual else f'micro-batch 1 with {current} gradient-accumulation steps'} does "
+                f"not fit either: {setup.versus(figure)}; combine it with another option")
+        return [("micro_batch", Suggestion(change, text, figure, False, one.cost,
+                                           setup.run if manual else setup.with_loop(accumulate=current)))]
     move, figure, note = found
-    accumulate = move.change["accumulate_grad_batches"]
     text = f"{note}: {setup.versus(figure)}"
-    return [("micro_batch", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost,
-                                       setup.with_loop(accumulate=accumulate)))]
+    run = setup.run if manual else setup.with_loop(accumulate=move.change["accumulate_grad_batches"])
+    return [("micro_batch", Suggestion(move.change, text, figure, figure <= setup.limit, move.cost, run))]
 
 
 def _pipeline_micro_batch(setup: _Setup) -> list[tuple[str, Suggestion]]:
@@ -312,12 +312,21 @@ def largest_micro_batch(setup: _Setup, others: list[Any], below: int) -> tuple[A
     micro = batch_size_of(setup.batch)
     assert micro is not None
     current = micro * setup.run.loop.accumulate
+    manual = setup.run.loop.manual  # its loop does not accumulate: the step at each batch size as it is
     with setup.applied(others) as c:
-        search = pinned(c.run.replace(loop=dataclasses.replace(c.run.loop, accumulate=2)), setup.device)
+        search = c.run if manual else c.run.replace(loop=dataclasses.replace(c.run.loop, accumulate=2))
+        search = pinned(search, setup.device)
         search = search.replace(target=dataclasses.replace(search.target, budget=setup.budget_bytes))
         result = max_batch_size(c.model, c.optimizer, setup.make, search, step=setup.step, max_batch=below,
                                 headroom=setup.headroom)
     size = result.batch_size
+    while manual and size >= 1:
+        move = micro_batch_move(setup, size)
+        assert move is not None
+        figure = need(setup.trace_moves([*others, move]))
+        if figure <= setup.limit:
+            return move, figure, f"batch {size} (the largest that fits, found with {result.traces} traces)"
+        size -= 1
     # The search compares the allocated peak; the verdict may compare more (a simulated GPU's reserved memory and
     # context): each size is confirmed by a trace of what the verdict compares, smaller ones until one fits.
     while size >= 1:
@@ -665,6 +674,10 @@ def _more_gpus(setup: _Setup, ranked: list[Suggestion]) -> list[Suggestion]:
 
 
 # The single options `advise` traces, in this order: (name in its warnings, the function listing its suggestions).
+# The options that change neither the model nor the optimizer, which a step running its own optimizers calls as the
+# user's objects (`Loop.manual`): the others would trace a copy the step never calls.
+_MANUAL_OPTIONS = frozenset({"micro-batch", "bf16 precision", "allocator setting"})
+
 OPTIONS: tuple[tuple[str, Callable[[_Setup], list[tuple[str, Suggestion]]]], ...] = (
     ("model built on meta", _meta_init),
     ("optimizer implementation", _optimizer_impl),

@@ -266,10 +266,13 @@ class _Setup:
 
 
 def available_moves(setup: _Setup) -> list[Move]:
-    """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1)."""
-    moves = [*impl_moves(setup), *precision_moves(setup)]
-    for build in (meta_init_move, fsdp_param_dtype_move, micro_batch_move, checkpointing_move,
-                  offload_activations_move, eight_bit_move, offload_move, lora_move, qlora_move):
+    """Every move that applies to the user's set-up, cheapest first (the micro-batch at its smallest, 1). A step that
+    runs its own optimizers (`Loop.manual`) calls the user's model and optimizers: only the moves that change neither,
+    the precision and the batch, apply to it."""
+    moves = [*impl_moves(setup), *precision_moves(setup)] if not setup.run.loop.manual else precision_moves(setup)
+    builds = (meta_init_move, fsdp_param_dtype_move, micro_batch_move, checkpointing_move, offload_activations_move,
+              eight_bit_move, offload_move, lora_move, qlora_move)
+    for build in builds if not setup.run.loop.manual else (micro_batch_move,):
         move = build(setup)
         if move is not None:
             moves.append(move)
@@ -367,6 +370,8 @@ def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:
         return None
     if setup.run.pipelined:
         return pipeline_micro_move(setup, size)
+    if setup.run.loop.manual:
+        return _manual_micro_move(setup, micro, size)
     current = micro * setup.run.loop.accumulate
 
     def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
@@ -377,6 +382,22 @@ def micro_batch_move(setup: _Setup, size: int = 1) -> Move | None:
     return Move("micro_batch", "micro_batch", {"micro_batch_size": size, "accumulate_grad_batches": accumulate},
                 f"micro-batch {size} x {accumulate} accumulation steps",
                 _MICRO_COST.format(k=accumulate, rounding=""), apply, order=2)
+
+
+_MANUAL_MICRO_COST = ("each optimizer step of your training step sees {size} samples instead of {micro}: to keep the "
+                      "updates, accumulate the gradients of {k} batches before each optimizer step in the training "
+                      "step (the loop does not accumulate under manual optimization)")
+
+
+def _manual_micro_move(setup: _Setup, micro: int, size: int) -> Move:
+    """A batch of ``size`` samples for a step that runs its own optimizers (`Loop.manual`): its loop does not
+    accumulate, so the step is traced as it is, at the smaller batch; keeping the updates is the user's to write."""
+
+    def apply(c: Candidate, stack: contextlib.ExitStack) -> Candidate:
+        return dataclasses.replace(c, batch=setup.make(size))
+
+    return Move("micro_batch", "micro_batch", {"micro_batch_size": size}, f"batch {size}",
+                _MANUAL_MICRO_COST.format(size=size, micro=micro, k=-(-micro // size)), apply, order=2)
 
 
 def pipeline_micro_move(setup: _Setup, size: int) -> Move | None:
